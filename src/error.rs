@@ -1,0 +1,123 @@
+//! The crate's one error type.
+//!
+//! Every variant carries the numbers a caller needs to act on it. A call that returns
+//! an error has left every structure it touched as it was before the call.
+
+use crate::{BlockId, SeqId};
+
+/// Result alias used across the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in pagedkv.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The device tier has fewer free (or evictable) blocks than the call needs.
+    #[error("out of blocks: needed {needed}, free {free}")]
+    OutOfBlocks {
+        /// Blocks the call needed.
+        needed: usize,
+        /// Blocks that were free or evictable.
+        free: usize,
+    },
+    /// The host (or disk) tier has no room for a swap-out.
+    #[error("{tier} tier full: needed {needed} blocks, free {free}")]
+    TierFull {
+        /// Which tier ("host" or "disk").
+        tier: &'static str,
+        /// Blocks the call needed.
+        needed: usize,
+        /// Blocks that were free.
+        free: usize,
+    },
+    /// No sequence with this id is known.
+    #[error("unknown sequence {0}")]
+    UnknownSequence(SeqId),
+    /// A sequence with this id already exists.
+    #[error("sequence {0} already exists")]
+    DuplicateSequence(SeqId),
+    /// The sequence is not in the state the call needs (swapped out, say).
+    #[error("sequence {seq} is {state}; the call needs it {needed}")]
+    SequenceState {
+        /// The sequence.
+        seq: SeqId,
+        /// The state it is in.
+        state: &'static str,
+        /// The state the call needs.
+        needed: &'static str,
+    },
+    /// A configuration value is out of range or inconsistent.
+    #[error("invalid config: {field}: {reason}")]
+    InvalidConfig {
+        /// The field or parameter at fault.
+        field: &'static str,
+        /// Why it was rejected, with the value.
+        reason: String,
+    },
+    /// A model `config.json` could not be read into a shape.
+    #[error("model config: {0}")]
+    ModelConfig(String),
+    /// A block id is outside the arena.
+    #[error("block {block} is outside the arena of {num_blocks} blocks")]
+    BlockOutOfRange {
+        /// The offending id.
+        block: BlockId,
+        /// Blocks in the arena.
+        num_blocks: usize,
+    },
+    /// A block was freed while already free, or its refcount would underflow.
+    #[error("double free or refcount underflow on block {0}")]
+    DoubleFree(BlockId),
+    /// A block table does not fit the request (too short for the context, a freed block...).
+    #[error("corrupt block table: {0}")]
+    CorruptBlockTable(String),
+    /// Tensor shapes or lengths given by the caller do not match.
+    #[error("shape mismatch: {what}: expected {expected}, got {got}")]
+    ShapeMismatch {
+        /// What was being checked.
+        what: &'static str,
+        /// Expected length or size.
+        expected: usize,
+        /// What the caller passed.
+        got: usize,
+    },
+    /// A request is larger than anything this cache could ever hold.
+    #[error("request of {tokens} tokens exceeds the limit of {limit}")]
+    TooLong {
+        /// Tokens requested.
+        tokens: usize,
+        /// The most the cache can hold for one sequence.
+        limit: usize,
+    },
+    /// A CUDA driver, NVRTC or kernel-launch failure.
+    #[error("cuda: {0}")]
+    Cuda(String),
+    /// The crate was built without the `cuda` feature, or no GPU/driver was found.
+    #[error("CUDA unavailable: {0}")]
+    CudaUnavailable(String),
+    /// An I/O failure (disk tier).
+    #[error("io: {0}")]
+    Io(String),
+    /// Data read back failed its checksum.
+    #[error("checksum mismatch on {what}: expected {expected:#018x}, got {got:#018x}")]
+    Checksum {
+        /// What was checked.
+        what: String,
+        /// Stored checksum.
+        expected: u64,
+        /// Checksum of the bytes read.
+        got: u64,
+    },
+    /// The operation is not supported by this backend or configuration.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+}
+
+impl Error {
+    pub(crate) fn config(field: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidConfig {
+            field,
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,247 @@
+//! The one place that knows where a byte of K or V lives.
+//!
+//! The arena is layer-major: each layer owns one region (one contiguous tensor, the
+//! shape engines and kernels expect), and inside a region blocks follow each other:
+//!
+//! ```text
+//! region[layer] = [block][K|V][kv_head][token][dim]
+//! ```
+//!
+//! So a page of one head (`block_size` tokens x `head_dim`) is one contiguous run, and
+//! consecutive block ids are consecutive bytes, which lets copy plans merge runs.
+//! Because a block's offset inside its region does not depend on how many blocks the
+//! region holds, an arena grows or shrinks at its tail without moving live data.
+
+use crate::error::{Error, Result};
+use crate::shape::{DType, ModelShape};
+use crate::BlockId;
+
+/// Largest block size (tokens per page) the layout accepts.
+pub const MAX_BLOCK_SIZE: usize = 1024;
+
+/// K or V half of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kv {
+    /// Keys.
+    K = 0,
+    /// Values.
+    V = 1,
+}
+
+/// Element strides inside one layer region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Strides {
+    /// Elements from one block to the next.
+    pub block: usize,
+    /// Elements from a block's K half to its V half.
+    pub kv: usize,
+    /// Elements from one KV head to the next inside a half.
+    pub head: usize,
+    /// Elements from one token to the next inside a head's page.
+    pub token: usize,
+}
+
+/// Addressing of a paged KV arena: shape, block size, strides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvLayout {
+    shape: ModelShape,
+    block_size: usize,
+    strides: Strides,
+}
+
+impl KvLayout {
+    /// A layout for `shape` with pages of `block_size` tokens.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an invalid shape or a block size of 0 or above
+    /// [`MAX_BLOCK_SIZE`].
+    pub fn new(shape: ModelShape, block_size: usize) -> Result<Self> {
+        shape.validate()?;
+        if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+            return Err(Error::config(
+                "block_size",
+                format!("{block_size} tokens; must be in 1..={MAX_BLOCK_SIZE}"),
+            ));
+        }
+        let token = shape.head_dim;
+        let head = block_size * token;
+        let kv = shape.num_kv_heads * head;
+        let block = 2 * kv;
+        Ok(KvLayout {
+            shape,
+            block_size,
+            strides: Strides {
+                block,
+                kv,
+                head,
+                token,
+            },
+        })
+    }
+
+    /// The model shape.
+    pub const fn shape(&self) -> &ModelShape {
+        &self.shape
+    }
+
+    /// Tokens per block.
+    pub const fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Element type.
+    pub const fn dtype(&self) -> DType {
+        self.shape.kv_dtype
+    }
+
+    /// Layers, i.e. regions.
+    pub const fn num_layers(&self) -> usize {
+        self.shape.num_layers
+    }
+
+    /// Element strides inside a layer region.
+    pub const fn strides(&self) -> Strides {
+        self.strides
+    }
+
+    /// Elements of one block in one layer (K and V, all KV heads).
+    pub const fn block_elems_per_layer(&self) -> usize {
+        self.strides.block
+    }
+
+    /// Bytes of one block in one layer.
+    pub const fn block_bytes_per_layer(&self) -> usize {
+        self.strides.block * self.shape.kv_dtype.size_bytes()
+    }
+
+    /// Bytes of one block over all layers.
+    pub const fn block_bytes(&self) -> usize {
+        self.block_bytes_per_layer() * self.shape.num_layers
+    }
+
+    /// Bytes of one token's K and V over all layers.
+    pub const fn token_bytes(&self) -> usize {
+        self.shape.kv_bytes_per_token()
+    }
+
+    /// Bytes of one layer region holding `num_blocks` blocks.
+    pub const fn region_bytes(&self, num_blocks: usize) -> usize {
+        num_blocks * self.block_bytes_per_layer()
+    }
+
+    /// How many whole blocks fit in `budget_bytes` (all layers).
+    pub const fn blocks_for_budget(&self, budget_bytes: usize) -> usize {
+        budget_bytes / self.block_bytes()
+    }
+
+    /// Blocks needed to hold `tokens` tokens.
+    pub const fn blocks_for_tokens(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+    /// Element offset, inside a layer region, of `(block, kv, head, token, dim)`.
+    ///
+    /// Arguments are not range-checked here: callers validate block ids against the
+    /// arena, and `head`, `token`, `dim` against the shape, before addressing memory.
+    #[inline]
+    pub const fn elem_offset(&self, block: BlockId, kv: Kv, head: usize, token: usize) -> usize {
+        let s = self.strides;
+        block.index() * s.block + kv as usize * s.kv + head * s.head + token * s.token
+    }
+
+    /// Byte offset, inside a layer region, of the start of `block`.
+    #[inline]
+    pub const fn block_byte_offset(&self, block: BlockId) -> usize {
+        block.index() * self.block_bytes_per_layer()
+    }
+
+    /// The block and in-block position holding token `pos` of a table.
+    ///
+    /// # Errors
+    /// [`Error::CorruptBlockTable`] when the table does not cover `pos`.
+    #[inline]
+    pub fn locate(&self, table: &[BlockId], pos: usize) -> Result<(BlockId, usize)> {
+        let b = table.get(pos / self.block_size).ok_or_else(|| {
+            Error::CorruptBlockTable(format!(
+                "token {pos} needs entry {} but the table has {}",
+                pos / self.block_size,
+                table.len()
+            ))
+        })?;
+        Ok((*b, pos % self.block_size))
+    }
+
+    /// The flat slot of `(block, offset)`: `block * block_size + offset`.
+    #[inline]
+    pub const fn slot(&self, block: BlockId, offset: usize) -> Slot {
+        Slot(block.0 as u64 * self.block_size as u64 + offset as u64)
+    }
+
+    /// Splits a slot into `(block, offset)`.
+    #[inline]
+    pub const fn split_slot(&self, slot: Slot) -> (BlockId, usize) {
+        let bs = self.block_size as u64;
+        (BlockId((slot.0 / bs) as u32), (slot.0 % bs) as usize)
+    }
+}
+
+/// A token's place in the arena: `block * block_size + offset` (vLLM's slot mapping).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(transparent)]
+pub struct Slot(pub u64);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> ModelShape {
+        ModelShape {
+            num_layers: 2,
+            num_q_heads: 8,
+            num_kv_heads: 2,
+            head_dim: 4,
+            kv_dtype: DType::F16,
+        }
+    }
+
+    #[test]
+    fn strides_follow_hnd_order() {
+        let l = KvLayout::new(shape(), 16).unwrap();
+        let s = l.strides();
+        assert_eq!((s.token, s.head, s.kv, s.block), (4, 64, 128, 256));
+        assert_eq!(l.block_bytes_per_layer(), 512);
+        assert_eq!(l.block_bytes(), 1024);
+        assert_eq!(l.token_bytes(), 2 * 2 * 2 * 4 * 2);
+        assert_eq!(l.block_bytes(), l.token_bytes() * 16);
+        assert_eq!(
+            l.elem_offset(BlockId(3), Kv::V, 1, 5),
+            3 * 256 + 128 + 64 + 20
+        );
+    }
+
+    #[test]
+    fn slots_round_trip() {
+        let l = KvLayout::new(shape(), 16).unwrap();
+        let table = [BlockId(7), BlockId(2)];
+        let (b, o) = l.locate(&table, 17).unwrap();
+        assert_eq!((b, o), (BlockId(2), 1));
+        assert_eq!(l.split_slot(l.slot(b, o)), (b, o));
+        assert!(matches!(
+            l.locate(&table, 32),
+            Err(Error::CorruptBlockTable(_))
+        ));
+    }
+
+    #[test]
+    fn bad_block_sizes_are_errors() {
+        for bs in [0, MAX_BLOCK_SIZE + 1] {
+            assert!(matches!(
+                KvLayout::new(shape(), bs),
+                Err(Error::InvalidConfig {
+                    field: "block_size",
+                    ..
+                })
+            ));
+        }
+    }
+}

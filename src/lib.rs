@@ -1,0 +1,53 @@
+#![doc = include_str!("../README.md")]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
+
+pub mod baseline;
+pub mod error;
+pub mod layout;
+pub mod manager;
+pub mod pool;
+pub mod shape;
+pub mod storage;
+pub mod transfer;
+
+pub use baseline::{CacheAllocator, ContiguousCache};
+pub use error::{Error, Result};
+pub use layout::{Kv, KvLayout, Slot};
+pub use manager::{
+    CacheConfig, CacheStats, CsrTables, KvCacheManager, PaddedTables, SharedKvCacheManager,
+};
+pub use pool::{BlockPool, BlockState};
+pub use shape::{DType, ModelConfig, ModelShape};
+pub use storage::{HostStorage, Storage};
+pub use transfer::{BlockCopy, CopyPlan};
+
+/// A physical block: an index into the arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
+pub struct BlockId(pub u32);
+
+impl BlockId {
+    /// The id as an index.
+    #[inline]
+    pub const fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl std::fmt::Display for BlockId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// A sequence (request, or one branch of a fork), named by the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(transparent)]
+pub struct SeqId(pub u64);
+
+impl std::fmt::Display for SeqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "seq {}", self.0)
+    }
+}

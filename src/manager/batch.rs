@@ -1,0 +1,96 @@
+//! Block tables of a batch, in the two forms kernels take.
+
+use super::KvCacheManager;
+use crate::error::{Error, Result};
+use crate::SeqId;
+
+/// Padded block tables: `[batch, max_blocks]` row-major plus context lengths (the form
+/// vLLM's kernels take). Entries past a sequence's last block are 0 and never read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PaddedTables {
+    /// `batch * max_blocks` block ids, row-major.
+    pub tables: Vec<u32>,
+    /// Tokens of each sequence.
+    pub context_lens: Vec<u32>,
+    /// Rows.
+    pub batch: usize,
+    /// Columns (the longest table in the batch).
+    pub max_blocks: usize,
+}
+
+impl PaddedTables {
+    /// The table row of sequence `i` of the batch.
+    pub fn row(&self, i: usize) -> &[u32] {
+        &self.tables[i * self.max_blocks..(i + 1) * self.max_blocks]
+    }
+}
+
+/// CSR block tables: `indices[indptr[i]..indptr[i+1]]` are sequence `i`'s blocks and
+/// `last_page_len[i]` the tokens in its last block (the form FlashInfer takes).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CsrTables {
+    /// `batch + 1` offsets into `indices`.
+    pub indptr: Vec<u32>,
+    /// All block ids of the batch, one sequence after another.
+    pub indices: Vec<u32>,
+    /// Tokens in each sequence's last block (1..=block_size; 0 for an empty sequence).
+    pub last_page_len: Vec<u32>,
+}
+
+impl KvCacheManager {
+    fn check_batch(&self, seqs: &[SeqId]) -> Result<usize> {
+        let mut max_blocks = 0;
+        for &id in seqs {
+            let s = self.seqs.get(&id).ok_or(Error::UnknownSequence(id))?;
+            max_blocks = max_blocks.max(s.table.len());
+        }
+        Ok(max_blocks)
+    }
+
+    /// Fills `out` with the padded tables of `seqs`, reusing its buffers (no allocation
+    /// once they have grown to the batch's size).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; `out` is untouched on error.
+    pub fn fill_padded(&self, seqs: &[SeqId], out: &mut PaddedTables) -> Result<()> {
+        let max_blocks = self.check_batch(seqs)?;
+        out.tables.clear();
+        out.context_lens.clear();
+        out.batch = seqs.len();
+        out.max_blocks = max_blocks;
+        out.tables.resize(seqs.len() * max_blocks, 0);
+        for (row, id) in seqs.iter().enumerate() {
+            let s = &self.seqs[id];
+            let dst = &mut out.tables[row * max_blocks..row * max_blocks + s.table.len()];
+            for (d, b) in dst.iter_mut().zip(&s.table) {
+                *d = b.0;
+            }
+            out.context_lens.push(s.num_tokens as u32);
+        }
+        Ok(())
+    }
+
+    /// Fills `out` with the CSR tables of `seqs`, reusing its buffers.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; `out` is untouched on error.
+    pub fn fill_csr(&self, seqs: &[SeqId], out: &mut CsrTables) -> Result<()> {
+        self.check_batch(seqs)?;
+        out.indptr.clear();
+        out.indices.clear();
+        out.last_page_len.clear();
+        out.indptr.push(0);
+        let bs = self.block_size();
+        for id in seqs {
+            let s = &self.seqs[id];
+            out.indices.extend(s.table.iter().map(|b| b.0));
+            out.indptr.push(out.indices.len() as u32);
+            let last = match s.num_tokens {
+                0 => 0,
+                n => (n - 1) % bs + 1,
+            };
+            out.last_page_len.push(last as u32);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,545 @@
+//! Sequences, block tables and the [`KvCacheManager`].
+//!
+//! The manager is pure bookkeeping: it never touches KV memory. Whenever data must
+//! move (copy-on-write), it returns a plan that a [`crate::storage::Storage`] executes.
+
+mod batch;
+mod shared;
+
+pub use batch::{CsrTables, PaddedTables};
+pub use shared::SharedKvCacheManager;
+
+use std::collections::HashMap;
+
+use crate::error::{Error, Result};
+use crate::layout::{KvLayout, Slot};
+use crate::pool::{BlockPool, BlockState};
+use crate::transfer::CopyPlan;
+use crate::{BlockId, SeqId};
+
+/// Tuning of a [`KvCacheManager`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// Blocks in the device arena.
+    pub num_blocks: usize,
+    /// Blocks [`KvCacheManager::can_admit`] keeps in reserve so that running sequences
+    /// can still grow after an admission (vLLM's watermark).
+    pub watermark_blocks: usize,
+    /// Longest sequence, in tokens, the manager accepts (0: whatever the arena holds).
+    pub max_seq_len_tokens: usize,
+}
+
+impl CacheConfig {
+    /// `num_blocks` blocks, a 1 % watermark, no per-sequence limit.
+    pub fn new(num_blocks: usize) -> Self {
+        CacheConfig {
+            num_blocks,
+            watermark_blocks: num_blocks / 100,
+            max_seq_len_tokens: 0,
+        }
+    }
+}
+
+/// One sequence's block table and length.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Sequence {
+    pub(crate) table: Vec<BlockId>,
+    pub(crate) num_tokens: usize,
+}
+
+/// Snapshot of the manager's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheStats {
+    /// Blocks in the arena.
+    pub num_blocks: usize,
+    /// Blocks referenced by at least one table.
+    pub used_blocks: usize,
+    /// Blocks on the free list.
+    pub free_blocks: usize,
+    /// Unreferenced blocks kept for the prefix cache (evictable, so also available).
+    pub cached_blocks: usize,
+    /// Highest `used_blocks` since the last [`KvCacheManager::take_peak_used_blocks`].
+    pub peak_used_blocks: usize,
+    /// Sequences known to the manager.
+    pub num_sequences: usize,
+    /// Token slots of used blocks that hold a live token (a shared block counts once).
+    pub live_token_slots: usize,
+    /// Token slots of used blocks that hold nothing (mostly last-block tails).
+    pub internal_waste_slots: usize,
+}
+
+impl CacheStats {
+    /// Live token slots over all slots of the arena, in `[0, 1]`.
+    pub fn utilization(&self, block_size: usize) -> f64 {
+        let slots = self.num_blocks * block_size;
+        if slots == 0 {
+            0.0
+        } else {
+            self.live_token_slots as f64 / slots as f64
+        }
+    }
+}
+
+/// Maps sequences to block tables over one [`BlockPool`].
+///
+/// ```
+/// use pagedkv::{CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+///
+/// let shape = ModelShape { num_layers: 2, num_q_heads: 8, num_kv_heads: 2, head_dim: 64,
+///                          kv_dtype: DType::BF16 };
+/// let layout = KvLayout::new(shape, 16)?;
+/// let mut kv = KvCacheManager::new(layout, CacheConfig::new(64))?;
+/// let mut slots = Vec::new();
+/// let mut copies = CopyPlan::default();
+///
+/// kv.admit(SeqId(1), 20, &mut slots)?;            // prompt: 20 tokens -> 2 blocks
+/// assert_eq!(slots.len(), 20);
+/// kv.fork(SeqId(1), SeqId(2))?;                     // parallel sampling: share all blocks
+/// kv.append(SeqId(2), 1, &mut slots, &mut copies)?; // writes into the shared last block
+/// assert_eq!(copies.len(), 1);                      // -> one copy-on-write
+/// kv.free(SeqId(1))?;
+/// kv.free(SeqId(2))?;
+/// assert_eq!(kv.stats().used_blocks, 0);
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct KvCacheManager {
+    pub(crate) layout: KvLayout,
+    pub(crate) config: CacheConfig,
+    pub(crate) pool: BlockPool,
+    pub(crate) seqs: HashMap<SeqId, Sequence>,
+    /// Filled token slots of each block (meaningful for live blocks).
+    pub(crate) block_fill: Vec<u16>,
+    pub(crate) live_token_slots: usize,
+    pub(crate) peak_used_blocks: usize,
+}
+
+impl KvCacheManager {
+    /// A manager for an arena of `config.num_blocks` blocks of `layout`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when the arena is empty or the watermark is not smaller
+    /// than the arena.
+    pub fn new(layout: KvLayout, config: CacheConfig) -> Result<Self> {
+        if config.num_blocks == 0 {
+            return Err(Error::config(
+                "num_blocks",
+                "the arena needs at least one block",
+            ));
+        }
+        if config.watermark_blocks >= config.num_blocks {
+            return Err(Error::config(
+                "watermark_blocks",
+                format!(
+                    "{} must be below num_blocks {}",
+                    config.watermark_blocks, config.num_blocks
+                ),
+            ));
+        }
+        Ok(KvCacheManager {
+            layout,
+            config,
+            pool: BlockPool::new(config.num_blocks)?,
+            seqs: HashMap::new(),
+            block_fill: vec![0; config.num_blocks],
+            live_token_slots: 0,
+            peak_used_blocks: 0,
+        })
+    }
+
+    /// The arena layout.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.layout.block_size()
+    }
+
+    /// Blocks in the arena.
+    pub fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    /// Blocks an allocation can obtain now: free plus evictable.
+    pub fn num_available_blocks(&self) -> usize {
+        self.pool.num_free() + self.pool.num_cached()
+    }
+
+    /// Longest sequence the manager accepts.
+    pub fn max_seq_len(&self) -> usize {
+        let arena = self.num_blocks() * self.block_size();
+        match self.config.max_seq_len_tokens {
+            0 => arena,
+            n => n.min(arena),
+        }
+    }
+
+    fn seq(&self, seq: SeqId) -> Result<&Sequence> {
+        self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))
+    }
+
+    /// Whether a new sequence of `num_tokens` tokens fits while keeping the watermark.
+    pub fn can_admit(&self, num_tokens: usize) -> bool {
+        num_tokens <= self.max_seq_len()
+            && self.layout.blocks_for_tokens(num_tokens) + self.config.watermark_blocks
+                <= self.num_available_blocks()
+    }
+
+    /// Whether `n` more tokens fit on `seq` without preemption (the watermark is not
+    /// applied: running sequences may dip into it).
+    pub fn can_append(&self, seq: SeqId, n: usize) -> bool {
+        self.seq(seq)
+            .is_ok_and(|s| self.blocks_needed_for_append(s, n) <= self.num_available_blocks())
+    }
+
+    fn blocks_needed_for_append(&self, s: &Sequence, n: usize) -> usize {
+        let new_len = s.num_tokens + n;
+        let new_blocks = self.layout.blocks_for_tokens(new_len) - s.table.len();
+        new_blocks + usize::from(self.needs_cow(s, n))
+    }
+
+    /// Appending `n` tokens writes into the current last block and that block is shared.
+    fn needs_cow(&self, s: &Sequence, n: usize) -> bool {
+        n > 0
+            && s.num_tokens % self.block_size() != 0
+            && s.table
+                .last()
+                .is_some_and(|b| self.pool.refcount(*b).unwrap_or(0) > 1)
+    }
+
+    /// Admits sequence `seq` with a prompt of `num_tokens` tokens and writes the slots of
+    /// all its tokens into `slots` (cleared first).
+    ///
+    /// # Errors
+    /// [`Error::DuplicateSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`]; on error
+    /// nothing changed (`slots` may have been cleared).
+    pub fn admit(&mut self, seq: SeqId, num_tokens: usize, slots: &mut Vec<Slot>) -> Result<()> {
+        slots.clear();
+        if self.seqs.contains_key(&seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        if num_tokens > self.max_seq_len() {
+            return Err(Error::TooLong {
+                tokens: num_tokens,
+                limit: self.max_seq_len(),
+            });
+        }
+        let needed = self.layout.blocks_for_tokens(num_tokens);
+        self.ensure_available(needed)?;
+        let mut s = Sequence {
+            table: Vec::with_capacity(needed + 1),
+            num_tokens: 0,
+        };
+        for _ in 0..needed {
+            let b = self.alloc_block()?;
+            s.table.push(b);
+        }
+        self.fill_tokens(&mut s, num_tokens, slots);
+        self.seqs.insert(seq, s);
+        self.note_usage();
+        Ok(())
+    }
+
+    /// Appends `n` tokens to `seq` (one for decode, several for speculative or chunked
+    /// steps) and writes their slots into `slots` (cleared first). When the write lands in
+    /// a shared block, the block is copied first and the copy is added to `copies`, which
+    /// the engine executes before writing K/V.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`]; on error
+    /// nothing changed.
+    pub fn append(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<()> {
+        slots.clear();
+        let s = self.seq(seq)?;
+        let new_len = s.num_tokens + n;
+        if new_len > self.max_seq_len() {
+            return Err(Error::TooLong {
+                tokens: new_len,
+                limit: self.max_seq_len(),
+            });
+        }
+        let needed = self.blocks_needed_for_append(s, n);
+        let cow = self.needs_cow(s, n);
+        self.ensure_available(needed)?;
+        // Take the table out so the pool can be borrowed mutably; every step below
+        // succeeds because `ensure_available` reserved enough blocks.
+        let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if cow {
+            let last = s.table.len() - 1;
+            let old = s.table[last];
+            let new = self.alloc_block()?;
+            copies.push(old, new);
+            let fill = s.num_tokens % self.block_size();
+            self.block_fill[new.index()] = fill as u16;
+            self.live_token_slots += fill;
+            self.release_block(old)?;
+            s.table[last] = new;
+        }
+        while s.table.len() < self.layout.blocks_for_tokens(new_len) {
+            let b = self.alloc_block()?;
+            s.table.push(b);
+        }
+        self.fill_tokens(&mut s, new_len, slots);
+        self.seqs.insert(seq, s);
+        self.note_usage();
+        Ok(())
+    }
+
+    /// Extends `s` to `new_len` tokens over blocks already in its table, emitting slots.
+    fn fill_tokens(&mut self, s: &mut Sequence, new_len: usize, slots: &mut Vec<Slot>) {
+        let bs = self.block_size();
+        slots.reserve(new_len - s.num_tokens);
+        for pos in s.num_tokens..new_len {
+            let b = s.table[pos / bs];
+            let off = pos % bs;
+            slots.push(self.layout.slot(b, off));
+            let fill = &mut self.block_fill[b.index()];
+            if usize::from(*fill) <= off {
+                self.live_token_slots += off + 1 - usize::from(*fill);
+                *fill = (off + 1) as u16;
+            }
+        }
+        s.num_tokens = new_len;
+    }
+
+    /// Drops the last tokens of `seq` so it holds `new_len` (rejected speculative
+    /// tokens); blocks no longer needed are released.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::InvalidConfig`] when `new_len` is longer than
+    /// the sequence. Nothing changed on error.
+    pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
+        let s = self.seq(seq)?;
+        if new_len > s.num_tokens {
+            return Err(Error::config(
+                "new_len",
+                format!(
+                    "{new_len} is longer than sequence {seq} ({} tokens)",
+                    s.num_tokens
+                ),
+            ));
+        }
+        let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let keep = self.layout.blocks_for_tokens(new_len);
+        let mut result = Ok(());
+        while s.table.len() > keep {
+            if let Some(b) = s.table.pop() {
+                result = result.and(self.release_block(b));
+            }
+        }
+        let tail = new_len % self.block_size();
+        if let Some(&last) = s.table.last() {
+            if tail != 0 && self.pool.refcount(last)? == 1 {
+                let fill = &mut self.block_fill[last.index()];
+                self.live_token_slots -= usize::from(*fill) - tail.min(usize::from(*fill));
+                *fill = (*fill).min(tail as u16);
+            }
+        }
+        s.num_tokens = new_len;
+        self.seqs.insert(seq, s);
+        result
+    }
+
+    /// Forks `parent` into a new sequence `child` that shares every block
+    /// (parallel sampling, beam search). Copy-on-write happens on the next append.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`] for the parent, [`Error::DuplicateSequence`] for the
+    /// child. Nothing changed on error.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
+        let p = self.seq(parent)?;
+        if self.seqs.contains_key(&child) {
+            return Err(Error::DuplicateSequence(child));
+        }
+        let c = p.clone();
+        for &b in &c.table {
+            self.pool.incref(b)?;
+        }
+        self.seqs.insert(child, c);
+        Ok(())
+    }
+
+    /// Frees `seq`; blocks nobody else references are released.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]. A refcount error here means the manager's own state
+    /// was corrupt; it is reported after every block was processed.
+    pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        let s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let mut result = Ok(());
+        for &b in s.table.iter().rev() {
+            result = result.and(self.release_block(b));
+        }
+        result
+    }
+
+    /// The block table of `seq`.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`].
+    pub fn block_table(&self, seq: SeqId) -> Result<&[BlockId]> {
+        Ok(&self.seq(seq)?.table)
+    }
+
+    /// Tokens held by `seq`.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`].
+    pub fn num_tokens(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.seq(seq)?.num_tokens)
+    }
+
+    /// Whether `seq` is known.
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.seqs.contains_key(&seq)
+    }
+
+    /// Ids of all sequences, in no particular order.
+    pub fn sequence_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.seqs.keys().copied()
+    }
+
+    /// The slots of tokens `range` of `seq`, written into `slots` (cleared first).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::CorruptBlockTable`] when the range runs past
+    /// the sequence.
+    pub fn slots(
+        &self,
+        seq: SeqId,
+        range: std::ops::Range<usize>,
+        slots: &mut Vec<Slot>,
+    ) -> Result<()> {
+        slots.clear();
+        let s = self.seq(seq)?;
+        if range.end > s.num_tokens {
+            return Err(Error::CorruptBlockTable(format!(
+                "tokens up to {} asked of sequence {seq} with {}",
+                range.end, s.num_tokens
+            )));
+        }
+        for pos in range {
+            let (b, off) = self.layout.locate(&s.table, pos)?;
+            slots.push(self.layout.slot(b, off));
+        }
+        Ok(())
+    }
+
+    /// Counters now.
+    pub fn stats(&self) -> CacheStats {
+        let used = self.pool.num_live();
+        CacheStats {
+            num_blocks: self.num_blocks(),
+            used_blocks: used,
+            free_blocks: self.pool.num_free(),
+            cached_blocks: self.pool.num_cached(),
+            peak_used_blocks: self.peak_used_blocks.max(used),
+            num_sequences: self.seqs.len(),
+            live_token_slots: self.live_token_slots,
+            internal_waste_slots: used * self.block_size() - self.live_token_slots,
+        }
+    }
+
+    /// Returns the peak of used blocks since the last call and restarts the window.
+    pub fn take_peak_used_blocks(&mut self) -> usize {
+        let peak = self.peak_used_blocks.max(self.pool.num_live());
+        self.peak_used_blocks = self.pool.num_live();
+        peak
+    }
+
+    /// The block pool (read-only).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    // ---- the three places blocks enter and leave tables -------------------------
+
+    /// Fails unless `needed` blocks can be obtained now.
+    fn ensure_available(&self, needed: usize) -> Result<()> {
+        let free = self.num_available_blocks();
+        if needed > free {
+            return Err(Error::OutOfBlocks { needed, free });
+        }
+        Ok(())
+    }
+
+    /// Takes one block for a table.
+    pub(crate) fn alloc_block(&mut self) -> Result<BlockId> {
+        let b = self.pool.allocate()?;
+        self.block_fill[b.index()] = 0;
+        Ok(b)
+    }
+
+    /// Drops one table reference to `b`.
+    pub(crate) fn release_block(&mut self, b: BlockId) -> Result<()> {
+        if self.pool.decref(b)? == 0 {
+            self.live_token_slots -= usize::from(self.block_fill[b.index()]);
+            self.block_fill[b.index()] = 0;
+        }
+        Ok(())
+    }
+
+    fn note_usage(&mut self) {
+        self.peak_used_blocks = self.peak_used_blocks.max(self.pool.num_live());
+    }
+
+    /// Checks every invariant between tables and pool: refcounts equal table
+    /// references, no table points at a free block, tables cover exactly their tokens,
+    /// and the live-slot counter matches the blocks' fills.
+    ///
+    /// # Errors
+    /// A message describing the first violation.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.pool.check_invariants()?;
+        let mut refs = vec![0u32; self.num_blocks()];
+        for (id, s) in &self.seqs {
+            if s.table.len() != self.layout.blocks_for_tokens(s.num_tokens) {
+                return Err(format!(
+                    "sequence {id}: {} tokens but {} blocks",
+                    s.num_tokens,
+                    s.table.len()
+                ));
+            }
+            for &b in &s.table {
+                match refs.get_mut(b.index()) {
+                    Some(r) => *r += 1,
+                    None => return Err(format!("sequence {id} points outside the arena at {b}")),
+                }
+            }
+        }
+        let mut live_slots = 0;
+        for (i, &r) in refs.iter().enumerate() {
+            let b = BlockId(i as u32);
+            let rc = self.pool.refcount(b).map_err(|e| e.to_string())?;
+            if rc != r {
+                return Err(format!("block {b}: refcount {rc} but {r} table references"));
+            }
+            if r > 0 {
+                if self.pool.state(b).map_err(|e| e.to_string())? != BlockState::Live {
+                    return Err(format!("block {b} is referenced but not live"));
+                }
+                live_slots += usize::from(self.block_fill[i]);
+            }
+        }
+        if live_slots != self.live_token_slots {
+            return Err(format!(
+                "live slots {} but blocks hold {live_slots}",
+                self.live_token_slots
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,77 @@
+//! A thread-safe handle for engines that call the manager from several threads.
+
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
+
+use super::{CacheStats, KvCacheManager};
+use crate::error::Result;
+use crate::layout::Slot;
+use crate::transfer::CopyPlan;
+use crate::SeqId;
+
+/// A cloneable, thread-safe handle to one [`KvCacheManager`].
+///
+/// Each call takes the lock once; for several operations that must see one consistent
+/// state (a scheduler step), take the guard with [`Self::lock`].
+#[derive(Debug, Clone)]
+pub struct SharedKvCacheManager {
+    inner: Arc<Mutex<KvCacheManager>>,
+}
+
+impl SharedKvCacheManager {
+    /// Wraps a manager.
+    pub fn new(manager: KvCacheManager) -> Self {
+        SharedKvCacheManager {
+            inner: Arc::new(Mutex::new(manager)),
+        }
+    }
+
+    /// Locks the manager for a sequence of calls.
+    pub fn lock(&self) -> MutexGuard<'_, KvCacheManager> {
+        self.inner.lock()
+    }
+
+    /// See [`KvCacheManager::admit`].
+    ///
+    /// # Errors
+    /// As [`KvCacheManager::admit`].
+    pub fn admit(&self, seq: SeqId, num_tokens: usize, slots: &mut Vec<Slot>) -> Result<()> {
+        self.inner.lock().admit(seq, num_tokens, slots)
+    }
+
+    /// See [`KvCacheManager::append`].
+    ///
+    /// # Errors
+    /// As [`KvCacheManager::append`].
+    pub fn append(
+        &self,
+        seq: SeqId,
+        n: usize,
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<()> {
+        self.inner.lock().append(seq, n, slots, copies)
+    }
+
+    /// See [`KvCacheManager::fork`].
+    ///
+    /// # Errors
+    /// As [`KvCacheManager::fork`].
+    pub fn fork(&self, parent: SeqId, child: SeqId) -> Result<()> {
+        self.inner.lock().fork(parent, child)
+    }
+
+    /// See [`KvCacheManager::free`].
+    ///
+    /// # Errors
+    /// As [`KvCacheManager::free`].
+    pub fn free(&self, seq: SeqId) -> Result<()> {
+        self.inner.lock().free(seq)
+    }
+
+    /// See [`KvCacheManager::stats`].
+    pub fn stats(&self) -> CacheStats {
+        self.inner.lock().stats()
+    }
+}

@@ -1,0 +1,125 @@
+//! Storage backends: the only code that touches KV memory. They execute the plans the
+//! manager emits.
+//!
+//! | backend | memory | availability |
+//! |---|---|---|
+//! | [`HostStorage`] | aligned host memory, one region per layer | always |
+//! | `CudaStorage` (feature `cuda`) | one VRAM region per layer + pinned host tier | when a driver and a GPU are found |
+
+mod host;
+
+pub use host::HostStorage;
+
+use crate::error::{Error, Result};
+use crate::layout::{KvLayout, Slot};
+use crate::transfer::CopyPlan;
+use crate::BlockId;
+
+/// Executes plans on real memory laid out by a [`KvLayout`].
+pub trait Storage {
+    /// The layout of the arena.
+    fn layout(&self) -> &KvLayout;
+
+    /// Blocks in the arena.
+    fn num_blocks(&self) -> usize;
+
+    /// Executes a copy-on-write plan: every layer's K and V of each source block is
+    /// copied to its destination.
+    ///
+    /// # Errors
+    /// [`Error::BlockOutOfRange`] or [`Error::CorruptBlockTable`] (a destination that is
+    /// also a source) before any byte moves; backend failures.
+    fn copy_blocks(&mut self, plan: &CopyPlan) -> Result<()>;
+
+    /// Writes K and V of `slots.len()` tokens for one layer. `k` and `v` hold
+    /// `[tokens, kv_heads, head_dim]` elements already in the cache dtype, as bytes.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`], [`Error::BlockOutOfRange`], checked before any write.
+    fn write_slots(&mut self, layer: usize, slots: &[Slot], k: &[u8], v: &[u8]) -> Result<()>;
+
+    /// Reads the first `num_tokens` tokens of a block table for one layer into
+    /// contiguous `[tokens, kv_heads, head_dim]` byte buffers.
+    ///
+    /// # Errors
+    /// [`Error::CorruptBlockTable`] when the table does not cover the tokens,
+    /// [`Error::BlockOutOfRange`], [`Error::ShapeMismatch`] for short outputs.
+    fn read_tokens(
+        &self,
+        layer: usize,
+        table: &[BlockId],
+        num_tokens: usize,
+        k: &mut [u8],
+        v: &mut [u8],
+    ) -> Result<()>;
+}
+
+/// Checks a copy plan against an arena of `num_blocks`: ids in range and no block both
+/// written and read, so copies can run in any order or all at once.
+///
+/// # Errors
+/// [`Error::BlockOutOfRange`], [`Error::CorruptBlockTable`].
+pub fn validate_copy_plan(plan: &CopyPlan, num_blocks: usize) -> Result<()> {
+    for c in plan.copies() {
+        for b in [c.src, c.dst] {
+            if b.index() >= num_blocks {
+                return Err(Error::BlockOutOfRange {
+                    block: b,
+                    num_blocks,
+                });
+            }
+        }
+    }
+    let mut dsts: Vec<u32> = plan.copies().iter().map(|c| c.dst.0).collect();
+    dsts.sort_unstable();
+    if let Some(w) = dsts.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::CorruptBlockTable(format!(
+            "block {} is written twice by one plan",
+            w[0]
+        )));
+    }
+    if let Some(c) = plan
+        .copies()
+        .iter()
+        .find(|c| dsts.binary_search(&c.src.0).is_ok())
+    {
+        return Err(Error::CorruptBlockTable(format!(
+            "block {} is both read and written by one plan",
+            c.src
+        )));
+    }
+    Ok(())
+}
+
+/// Bytes of one token-head vector in the cache dtype.
+pub(crate) fn head_bytes(layout: &KvLayout) -> usize {
+    layout.shape().head_dim * layout.dtype().size_bytes()
+}
+
+/// Checks the arguments shared by `write_slots` and `read_tokens`.
+pub(crate) fn check_token_io(
+    layout: &KvLayout,
+    layer: usize,
+    tokens: usize,
+    k: usize,
+    v: usize,
+) -> Result<()> {
+    if layer >= layout.num_layers() {
+        return Err(Error::ShapeMismatch {
+            what: "layer index",
+            expected: layout.num_layers(),
+            got: layer,
+        });
+    }
+    let want = tokens * layout.shape().num_kv_heads * head_bytes(layout);
+    for got in [k, v] {
+        if got != want {
+            return Err(Error::ShapeMismatch {
+                what: "K/V bytes for the tokens",
+                expected: want,
+                got,
+            });
+        }
+    }
+    Ok(())
+}

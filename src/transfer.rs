@@ -1,0 +1,84 @@
+//! Data-movement plans: what the manager decides, and a storage backend executes.
+//!
+//! Plans name whole blocks (every layer, K and V). Executing one is the only way KV
+//! bytes move between blocks, so each plan can be checked byte-for-byte on
+//! [`crate::storage::HostStorage`] and executed in one batch on a GPU.
+
+use crate::BlockId;
+
+/// One whole-block copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockCopy {
+    /// Source block.
+    pub src: BlockId,
+    /// Destination block (always distinct from every source of the same plan).
+    pub dst: BlockId,
+}
+
+/// Copy-on-write copies accumulated over a scheduler step; execute before writing K/V.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CopyPlan {
+    copies: Vec<BlockCopy>,
+}
+
+impl CopyPlan {
+    /// An empty plan.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a copy.
+    pub fn push(&mut self, src: BlockId, dst: BlockId) {
+        self.copies.push(BlockCopy { src, dst });
+    }
+
+    /// The copies, in the order they were added.
+    pub fn copies(&self) -> &[BlockCopy] {
+        &self.copies
+    }
+
+    /// Number of copies.
+    pub fn len(&self) -> usize {
+        self.copies.len()
+    }
+
+    /// Whether the plan is empty.
+    pub fn is_empty(&self) -> bool {
+        self.copies.is_empty()
+    }
+
+    /// Empties the plan, keeping its buffer.
+    pub fn clear(&mut self) {
+        self.copies.clear();
+    }
+}
+
+/// Groups `(src, dst)` block pairs into runs where both sides are consecutive, so a
+/// backend issues one transfer per run instead of one per block.
+///
+/// Returns `(src_start, dst_start, len)` triples in input order.
+pub fn merge_runs(pairs: impl IntoIterator<Item = (u32, u32)>) -> Vec<(u32, u32, u32)> {
+    let mut runs: Vec<(u32, u32, u32)> = Vec::new();
+    for (s, d) in pairs {
+        if let Some(last) = runs.last_mut() {
+            if last.0.checked_add(last.2) == Some(s) && last.1.checked_add(last.2) == Some(d) {
+                last.2 += 1;
+                continue;
+            }
+        }
+        runs.push((s, d, 1));
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_merge_only_when_both_sides_are_consecutive() {
+        let runs = merge_runs([(4, 10), (5, 11), (6, 12), (8, 13), (9, 20)]);
+        assert_eq!(runs, vec![(4, 10, 3), (8, 13, 1), (9, 20, 1)]);
+        assert!(merge_runs([]).is_empty());
+    }
+}
