@@ -20,7 +20,7 @@ pub use manager::{
 pub use pool::{BlockPool, BlockState};
 pub use shape::{DType, ModelConfig, ModelShape};
 pub use storage::{HostStorage, Storage};
-pub use transfer::{BlockCopy, CopyPlan};
+pub use transfer::{BlockCopy, CopyPlan, SwapDirection, SwapPair, SwapPlan};
 
 /// A physical block: an index into the arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]

@@ -53,6 +53,75 @@ impl CopyPlan {
     }
 }
 
+/// Direction of a [`SwapPlan`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SwapDirection {
+    /// Device blocks to host-tier blocks (preemption).
+    Out,
+    /// Host-tier blocks back to device blocks.
+    In,
+}
+
+/// One block moved between the device arena and the host tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SwapPair {
+    /// Block in the device arena.
+    pub device: BlockId,
+    /// Block in the host tier.
+    pub host: BlockId,
+}
+
+/// Whole-block transfers between the device arena and the host tier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SwapPlan {
+    direction: SwapDirection,
+    pairs: Vec<SwapPair>,
+}
+
+impl SwapPlan {
+    /// An empty plan in `direction`.
+    pub fn new(direction: SwapDirection) -> Self {
+        SwapPlan {
+            direction,
+            pairs: Vec::new(),
+        }
+    }
+
+    /// Adds a transfer.
+    pub fn push(&mut self, device: BlockId, host: BlockId) {
+        self.pairs.push(SwapPair { device, host });
+    }
+
+    /// The direction.
+    pub fn direction(&self) -> SwapDirection {
+        self.direction
+    }
+
+    /// The transfers, in order.
+    pub fn pairs(&self) -> &[SwapPair] {
+        &self.pairs
+    }
+
+    /// Number of blocks moved.
+    pub fn len(&self) -> usize {
+        self.pairs.len()
+    }
+
+    /// Whether the plan moves nothing.
+    pub fn is_empty(&self) -> bool {
+        self.pairs.is_empty()
+    }
+
+    /// `(src, dst, len)` runs of consecutive blocks on both sides, in source/destination
+    /// order of the direction.
+    pub fn runs(&self) -> Vec<(u32, u32, u32)> {
+        match self.direction {
+            SwapDirection::Out => merge_runs(self.pairs.iter().map(|p| (p.device.0, p.host.0))),
+            SwapDirection::In => merge_runs(self.pairs.iter().map(|p| (p.host.0, p.device.0))),
+        }
+    }
+}
+
 /// Groups `(src, dst)` block pairs into runs where both sides are consecutive, so a
 /// backend issues one transfer per run instead of one per block.
 ///

@@ -1,9 +1,9 @@
 //! [`HostStorage`]: the arena in aligned host memory.
 
-use super::{check_token_io, head_bytes, validate_copy_plan, Storage};
+use super::{check_token_io, head_bytes, validate_copy_plan, validate_swap_plan, Storage};
 use crate::error::{Error, Result};
 use crate::layout::{Kv, KvLayout, Slot};
-use crate::transfer::CopyPlan;
+use crate::transfer::{CopyPlan, SwapDirection, SwapPlan};
 use crate::BlockId;
 
 /// Alignment of every region: a cache line, and a multiple of every vector width used.
@@ -68,6 +68,9 @@ pub struct HostStorage {
     layout: KvLayout,
     num_blocks: usize,
     regions: Vec<AlignedBytes>,
+    num_host_blocks: usize,
+    /// The host tier: one region per layer, same layout.
+    host_regions: Vec<AlignedBytes>,
 }
 
 impl HostStorage {
@@ -86,7 +89,42 @@ impl HostStorage {
             layout,
             num_blocks,
             regions,
+            num_host_blocks: 0,
+            host_regions: Vec::new(),
         })
+    }
+
+    /// Like [`Self::new`], plus a host tier of `num_host_blocks` blocks to swap to.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when a size overflows.
+    pub fn with_host_tier(
+        layout: KvLayout,
+        num_blocks: usize,
+        num_host_blocks: usize,
+    ) -> Result<Self> {
+        let mut s = Self::new(layout, num_blocks)?;
+        let bytes = num_host_blocks
+            .checked_mul(layout.block_bytes_per_layer())
+            .ok_or_else(|| {
+                Error::config(
+                    "num_host_blocks",
+                    format!("{num_host_blocks} blocks overflow"),
+                )
+            })?;
+        s.host_regions = (0..layout.num_layers())
+            .map(|_| AlignedBytes::zeroed(bytes))
+            .collect();
+        s.num_host_blocks = num_host_blocks;
+        Ok(s)
+    }
+
+    /// One layer's host-tier region.
+    ///
+    /// # Panics
+    /// When `layer` is not below the number of layers or there is no host tier.
+    pub fn host_region(&self, layer: usize) -> &[u8] {
+        self.host_regions[layer].as_slice()
     }
 
     /// Bytes of the whole arena.
@@ -197,6 +235,34 @@ impl Storage for HostStorage {
             }
         }
         Ok(())
+    }
+
+    fn num_host_blocks(&self) -> usize {
+        self.num_host_blocks
+    }
+
+    fn swap(&mut self, plan: &SwapPlan) -> Result<()> {
+        validate_swap_plan(plan, self.num_blocks, self.num_host_blocks)?;
+        let n = self.layout.block_bytes_per_layer();
+        for (dev, host) in self.regions.iter_mut().zip(&mut self.host_regions) {
+            let (dev, host) = (dev.as_mut_slice(), host.as_mut_slice());
+            for (src, dst, len) in plan.runs() {
+                let (src, dst, bytes) = (src as usize * n, dst as usize * n, len as usize * n);
+                match plan.direction() {
+                    SwapDirection::Out => {
+                        host[dst..dst + bytes].copy_from_slice(&dev[src..src + bytes])
+                    }
+                    SwapDirection::In => {
+                        dev[dst..dst + bytes].copy_from_slice(&host[src..src + bytes])
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn resize(&mut self, num_blocks: usize) -> Result<()> {
+        self.resize_blocks(num_blocks)
     }
 
     fn read_tokens(

@@ -12,7 +12,7 @@ pub use host::HostStorage;
 
 use crate::error::{Error, Result};
 use crate::layout::{KvLayout, Slot};
-use crate::transfer::CopyPlan;
+use crate::transfer::{CopyPlan, SwapPlan};
 use crate::BlockId;
 
 /// Executes plans on real memory laid out by a [`KvLayout`].
@@ -52,6 +52,61 @@ pub trait Storage {
         k: &mut [u8],
         v: &mut [u8],
     ) -> Result<()>;
+
+    /// Blocks in the host tier this storage swaps to (0 when it has none).
+    fn num_host_blocks(&self) -> usize;
+
+    /// Executes a swap plan between the device arena and the host tier, every layer.
+    ///
+    /// # Errors
+    /// [`Error::BlockOutOfRange`] on either side or [`Error::CorruptBlockTable`] for a
+    /// destination written twice, before any byte moves; backend failures.
+    fn swap(&mut self, plan: &SwapPlan) -> Result<()>;
+
+    /// Grows or shrinks the device arena to `num_blocks`, keeping the contents of every
+    /// block below the smaller of the old and new sizes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when the size is impossible; nothing changed.
+    fn resize(&mut self, num_blocks: usize) -> Result<()>;
+}
+
+/// Checks a swap plan against the sizes of both tiers: ids in range, no destination
+/// written twice.
+///
+/// # Errors
+/// [`Error::BlockOutOfRange`], [`Error::CorruptBlockTable`].
+pub fn validate_swap_plan(plan: &SwapPlan, device_blocks: usize, host_blocks: usize) -> Result<()> {
+    for p in plan.pairs() {
+        if p.device.index() >= device_blocks {
+            return Err(Error::BlockOutOfRange {
+                block: p.device,
+                num_blocks: device_blocks,
+            });
+        }
+        if p.host.index() >= host_blocks {
+            return Err(Error::BlockOutOfRange {
+                block: p.host,
+                num_blocks: host_blocks,
+            });
+        }
+    }
+    let mut dsts: Vec<u32> = plan
+        .pairs()
+        .iter()
+        .map(|p| match plan.direction() {
+            crate::transfer::SwapDirection::Out => p.host.0,
+            crate::transfer::SwapDirection::In => p.device.0,
+        })
+        .collect();
+    dsts.sort_unstable();
+    if let Some(w) = dsts.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::CorruptBlockTable(format!(
+            "block {} is written twice by one swap plan",
+            w[0]
+        )));
+    }
+    Ok(())
 }
 
 /// Checks a copy plan against an arena of `num_blocks`: ids in range and no block both
