@@ -479,6 +479,9 @@ fn sequence_checksum(
     Ok(hash)
 }
 
+/// One line of the summary table: how to print a figure.
+type Row = Box<dyn Fn(&Summary) -> String>;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let config = match pagedkv::shape::builtin::by_name(&args.model) {
@@ -553,7 +556,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.seed,
         args.arrival_rate
     );
-    let rows: [(&str, Box<dyn Fn(&Summary) -> String>); 13] = [
+    let rows: [(&str, Row); 13] = [
         (
             "requests served",
             Box::new(|s| s.requests_served.to_string()),
