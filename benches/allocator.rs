@@ -5,18 +5,31 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use pagedkv::{CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+use pagedkv::{
+    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, KvCacheManager, KvLayout,
+    ModelShape, SeqId,
+};
 
 const BLOCKS: usize = 16_384;
 const MAX_LEN: usize = 2048;
 
 fn layout() -> KvLayout {
-    let s = ModelShape { num_layers: 32, num_q_heads: 32, num_kv_heads: 8, head_dim: 128, kv_dtype: DType::BF16 };
+    let s = ModelShape {
+        num_layers: 32,
+        num_q_heads: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+        kv_dtype: DType::BF16,
+    };
     KvLayout::new(s, 16).unwrap()
 }
 
 fn paged() -> KvCacheManager {
-    let cfg = CacheConfig { num_blocks: BLOCKS, watermark_blocks: 0, max_seq_len_tokens: MAX_LEN };
+    let cfg = CacheConfig {
+        num_blocks: BLOCKS,
+        watermark_blocks: 0,
+        max_seq_len_tokens: MAX_LEN,
+    };
     KvCacheManager::new(layout(), cfg).unwrap()
 }
 
@@ -56,8 +69,11 @@ fn decode_trace(c: &mut Criterion) {
         g.bench_function(name, |b| {
             b.iter_batched_ref(
                 || {
-                    let mut a: Box<dyn CacheAllocator> =
-                        if name == "paged" { Box::new(paged()) } else { Box::new(contiguous()) };
+                    let mut a: Box<dyn CacheAllocator> = if name == "paged" {
+                        Box::new(paged())
+                    } else {
+                        Box::new(contiguous())
+                    };
                     let mut slots = Vec::new();
                     for s in 0..SEQS {
                         a.admit(SeqId(s), 200, &mut slots).unwrap();

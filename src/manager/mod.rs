@@ -298,7 +298,14 @@ impl KvCacheManager {
         if needed == 0 {
             // The common decode case: the tokens land in the sequence's own last block.
             let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
-            fill_slots(&self.layout, s, new_len, slots, &mut self.block_fill, &mut self.live_token_slots);
+            fill_slots(
+                &self.layout,
+                s,
+                new_len,
+                slots,
+                &mut self.block_fill,
+                &mut self.live_token_slots,
+            );
             return Ok(());
         }
         let cow = self.needs_cow(s, n);
@@ -329,7 +336,14 @@ impl KvCacheManager {
 
     /// Extends `s` to `new_len` tokens over blocks already in its table, emitting slots.
     fn fill_tokens(&mut self, s: &mut Sequence, new_len: usize, slots: &mut Vec<Slot>) {
-        fill_slots(&self.layout, s, new_len, slots, &mut self.block_fill, &mut self.live_token_slots);
+        fill_slots(
+            &self.layout,
+            s,
+            new_len,
+            slots,
+            &mut self.block_fill,
+            &mut self.live_token_slots,
+        );
     }
 
     /// Drops the last tokens of `seq` so it holds `new_len` (rejected speculative
