@@ -3,12 +3,14 @@
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
 pub mod baseline;
+pub mod concurrent;
 pub mod error;
 pub mod layout;
 pub mod manager;
 pub mod pool;
 pub mod shape;
 pub mod storage;
+mod sync;
 pub mod transfer;
 
 pub use baseline::{CacheAllocator, ContiguousCache};
