@@ -320,15 +320,15 @@ impl KvCacheManager {
                 format!("shrink to {num_blocks} is above the arena's {old} blocks; grow instead"),
             ));
         }
-        self.check_new_size(num_blocks)?;
-        let occupancy = self.occupancy();
-        if num_blocks < occupancy.resident {
+        let resident = self.pool.num_live() + self.pool.num_cached();
+        if num_blocks < resident {
             return Err(Error::ShrinkBelowResident {
                 requested: num_blocks,
                 live: self.pool.num_live(),
                 cached: self.pool.num_cached(),
             });
         }
+        self.check_new_size(num_blocks)?;
         if num_blocks == old {
             return Ok(MovePlan::new());
         }
@@ -610,6 +610,45 @@ mod tests {
         // The freed source is not handed out before the lower free blocks.
         kv.admit(SeqId(3), 2, &mut slots).unwrap();
         assert_eq!(kv.block_table(SeqId(3)).unwrap(), &[BlockId(1)]);
+    }
+
+    #[test]
+    fn cached_blocks_follow_compaction() {
+        let mut kv = manager(8);
+        let mut slots = Vec::new();
+        for i in 0..8 {
+            kv.admit(SeqId(i), 2, &mut slots).unwrap();
+        }
+        // Block 7 becomes a prefix-cache block (what the prefix cache does on free).
+        let cached = kv.seqs.remove(&SeqId(7)).unwrap().table[0];
+        kv.live_token_slots -= usize::from(kv.block_fill[cached.index()]);
+        kv.pool.decref_keep(cached).unwrap();
+        for i in 0..6 {
+            kv.free(SeqId(i)).unwrap();
+        }
+        let f = kv.fragmentation();
+        assert_eq!(
+            (f.live_blocks, f.cached_blocks, f.moves_to_compact),
+            (1, 1, 2)
+        );
+        let mut storage = HostStorage::new(*kv.layout(), 8).unwrap();
+        let plan = kv
+            .defragment_with(&mut storage, DefragOptions::FULL)
+            .unwrap();
+        assert_eq!(plan.runs(), vec![(6, 0, 2)]);
+        assert_eq!(kv.pool.state(BlockId(1)).unwrap(), BlockState::Cached);
+        assert_eq!(kv.block_table(SeqId(6)).unwrap(), &[BlockId(0)]);
+        kv.check_invariants().unwrap();
+        assert_eq!(
+            kv.shrink_to(1, &mut storage),
+            Err(Error::ShrinkBelowResident {
+                requested: 1,
+                live: 1,
+                cached: 1
+            })
+        );
+        kv.shrink_to(2, &mut storage).unwrap();
+        kv.check_invariants().unwrap();
     }
 
     #[test]
