@@ -275,6 +275,32 @@ impl KvCacheManager {
     /// and updates the tables. Returns the executed plan (empty when there was nothing
     /// to do or the fragmentation was below `opts.min_fragmentation`).
     ///
+    /// ```
+    /// use pagedkv::{CacheConfig, DType, DefragOptions, HostStorage, KvCacheManager,
+    ///               KvLayout, ModelShape, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1,
+    ///                          head_dim: 8, kv_dtype: DType::F16 };
+    /// let layout = KvLayout::new(shape, 16)?;
+    /// let mut kv = KvCacheManager::new(layout, CacheConfig::new(64))?;
+    /// let mut storage = HostStorage::new(layout, 64)?;
+    /// let mut slots = Vec::new();
+    /// for i in 0..64 {
+    ///     kv.admit(SeqId(i), 16, &mut slots)?;          // one block each
+    /// }
+    /// for i in (1..64).step_by(2) {
+    ///     kv.free(SeqId(i))?;                           // a checkerboard
+    /// }
+    /// assert!(kv.fragmentation().fragmentation > 0.49);
+    ///
+    /// let plan = kv.defragment_with(&mut storage, DefragOptions::FULL)?;
+    /// assert_eq!(plan.len(), 16);                       // live blocks above 32 move down
+    /// assert_eq!(kv.fragmentation().high_water_blocks, 32);
+    /// kv.shrink_to(32, &mut storage)?;                  // give the tail back
+    /// kv.grow_to(48, &mut storage)?;                    // and take some again
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
     /// # Errors
     /// [`Error::InvalidConfig`] for options out of range or a storage with another
     /// layout, [`Error::ShapeMismatch`] for a storage of another size, and whatever
