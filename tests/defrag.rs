@@ -219,6 +219,13 @@ impl<S: Storage> Harness<S> {
     fn defragment(&mut self, opts: DefragOptions) -> MovePlan {
         let before = self.kv.fragmentation();
         let refcounts = self.snapshot().refcounts;
+        let resident = before.live_blocks + before.cached_blocks;
+        // Counted here from the block states, not trusted from `FragStats`.
+        let above = self.kv.pool().states()[resident..]
+            .iter()
+            .filter(|s| **s != BlockState::Free)
+            .count();
+        assert_eq!(before.moves_to_compact, above);
         let plan = self.kv.defragment_with(&mut self.storage, opts).unwrap();
         check_plan_shape(&plan);
         for m in plan.moves() {
@@ -230,8 +237,10 @@ impl<S: Storage> Harness<S> {
             assert_eq!(self.refcount(m.src), 0);
         }
         let after = self.kv.fragmentation();
-        let resident = before.live_blocks + before.cached_blocks;
-        assert!(plan.len() <= before.moves_to_compact);
+        assert!(
+            plan.len() <= above,
+            "never more moves than resident blocks above"
+        );
         if before.fragmentation < opts.min_fragmentation {
             assert!(plan.is_empty());
         } else {
@@ -273,22 +282,44 @@ fn check_plan_shape(plan: &MovePlan) {
 
 #[derive(Debug, Clone)]
 enum Action {
-    Admit { tokens: usize },
-    Append { seq: usize, n: usize },
-    Fork { seq: usize },
-    Free { seq: usize },
-    Defrag { max_moves: usize, min_frag_pct: u8 },
+    Admit {
+        tokens: usize,
+    },
+    Append {
+        seq: usize,
+        n: usize,
+    },
+    Fork {
+        seq: usize,
+    },
+    Free {
+        seq: usize,
+    },
+    /// Frees every `stride`-th sequence (from `offset`): holes all over the arena.
+    Thin {
+        stride: usize,
+        offset: usize,
+    },
+    Defrag {
+        max_moves: usize,
+        min_frag_pct: u8,
+    },
     PlanAndAbort,
-    Shrink { pick: usize },
-    Grow { extra: usize },
+    Shrink {
+        pick: usize,
+    },
+    Grow {
+        extra: usize,
+    },
 }
 
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
-        4 => (0usize..24).prop_map(|tokens| Action::Admit { tokens }),
+        6 => (0usize..24).prop_map(|tokens| Action::Admit { tokens }),
         4 => (any::<usize>(), 1usize..9).prop_map(|(seq, n)| Action::Append { seq, n }),
         2 => any::<usize>().prop_map(|seq| Action::Fork { seq }),
         3 => any::<usize>().prop_map(|seq| Action::Free { seq }),
+        1 => (2usize..4, 0usize..4).prop_map(|(stride, offset)| Action::Thin { stride, offset }),
         2 => (prop_oneof![Just(usize::MAX), 1usize..6], prop_oneof![Just(0u8), 0u8..80])
             .prop_map(|(max_moves, min_frag_pct)| Action::Defrag { max_moves, min_frag_pct }),
         1 => Just(Action::PlanAndAbort),
@@ -319,6 +350,11 @@ fn run(actions: Vec<Action>) {
             }
             Action::Free { seq } => {
                 if let Some(s) = h.pick(seq) {
+                    h.free(s);
+                }
+            }
+            Action::Thin { stride, offset } => {
+                for s in h.seqs().into_iter().skip(offset % stride).step_by(stride) {
                     h.free(s);
                 }
             }
@@ -358,7 +394,13 @@ fn run(actions: Vec<Action>) {
                     );
                     assert_eq!(h.snapshot(), before);
                 } else {
-                    let target = (resident + pick % (n - resident + 1)).max(1);
+                    // Mostly close to the resident count, where blocks must move.
+                    let slack = if pick % 3 == 0 {
+                        n - resident
+                    } else {
+                        (n - resident) / 4
+                    };
+                    let target = (resident + (pick / 5) % (slack + 1)).max(1);
                     let above = h.kv.pool().states()[target..]
                         .iter()
                         .filter(|s| **s != BlockState::Free)
