@@ -304,7 +304,11 @@ enum Action {
         max_moves: usize,
         min_frag_pct: u8,
     },
-    PlanAndAbort,
+    /// The two-phase API: plan, execute on the storage, then commit or drop.
+    TwoPhase {
+        commit: bool,
+        max_moves: usize,
+    },
     Shrink {
         pick: usize,
     },
@@ -322,7 +326,8 @@ fn action() -> impl Strategy<Value = Action> {
         1 => (2usize..4, 0usize..4).prop_map(|(stride, offset)| Action::Thin { stride, offset }),
         2 => (prop_oneof![Just(usize::MAX), 1usize..6], prop_oneof![Just(0u8), 0u8..80])
             .prop_map(|(max_moves, min_frag_pct)| Action::Defrag { max_moves, min_frag_pct }),
-        1 => Just(Action::PlanAndAbort),
+        2 => (any::<bool>(), prop_oneof![Just(usize::MAX), 1usize..6])
+            .prop_map(|(commit, max_moves)| Action::TwoPhase { commit, max_moves }),
         2 => any::<usize>().prop_map(|pick| Action::Shrink { pick }),
         2 => (0usize..48).prop_map(|extra| Action::Grow { extra }),
     ]
@@ -366,16 +371,26 @@ fn run(actions: Vec<Action>) {
                     DefragOptions::incremental(max_moves).above(f64::from(min_frag_pct) / 100.0);
                 h.defragment(opts);
             }
-            Action::PlanAndAbort => {
+            Action::TwoPhase { commit, max_moves } => {
                 let before = h.snapshot();
-                let pending = h.kv.plan_defragment(DefragOptions::FULL).unwrap();
-                // Execute the copies but never commit: the tables must still read the
-                // same bytes, since only free blocks were written.
+                let above = before.frag.moves_to_compact;
+                let pending =
+                    h.kv.plan_defragment(DefragOptions::incremental(max_moves))
+                        .unwrap();
+                check_plan_shape(pending.plan());
+                assert_eq!(pending.plan().len(), above.min(max_moves));
                 h.storage
                     .copy_blocks(&pending.plan().to_copy_plan())
                     .unwrap();
-                drop(pending);
-                assert_eq!(h.snapshot(), before);
+                if commit {
+                    let plan = pending.commit().unwrap();
+                    assert_eq!(h.kv.fragmentation().moves_to_compact, above - plan.len());
+                } else {
+                    // Never committed: the tables must still read the same bytes,
+                    // since only free blocks were written.
+                    drop(pending);
+                    assert_eq!(h.snapshot(), before);
+                }
             }
             Action::Shrink { pick } => {
                 let frag = h.kv.fragmentation();
