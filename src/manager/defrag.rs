@@ -190,9 +190,9 @@ impl PendingDefrag<'_> {
 }
 
 impl KvCacheManager {
-    /// Fragmentation metrics, in one pass over the block states and one over the
-    /// tables (O(blocks + table entries); cheap next to a scheduler step only for
-    /// arenas up to a few hundred thousand blocks).
+    /// Fragmentation metrics, from one pass over the block states and one over the
+    /// tables: O(blocks + table entries), so a monitoring call rather than a per-token
+    /// one on large arenas.
     pub fn fragmentation(&self) -> FragStats {
         let states = self.pool.states();
         let (mut resident, mut high_water, mut largest_run, mut run) = (0, 0, 0, 0);
