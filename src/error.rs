@@ -108,6 +108,25 @@ pub enum Error {
         /// Checksum of the bytes read.
         got: u64,
     },
+    /// The arena cannot shrink to `requested` blocks: every live and cached block must
+    /// stay, and together they need more.
+    #[error("cannot shrink the arena to {requested} blocks: {live} live and {cached} cached blocks must stay")]
+    ShrinkBelowResident {
+        /// Blocks asked for.
+        requested: usize,
+        /// Blocks referenced by tables.
+        live: usize,
+        /// Unreferenced blocks kept for the prefix cache.
+        cached: usize,
+    },
+    /// The arena cannot grow to `requested` blocks: the configured maximum is `max`.
+    #[error("cannot grow the arena to {requested} blocks: the maximum is {max}")]
+    ArenaLimit {
+        /// Blocks asked for.
+        requested: usize,
+        /// `CacheConfig::max_num_blocks`, or the `u32` id space.
+        max: usize,
+    },
     /// The operation is not supported by this backend or configuration.
     #[error("unsupported: {0}")]
     Unsupported(String),

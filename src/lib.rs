@@ -17,12 +17,13 @@ pub use baseline::{CacheAllocator, ContiguousCache};
 pub use error::{Error, Result};
 pub use layout::{Kv, KvLayout, Slot};
 pub use manager::{
-    CacheConfig, CacheStats, CsrTables, KvCacheManager, PaddedTables, SharedKvCacheManager,
+    CacheConfig, CacheStats, CsrTables, DefragOptions, FragStats, KvCacheManager, PaddedTables,
+    PendingDefrag, SharedKvCacheManager,
 };
 pub use pool::{BlockPool, BlockState};
 pub use shape::{DType, ModelConfig, ModelShape};
 pub use storage::{HostStorage, Storage};
-pub use transfer::{BlockCopy, CopyPlan, SwapDirection, SwapPair, SwapPlan};
+pub use transfer::{BlockCopy, CopyPlan, MovePlan, SwapDirection, SwapPair, SwapPlan};
 
 /// A physical block: an index into the arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]

@@ -4,9 +4,11 @@
 //! move (copy-on-write), it returns a plan that a [`crate::storage::Storage`] executes.
 
 mod batch;
+mod defrag;
 mod shared;
 
 pub use batch::{CsrTables, PaddedTables};
+pub use defrag::{DefragOptions, FragStats, PendingDefrag};
 pub use shared::SharedKvCacheManager;
 
 use std::collections::HashMap;
@@ -28,6 +30,9 @@ pub struct CacheConfig {
     pub watermark_blocks: usize,
     /// Longest sequence, in tokens, the manager accepts (0: whatever the arena holds).
     pub max_seq_len_tokens: usize,
+    /// Largest arena [`KvCacheManager::grow_to`] accepts, in blocks (0: the `u32` id
+    /// space is the only limit).
+    pub max_num_blocks: usize,
 }
 
 impl CacheConfig {
@@ -37,6 +42,7 @@ impl CacheConfig {
             num_blocks,
             watermark_blocks: num_blocks / 100,
             max_seq_len_tokens: 0,
+            max_num_blocks: 0,
         }
     }
 }
@@ -156,6 +162,15 @@ impl KvCacheManager {
                 format!(
                     "{} must be below num_blocks {}",
                     config.watermark_blocks, config.num_blocks
+                ),
+            ));
+        }
+        if config.max_num_blocks != 0 && config.num_blocks > config.max_num_blocks {
+            return Err(Error::config(
+                "max_num_blocks",
+                format!(
+                    "{} is below num_blocks {}",
+                    config.max_num_blocks, config.num_blocks
                 ),
             ));
         }
