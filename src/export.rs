@@ -265,8 +265,9 @@ impl Xxh64 {
     }
 }
 
-/// XXH64 with seed 0 of `data`.
-pub(crate) fn xxh64(data: &[u8]) -> u64 {
+/// XXH64 with seed 0 of `data`: the checksum the export format uses, public so that
+/// tools (and tests) can build or patch headers.
+pub fn xxh64(data: &[u8]) -> u64 {
     let mut h = Xxh64::new();
     h.update(data);
     h.finish()
