@@ -373,3 +373,91 @@ fn failed_calls_change_no_shard() {
     ));
     assert!(k.iter().chain(&v).all(|&b| b == 7));
 }
+
+/// A host shard that refuses to grow past a limit, as a GPU short of memory would.
+struct Capped {
+    inner: HostStorage,
+    max_blocks: usize,
+}
+
+impl Storage for Capped {
+    fn layout(&self) -> &KvLayout {
+        self.inner.layout()
+    }
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    fn copy_blocks(&mut self, plan: &CopyPlan) -> pagedkv::Result<()> {
+        self.inner.copy_blocks(plan)
+    }
+    fn write_slots(
+        &mut self,
+        layer: usize,
+        slots: &[Slot],
+        k: &[u8],
+        v: &[u8],
+    ) -> pagedkv::Result<()> {
+        self.inner.write_slots(layer, slots, k, v)
+    }
+    fn read_tokens(
+        &self,
+        layer: usize,
+        table: &[BlockId],
+        n: usize,
+        k: &mut [u8],
+        v: &mut [u8],
+    ) -> pagedkv::Result<()> {
+        self.inner.read_tokens(layer, table, n, k, v)
+    }
+    fn num_host_blocks(&self) -> usize {
+        0
+    }
+    fn swap(&mut self, plan: &SwapPlan) -> pagedkv::Result<()> {
+        self.inner.swap(plan)
+    }
+    fn resize(&mut self, num_blocks: usize) -> pagedkv::Result<()> {
+        if num_blocks > self.max_blocks {
+            return Err(Error::OutOfBlocks {
+                needed: num_blocks,
+                free: self.max_blocks,
+            });
+        }
+        self.inner.resize(num_blocks)
+    }
+}
+
+#[test]
+fn a_refused_resize_rolls_the_other_shards_back() {
+    let caps = [100, 100, 60, 100];
+    let mut tp = ShardedStorage::try_from_fn(layout(), 4, |i, sl| {
+        Ok(Capped {
+            inner: HostStorage::new(sl, BLOCKS)?,
+            max_blocks: caps[i],
+        })
+    })
+    .unwrap();
+    let slots: Vec<Slot> = (0..(BLOCKS * BLOCK) as u64).step_by(3).map(Slot).collect();
+    let tags: Vec<u64> = (0..slots.len() as u64).collect();
+    for layer in 0..LAYERS {
+        let (k, v) = rows(&tags, layer);
+        tp.write_slots(layer, &slots, &k, &v).unwrap();
+    }
+    let before: Vec<Vec<u8>> = tp
+        .shards()
+        .iter()
+        .map(|s| s.inner.region(1).to_vec())
+        .collect();
+    assert_eq!(
+        tp.resize(80),
+        Err(Error::OutOfBlocks {
+            needed: 80,
+            free: 60
+        })
+    );
+    for (s, b) in tp.shards().iter().zip(&before) {
+        assert_eq!(s.num_blocks(), BLOCKS);
+        assert!(s.inner.region(1) == &b[..]);
+    }
+    tp.resize(60).unwrap();
+    assert!(tp.shards().iter().all(|s| s.num_blocks() == 60));
+}
