@@ -180,16 +180,18 @@ impl<S: Storage> Instance<S> {
     }
 
     /// Imports one export as `seq`, checks its token ids, then decodes.
-    fn receive(&mut self, seq: SeqId, buf: &[u8], req: &Request) -> pagedkv::Result<Duration> {
+    fn receive(&mut self, seq: SeqId, buf: &[u8], req: &Request) -> Result<Duration, String> {
         let t = Instant::now();
-        let got = import_sequence(&mut self.mgr, &mut self.kv, seq, buf)?;
+        let got = import_sequence(&mut self.mgr, &mut self.kv, seq, buf)
+            .map_err(|e| format!("{seq}: import: {e}"))?;
         let took = t.elapsed();
         if got.token_ids.as_deref() != Some(&req.prompt[..]) {
-            return Err(pagedkv::Error::Unsupported(format!(
-                "{seq}: token ids differ"
-            )));
+            return Err(format!(
+                "{seq}: the imported token ids are not the prompt's"
+            ));
         }
-        self.decode(seq, &req.decode)?;
+        self.decode(seq, &req.decode)
+            .map_err(|e| format!("{seq}: decode: {e}"))?;
         Ok(took)
     }
 }
@@ -295,8 +297,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut i = 0;
         while let Some(frame) = read_frame(&mut stream).map_err(|e| e.to_string())? {
             let req = decode_reqs.get(i).ok_or("more frames than requests")?;
-            inst.receive(SeqId(i as u64), &frame, req)
-                .map_err(|e| e.to_string())?;
+            inst.receive(SeqId(i as u64), &frame, req)?;
             i += 1;
         }
         Ok((inst, i))
