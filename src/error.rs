@@ -3,6 +3,7 @@
 //! Every variant carries the numbers a caller needs to act on it. A call that returns
 //! an error has left every structure it touched as it was before the call.
 
+use crate::shape::DType;
 use crate::{BlockId, SeqId};
 
 /// Result alias used across the crate.
@@ -130,6 +131,51 @@ pub enum Error {
     /// The operation is not supported by this backend or configuration.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// Tensor parallelism: the KV heads do not split evenly over the shards.
+    #[error("{num_kv_heads} KV heads do not split evenly over {num_shards} shards")]
+    UnevenHeadSplit {
+        /// KV heads of the model.
+        num_kv_heads: usize,
+        /// Shards (GPUs) asked for.
+        num_shards: usize,
+    },
+    /// A KV export buffer is not in a format this build reads (magic, version, a
+    /// header field inconsistent with the others).
+    #[error("KV export format: {what}: expected {expected:#x}, got {got:#x}")]
+    ExportFormat {
+        /// The field at fault.
+        what: &'static str,
+        /// The value this build expects.
+        expected: u64,
+        /// The value in the buffer.
+        got: u64,
+    },
+    /// A KV export buffer is shorter than its header says.
+    #[error("KV export truncated: {needed} bytes needed, {got} given")]
+    ExportTruncated {
+        /// Bytes the buffer must hold.
+        needed: usize,
+        /// Bytes it holds.
+        got: usize,
+    },
+    /// A KV export comes from a model whose KV shape differs from the receiver's.
+    #[error("KV export from another shape: {what}: sender {sender}, receiver {receiver}")]
+    ExportShape {
+        /// The shape field that differs (`num_layers`, `num_kv_heads`, `head_dim`...).
+        what: &'static str,
+        /// The sender's value.
+        sender: usize,
+        /// The receiver's value.
+        receiver: usize,
+    },
+    /// A KV export holds another element type than the receiver's cache.
+    #[error("KV export dtype: sender {sender}, receiver {receiver}")]
+    ExportDType {
+        /// The sender's KV dtype.
+        sender: DType,
+        /// The receiver's KV dtype.
+        receiver: DType,
+    },
 }
 
 impl Error {

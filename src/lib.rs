@@ -5,16 +5,22 @@
 pub mod baseline;
 pub mod concurrent;
 pub mod error;
+pub mod export;
 pub mod layout;
 pub mod manager;
 pub mod pool;
 pub mod shape;
+pub mod shard;
 pub mod storage;
 mod sync;
 pub mod transfer;
 
 pub use baseline::{CacheAllocator, ContiguousCache};
 pub use error::{Error, Result};
+pub use export::{
+    export_blocks, export_sequence, exported_len, import_sequence, ExportHeader, ExportView,
+    ImportedSequence,
+};
 pub use layout::{Kv, KvLayout, Slot};
 pub use manager::{
     CacheConfig, CacheStats, CsrTables, DefragOptions, FragStats, KvCacheManager, PaddedTables,
@@ -22,6 +28,7 @@ pub use manager::{
 };
 pub use pool::{BlockPool, BlockState};
 pub use shape::{DType, ModelConfig, ModelShape};
+pub use shard::ShardedStorage;
 pub use storage::{HostStorage, Storage};
 pub use transfer::{BlockCopy, CopyPlan, MovePlan, SwapDirection, SwapPair, SwapPlan};
 
