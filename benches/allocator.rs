@@ -29,6 +29,7 @@ fn paged() -> KvCacheManager {
         num_blocks: BLOCKS,
         watermark_blocks: 0,
         max_seq_len_tokens: MAX_LEN,
+        ..CacheConfig::new(0)
     };
     KvCacheManager::new(layout(), cfg).unwrap()
 }

@@ -513,6 +513,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         num_blocks,
         watermark_blocks: num_blocks / 100,
         max_seq_len_tokens: args.max_len,
+        ..CacheConfig::new(0)
     };
     let mut paged = KvCacheManager::new(layout, cfg)?;
     let mut store = HostStorage::new(layout, num_blocks)?;

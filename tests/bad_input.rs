@@ -23,6 +23,7 @@ fn manager() -> KvCacheManager {
             num_blocks: 8,
             watermark_blocks: 1,
             max_seq_len_tokens: 0,
+            ..CacheConfig::new(0)
         },
     )
     .unwrap()
@@ -154,6 +155,7 @@ fn invalid_configs() {
         num_blocks: 4,
         watermark_blocks: 4,
         max_seq_len_tokens: 0,
+        ..CacheConfig::new(0)
     };
     assert!(matches!(
         KvCacheManager::new(layout, cfg),

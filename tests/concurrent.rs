@@ -116,6 +116,7 @@ fn shared_manager_stress_8_threads() {
         num_blocks: 256,
         watermark_blocks: 0,
         max_seq_len_tokens: 0,
+        ..CacheConfig::new(0)
     };
     let kv = SharedKvCacheManager::new(KvCacheManager::new(layout, cfg).unwrap());
     let store = Arc::new(parking_lot::Mutex::new(

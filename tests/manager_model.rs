@@ -73,6 +73,7 @@ impl Harness {
             num_blocks: BLOCKS,
             watermark_blocks: 2,
             max_seq_len_tokens: 0,
+            ..CacheConfig::new(0)
         };
         Harness {
             kv: KvCacheManager::new(layout(), cfg).unwrap(),
