@@ -3,11 +3,11 @@
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
 pub mod baseline;
+pub mod chart;
 pub mod error;
 pub mod layout;
 pub mod manager;
 pub mod metrics;
-pub mod chart;
 pub mod plan;
 pub mod pool;
 pub mod shape;

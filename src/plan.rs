@@ -169,7 +169,11 @@ impl WeightPrecision {
             WeightPrecision::Int4 { group_size } => {
                 // A group size of 0 is rejected by `PlanInput::validate`; `max(1)` keeps
                 // this const fn total anyway.
-                let g = if group_size == 0 { 1 } else { group_size as u64 };
+                let g = if group_size == 0 {
+                    1
+                } else {
+                    group_size as u64
+                };
                 params.div_ceil(2) + 2 * params.div_ceil(g)
             }
         }
@@ -762,7 +766,9 @@ impl Suggestion {
             Suggestion::KvDtype {
                 kv_dtype,
                 max_concurrency,
-            } => json!({"change": "kv_dtype", "kv_dtype": kv_dtype.name(), "max_concurrency": max_concurrency}),
+            } => {
+                json!({"change": "kv_dtype", "kv_dtype": kv_dtype.name(), "max_concurrency": max_concurrency})
+            }
             Suggestion::Context { max_context_tokens } => {
                 json!({"change": "context", "max_context_tokens": max_context_tokens})
             }
@@ -772,11 +778,15 @@ impl Suggestion {
             Suggestion::TensorParallel {
                 tensor_parallel,
                 max_concurrency,
-            } => json!({"change": "tensor_parallel", "tensor_parallel": tensor_parallel, "max_concurrency": max_concurrency}),
+            } => {
+                json!({"change": "tensor_parallel", "tensor_parallel": tensor_parallel, "max_concurrency": max_concurrency})
+            }
             Suggestion::WeightPrecision {
                 precision,
                 max_concurrency,
-            } => json!({"change": "weight_precision", "weight_precision": precision.name(), "max_concurrency": max_concurrency}),
+            } => {
+                json!({"change": "weight_precision", "weight_precision": precision.name(), "max_concurrency": max_concurrency})
+            }
             Suggestion::GpuMemory { gpu_memory_bytes } => {
                 json!({"change": "gpu_memory", "gpu_memory_bytes": gpu_memory_bytes})
             }
@@ -870,11 +880,15 @@ impl Plan {
                     Shortfall::Weights {
                         needed_bytes,
                         usable_bytes,
-                    } => serde_json::json!({"kind": "weights", "needed_bytes": needed_bytes, "usable_bytes": usable_bytes}),
+                    } => {
+                        serde_json::json!({"kind": "weights", "needed_bytes": needed_bytes, "usable_bytes": usable_bytes})
+                    }
                     Shortfall::Blocks {
                         needed_blocks,
                         num_blocks,
-                    } => serde_json::json!({"kind": "blocks", "needed_blocks": needed_blocks, "num_blocks": num_blocks}),
+                    } => {
+                        serde_json::json!({"kind": "blocks", "needed_blocks": needed_blocks, "num_blocks": num_blocks})
+                    }
                 },
                 suggestions.iter().map(|s| s.to_json()).collect(),
             ),
@@ -953,7 +967,11 @@ impl fmt::Display for Plan {
             "parameters",
             format!("{:.2} B", self.params as f64 / 1e9),
         )?;
-        row(f, "weights (per GPU)", format!("{} GiB", gib(self.weight_bytes)))?;
+        row(
+            f,
+            "weights (per GPU)",
+            format!("{} GiB", gib(self.weight_bytes)),
+        )?;
         row(
             f,
             "activations + workspace",
@@ -963,7 +981,11 @@ impl fmt::Display for Plan {
         row(
             f,
             "KV bytes per token",
-            format!("{} B ({} KiB)", self.kv_bytes_per_token, self.kv_bytes_per_token / 1024),
+            format!(
+                "{} B ({} KiB)",
+                self.kv_bytes_per_token,
+                self.kv_bytes_per_token / 1024
+            ),
         )?;
         row(
             f,
@@ -971,7 +993,11 @@ impl fmt::Display for Plan {
             format!("{} B ({} KiB)", self.block_bytes, self.block_bytes / 1024),
         )?;
         row(f, "blocks", self.num_blocks.to_string())?;
-        row(f, "tokens the cache holds", self.capacity_tokens.to_string())?;
+        row(
+            f,
+            "tokens the cache holds",
+            self.capacity_tokens.to_string(),
+        )?;
         row(
             f,
             "max concurrent requests",
