@@ -636,8 +636,21 @@ impl PlanInput {
         let needed = plan.weight_bytes
             + plan.reserve_bytes
             + plan.blocks_per_request * self.concurrency as u64 * plan.block_bytes;
+        // Rounded up to whole MiB, then checked: `usable` is floored, so the exact
+        // quotient can fall a byte short.
+        const MIB: u64 = 1 << 20;
+        let mut gpu = (needed as f64 / self.gpu_memory_utilization).ceil() as u64;
+        gpu = gpu.div_ceil(MIB) * MIB;
+        for _ in 0..4 {
+            let mut alt = self.clone();
+            alt.gpu_memory_bytes = gpu;
+            if fits(&alt).is_some() {
+                break;
+            }
+            gpu += MIB;
+        }
         out.push(Suggestion::GpuMemory {
-            gpu_memory_bytes: (needed as f64 / self.gpu_memory_utilization).ceil() as u64,
+            gpu_memory_bytes: gpu,
         });
         out
     }
@@ -715,7 +728,8 @@ pub enum Suggestion {
         /// Requests at the context it then holds.
         max_concurrency: u64,
     },
-    /// A GPU with at least this much memory (all other inputs unchanged).
+    /// A GPU with at least this much memory (all other inputs unchanged), rounded up to
+    /// a whole MiB.
     GpuMemory {
         /// Bytes.
         gpu_memory_bytes: u64,
