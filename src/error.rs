@@ -176,6 +176,35 @@ pub enum Error {
         /// The receiver's KV dtype.
         receiver: DType,
     },
+    /// A number is outside the range its parameter allows (a memory size of zero, a
+    /// utilisation fraction above 1...).
+    #[error("{field} = {value} is out of range: {allowed}")]
+    OutOfRange {
+        /// The parameter at fault.
+        field: &'static str,
+        /// The value given.
+        value: f64,
+        /// The allowed range, in words (`"in (0, 1]"`).
+        allowed: &'static str,
+    },
+    /// A planned context is longer than the model's position embeddings allow.
+    #[error("context of {context_tokens} tokens exceeds the model's max_position_embeddings of {max_position_embeddings}")]
+    ContextTooLong {
+        /// The context asked for, in tokens.
+        context_tokens: usize,
+        /// The model's `max_position_embeddings`.
+        max_position_embeddings: usize,
+    },
+    /// A tensor-parallel degree does not split a model dimension evenly.
+    #[error("tensor-parallel degree {tp} does not divide {what} ({count})")]
+    UnevenTensorParallel {
+        /// The dimension (`"num_kv_heads"`, ...).
+        what: &'static str,
+        /// Its size.
+        count: usize,
+        /// The tensor-parallel degree.
+        tp: usize,
+    },
 }
 
 impl Error {

@@ -3,11 +3,14 @@
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
 pub mod baseline;
+pub mod chart;
 pub mod concurrent;
 pub mod error;
 pub mod export;
 pub mod layout;
 pub mod manager;
+pub mod metrics;
+pub mod plan;
 pub mod pool;
 pub mod shape;
 pub mod shard;
