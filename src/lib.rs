@@ -7,6 +7,7 @@ pub mod error;
 pub mod layout;
 pub mod manager;
 pub mod pool;
+pub mod prefix;
 pub mod shape;
 pub mod storage;
 pub mod transfer;
@@ -18,6 +19,9 @@ pub use manager::{
     CacheConfig, CacheStats, CsrTables, KvCacheManager, PaddedTables, SharedKvCacheManager,
 };
 pub use pool::{BlockPool, BlockState};
+pub use prefix::{
+    Admission, AdmitOptions, BlockHash, PinId, PinnedPrefix, PrefixConfig, PrefixEvent, PrefixStats,
+};
 pub use shape::{DType, ModelConfig, ModelShape};
 pub use storage::{HostStorage, Storage};
 pub use transfer::{BlockCopy, CopyPlan, SwapDirection, SwapPair, SwapPlan};
