@@ -4,9 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use pagedkv::prefix::{
-    ChainHasher, CostAwarePolicy, EvictionPolicy, LruPolicy, PrefixHasher,
-};
+use pagedkv::prefix::{ChainHasher, CostAwarePolicy, EvictionPolicy, LruPolicy, PrefixHasher};
 use pagedkv::{
     AdmitOptions, BlockHash, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCacheManager,
     KvLayout, ModelShape, PinId, PrefixConfig, PrefixEvent, SeqId, Slot, Storage,
@@ -132,7 +130,11 @@ impl Engine {
     fn write(&mut self, seq: SeqId, from: usize) {
         let (ns, tokens) = &self.shadow[&seq];
         let vals = values(*ns, tokens);
-        assert_eq!(vals.len() - from, self.slots.len(), "{seq}: slots for {from}..");
+        assert_eq!(
+            vals.len() - from,
+            self.slots.len(),
+            "{seq}: slots for {from}.."
+        );
         for layer in 0..LAYERS {
             let (mut k, mut v) = (Vec::new(), Vec::new());
             for &val in &vals[from..] {
@@ -144,7 +146,13 @@ impl Engine {
         }
     }
 
-    fn admit(&mut self, seq: SeqId, ns: u64, tokens: &[u32], opts: &AdmitOptions) -> Result<usize, Error> {
+    fn admit(
+        &mut self,
+        seq: SeqId,
+        ns: u64,
+        tokens: &[u32],
+        opts: &AdmitOptions,
+    ) -> Result<usize, Error> {
         let a = self.kv.admit_tokens(seq, tokens, opts, &mut self.slots)?;
         assert!(a.cached_tokens % BLOCK == 0);
         assert!(a.cached_tokens < tokens.len().max(1));
@@ -159,7 +167,11 @@ impl Engine {
             .append_tokens(seq, tokens, &mut self.slots, &mut self.copies)?;
         self.store.copy_blocks(&self.copies).unwrap();
         let from = self.shadow[&seq].1.len();
-        self.shadow.get_mut(&seq).unwrap().1.extend_from_slice(tokens);
+        self.shadow
+            .get_mut(&seq)
+            .unwrap()
+            .1
+            .extend_from_slice(tokens);
         self.write(seq, from);
         Ok(())
     }
@@ -174,9 +186,15 @@ impl Engine {
         self.kv.check_invariants().unwrap();
         let s = self.kv.stats();
         let p = self.kv.prefix_stats();
-        assert_eq!(s.used_blocks + s.free_blocks + s.cached_blocks, s.num_blocks);
+        assert_eq!(
+            s.used_blocks + s.free_blocks + s.cached_blocks,
+            s.num_blocks
+        );
         assert!(p.evictable_blocks <= s.cached_blocks);
-        assert_eq!(self.kv.num_available_blocks(), s.free_blocks + p.evictable_blocks);
+        assert_eq!(
+            self.kv.num_available_blocks(),
+            s.free_blocks + p.evictable_blocks
+        );
         assert!(self.kv.num_available_blocks() <= s.num_blocks - s.used_blocks);
         for (&seq, (ns, tokens)) in &self.shadow {
             let vals = values(*ns, tokens);
@@ -217,14 +235,20 @@ fn a_freed_prompt_is_served_from_the_cache_and_only_the_rest_is_computed() {
     assert_eq!(e.slots.len(), 7);
     e.check();
     let p = e.kv.prefix_stats();
-    assert_eq!((p.queries, p.hit_blocks, p.hit_tokens, p.query_tokens), (2, 2, 8, 25));
+    assert_eq!(
+        (p.queries, p.hit_blocks, p.hit_tokens, p.query_tokens),
+        (2, 2, 8, 25)
+    );
 
     // A live hit shares (refcount up) rather than revives.
     assert_eq!(e.admit(SeqId(3), 0, &longer, &NONE).unwrap(), 12);
     let t2 = e.kv.block_table(SeqId(2)).unwrap().to_vec();
     let t3 = e.kv.block_table(SeqId(3)).unwrap().to_vec();
     assert_eq!(t2[..3], t3[..3]);
-    assert_ne!(t2[3], t3[3], "the partial last block is not shared through the cache");
+    assert_ne!(
+        t2[3], t3[3],
+        "the partial last block is not shared through the cache"
+    );
     assert_eq!(e.kv.pool().refcount(t2[0]).unwrap(), 2);
     e.check();
 }
@@ -272,7 +296,8 @@ fn plain_admit_and_append_never_touch_the_cache() {
     assert_eq!(kv.stats().cached_blocks, 0);
     assert_eq!(kv.prefix_stats().registered_blocks, 0);
     // A plain append on a tracked sequence stops its registration (ids unknown).
-    kv.admit_tokens(SeqId(2), &toks(0, 6), &NONE, &mut slots).unwrap();
+    kv.admit_tokens(SeqId(2), &toks(0, 6), &NONE, &mut slots)
+        .unwrap();
     kv.append(SeqId(2), 2, &mut slots, &mut copies).unwrap();
     kv.append_tokens(SeqId(2), &toks(50, 8), &mut slots, &mut copies)
         .unwrap();
@@ -367,8 +392,10 @@ fn colliding_hashes_never_return_another_prompts_kv() {
 fn eviction_is_lru_leaves_first_and_never_cuts_a_chain() {
     let mut kv = manager_with(6, |p| p.record_events = true);
     let mut slots = Vec::new();
-    kv.admit_tokens(SeqId(1), &toks(0, 13), &NONE, &mut slots).unwrap(); // 3 full + 1
-    kv.admit_tokens(SeqId(2), &toks(100, 8), &NONE, &mut slots).unwrap(); // 2 full
+    kv.admit_tokens(SeqId(1), &toks(0, 13), &NONE, &mut slots)
+        .unwrap(); // 3 full + 1
+    kv.admit_tokens(SeqId(2), &toks(100, 8), &NONE, &mut slots)
+        .unwrap(); // 2 full
     let a = kv.block_table(SeqId(1)).unwrap().to_vec();
     let b = kv.block_table(SeqId(2)).unwrap().to_vec();
     kv.free(SeqId(1)).unwrap(); // older
@@ -411,7 +438,8 @@ fn eviction_is_lru_leaves_first_and_never_cuts_a_chain() {
 fn cached_blocks_count_as_available_exactly_once() {
     let mut kv = manager(8);
     let mut slots = Vec::new();
-    kv.admit_tokens(SeqId(1), &toks(0, 16), &NONE, &mut slots).unwrap();
+    kv.admit_tokens(SeqId(1), &toks(0, 16), &NONE, &mut slots)
+        .unwrap();
     kv.free(SeqId(1)).unwrap();
     let s = kv.stats();
     assert_eq!((s.free_blocks, s.cached_blocks, s.used_blocks), (4, 4, 0));
@@ -445,8 +473,10 @@ fn low_priority_blocks_go_first() {
         priority: 5,
         ..NONE
     };
-    kv.admit_tokens(SeqId(1), &toks(0, 4), &vip, &mut slots).unwrap();
-    kv.admit_tokens(SeqId(2), &toks(50, 4), &NONE, &mut slots).unwrap();
+    kv.admit_tokens(SeqId(1), &toks(0, 4), &vip, &mut slots)
+        .unwrap();
+    kv.admit_tokens(SeqId(2), &toks(50, 4), &NONE, &mut slots)
+        .unwrap();
     kv.free(SeqId(1)).unwrap(); // older, but high priority
     kv.free(SeqId(2)).unwrap();
     kv.admit(SeqId(3), 12, &mut slots).unwrap(); // 2 free + 1 eviction
@@ -463,11 +493,13 @@ fn the_cost_aware_policy_keeps_deep_and_hot_prefixes() {
     let mut slots = Vec::new();
     // A hot 2-block prefix, hit three times, freed first.
     for s in 0..4 {
-        kv.admit_tokens(SeqId(s), &toks(0, 9), &NONE, &mut slots).unwrap();
+        kv.admit_tokens(SeqId(s), &toks(0, 9), &NONE, &mut slots)
+            .unwrap();
         kv.free(SeqId(s)).unwrap();
     }
     // A cold 1-block prompt freed later: LRU would keep it, cost-aware does not.
-    kv.admit_tokens(SeqId(10), &toks(50, 4), &NONE, &mut slots).unwrap();
+    kv.admit_tokens(SeqId(10), &toks(50, 4), &NONE, &mut slots)
+        .unwrap();
     kv.free(SeqId(10)).unwrap();
     kv.admit(SeqId(11), 24, &mut slots).unwrap(); // 5 free + 1 eviction
     assert_eq!(kv.cached_prefix_len(&toks(0, 9), &NONE).unwrap(), 8);
@@ -476,10 +508,12 @@ fn the_cost_aware_policy_keeps_deep_and_hot_prefixes() {
     // Under LRU the same trace keeps the cold prompt.
     let mut kv = manager_with(8, |p| p.policy = Box::new(LruPolicy));
     for s in 0..4 {
-        kv.admit_tokens(SeqId(s), &toks(0, 9), &NONE, &mut slots).unwrap();
+        kv.admit_tokens(SeqId(s), &toks(0, 9), &NONE, &mut slots)
+            .unwrap();
         kv.free(SeqId(s)).unwrap();
     }
-    kv.admit_tokens(SeqId(10), &toks(50, 4), &NONE, &mut slots).unwrap();
+    kv.admit_tokens(SeqId(10), &toks(50, 4), &NONE, &mut slots)
+        .unwrap();
     kv.free(SeqId(10)).unwrap();
     kv.admit(SeqId(11), 24, &mut slots).unwrap();
     assert_eq!(kv.cached_prefix_len(&toks(50, 5), &NONE).unwrap(), 4);
@@ -492,11 +526,16 @@ fn a_pinned_prefix_survives_pressure_until_unpinned() {
     let mut kv = manager_with(6, |p| p.max_pinned_blocks = 4);
     let mut slots = Vec::new();
     let system = toks(0, 8);
-    kv.admit_tokens(SeqId(1), &system, &NONE, &mut slots).unwrap();
+    kv.admit_tokens(SeqId(1), &system, &NONE, &mut slots)
+        .unwrap();
     let pin = kv.pin_prefix(&toks(0, 10), &NONE).unwrap();
     assert_eq!((pin.tokens, pin.blocks), (8, 2));
     kv.free(SeqId(1)).unwrap();
-    assert_eq!(kv.num_available_blocks(), 4, "pinned cached blocks are not available");
+    assert_eq!(
+        kv.num_available_blocks(),
+        4,
+        "pinned cached blocks are not available"
+    );
     assert_eq!(kv.prefix_stats().pinned_blocks, 2);
     let before = snapshot(&kv);
     assert!(matches!(
@@ -508,7 +547,8 @@ fn a_pinned_prefix_survives_pressure_until_unpinned() {
     assert_eq!(kv.evict_cached(usize::MAX), 0);
     // A pinned cached block revived by a hit stays pinned.
     kv.free(SeqId(2)).unwrap();
-    kv.admit_tokens(SeqId(3), &toks(0, 9), &NONE, &mut slots).unwrap();
+    kv.admit_tokens(SeqId(3), &toks(0, 9), &NONE, &mut slots)
+        .unwrap();
     kv.free(SeqId(3)).unwrap();
     kv.check_invariants().unwrap();
     kv.unpin_prefix(pin.id).unwrap();
@@ -523,7 +563,8 @@ fn a_pinned_prefix_survives_pressure_until_unpinned() {
 fn pinning_is_limited_and_unknown_prefixes_are_errors() {
     let mut kv = manager_with(8, |p| p.max_pinned_blocks = 2);
     let mut slots = Vec::new();
-    kv.admit_tokens(SeqId(1), &toks(0, 12), &NONE, &mut slots).unwrap();
+    kv.admit_tokens(SeqId(1), &toks(0, 12), &NONE, &mut slots)
+        .unwrap();
     let before = snapshot(&kv);
     assert_eq!(
         kv.pin_prefix(&toks(0, 12), &NONE),
@@ -559,7 +600,10 @@ fn pinning_is_limited_and_unknown_prefixes_are_errors() {
         kv.pin_prefix(&toks(0, 8), &tenant),
         Err(Error::PrefixNotCached { .. })
     ));
-    assert_eq!(kv.unpin_prefix(PinId(42)), Err(Error::UnknownPin(PinId(42))));
+    assert_eq!(
+        kv.unpin_prefix(PinId(42)),
+        Err(Error::UnknownPin(PinId(42)))
+    );
     assert_eq!(snapshot(&kv), before);
     // Two pins over the same blocks count the blocks once.
     let p1 = kv.pin_prefix(&toks(0, 8), &NONE).unwrap();
@@ -588,7 +632,8 @@ fn pinning_is_limited_and_unknown_prefixes_are_errors() {
 fn bad_input_is_a_typed_error_and_changes_nothing() {
     let mut kv = manager_with(8, |p| p.max_key_bytes = 4);
     let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
-    kv.admit_tokens(SeqId(1), &toks(0, 6), &NONE, &mut slots).unwrap();
+    kv.admit_tokens(SeqId(1), &toks(0, 6), &NONE, &mut slots)
+        .unwrap();
     kv.admit(SeqId(5), 4, &mut slots).unwrap();
     let before = snapshot(&kv);
     let long_salt = AdmitOptions {
@@ -644,7 +689,7 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
 
 // ---- the model ----------------------------------------------------------------------
 
-const MODEL_BLOCKS: usize = 40;
+const MODEL_BLOCKS: usize = 24;
 
 #[derive(Debug, Clone)]
 enum Action {
@@ -675,9 +720,14 @@ fn small_tokens(max: usize) -> impl Strategy<Value = Vec<u32>> {
     proptest::collection::vec(0u32..3, 0..max)
 }
 
+/// Mostly the default namespace, so that prompts meet often.
+fn namespace() -> impl Strategy<Value = u8> {
+    prop_oneof![3 => Just(0u8), 1 => 1u8..4]
+}
+
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
-        4 => (any::<usize>(), any::<usize>(), small_tokens(7), 0u8..4, 0i32..3).prop_map(
+        6 => (any::<usize>(), any::<usize>(), small_tokens(7), namespace(), 0i32..3).prop_map(
             |(base, cut, ext, ns, priority)| Action::Admit { base, cut, ext, ns, priority }
         ),
         1 => (0usize..12).prop_map(Action::AdmitPlain),
@@ -687,7 +737,7 @@ fn action() -> impl Strategy<Value = Action> {
         2 => any::<usize>().prop_map(Action::Fork),
         3 => any::<usize>().prop_map(Action::Free),
         1 => (any::<usize>(), any::<usize>()).prop_map(|(i, n)| Action::Truncate(i, n)),
-        1 => (any::<usize>(), any::<usize>(), 0u8..4)
+        2 => (any::<usize>(), any::<usize>(), namespace())
             .prop_map(|(base, cut, ns)| Action::Pin { base, cut, ns }),
         1 => any::<usize>().prop_map(Action::Unpin),
         1 => (0usize..4).prop_map(Action::Evict),
@@ -903,7 +953,7 @@ fn model_manager(hasher: Box<dyn PrefixHasher>, cost_aware: bool) -> KvCacheMana
 }
 
 fn bases() -> impl Strategy<Value = Vec<Vec<u32>>> {
-    proptest::collection::vec(proptest::collection::vec(0u32..3, 0..20), 1..4)
+    proptest::collection::vec(proptest::collection::vec(0u32..3, 4..24), 1..4)
 }
 
 proptest! {
@@ -912,7 +962,7 @@ proptest! {
     #[test]
     fn shared_prefixes_hold_exactly_what_unshared_runs_would(
         bases in bases(),
-        actions in proptest::collection::vec(action(), 1..80),
+        actions in proptest::collection::vec(action(), 20..100),
         cost_aware in any::<bool>(),
     ) {
         let mut m = Model::new(model_manager(Box::new(ChainHasher), cost_aware), bases);
@@ -925,7 +975,7 @@ proptest! {
     #[test]
     fn colliding_hashers_never_share_wrong_content(
         bases in bases(),
-        actions in proptest::collection::vec(action(), 1..80),
+        actions in proptest::collection::vec(action(), 20..100),
     ) {
         let mut m = Model::new(model_manager(Box::new(CollidingHasher), false), bases);
         for a in &actions {
@@ -967,7 +1017,10 @@ fn events_follow_the_index() {
             }
         }
     }
-    assert!(live.is_empty(), "everything evicted, every store matched by a removal");
+    assert!(
+        live.is_empty(),
+        "everything evicted, every store matched by a removal"
+    );
     let mut again = Vec::new();
     m.e.kv.drain_prefix_events(&mut again);
     assert!(again.is_empty());

@@ -450,3 +450,55 @@ impl KvCacheManager {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::prefix::AdmitOptions;
+    use crate::{BlockId, CacheConfig, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+
+    fn kv(num_blocks: usize) -> KvCacheManager {
+        let shape = ModelShape {
+            num_layers: 1,
+            num_q_heads: 1,
+            num_kv_heads: 1,
+            head_dim: 2,
+            kv_dtype: DType::F32,
+        };
+        KvCacheManager::new(
+            KvLayout::new(shape, 4).unwrap(),
+            CacheConfig::new(num_blocks),
+        )
+        .unwrap()
+    }
+
+    /// The hook defragmentation calls after moving a registered block's data.
+    #[test]
+    fn relocated_blocks_stay_findable() {
+        let mut kv = kv(8);
+        let mut slots = Vec::new();
+        let prompt: Vec<u32> = (0..9).collect();
+        let opts = AdmitOptions::default();
+        kv.admit_tokens(SeqId(1), &prompt, &opts, &mut slots)
+            .unwrap();
+        kv.free(SeqId(1)).unwrap();
+        let (first, dst) = (BlockId(0), BlockId(7));
+        kv.pool.relocate(first, dst).unwrap();
+        kv.prefix.relocate(first, dst).unwrap();
+        kv.check_invariants().unwrap();
+        assert!(kv.prefix.relocate(BlockId(1), dst).is_err());
+        let a = kv
+            .admit_tokens(SeqId(2), &prompt, &opts, &mut slots)
+            .unwrap();
+        assert_eq!(a.cached_tokens, 8);
+        assert_eq!(kv.block_table(SeqId(2)).unwrap()[0], dst);
+        kv.check_invariants().unwrap();
+        // Shrinking past a registered block is refused; past free ones it follows.
+        assert!(kv.prefix.resize(7).is_err());
+        kv.free(SeqId(2)).unwrap();
+        assert_eq!(kv.evict_cached(usize::MAX), 2);
+        kv.prefix.resize(4).unwrap();
+        kv.pool.resize(4).unwrap();
+        kv.block_fill.truncate(4);
+        kv.check_invariants().unwrap();
+    }
+}
