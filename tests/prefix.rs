@@ -217,6 +217,12 @@ impl Engine {
     }
 }
 
+#[test]
+fn the_manager_stays_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<KvCacheManager>();
+}
+
 // ---- hits and misses --------------------------------------------------------------
 
 #[test]

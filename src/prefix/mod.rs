@@ -76,7 +76,8 @@ pub struct AdmitOptions<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Admission {
     /// Leading prompt tokens whose K/V is already cached; the engine computes only the
-    /// rest. Always a multiple of the block size and below the prompt length.
+    /// rest. Always a multiple of the block size and below the prompt length (0 for an
+    /// empty prompt).
     pub cached_tokens: usize,
     /// Blocks shared from the cache (`cached_tokens / block_size`).
     pub cached_blocks: usize,
