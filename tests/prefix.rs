@@ -1027,6 +1027,19 @@ fn events_follow_the_index() {
         live.is_empty(),
         "everything evicted, every store matched by a removal"
     );
+    // The same stream reaches a channel, and a full one drops without blocking.
+    let (tx, rx) = crossbeam_channel::bounded(3);
+    let mut kv = manager_with(8, |p| p.event_channel = Some(tx));
+    let mut slots = Vec::new();
+    kv.admit_tokens(SeqId(1), &toks(0, 17), &NONE, &mut slots)
+        .unwrap();
+    let got: Vec<_> = rx.try_iter().collect();
+    assert_eq!(got.len(), 3);
+    assert!(matches!(
+        got[0],
+        PrefixEvent::BlockStored { parent: None, .. }
+    ));
+    assert_eq!(kv.prefix_stats().dropped_events, 1);
     let mut again = Vec::new();
     m.e.kv.drain_prefix_events(&mut again);
     assert!(again.is_empty());

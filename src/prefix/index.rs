@@ -347,13 +347,11 @@ impl PrefixIndex {
         self.tokens[start..start + self.block_size].copy_from_slice(tokens);
         self.by_hash.insert(hash, b);
         self.counters.stored_blocks += 1;
-        if self.config.record_events {
-            self.events.push(PrefixEvent::BlockStored {
-                hash,
-                parent,
-                block: b,
-            });
-        }
+        self.emit(PrefixEvent::BlockStored {
+            hash,
+            parent,
+            block: b,
+        });
         true
     }
 
@@ -399,12 +397,10 @@ impl PrefixIndex {
         self.by_hash.remove(&e.hash);
         self.config.policy.on_evict(key);
         self.counters.evicted_blocks += 1;
-        if self.config.record_events {
-            self.events.push(PrefixEvent::BlockRemoved {
-                hash: e.hash,
-                block: b,
-            });
-        }
+        self.emit(PrefixEvent::BlockRemoved {
+            hash: e.hash,
+            block: b,
+        });
         if let Some(pb) = e.parent.and_then(|ph| self.block_of(ph)) {
             if let Some(pe) = self.entry_mut(pb) {
                 pe.children -= 1;
@@ -501,17 +497,15 @@ impl PrefixIndex {
             self.candidates.remove(&(p, k, src.0));
             self.candidates.insert((p, k, dst.0));
         }
-        if self.config.record_events {
-            self.events.push(PrefixEvent::BlockRemoved {
-                hash: e.hash,
-                block: src,
-            });
-            self.events.push(PrefixEvent::BlockStored {
-                hash: e.hash,
-                parent: e.parent,
-                block: dst,
-            });
-        }
+        self.emit(PrefixEvent::BlockRemoved {
+            hash: e.hash,
+            block: src,
+        });
+        self.emit(PrefixEvent::BlockStored {
+            hash: e.hash,
+            parent: e.parent,
+            block: dst,
+        });
         self.entries[dst.index()] = Some(e);
         Ok(())
     }
@@ -533,6 +527,20 @@ impl PrefixIndex {
         self.entries.resize(num_blocks, None);
         self.tokens.resize(num_blocks * self.block_size, 0);
         Ok(())
+    }
+
+    /// Records `event` for `drain_events` and sends it to the channel, as configured.
+    /// The channel never blocks the manager: a full or closed channel drops the event
+    /// and counts it.
+    fn emit(&mut self, event: PrefixEvent) {
+        if self.config.record_events {
+            self.events.push(event);
+        }
+        if let Some(tx) = &self.config.event_channel {
+            if tx.try_send(event).is_err() {
+                self.counters.dropped_events += 1;
+            }
+        }
     }
 
     pub(crate) fn drain_events(&mut self, out: &mut Vec<PrefixEvent>) {

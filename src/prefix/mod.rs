@@ -38,6 +38,10 @@ pub struct PrefixConfig {
     /// Whether [`PrefixEvent`]s are recorded for [`crate::KvCacheManager::drain_prefix_events`]
     /// (off by default: nobody drains them otherwise).
     pub record_events: bool,
+    /// Where to send every [`PrefixEvent`] as it happens (a router thread's receiver),
+    /// besides or instead of recording. Sending never blocks: a full or disconnected
+    /// channel drops the event and counts it in [`PrefixStats::dropped_events`].
+    pub event_channel: Option<crossbeam_channel::Sender<PrefixEvent>>,
     /// The content hash.
     pub hasher: Box<dyn PrefixHasher>,
     /// The eviction order among unreferenced cached blocks.
@@ -46,12 +50,14 @@ pub struct PrefixConfig {
 
 impl PrefixConfig {
     /// Defaults for an arena of `num_blocks`: pins may hold a quarter of it, keys up to
-    /// [`DEFAULT_MAX_KEY_BYTES`], no events, [`ChainHasher`], [`LruPolicy`].
+    /// [`DEFAULT_MAX_KEY_BYTES`], no events recorded or sent, [`ChainHasher`],
+    /// [`LruPolicy`].
     pub fn for_arena(num_blocks: usize) -> Self {
         PrefixConfig {
             max_pinned_blocks: num_blocks / 4,
             max_key_bytes: DEFAULT_MAX_KEY_BYTES,
             record_events: false,
+            event_channel: None,
             hasher: Box::new(ChainHasher),
             policy: Box::new(LruPolicy),
         }
@@ -148,6 +154,8 @@ pub struct PrefixStats {
     /// Full blocks not registered because an equal block already was (the sequence
     /// stops registering there; see `admit_tokens`).
     pub duplicate_blocks: u64,
+    /// Events the configured channel refused (full or disconnected).
+    pub dropped_events: u64,
     /// Hash hits rejected because the stored tokens, chain or namespace differed.
     pub rejected_collisions: u64,
     /// Blocks in the index now (live or cached).
