@@ -121,7 +121,7 @@ pub enum Error {
     /// A prefix to pin is not (wholly) in the prefix cache.
     #[error("prefix not cached: {cached_tokens} of {requested_tokens} tokens are")]
     PrefixNotCached {
-        /// Whole-block tokens the call asked for.
+        /// Tokens the call asked to pin.
         requested_tokens: usize,
         /// Leading tokens found in the cache.
         cached_tokens: usize,

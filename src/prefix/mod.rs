@@ -14,6 +14,16 @@
 //! the partial last block) goes through copy-on-write. When the last table reference
 //! goes, a registered block stays `Cached` (content kept, findable, evictable) until an
 //! allocation needs the memory.
+//!
+//! Bookkeeping is allocated once for the arena: `4 * block_size` bytes of token ids
+//! and an entry of about a hundred bytes per block, so a hit is confirmed by comparing
+//! the stored ids without touching K/V memory.
+//!
+//! Known limits: a block whose content is already registered under another block (two
+//! requests computing the same content side by side) is not registered again, and its
+//! sequence registers nothing after it (see `admit_tokens`); blocks are registered when
+//! the call that fills them returns, so an engine that drops a step it was given must
+//! not leave those blocks' K/V unwritten and then free the sequence into the cache.
 
 mod hash;
 pub(crate) mod index;
