@@ -336,8 +336,9 @@ impl KvCacheManager {
             });
         }
         let needed = self.blocks_needed_for_append(s, n);
-        if needed == 0 {
-            // The common decode case: the tokens land in the sequence's own last block.
+        if needed == 0 && s.prefix.is_none() {
+            // The common decode case: the tokens land in the sequence's own last block
+            // and no prefix-cache bookkeeping follows the sequence.
             let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
             fill_slots(
                 &self.layout,
