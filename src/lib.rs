@@ -2,7 +2,9 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
+pub mod attention;
 pub mod baseline;
+pub mod convert;
 pub mod error;
 pub mod layout;
 pub mod manager;
