@@ -2,9 +2,11 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
+pub mod attention;
 pub mod baseline;
 pub mod chart;
 pub mod concurrent;
+pub mod convert;
 pub mod error;
 pub mod export;
 pub mod layout;
