@@ -103,7 +103,7 @@ fn manager_lengths_near_the_limits() {
 fn zero_sizes() {
     let layout = KvLayout::new(shape(), BS).unwrap();
     assert!(KvCacheManager::new(layout, CacheConfig::new(0)).is_err());
-    assert!(ContiguousOk::new(layout, 0).is_err());
+    assert!(KvCacheManager::new(layout, CacheConfig::new(0)).is_err());
     assert!(pagedkv::ContiguousCache::new(layout, 8, 0).is_err());
     assert!(ShardedPool::new(0, 1, 1).is_err());
     assert!(ShardedPool::new(4, 0, 1).is_err());
@@ -117,14 +117,6 @@ fn zero_sizes() {
     kv.admit(SeqId(0), 0, &mut slots).unwrap();
     assert!(kv.block_table(SeqId(0)).unwrap().is_empty());
     kv.check_invariants().unwrap();
-}
-
-/// `BlockPool::new(0)` is a valid empty pool; this wrapper asserts the manager refuses it.
-struct ContiguousOk;
-impl ContiguousOk {
-    fn new(layout: KvLayout, blocks: usize) -> pagedkv::Result<KvCacheManager> {
-        KvCacheManager::new(layout, CacheConfig::new(blocks))
-    }
 }
 
 #[test]
