@@ -111,6 +111,10 @@ pub enum Error {
     /// The operation is not supported by this backend or configuration.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// No swap transfer with this ticket is in flight (completed, aborted or never
+    /// issued by this manager).
+    #[error("no swap transfer in flight with ticket {0}")]
+    UnknownTicket(crate::manager::SwapTicket),
 }
 
 impl Error {

@@ -7,8 +7,10 @@ pub mod error;
 pub mod layout;
 pub mod manager;
 pub mod pool;
+pub mod preempt;
 pub mod shape;
 pub mod storage;
+pub mod tier;
 pub mod transfer;
 
 pub use baseline::{CacheAllocator, ContiguousCache};
@@ -17,9 +19,14 @@ pub use layout::{Kv, KvLayout, Slot};
 pub use manager::{
     CacheConfig, CacheStats, CsrTables, KvCacheManager, PaddedTables, SharedKvCacheManager,
 };
+pub use manager::{SwapJob, SwapTicket, TierBlock, TierConfig, TierStats};
 pub use pool::{BlockPool, BlockState};
+pub use preempt::{
+    CostModel, PreemptAction, PreemptEvent, PreemptMode, PreemptPolicy, PreemptReason, Preemption,
+};
 pub use shape::{DType, ModelConfig, ModelShape};
 pub use storage::{HostStorage, Storage};
+pub use tier::{DiskSlot, DiskTier, TransferEngine, TransferEvent};
 pub use transfer::{BlockCopy, CopyPlan, SwapDirection, SwapPair, SwapPlan};
 
 /// A physical block: an index into the arena.

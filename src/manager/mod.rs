@@ -5,9 +5,11 @@
 
 mod batch;
 mod shared;
+mod swap;
 
 pub use batch::{CsrTables, PaddedTables};
 pub use shared::SharedKvCacheManager;
+pub use swap::{SwapJob, SwapTicket, TierBlock, TierConfig, TierStats};
 
 use std::collections::HashMap;
 
@@ -45,6 +47,13 @@ impl CacheConfig {
 pub(crate) struct Sequence {
     pub(crate) table: Vec<BlockId>,
     pub(crate) num_tokens: usize,
+    /// The admission this sequence descends from (forks inherit it): its fork group
+    /// and its age for preemption.
+    pub(crate) admission: u64,
+    /// Preemption priority set by the engine (lower is preempted first).
+    pub(crate) priority: i32,
+    /// A swap transfer of this sequence that has not completed yet.
+    pub(crate) in_flight: Option<swap::InFlight>,
 }
 
 /// Snapshot of the manager's counters.
@@ -112,6 +121,8 @@ pub struct KvCacheManager {
     pub(crate) block_fill: Vec<u16>,
     pub(crate) live_token_slots: usize,
     pub(crate) peak_used_blocks: usize,
+    /// Host and disk tiers, swapped sequences and in-flight transfers.
+    pub(crate) tiers: swap::Tiers,
 }
 
 impl KvCacheManager {
@@ -144,6 +155,7 @@ impl KvCacheManager {
             block_fill: vec![0; config.num_blocks],
             live_token_slots: 0,
             peak_used_blocks: 0,
+            tiers: swap::Tiers::new(TierConfig::default())?,
         })
     }
 
@@ -182,7 +194,7 @@ impl KvCacheManager {
     }
 
     fn seq(&self, seq: SeqId) -> Result<&Sequence> {
-        self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))
+        self.seqs.get(&seq).ok_or_else(|| self.absent_error(seq))
     }
 
     /// Whether a new sequence of `num_tokens` tokens fits while keeping the watermark.
@@ -222,7 +234,7 @@ impl KvCacheManager {
     /// nothing changed (`slots` may have been cleared).
     pub fn admit(&mut self, seq: SeqId, num_tokens: usize, slots: &mut Vec<Slot>) -> Result<()> {
         slots.clear();
-        if self.seqs.contains_key(&seq) {
+        if self.contains(seq) {
             return Err(Error::DuplicateSequence(seq));
         }
         if num_tokens > self.max_seq_len() {
@@ -235,7 +247,8 @@ impl KvCacheManager {
         self.ensure_available(needed)?;
         let mut s = Sequence {
             table: Vec::with_capacity(needed + 1),
-            num_tokens: 0,
+            admission: self.tiers.next_admission(),
+            ..Sequence::default()
         };
         for _ in 0..needed {
             let b = self.alloc_block()?;
@@ -263,7 +276,7 @@ impl KvCacheManager {
         copies: &mut CopyPlan,
     ) -> Result<()> {
         slots.clear();
-        let s = self.seq(seq)?;
+        let s = self.resident(seq)?;
         let new_len = s.num_tokens + n;
         if new_len > self.max_seq_len() {
             return Err(Error::TooLong {
@@ -322,7 +335,7 @@ impl KvCacheManager {
     /// [`Error::UnknownSequence`]; [`Error::InvalidConfig`] when `new_len` is longer than
     /// the sequence. Nothing changed on error.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
-        let s = self.seq(seq)?;
+        let s = self.resident(seq)?;
         if new_len > s.num_tokens {
             return Err(Error::config(
                 "new_len",
@@ -360,8 +373,8 @@ impl KvCacheManager {
     /// [`Error::UnknownSequence`] for the parent, [`Error::DuplicateSequence`] for the
     /// child. Nothing changed on error.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
-        let p = self.seq(parent)?;
-        if self.seqs.contains_key(&child) {
+        let p = self.resident(parent)?;
+        if self.contains(child) {
             return Err(Error::DuplicateSequence(child));
         }
         let c = p.clone();
@@ -378,6 +391,10 @@ impl KvCacheManager {
     /// [`Error::UnknownSequence`]. A refcount error here means the manager's own state
     /// was corrupt; it is reported after every block was processed.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        if !self.seqs.contains_key(&seq) {
+            return self.free_swapped(seq);
+        }
+        self.resident(seq)?;
         let s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
         let mut result = Ok(());
         for &b in s.table.iter().rev() {
@@ -402,12 +419,13 @@ impl KvCacheManager {
         Ok(self.seq(seq)?.num_tokens)
     }
 
-    /// Whether `seq` is known.
+    /// Whether `seq` is known (on the device or swapped out).
     pub fn contains(&self, seq: SeqId) -> bool {
-        self.seqs.contains_key(&seq)
+        self.seqs.contains_key(&seq) || self.tiers.swapped.contains_key(&seq)
     }
 
-    /// Ids of all sequences, in no particular order.
+    /// Ids of the sequences that have a device block table (resident, or with a swap
+    /// in flight), in no particular order.
     pub fn sequence_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
         self.seqs.keys().copied()
     }
@@ -540,6 +558,6 @@ impl KvCacheManager {
                 self.live_token_slots
             ));
         }
-        Ok(())
+        self.check_tier_invariants()
     }
 }
