@@ -189,7 +189,7 @@ pub enum PreemptReason {
     SwapCheaper,
     /// The cost model found recomputing cheaper.
     RecomputeCheaper,
-    /// The host tier could not take the group.
+    /// Swapping was preferred but the host tier could not take the group.
     HostTierFull,
     /// The policy forces this action.
     Forced,
@@ -343,17 +343,19 @@ impl KvCacheManager {
             }
             let swap_seconds = policy.cost.swap_seconds(c.blocks * block_bytes);
             let recompute_seconds = policy.cost.recompute_seconds(c.tokens);
-            let (swap, reason) = if c.blocks > host_free {
+            let (swap, reason) = match policy.mode {
+                PreemptMode::AlwaysSwap => (true, PreemptReason::Forced),
+                PreemptMode::AlwaysRecompute => (false, PreemptReason::Forced),
+                PreemptMode::CostBased if swap_seconds <= recompute_seconds => {
+                    (true, PreemptReason::SwapCheaper)
+                }
+                PreemptMode::CostBased => (false, PreemptReason::RecomputeCheaper),
+            };
+            // A swap the host tier cannot take becomes a recompute.
+            let (swap, reason) = if swap && c.blocks > host_free {
                 (false, PreemptReason::HostTierFull)
             } else {
-                match policy.mode {
-                    PreemptMode::AlwaysSwap => (true, PreemptReason::Forced),
-                    PreemptMode::AlwaysRecompute => (false, PreemptReason::Forced),
-                    PreemptMode::CostBased if swap_seconds <= recompute_seconds => {
-                        (true, PreemptReason::SwapCheaper)
-                    }
-                    PreemptMode::CostBased => (false, PreemptReason::RecomputeCheaper),
-                }
+                (swap, reason)
             };
             if swap {
                 host_free -= c.blocks;

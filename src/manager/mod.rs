@@ -411,12 +411,15 @@ impl KvCacheManager {
         Ok(&self.seq(seq)?.table)
     }
 
-    /// Tokens held by `seq`.
+    /// Tokens held by `seq` (on the device or swapped out).
     ///
     /// # Errors
     /// [`Error::UnknownSequence`].
     pub fn num_tokens(&self, seq: SeqId) -> Result<usize> {
-        Ok(self.seq(seq)?.num_tokens)
+        match self.tiers.swapped.get(&seq) {
+            Some(swapped) => Ok(swapped.num_tokens),
+            None => Ok(self.seq(seq)?.num_tokens),
+        }
     }
 
     /// Whether `seq` is known (on the device or swapped out).
