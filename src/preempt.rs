@@ -262,12 +262,17 @@ struct Candidate {
 impl KvCacheManager {
     /// Fork groups of resident sequences with no swap in flight, in victim order.
     fn preemption_candidates(&self) -> Result<Vec<Candidate>> {
-        let mut groups: std::collections::HashMap<u64, Vec<SeqId>> = Default::default();
+        // Keyed by admission; a sequence without a stamp (0) is a group of its own.
+        let mut groups: std::collections::HashMap<(u64, SeqId), Vec<SeqId>> = Default::default();
         for (&id, s) in &self.seqs {
-            groups.entry(s.admission).or_default().push(id);
+            let key = match s.admission {
+                0 => (0, id),
+                a => (a, SeqId(0)),
+            };
+            groups.entry(key).or_default().push(id);
         }
         let mut out = Vec::with_capacity(groups.len());
-        for (admission, mut seqs) in groups {
+        for ((admission, _), mut seqs) in groups {
             // A group with a member in flight is busy as a whole.
             if seqs.iter().any(|id| self.resident(*id).is_err()) {
                 continue;

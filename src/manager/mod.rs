@@ -266,8 +266,9 @@ impl KvCacheManager {
     /// the engine executes before writing K/V.
     ///
     /// # Errors
-    /// [`Error::UnknownSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`]; on error
-    /// nothing changed.
+    /// [`Error::UnknownSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`];
+    /// [`Error::SequenceState`] when `seq` is swapped out or has a swap in flight. On
+    /// error nothing changed.
     pub fn append(
         &mut self,
         seq: SeqId,
@@ -333,7 +334,8 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::InvalidConfig`] when `new_len` is longer than
-    /// the sequence. Nothing changed on error.
+    /// the sequence; [`Error::SequenceState`] when it is swapped out or has a swap in
+    /// flight. Nothing changed on error.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
         let s = self.resident(seq)?;
         if new_len > s.num_tokens {
@@ -371,7 +373,8 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// [`Error::UnknownSequence`] for the parent, [`Error::DuplicateSequence`] for the
-    /// child. Nothing changed on error.
+    /// child, [`Error::SequenceState`] when the parent is swapped out or has a swap in
+    /// flight. Nothing changed on error.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
         let p = self.resident(parent)?;
         if self.contains(child) {
@@ -385,10 +388,12 @@ impl KvCacheManager {
         Ok(())
     }
 
-    /// Frees `seq`; blocks nobody else references are released.
+    /// Frees `seq`; blocks nobody else references are released (host and disk blocks
+    /// too when it is swapped out).
     ///
     /// # Errors
-    /// [`Error::UnknownSequence`]. A refcount error here means the manager's own state
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] while a swap of `seq` is in
+    /// flight (complete or abort it first). A refcount error here means the manager's own state
     /// was corrupt; it is reported after every block was processed.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
         if !self.seqs.contains_key(&seq) {
