@@ -606,6 +606,57 @@ fn transfer_engine_falls_back_to_one_batched_swap_and_reports_errors() {
 }
 
 #[test]
+fn the_engine_keeps_decoding_other_sequences_while_a_swap_is_in_flight() {
+    let mut r = rig(16, 16, 0);
+    r.admit(SeqId(1), 20).unwrap();
+    r.admit(SeqId(2), 3).unwrap();
+    let Rig {
+        mut kv,
+        storage,
+        mut values,
+        mut next_value,
+    } = r;
+    let mut engine = TransferEngine::new(storage);
+    let job = kv.swap_out(SeqId(1)).unwrap();
+    engine.submit(&job).unwrap();
+    let l = layout();
+    // Decode steps for sequence 2 interleave with the transfer on the shared storage.
+    for _ in 0..20 {
+        let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+        kv.append(SeqId(2), 1, &mut slots, &mut copies).unwrap();
+        let mut st = engine.storage().lock();
+        st.copy_blocks(&copies).unwrap();
+        for layer in 0..LAYERS {
+            let (k, v) = token_data(&l, layer, &[next_value]);
+            st.write_slots(layer, &slots, &k, &v).unwrap();
+        }
+        values.get_mut(&SeqId(2)).unwrap().push(next_value);
+        next_value += 1;
+    }
+    engine.wait(job.ticket).unwrap();
+    for (ticket, result) in engine.poll_completed() {
+        result.unwrap();
+        kv.complete_swap(ticket).unwrap();
+    }
+    let back = kv.swap_in(SeqId(1)).unwrap();
+    engine.submit(&back).unwrap();
+    engine.wait(back.ticket).unwrap();
+    kv.complete_swap(back.ticket).unwrap();
+    kv.check_invariants().unwrap();
+    let st = engine.storage().lock();
+    for seq in [SeqId(1), SeqId(2)] {
+        let table = kv.block_table(seq).unwrap();
+        for layer in 0..LAYERS {
+            let (want_k, want_v) = token_data(&l, layer, &values[&seq]);
+            let (mut k, mut v) = (vec![0; want_k.len()], vec![0; want_v.len()]);
+            st.read_tokens(layer, table, values[&seq].len(), &mut k, &mut v)
+                .unwrap();
+            assert!(k == want_k && v == want_v, "{seq} layer {layer}");
+        }
+    }
+}
+
+#[test]
 fn transfer_events_arrive_in_layer_order() {
     // The event type is public for engines that drive their own loop; check its shape.
     let e = TransferEvent::Layer {
@@ -845,6 +896,36 @@ fn cost_model_chooses_recompute_when_prefill_is_cheaper_and_when_the_host_is_ful
     assert_eq!(p[0].reason, PreemptReason::HostTierFull);
     assert!(matches!(p[0].action, PreemptAction::Recompute { .. }));
     r.check();
+}
+
+#[test]
+fn forced_modes_override_the_cost_model() {
+    use pagedkv::PreemptMode;
+    let mut r = rig(4, 8, 0);
+    r.admit(SeqId(1), 8).unwrap();
+    r.admit(SeqId(2), 8).unwrap();
+    let cost = CostModel::new(1.0, 1e12).unwrap(); // recompute far cheaper
+    let swap = PreemptPolicy {
+        mode: PreemptMode::AlwaysSwap,
+        cost,
+    };
+    let p = r.kv.preempt_for(1, &swap).unwrap();
+    assert_eq!(p[0].reason, PreemptReason::Forced);
+    assert!(matches!(p[0].action, PreemptAction::Swap(_)));
+    let recompute = PreemptPolicy {
+        mode: PreemptMode::AlwaysRecompute,
+        cost: CostModel::new(1e12, 1.0).unwrap(),
+    };
+    let p = r.kv.preempt_for(4, &recompute).unwrap();
+    assert_eq!(p.len(), 1);
+    assert_eq!(p[0].seqs, vec![SeqId(1)]);
+    assert_eq!(p[0].reason, PreemptReason::Forced);
+    assert!(matches!(p[0].action, PreemptAction::Recompute { .. }));
+    let events = r.kv.take_preempt_events();
+    assert_eq!(
+        events.iter().map(|e| e.swapped).collect::<Vec<_>>(),
+        vec![true, false]
+    );
 }
 
 #[test]
