@@ -393,8 +393,8 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] while a swap of `seq` is in
-    /// flight (complete or abort it first). A refcount error here means the manager's own state
-    /// was corrupt; it is reported after every block was processed.
+    /// flight (complete or abort it first). A refcount error here means the manager's
+    /// own state was corrupt; it is reported after every block was processed.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
         if !self.seqs.contains_key(&seq) {
             return self.free_swapped(seq);
