@@ -324,6 +324,10 @@ impl KvCacheManager {
     /// [`KvCacheManager::tier_stats`] and recorded for
     /// [`KvCacheManager::take_preempt_events`].
     ///
+    /// A group's freed blocks are those only it references; blocks it shares with
+    /// other groups are not counted, so the estimate errs on the side of one victim
+    /// too many, never too few.
+    ///
     /// The sequence whose allocation failed may itself be picked (it may be the
     /// newest): check the returned groups before retrying.
     ///

@@ -10,7 +10,7 @@ use pagedkv::transfer::SwapDirection;
 use pagedkv::{
     BlockId, CacheConfig, CopyPlan, CostModel, DType, DiskTier, Error, HostStorage, KvCacheManager,
     KvLayout, ModelShape, PreemptAction, PreemptPolicy, PreemptReason, SeqId, Slot, Storage,
-    SwapJob, SwapPlan, TierBlock, TierConfig, TransferEngine, TransferEvent,
+    SwapJob, SwapPlan, TierBlock, TierConfig, TransferEngine,
 };
 
 // ---- fixtures ------------------------------------------------------------------
@@ -654,22 +654,6 @@ fn the_engine_keeps_decoding_other_sequences_while_a_swap_is_in_flight() {
             assert!(k == want_k && v == want_v, "{seq} layer {layer}");
         }
     }
-}
-
-#[test]
-fn transfer_events_arrive_in_layer_order() {
-    // The event type is public for engines that drive their own loop; check its shape.
-    let e = TransferEvent::Layer {
-        ticket: pagedkv::SwapTicket(1),
-        layer: 0,
-    };
-    assert_ne!(
-        e,
-        TransferEvent::Done {
-            ticket: pagedkv::SwapTicket(1),
-            result: Ok(())
-        }
-    );
 }
 
 // ---- disk tier -----------------------------------------------------------------
