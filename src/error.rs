@@ -236,6 +236,10 @@ pub enum Error {
         /// The tensor-parallel degree.
         tp: usize,
     },
+    /// No swap transfer with this ticket is in flight (completed, aborted or never
+    /// issued by this manager).
+    #[error("no swap transfer in flight with ticket {0}")]
+    UnknownTicket(crate::manager::SwapTicket),
 }
 
 impl Error {

@@ -14,11 +14,13 @@ pub mod manager;
 pub mod metrics;
 pub mod plan;
 pub mod pool;
+pub mod preempt;
 pub mod prefix;
 pub mod shape;
 pub mod shard;
 pub mod storage;
 mod sync;
+pub mod tier;
 pub mod transfer;
 
 pub use baseline::{CacheAllocator, ContiguousCache};
@@ -32,13 +34,18 @@ pub use manager::{
     CacheConfig, CacheStats, CsrTables, DefragOptions, FragStats, KvCacheManager, PaddedTables,
     PendingDefrag, SharedKvCacheManager,
 };
+pub use manager::{SwapJob, SwapTicket, TierBlock, TierConfig, TierStats};
 pub use pool::{BlockPool, BlockState};
+pub use preempt::{
+    CostModel, PreemptAction, PreemptEvent, PreemptMode, PreemptPolicy, PreemptReason, Preemption,
+};
 pub use prefix::{
     Admission, AdmitOptions, BlockHash, PinId, PinnedPrefix, PrefixConfig, PrefixEvent, PrefixStats,
 };
 pub use shape::{DType, ModelConfig, ModelShape};
 pub use shard::ShardedStorage;
 pub use storage::{HostStorage, Storage};
+pub use tier::{DiskSlot, DiskTier, TransferEngine, TransferEvent};
 pub use transfer::{BlockCopy, CopyPlan, MovePlan, SwapDirection, SwapPair, SwapPlan};
 
 /// A physical block: an index into the arena.

@@ -41,7 +41,7 @@ impl KvCacheManager {
     fn check_batch(&self, seqs: &[SeqId]) -> Result<usize> {
         let mut max_blocks = 0;
         for &id in seqs {
-            let s = self.seqs.get(&id).ok_or(Error::UnknownSequence(id))?;
+            let s = self.seq(id)?;
             max_blocks = max_blocks.max(s.table.len());
         }
         Ok(max_blocks)
@@ -51,7 +51,8 @@ impl KvCacheManager {
     /// once they have grown to the batch's size).
     ///
     /// # Errors
-    /// [`Error::UnknownSequence`]; `out` is untouched on error.
+    /// [`crate::Error::UnknownSequence`], [`crate::Error::SequenceState`] for a swapped-out
+    /// sequence; `out` is untouched on error.
     pub fn fill_padded(&self, seqs: &[SeqId], out: &mut PaddedTables) -> Result<()> {
         let max_blocks = self.check_batch(seqs)?;
         out.tables.clear();
@@ -73,7 +74,8 @@ impl KvCacheManager {
     /// Fills `out` with the CSR tables of `seqs`, reusing its buffers.
     ///
     /// # Errors
-    /// [`Error::UnknownSequence`]; `out` is untouched on error.
+    /// [`crate::Error::UnknownSequence`], [`crate::Error::SequenceState`] for a swapped-out
+    /// sequence; `out` is untouched on error.
     pub fn fill_csr(&self, seqs: &[SeqId], out: &mut CsrTables) -> Result<()> {
         self.check_batch(seqs)?;
         out.indptr.clear();

@@ -258,6 +258,7 @@ impl KvCacheManager {
     /// # Errors
     /// [`Error::InvalidConfig`] for options out of range; nothing changed.
     pub fn plan_defragment(&mut self, opts: DefragOptions) -> Result<PendingDefrag<'_>> {
+        self.check_no_transfers()?;
         opts.validate()?;
         let occupancy = self.occupancy();
         let plan = if occupancy.fragmentation() < opts.min_fragmentation {
@@ -339,6 +340,7 @@ impl KvCacheManager {
         storage: &mut S,
     ) -> Result<MovePlan> {
         self.check_storage(storage)?;
+        self.check_no_transfers()?;
         let old = self.num_blocks();
         if num_blocks > old {
             return Err(Error::config(
@@ -556,6 +558,16 @@ impl KvCacheManager {
             }
         }
         Ok(())
+    }
+
+    /// Blocks must not move while a swap transfer reads or writes them.
+    fn check_no_transfers(&self) -> Result<()> {
+        match self.tiers.num_in_flight() {
+            0 => Ok(()),
+            n => Err(Error::Unsupported(format!(
+                "defragmentation with {n} swap transfers in flight; complete or abort them first"
+            ))),
+        }
     }
 
     /// Every table whose entries are device block ids. (Tables of sequences swapped to

@@ -7,10 +7,12 @@ mod batch;
 mod defrag;
 mod prefix;
 mod shared;
+mod swap;
 
 pub use batch::{CsrTables, PaddedTables};
 pub use defrag::{DefragOptions, FragStats, PendingDefrag};
 pub use shared::SharedKvCacheManager;
+pub use swap::{SwapJob, SwapTicket, TierBlock, TierConfig, TierStats};
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -79,6 +81,13 @@ pub(crate) struct Sequence {
     pub(crate) num_tokens: usize,
     /// Prefix-cache progress; `None` when the token ids are unknown.
     pub(crate) prefix: Option<Box<prefix::SeqPrefix>>,
+    /// The admission this sequence descends from (forks inherit it): its fork group
+    /// and its age for preemption.
+    pub(crate) admission: u64,
+    /// Preemption priority set by the engine (lower is preempted first).
+    pub(crate) priority: i32,
+    /// A swap transfer of this sequence that has not completed yet.
+    pub(crate) in_flight: Option<swap::InFlight>,
 }
 
 /// Snapshot of the manager's counters.
@@ -148,6 +157,8 @@ pub struct KvCacheManager {
     pub(crate) peak_used_blocks: usize,
     /// The prefix cache (see `manager/prefix.rs`).
     pub(crate) prefix: PrefixIndex,
+    /// Host and disk tiers, swapped sequences and in-flight transfers.
+    pub(crate) tiers: swap::Tiers,
 }
 
 impl KvCacheManager {
@@ -194,6 +205,7 @@ impl KvCacheManager {
                 layout.block_size(),
                 PrefixConfig::for_arena(config.num_blocks),
             )?,
+            tiers: swap::Tiers::new(TierConfig::default())?,
         })
     }
 
@@ -232,7 +244,7 @@ impl KvCacheManager {
     }
 
     fn seq(&self, seq: SeqId) -> Result<&Sequence> {
-        self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))
+        self.seqs.get(&seq).ok_or_else(|| self.absent_error(seq))
     }
 
     /// Whether a new sequence of `num_tokens` tokens fits while keeping the watermark.
@@ -277,7 +289,7 @@ impl KvCacheManager {
     /// nothing changed (`slots` may have been cleared).
     pub fn admit(&mut self, seq: SeqId, num_tokens: usize, slots: &mut Vec<Slot>) -> Result<()> {
         slots.clear();
-        if self.seqs.contains_key(&seq) {
+        if self.contains(seq) {
             return Err(Error::DuplicateSequence(seq));
         }
         if num_tokens > self.max_seq_len() {
@@ -290,8 +302,8 @@ impl KvCacheManager {
         self.ensure_available(needed)?;
         let mut s = Sequence {
             table: Vec::with_capacity(needed + 1),
-            num_tokens: 0,
-            prefix: None,
+            admission: self.tiers.next_admission(),
+            ..Sequence::default()
         };
         for _ in 0..needed {
             let b = self.alloc_block()?;
@@ -309,8 +321,9 @@ impl KvCacheManager {
     /// the engine executes before writing K/V.
     ///
     /// # Errors
-    /// [`Error::UnknownSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`]; on error
-    /// nothing changed.
+    /// [`Error::UnknownSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`];
+    /// [`Error::SequenceState`] when `seq` is swapped out or has a swap in flight. On
+    /// error nothing changed.
     pub fn append(
         &mut self,
         seq: SeqId,
@@ -331,7 +344,7 @@ impl KvCacheManager {
         copies: &mut CopyPlan,
     ) -> Result<()> {
         slots.clear();
-        let s = self.seq(seq)?;
+        let s = self.resident(seq)?;
         let new_len = s.num_tokens.saturating_add(n);
         if new_len > self.max_seq_len() {
             return Err(Error::TooLong {
@@ -398,9 +411,10 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::InvalidConfig`] when `new_len` is longer than
-    /// the sequence. Nothing changed on error.
+    /// the sequence; [`Error::SequenceState`] when it is swapped out or has a swap in
+    /// flight. Nothing changed on error.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
-        let s = self.seq(seq)?;
+        let s = self.resident(seq)?;
         if new_len > s.num_tokens {
             return Err(Error::config(
                 "new_len",
@@ -437,10 +451,11 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// [`Error::UnknownSequence`] for the parent, [`Error::DuplicateSequence`] for the
-    /// child. Nothing changed on error.
+    /// child, [`Error::SequenceState`] when the parent is swapped out or has a swap in
+    /// flight. Nothing changed on error.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
-        let p = self.seq(parent)?;
-        if self.seqs.contains_key(&child) {
+        let p = self.resident(parent)?;
+        if self.contains(child) {
             return Err(Error::DuplicateSequence(child));
         }
         let c = p.clone();
@@ -451,12 +466,18 @@ impl KvCacheManager {
         Ok(())
     }
 
-    /// Frees `seq`; blocks nobody else references are released.
+    /// Frees `seq`; blocks nobody else references are released (host and disk blocks
+    /// too when it is swapped out).
     ///
     /// # Errors
-    /// [`Error::UnknownSequence`]. A refcount error here means the manager's own state
-    /// was corrupt; it is reported after every block was processed.
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] while a swap of `seq` is in
+    /// flight (complete or abort it first). A refcount error here means the manager's
+    /// own state was corrupt; it is reported after every block was processed.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        if !self.seqs.contains_key(&seq) {
+            return self.free_swapped(seq);
+        }
+        self.resident(seq)?;
         let s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
         let mut result = Ok(());
         for &b in s.table.iter().rev() {
@@ -473,20 +494,24 @@ impl KvCacheManager {
         Ok(&self.seq(seq)?.table)
     }
 
-    /// Tokens held by `seq`.
+    /// Tokens held by `seq` (on the device or swapped out).
     ///
     /// # Errors
     /// [`Error::UnknownSequence`].
     pub fn num_tokens(&self, seq: SeqId) -> Result<usize> {
-        Ok(self.seq(seq)?.num_tokens)
+        match self.tiers.swapped.get(&seq) {
+            Some(swapped) => Ok(swapped.num_tokens),
+            None => Ok(self.seq(seq)?.num_tokens),
+        }
     }
 
-    /// Whether `seq` is known.
+    /// Whether `seq` is known (on the device or swapped out).
     pub fn contains(&self, seq: SeqId) -> bool {
-        self.seqs.contains_key(&seq)
+        self.seqs.contains_key(&seq) || self.tiers.swapped.contains_key(&seq)
     }
 
-    /// Ids of all sequences, in no particular order.
+    /// Ids of the sequences that have a device block table (resident, or with a swap
+    /// in flight), in no particular order.
     pub fn sequence_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
         self.seqs.keys().copied()
     }
@@ -634,7 +659,8 @@ impl KvCacheManager {
                 self.live_token_slots
             ));
         }
-        self.check_prefix_invariants()
+        self.check_prefix_invariants()?;
+        self.check_tier_invariants()
     }
 }
 

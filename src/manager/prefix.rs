@@ -155,6 +155,8 @@ impl KvCacheManager {
                 last: found.last,
                 pending: Vec::with_capacity(bs),
             })),
+            admission: self.tiers.next_admission(),
+            ..Sequence::default()
         };
         self.fill_tokens(&mut s, len, slots);
         let registered = self.extend_chain(&mut s, &tokens[cached_blocks * bs..]);

@@ -164,6 +164,25 @@ impl HostStorage {
         Ok(&region.as_slice()[start..start + n])
     }
 
+    /// Checks a host-tier block id and a whole-block buffer length; returns the bytes
+    /// of the block per layer.
+    fn check_host_block_io(&self, block: BlockId, len: usize) -> Result<usize> {
+        if block.index() >= self.num_host_blocks {
+            return Err(Error::BlockOutOfRange {
+                block,
+                num_blocks: self.num_host_blocks,
+            });
+        }
+        if len != self.layout.block_bytes() {
+            return Err(Error::ShapeMismatch {
+                what: "bytes of one host-tier block",
+                expected: self.layout.block_bytes(),
+                got: len,
+            });
+        }
+        Ok(self.layout.block_bytes_per_layer())
+    }
+
     fn check_block(&self, block: BlockId) -> Result<()> {
         if block.index() < self.num_blocks {
             Ok(())
@@ -257,6 +276,51 @@ impl Storage for HostStorage {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    fn swap_layer(&mut self, layer: usize, plan: &SwapPlan) -> Result<()> {
+        validate_swap_plan(plan, self.num_blocks, self.num_host_blocks)?;
+        let layers = self.layout.num_layers();
+        let (Some(dev), Some(host)) = (
+            self.regions.get_mut(layer),
+            self.host_regions.get_mut(layer),
+        ) else {
+            return Err(Error::ShapeMismatch {
+                what: "layer index",
+                expected: layers,
+                got: layer,
+            });
+        };
+        let n = self.layout.block_bytes_per_layer();
+        let (dev, host) = (dev.as_mut_slice(), host.as_mut_slice());
+        for (src, dst, len) in plan.runs() {
+            let (src, dst, bytes) = (src as usize * n, dst as usize * n, len as usize * n);
+            match plan.direction() {
+                SwapDirection::Out => {
+                    host[dst..dst + bytes].copy_from_slice(&dev[src..src + bytes])
+                }
+                SwapDirection::In => dev[dst..dst + bytes].copy_from_slice(&host[src..src + bytes]),
+            }
+        }
+        Ok(())
+    }
+
+    fn read_host_block(&self, block: BlockId, out: &mut [u8]) -> Result<()> {
+        let n = self.check_host_block_io(block, out.len())?;
+        let start = self.layout.block_byte_offset(block);
+        for (region, dst) in self.host_regions.iter().zip(out.chunks_exact_mut(n)) {
+            dst.copy_from_slice(&region.as_slice()[start..start + n]);
+        }
+        Ok(())
+    }
+
+    fn write_host_block(&mut self, block: BlockId, data: &[u8]) -> Result<()> {
+        let n = self.check_host_block_io(block, data.len())?;
+        let start = self.layout.block_byte_offset(block);
+        for (region, src) in self.host_regions.iter_mut().zip(data.chunks_exact(n)) {
+            region.as_mut_slice()[start..start + n].copy_from_slice(src);
         }
         Ok(())
     }

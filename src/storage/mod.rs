@@ -63,6 +63,39 @@ pub trait Storage {
     /// destination written twice, before any byte moves; backend failures.
     fn swap(&mut self, plan: &SwapPlan) -> Result<()>;
 
+    /// Executes one layer of a swap plan, so a transfer engine can signal each layer as
+    /// it lands (attention on layer 0 starts before the last layer arrives). Running
+    /// every layer once is the same as [`Self::swap`].
+    ///
+    /// # Errors
+    /// As [`Self::swap`], plus [`Error::ShapeMismatch`] for a bad layer;
+    /// [`Error::Unsupported`] by default, and callers then fall back to [`Self::swap`].
+    fn swap_layer(&mut self, layer: usize, plan: &SwapPlan) -> Result<()> {
+        let _ = (layer, plan);
+        Err(Error::Unsupported("per-layer swap".into()))
+    }
+
+    /// Copies one host-tier block, every layer one after the other
+    /// (`layout().block_bytes()` bytes), into `out` (the disk tier writes it out).
+    ///
+    /// # Errors
+    /// [`Error::BlockOutOfRange`], [`Error::ShapeMismatch`] for a wrong `out` length;
+    /// [`Error::Unsupported`] by default.
+    fn read_host_block(&self, block: BlockId, out: &mut [u8]) -> Result<()> {
+        let _ = (block, out);
+        Err(Error::Unsupported("host-tier block reads".into()))
+    }
+
+    /// Overwrites one host-tier block with `data`, laid out as by
+    /// [`Self::read_host_block`] (the disk tier reads a block back).
+    ///
+    /// # Errors
+    /// As [`Self::read_host_block`].
+    fn write_host_block(&mut self, block: BlockId, data: &[u8]) -> Result<()> {
+        let _ = (block, data);
+        Err(Error::Unsupported("host-tier block writes".into()))
+    }
+
     /// Grows or shrinks the device arena to `num_blocks`, keeping the contents of every
     /// block below the smaller of the old and new sizes.
     ///

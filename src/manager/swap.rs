@@ -1,0 +1,958 @@
+//! Swapping sequences between the device arena, the host tier and the disk tier.
+//!
+//! # States of a sequence
+//!
+//! ```text
+//!            swap_out            complete_swap             swap_in           complete_swap
+//! resident ----------> swapping out ----------> swapped ----------> swapping in ----------> resident
+//!    ^                     |  abort_swap           |  ^                  |  abort_swap
+//!    +---------------------+                       |  +------------------+
+//!                                  spill_to_disk / restore_from_disk
+//! ```
+//!
+//! * **swapping out**: the plan copies the device blocks to freshly taken host blocks.
+//!   The sequence keeps its device table and every device reference until
+//!   [`KvCacheManager::complete_swap`], so nothing can allocate those blocks while the
+//!   transfer reads them, and attention on the sequence can still run. Append, fork,
+//!   truncate and free are refused ([`Error::SequenceState`]).
+//! * **swapped**: the sequence has no device blocks; its table names host-tier blocks
+//!   or disk slots ([`TierBlock`]). Append, fork, truncate and batch views are refused;
+//!   free releases its tier blocks.
+//! * **swapping in**: the sequence has new device blocks whose data is still arriving
+//!   (ask [`crate::TransferEngine::is_layer_ready`] per layer) and keeps its host
+//!   references until completion. Mutations are refused as while swapping out.
+//!
+//! # Shared blocks
+//!
+//! A call moves a *group* of sequences (`swap_out_group`, `swap_in_group`, spills and
+//! restores take slices). Inside a group each distinct block moves once and the copy
+//! keeps one reference per table entry of the group, so forks swapped together stay
+//! shared. A block also referenced from outside the group is copied: the outside
+//! references keep the original, the group's references move to the copy. That is
+//! correct because a shared block is never written in place (appends copy-on-write),
+//! so both copies hold the same bytes for as long as either is shared; the cost is
+//! the duplicated block. Swapping whole fork groups together (what
+//! [`KvCacheManager::preempt_for`] does) avoids it.
+//!
+//! # Consecutive blocks
+//!
+//! Host blocks (and device blocks on swap-in) are taken as one run of consecutive ids
+//! where the tier has one, so [`SwapPlan::runs`] merges every stretch that is also
+//! consecutive on the other side into one transfer.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::hash::Hash;
+
+use super::{KvCacheManager, Sequence};
+use crate::error::{Error, Result};
+use crate::pool::BlockPool;
+use crate::preempt::PreemptEvent;
+use crate::storage::Storage;
+use crate::tier::{pick_free_run, DiskSlot, DiskTier};
+use crate::transfer::{SwapDirection, SwapPlan};
+use crate::{BlockId, SeqId};
+
+/// Sizes of the tiers below the device arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TierConfig {
+    /// Blocks in the host tier (0: no swapping; swap-outs fail with
+    /// [`Error::TierFull`]). Must match the storage's [`Storage::num_host_blocks`].
+    pub num_host_blocks: usize,
+    /// Slots in the disk tier (0: no disk tier). Must match the [`DiskTier`] passed to
+    /// [`KvCacheManager::spill_to_disk`].
+    pub num_disk_slots: usize,
+}
+
+/// Names one swap transfer from its plan to [`KvCacheManager::complete_swap`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(transparent)]
+pub struct SwapTicket(pub u64);
+
+impl std::fmt::Display for SwapTicket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ticket {}", self.0)
+    }
+}
+
+/// A swap the manager has planned: execute `plan` (one [`Storage::swap`] or a
+/// [`crate::TransferEngine`]), then call [`KvCacheManager::complete_swap`] with
+/// `ticket`, or [`KvCacheManager::abort_swap`] when the transfer failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SwapJob {
+    /// The ticket to complete or abort.
+    pub ticket: SwapTicket,
+    /// The sequences it moves.
+    pub seqs: Vec<SeqId>,
+    /// The blocks to move.
+    pub plan: SwapPlan,
+}
+
+/// Where one block of a swapped-out sequence lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TierBlock {
+    /// A host-tier block.
+    Host(BlockId),
+    /// A disk-tier slot.
+    Disk(DiskSlot),
+}
+
+/// Counters of the host and disk tiers and of preemption.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TierStats {
+    /// Blocks in the host tier.
+    pub host_blocks: usize,
+    /// Host blocks holding data (swapped sequences and transfers in flight).
+    pub host_used_blocks: usize,
+    /// Slots in the disk tier.
+    pub disk_slots: usize,
+    /// Disk slots holding data.
+    pub disk_used_slots: usize,
+    /// Sequences swapped out (on the host tier, the disk tier, or both).
+    pub swapped_sequences: usize,
+    /// Swap transfers planned and not yet completed or aborted.
+    pub in_flight_transfers: usize,
+    /// Completed swap-outs (groups).
+    pub swaps_out: u64,
+    /// Completed swap-ins (groups).
+    pub swaps_in: u64,
+    /// Bytes moved device -> host by completed swap-outs.
+    pub bytes_swapped_out: u64,
+    /// Bytes moved host -> device by completed swap-ins.
+    pub bytes_swapped_in: u64,
+    /// Blocks written host -> disk.
+    pub blocks_spilled: u64,
+    /// Blocks read disk -> host.
+    pub blocks_restored: u64,
+    /// Groups preempted by [`KvCacheManager::preempt_for`].
+    pub preemptions: u64,
+    /// Of those, groups preempted by swapping.
+    pub preempt_swaps: u64,
+    /// Of those, groups dropped for recomputation.
+    pub preempt_recomputes: u64,
+}
+
+/// A swap of a sequence that has not completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct InFlight {
+    pub(crate) ticket: SwapTicket,
+    pub(crate) direction: SwapDirection,
+}
+
+/// A sequence with no device blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SwappedSeq {
+    pub(crate) table: Vec<TierBlock>,
+    pub(crate) num_tokens: usize,
+    pub(crate) admission: u64,
+    pub(crate) priority: i32,
+}
+
+/// What a ticket still holds.
+#[derive(Debug, Clone)]
+enum Pending {
+    /// The group's host tables (host references taken); device references are
+    /// released on completion.
+    Out {
+        seqs: Vec<(SeqId, Vec<BlockId>)>,
+        blocks: usize,
+        /// Device blocks the completion will free (an estimate for the preemption
+        /// policy: later forks can change it).
+        frees_device_blocks: usize,
+    },
+    /// The group as it was swapped out (host references still held); released on
+    /// completion, restored on abort.
+    In {
+        seqs: Vec<(SeqId, SwappedSeq)>,
+        blocks: usize,
+    },
+}
+
+/// The tiers' bookkeeping inside a [`KvCacheManager`].
+#[derive(Debug, Clone)]
+pub(crate) struct Tiers {
+    host: BlockPool,
+    /// Filled token slots of each live host block (restored on swap-in).
+    host_fill: Vec<u16>,
+    host_cursor: usize,
+    disk: BlockPool,
+    disk_fill: Vec<u16>,
+    disk_cursor: usize,
+    device_cursor: usize,
+    pub(crate) swapped: HashMap<SeqId, SwappedSeq>,
+    pending: BTreeMap<SwapTicket, Pending>,
+    next_ticket: u64,
+    next_admission: u64,
+    pub(crate) stats: TierStats,
+    pub(crate) events: VecDeque<PreemptEvent>,
+}
+
+impl Tiers {
+    pub(crate) fn new(config: TierConfig) -> Result<Self> {
+        Ok(Tiers {
+            host: BlockPool::new(config.num_host_blocks)?,
+            host_fill: vec![0; config.num_host_blocks],
+            host_cursor: 0,
+            disk: BlockPool::new(config.num_disk_slots)?,
+            disk_fill: vec![0; config.num_disk_slots],
+            disk_cursor: 0,
+            device_cursor: 0,
+            swapped: HashMap::new(),
+            pending: BTreeMap::new(),
+            next_ticket: 0,
+            next_admission: 0,
+            stats: TierStats::default(),
+            events: VecDeque::new(),
+        })
+    }
+
+    /// A fresh admission stamp (monotonic: larger is more recent).
+    pub(crate) fn next_admission(&mut self) -> u64 {
+        self.next_admission += 1;
+        self.next_admission
+    }
+
+    fn next_ticket(&mut self) -> SwapTicket {
+        self.next_ticket += 1;
+        SwapTicket(self.next_ticket)
+    }
+
+    /// Free host blocks.
+    pub(crate) fn host_free(&self) -> usize {
+        self.host.num_free()
+    }
+
+    /// Device blocks that in-flight swap-outs will free when they complete.
+    /// Swap transfers issued and not yet completed or aborted.
+    pub(crate) fn num_in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    pub(crate) fn pending_device_release(&self) -> usize {
+        self.pending
+            .values()
+            .map(|p| match p {
+                Pending::Out {
+                    frees_device_blocks,
+                    ..
+                } => *frees_device_blocks,
+                Pending::In { .. } => 0,
+            })
+            .sum()
+    }
+}
+
+/// The distinct items of `items` in first-seen order with how often each occurs, and
+/// each item's index in that list.
+fn distinct_with_counts<T: Copy + Eq + Hash>(
+    items: impl IntoIterator<Item = T>,
+) -> (Vec<(T, u32)>, HashMap<T, usize>) {
+    let mut list: Vec<(T, u32)> = Vec::new();
+    let mut index = HashMap::new();
+    for item in items {
+        let i = *index.entry(item).or_insert_with(|| {
+            list.push((item, 0));
+            list.len() - 1
+        });
+        list[i].1 += 1;
+    }
+    (list, index)
+}
+
+fn check_group(seqs: &[SeqId]) -> Result<()> {
+    if seqs.is_empty() {
+        return Err(Error::config("seqs", "an empty group"));
+    }
+    let mut sorted = seqs.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::config("seqs", format!("{} is listed twice", w[0])));
+    }
+    Ok(())
+}
+
+fn state_error(seq: SeqId, state: &'static str, needed: &'static str) -> Error {
+    Error::SequenceState { seq, state, needed }
+}
+
+/// Gives `refs` references of one pool block: takes it, then adds `refs - 1`.
+fn take_with_refs(pool: &mut BlockPool, block: BlockId, refs: u32) -> Result<()> {
+    pool.take(block)?;
+    for _ in 1..refs {
+        pool.incref(block)?;
+    }
+    Ok(())
+}
+
+/// Drops `refs` references of one pool block.
+fn drop_refs(pool: &mut BlockPool, block: BlockId, refs: u32) -> Result<()> {
+    for _ in 0..refs {
+        pool.decref(block)?;
+    }
+    Ok(())
+}
+
+impl KvCacheManager {
+    /// A manager with a host tier (and optionally disk-tier bookkeeping) to swap to.
+    ///
+    /// # Errors
+    /// As [`KvCacheManager::new`]; [`Error::InvalidConfig`] when a tier does not fit
+    /// `u32` ids.
+    pub fn with_tiers(
+        layout: crate::KvLayout,
+        config: super::CacheConfig,
+        tiers: TierConfig,
+    ) -> Result<Self> {
+        let mut m = Self::new(layout, config)?;
+        m.tiers = Tiers::new(tiers)?;
+        Ok(m)
+    }
+
+    /// The error for a sequence with no device table: swapped, or unknown.
+    pub(crate) fn absent_error(&self, seq: SeqId) -> Error {
+        if self.tiers.swapped.contains_key(&seq) {
+            state_error(seq, "swapped out", "resident on the device")
+        } else {
+            Error::UnknownSequence(seq)
+        }
+    }
+
+    /// The sequence if it is resident with no swap in flight (it may be changed).
+    pub(crate) fn resident(&self, seq: SeqId) -> Result<&Sequence> {
+        let s = self.seq(seq)?;
+        match s.in_flight {
+            None => Ok(s),
+            Some(f) => Err(state_error(
+                seq,
+                match f.direction {
+                    SwapDirection::Out => "swapping out",
+                    SwapDirection::In => "swapping in",
+                },
+                "resident with no swap in flight",
+            )),
+        }
+    }
+
+    fn swapped(&self, seq: SeqId) -> Result<&SwappedSeq> {
+        match self.tiers.swapped.get(&seq) {
+            Some(s) => Ok(s),
+            None if self.seqs.contains_key(&seq) => {
+                Err(state_error(seq, "on the device", "swapped out"))
+            }
+            None => Err(Error::UnknownSequence(seq)),
+        }
+    }
+
+    /// Whether `seq` is swapped out (no device blocks, no transfer in flight).
+    pub fn is_swapped(&self, seq: SeqId) -> bool {
+        self.tiers.swapped.contains_key(&seq)
+    }
+
+    /// Ids of swapped-out sequences, in no particular order.
+    pub fn swapped_sequence_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.tiers.swapped.keys().copied()
+    }
+
+    /// Where each block of swapped-out `seq` lives.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is on the device.
+    pub fn swapped_table(&self, seq: SeqId) -> Result<&[TierBlock]> {
+        Ok(&self.swapped(seq)?.table)
+    }
+
+    /// The ticket of the swap in flight for `seq`, if any.
+    pub fn swap_in_flight(&self, seq: SeqId) -> Option<SwapTicket> {
+        self.seqs.get(&seq)?.in_flight.map(|f| f.ticket)
+    }
+
+    /// Sets the preemption priority of `seq` (default 0; lower is preempted first).
+    /// Forks made later inherit it.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`].
+    pub fn set_priority(&mut self, seq: SeqId, priority: i32) -> Result<()> {
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.priority = priority;
+        } else if let Some(s) = self.tiers.swapped.get_mut(&seq) {
+            s.priority = priority;
+        } else {
+            return Err(Error::UnknownSequence(seq));
+        }
+        Ok(())
+    }
+
+    /// Counters of the tiers now.
+    pub fn tier_stats(&self) -> TierStats {
+        TierStats {
+            host_blocks: self.tiers.host.num_blocks(),
+            host_used_blocks: self.tiers.host.num_live(),
+            disk_slots: self.tiers.disk.num_blocks(),
+            disk_used_slots: self.tiers.disk.num_live(),
+            swapped_sequences: self.tiers.swapped.len(),
+            in_flight_transfers: self.tiers.pending.len(),
+            ..self.tiers.stats
+        }
+    }
+
+    /// Plans the swap-out of one sequence; see [`Self::swap_out_group`].
+    ///
+    /// # Errors
+    /// As [`Self::swap_out_group`].
+    pub fn swap_out(&mut self, seq: SeqId) -> Result<SwapJob> {
+        self.swap_out_group(&[seq])
+    }
+
+    /// Plans the swap-out of a group of sequences (a fork group, so shared blocks move
+    /// once and stay shared): takes a host block for each distinct device block, as
+    /// consecutive as the host tier allows, and returns the plan. The device blocks
+    /// stay held until [`Self::complete_swap`]; until then the sequences are
+    /// "swapping out".
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when a sequence is swapped
+    /// or has a swap in flight; [`Error::InvalidConfig`] for an empty group or a
+    /// repeated id; [`Error::TierFull`] when the host tier lacks room. Nothing changed
+    /// on error: the sequences stay resident.
+    pub fn swap_out_group(&mut self, seqs: &[SeqId]) -> Result<SwapJob> {
+        check_group(seqs)?;
+        let mut tables = Vec::with_capacity(seqs.len());
+        for &id in seqs {
+            tables.push(&self.resident(id)?.table);
+        }
+        let (distinct, index) = distinct_with_counts(tables.iter().flat_map(|t| t.iter().copied()));
+        let free = self.tiers.host.num_free();
+        if distinct.len() > free {
+            return Err(Error::TierFull {
+                tier: "host",
+                needed: distinct.len(),
+                free,
+            });
+        }
+        let hosts = pick_free_run(&self.tiers.host, distinct.len(), self.tiers.host_cursor);
+        let host_tables: Vec<(SeqId, Vec<BlockId>)> = seqs
+            .iter()
+            .zip(&tables)
+            .map(|(&id, t)| (id, t.iter().map(|d| hosts[index[d]]).collect()))
+            .collect();
+        let mut frees_device_blocks = 0;
+        for &(dev, refs) in &distinct {
+            if self.pool.refcount(dev)? == refs {
+                frees_device_blocks += 1;
+            }
+        }
+        // Every check is done; from here on nothing fails on a consistent manager.
+        let mut plan = SwapPlan::new(SwapDirection::Out);
+        for (&(dev, refs), &host) in distinct.iter().zip(&hosts) {
+            take_with_refs(&mut self.tiers.host, host, refs)?;
+            self.tiers.host_fill[host.index()] = self.block_fill[dev.index()];
+            plan.push(dev, host);
+        }
+        if let Some(last) = hosts.last() {
+            self.tiers.host_cursor = last.index() + 1;
+        }
+        let ticket = self.tiers.next_ticket();
+        for &id in seqs {
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.in_flight = Some(InFlight {
+                    ticket,
+                    direction: SwapDirection::Out,
+                });
+            }
+        }
+        self.tiers.pending.insert(
+            ticket,
+            Pending::Out {
+                seqs: host_tables,
+                blocks: plan.len(),
+                frees_device_blocks,
+            },
+        );
+        Ok(SwapJob {
+            ticket,
+            seqs: seqs.to_vec(),
+            plan,
+        })
+    }
+
+    /// Plans the swap-in of one sequence; see [`Self::swap_in_group`].
+    ///
+    /// # Errors
+    /// As [`Self::swap_in_group`].
+    pub fn swap_in(&mut self, seq: SeqId) -> Result<SwapJob> {
+        self.swap_in_group(&[seq])
+    }
+
+    /// Plans the swap-in of a group of swapped-out sequences: takes a device block for
+    /// each distinct host block (consecutive where the arena has a run), gives the
+    /// sequences their new tables and returns the plan. The sequences are "swapping
+    /// in" until [`Self::complete_swap`]; their host blocks stay held until then.
+    /// Order the engine's work by layer with [`crate::TransferEngine::is_layer_ready`].
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when a sequence is not
+    /// swapped out, or has blocks on disk (call [`Self::restore_from_disk`] first);
+    /// [`Error::InvalidConfig`] for an empty group or a repeated id;
+    /// [`Error::OutOfBlocks`] when the arena lacks room. Nothing changed on error.
+    pub fn swap_in_group(&mut self, seqs: &[SeqId]) -> Result<SwapJob> {
+        check_group(seqs)?;
+        let mut hosts_in_order = Vec::new();
+        for &id in seqs {
+            for &e in &self.swapped(id)?.table {
+                match e {
+                    TierBlock::Host(h) => hosts_in_order.push(h),
+                    TierBlock::Disk(_) => {
+                        return Err(state_error(
+                            id,
+                            "partly on disk",
+                            "wholly in the host tier (restore_from_disk first)",
+                        ))
+                    }
+                }
+            }
+        }
+        let (distinct, index) = distinct_with_counts(hosts_in_order);
+        self.ensure_available(distinct.len())?;
+        // Prefer one run of free device blocks; evictable blocks fill in the rest.
+        let n_free = distinct.len().min(self.pool.num_free());
+        let mut devs = pick_free_run(&self.pool, n_free, self.tiers.device_cursor);
+        for &d in &devs {
+            self.pool.take(d)?;
+            self.block_fill[d.index()] = 0;
+        }
+        if let Some(last) = devs.last() {
+            self.tiers.device_cursor = last.index() + 1;
+        }
+        while devs.len() < distinct.len() {
+            devs.push(self.alloc_block()?);
+        }
+        let mut plan = SwapPlan::new(SwapDirection::In);
+        for (&(host, refs), &dev) in distinct.iter().zip(&devs) {
+            for _ in 1..refs {
+                self.pool.incref(dev)?;
+            }
+            let fill = self.tiers.host_fill[host.index()];
+            self.block_fill[dev.index()] = fill;
+            self.live_token_slots += usize::from(fill);
+            plan.push(dev, host);
+        }
+        let ticket = self.tiers.next_ticket();
+        let mut saved = Vec::with_capacity(seqs.len());
+        for &id in seqs {
+            let Some(old) = self.tiers.swapped.remove(&id) else {
+                continue;
+            };
+            let table = old
+                .table
+                .iter()
+                .filter_map(|e| match e {
+                    TierBlock::Host(h) => Some(devs[index[h]]),
+                    TierBlock::Disk(_) => None,
+                })
+                .collect();
+            self.seqs.insert(
+                id,
+                Sequence {
+                    table,
+                    num_tokens: old.num_tokens,
+                    admission: old.admission,
+                    priority: old.priority,
+                    in_flight: Some(InFlight {
+                        ticket,
+                        direction: SwapDirection::In,
+                    }),
+                    // Swapped-in blocks are fresh copies, not the registered blocks the
+                    // sequence's prefix chain was built on, so it stops registering
+                    // (it stays correct; only its later full blocks are not cached).
+                    prefix: None,
+                },
+            );
+            saved.push((id, old));
+        }
+        self.note_usage();
+        self.tiers.pending.insert(
+            ticket,
+            Pending::In {
+                seqs: saved,
+                blocks: plan.len(),
+            },
+        );
+        Ok(SwapJob {
+            ticket,
+            seqs: seqs.to_vec(),
+            plan,
+        })
+    }
+
+    /// Finishes a swap whose plan has run: a swap-out releases the device blocks (they
+    /// may now be allocated) and leaves the sequences swapped; a swap-in releases the
+    /// host blocks and makes the sequences resident.
+    ///
+    /// # Errors
+    /// [`Error::UnknownTicket`] when the ticket is not in flight (nothing changed); a
+    /// refcount error means the manager's own state was corrupt and is reported after
+    /// every block was processed.
+    pub fn complete_swap(&mut self, ticket: SwapTicket) -> Result<()> {
+        let pending = self
+            .tiers
+            .pending
+            .remove(&ticket)
+            .ok_or(Error::UnknownTicket(ticket))?;
+        let block_bytes = self.layout.block_bytes() as u64;
+        let mut result = Ok(());
+        match pending {
+            Pending::Out { seqs, blocks, .. } => {
+                for (id, host_table) in seqs {
+                    let Some(s) = self.seqs.remove(&id) else {
+                        result = result.and(Err(Error::UnknownSequence(id)));
+                        continue;
+                    };
+                    for &b in s.table.iter().rev() {
+                        result = result.and(self.release_block(b));
+                    }
+                    self.tiers.swapped.insert(
+                        id,
+                        SwappedSeq {
+                            table: host_table.into_iter().map(TierBlock::Host).collect(),
+                            num_tokens: s.num_tokens,
+                            admission: s.admission,
+                            priority: s.priority,
+                        },
+                    );
+                }
+                self.tiers.stats.swaps_out += 1;
+                self.tiers.stats.bytes_swapped_out += blocks as u64 * block_bytes;
+            }
+            Pending::In { seqs, blocks } => {
+                for (id, old) in seqs {
+                    result = result.and(self.release_tier_blocks(&old.table));
+                    if let Some(s) = self.seqs.get_mut(&id) {
+                        s.in_flight = None;
+                    }
+                }
+                self.tiers.stats.swaps_in += 1;
+                self.tiers.stats.bytes_swapped_in += blocks as u64 * block_bytes;
+            }
+        }
+        result
+    }
+
+    /// Undoes a swap whose plan failed or will not run: a swap-out's sequences stay
+    /// resident (their host blocks are released), a swap-in's go back to swapped
+    /// (their new device blocks are released; the host copy was never given up).
+    ///
+    /// # Errors
+    /// As [`Self::complete_swap`].
+    pub fn abort_swap(&mut self, ticket: SwapTicket) -> Result<()> {
+        let pending = self
+            .tiers
+            .pending
+            .remove(&ticket)
+            .ok_or(Error::UnknownTicket(ticket))?;
+        let mut result = Ok(());
+        match pending {
+            Pending::Out { seqs, .. } => {
+                for (id, host_table) in seqs {
+                    for &h in host_table.iter().rev() {
+                        result = result.and(self.tiers.host.decref(h).map(drop));
+                    }
+                    if let Some(s) = self.seqs.get_mut(&id) {
+                        s.in_flight = None;
+                    }
+                }
+            }
+            Pending::In { seqs, .. } => {
+                for (id, old) in seqs {
+                    if let Some(s) = self.seqs.remove(&id) {
+                        for &b in s.table.iter().rev() {
+                            result = result.and(self.release_block(b));
+                        }
+                    }
+                    self.tiers.swapped.insert(id, old);
+                }
+            }
+        }
+        result
+    }
+
+    /// Drops one reference to each tier block of a swapped table.
+    fn release_tier_blocks(&mut self, table: &[TierBlock]) -> Result<()> {
+        let mut result = Ok(());
+        for &e in table.iter().rev() {
+            let r = match e {
+                TierBlock::Host(h) => self.tiers.host.decref(h),
+                TierBlock::Disk(d) => self.tiers.disk.decref(BlockId(d.0)),
+            };
+            result = result.and(r.map(drop));
+        }
+        result
+    }
+
+    /// Frees a swapped-out sequence (the `free` of a sequence with no device table).
+    pub(crate) fn free_swapped(&mut self, seq: SeqId) -> Result<()> {
+        let s = self
+            .tiers
+            .swapped
+            .remove(&seq)
+            .ok_or(Error::UnknownSequence(seq))?;
+        self.release_tier_blocks(&s.table)
+    }
+
+    fn check_disk(&self, disk: &DiskTier) -> Result<()> {
+        if disk.num_slots() != self.tiers.disk.num_blocks() {
+            return Err(Error::config(
+                "num_disk_slots",
+                format!(
+                    "the disk tier has {} slots, the manager was configured with {}",
+                    disk.num_slots(),
+                    self.tiers.disk.num_blocks()
+                ),
+            ));
+        }
+        if disk.block_bytes() != self.layout.block_bytes() {
+            return Err(Error::ShapeMismatch {
+                what: "bytes of one disk slot",
+                expected: self.layout.block_bytes(),
+                got: disk.block_bytes(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes the host-tier blocks of swapped-out `seqs` to the disk tier and releases
+    /// them from the host tier (shared blocks inside the group are written once).
+    /// Returns the blocks written. Data moves synchronously: each block is read from
+    /// `storage`'s host tier and written to `disk` with its checksum.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`], [`Error::SequenceState`] (not swapped out);
+    /// [`Error::TierFull`] (`"disk"`) when the disk tier lacks slots;
+    /// [`Error::Io`] from a failed write; [`Error::InvalidConfig`] /
+    /// [`Error::ShapeMismatch`] when `disk` does not match the manager. Nothing changed
+    /// on error: the sequences keep their host blocks, whose bytes are untouched.
+    pub fn spill_to_disk<S: Storage + ?Sized>(
+        &mut self,
+        seqs: &[SeqId],
+        storage: &S,
+        disk: &mut DiskTier,
+    ) -> Result<usize> {
+        check_group(seqs)?;
+        self.check_disk(disk)?;
+        let mut hosts = Vec::new();
+        for &id in seqs {
+            hosts.extend(self.swapped(id)?.table.iter().filter_map(|e| match e {
+                TierBlock::Host(h) => Some(*h),
+                TierBlock::Disk(_) => None,
+            }));
+        }
+        let (distinct, index) = distinct_with_counts(hosts);
+        let free = self.tiers.disk.num_free();
+        if distinct.len() > free {
+            return Err(Error::TierFull {
+                tier: "disk",
+                needed: distinct.len(),
+                free,
+            });
+        }
+        let slots = pick_free_run(&self.tiers.disk, distinct.len(), self.tiers.disk_cursor);
+        // Move the bytes first; the bookkeeping changes only once every write landed.
+        // A failed write leaves a free slot with no checksum, which nothing reads.
+        let mut buf = vec![0u8; self.layout.block_bytes()];
+        for (&(host, _), &slot) in distinct.iter().zip(&slots) {
+            storage.read_host_block(host, &mut buf)?;
+            disk.write_slot(DiskSlot(slot.0), &buf)?;
+        }
+        for (&(host, refs), &slot) in distinct.iter().zip(&slots) {
+            take_with_refs(&mut self.tiers.disk, slot, refs)?;
+            self.tiers.disk_fill[slot.index()] = self.tiers.host_fill[host.index()];
+            drop_refs(&mut self.tiers.host, host, refs)?;
+        }
+        if let Some(last) = slots.last() {
+            self.tiers.disk_cursor = last.index() + 1;
+        }
+        for &id in seqs {
+            if let Some(s) = self.tiers.swapped.get_mut(&id) {
+                for e in &mut s.table {
+                    if let TierBlock::Host(h) = *e {
+                        *e = TierBlock::Disk(DiskSlot(slots[index[&h]].0));
+                    }
+                }
+            }
+        }
+        self.tiers.stats.blocks_spilled += distinct.len() as u64;
+        Ok(distinct.len())
+    }
+
+    /// Reads the disk-tier blocks of swapped-out `seqs` back into the host tier (each
+    /// checked against its checksum) and releases their slots; afterwards
+    /// [`Self::swap_in_group`] can bring them to the device. Returns the blocks read.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`], [`Error::SequenceState`] (not swapped out);
+    /// [`Error::TierFull`] (`"host"`) when the host tier lacks room; [`Error::Io`];
+    /// [`Error::Checksum`] when a block read back differs from what was written;
+    /// [`Error::InvalidConfig`] / [`Error::ShapeMismatch`] when `disk` does not match
+    /// the manager. Nothing changed on error: the sequences stay on disk, and only
+    /// free host blocks were written.
+    pub fn restore_from_disk<S: Storage + ?Sized>(
+        &mut self,
+        seqs: &[SeqId],
+        storage: &mut S,
+        disk: &DiskTier,
+    ) -> Result<usize> {
+        check_group(seqs)?;
+        self.check_disk(disk)?;
+        let mut on_disk = Vec::new();
+        for &id in seqs {
+            on_disk.extend(self.swapped(id)?.table.iter().filter_map(|e| match e {
+                TierBlock::Disk(d) => Some(*d),
+                TierBlock::Host(_) => None,
+            }));
+        }
+        let (distinct, index) = distinct_with_counts(on_disk);
+        let free = self.tiers.host.num_free();
+        if distinct.len() > free {
+            return Err(Error::TierFull {
+                tier: "host",
+                needed: distinct.len(),
+                free,
+            });
+        }
+        let hosts = pick_free_run(&self.tiers.host, distinct.len(), self.tiers.host_cursor);
+        let mut buf = vec![0u8; self.layout.block_bytes()];
+        for (&(slot, _), &host) in distinct.iter().zip(&hosts) {
+            disk.read_slot(slot, &mut buf)?;
+            storage.write_host_block(host, &buf)?;
+        }
+        for (&(slot, refs), &host) in distinct.iter().zip(&hosts) {
+            take_with_refs(&mut self.tiers.host, host, refs)?;
+            let slot = BlockId(slot.0);
+            self.tiers.host_fill[host.index()] = self.tiers.disk_fill[slot.index()];
+            drop_refs(&mut self.tiers.disk, slot, refs)?;
+        }
+        if let Some(last) = hosts.last() {
+            self.tiers.host_cursor = last.index() + 1;
+        }
+        for &id in seqs {
+            if let Some(s) = self.tiers.swapped.get_mut(&id) {
+                for e in &mut s.table {
+                    if let TierBlock::Disk(d) = *e {
+                        *e = TierBlock::Host(hosts[index[&d]]);
+                    }
+                }
+            }
+        }
+        self.tiers.stats.blocks_restored += distinct.len() as u64;
+        Ok(distinct.len())
+    }
+
+    /// Checks the tiers: both pools' own invariants; every host and disk refcount
+    /// equals the references from swapped tables and transfers in flight; swapped
+    /// sequences have no device table and cover their tokens; every sequence marked in
+    /// flight belongs to exactly the transfer that names it.
+    pub(crate) fn check_tier_invariants(&self) -> std::result::Result<(), String> {
+        let t = &self.tiers;
+        t.host
+            .check_invariants()
+            .map_err(|e| format!("host tier: {e}"))?;
+        t.disk
+            .check_invariants()
+            .map_err(|e| format!("disk tier: {e}"))?;
+        let mut host_refs = vec![0u32; t.host.num_blocks()];
+        let mut disk_refs = vec![0u32; t.disk.num_blocks()];
+        let mut count = |id: SeqId, e: TierBlock| -> std::result::Result<(), String> {
+            let slot = match e {
+                TierBlock::Host(h) => host_refs.get_mut(h.index()),
+                TierBlock::Disk(d) => disk_refs.get_mut(d.0 as usize),
+            };
+            match slot {
+                Some(r) => {
+                    *r += 1;
+                    Ok(())
+                }
+                None => Err(format!("{id} points outside its tier at {e:?}")),
+            }
+        };
+        for (&id, s) in &t.swapped {
+            if self.seqs.contains_key(&id) {
+                return Err(format!("{id} is both swapped and on the device"));
+            }
+            if s.table.len() != self.layout.blocks_for_tokens(s.num_tokens) {
+                return Err(format!(
+                    "swapped {id}: {} tokens but {} blocks",
+                    s.num_tokens,
+                    s.table.len()
+                ));
+            }
+            for &e in &s.table {
+                count(id, e)?;
+            }
+        }
+        let mut in_flight = 0;
+        for (&ticket, p) in &t.pending {
+            let (direction, members): (SwapDirection, Vec<(SeqId, usize)>) = match p {
+                Pending::Out { seqs, .. } => {
+                    for (id, table) in seqs {
+                        for &h in table {
+                            count(*id, TierBlock::Host(h))?;
+                        }
+                    }
+                    (
+                        SwapDirection::Out,
+                        seqs.iter().map(|(id, tb)| (*id, tb.len())).collect(),
+                    )
+                }
+                Pending::In { seqs, .. } => {
+                    for (id, old) in seqs {
+                        if t.swapped.contains_key(id) {
+                            return Err(format!("{id} is swapping in and swapped"));
+                        }
+                        for &e in &old.table {
+                            count(*id, e)?;
+                        }
+                    }
+                    (
+                        SwapDirection::In,
+                        seqs.iter()
+                            .map(|(id, old)| (*id, old.table.len()))
+                            .collect(),
+                    )
+                }
+            };
+            for (id, len) in members {
+                let s = self
+                    .seqs
+                    .get(&id)
+                    .ok_or_else(|| format!("{ticket} names {id}, which has no device table"))?;
+                if s.in_flight != Some(InFlight { ticket, direction }) {
+                    return Err(format!("{id} in {ticket} is marked {:?}", s.in_flight));
+                }
+                if s.table.len() != len {
+                    return Err(format!(
+                        "{id} in {ticket}: {} device blocks but {len} tier blocks",
+                        s.table.len()
+                    ));
+                }
+                in_flight += 1;
+            }
+        }
+        let marked = self.seqs.values().filter(|s| s.in_flight.is_some()).count();
+        if marked != in_flight {
+            return Err(format!(
+                "{marked} sequences marked in flight, transfers name {in_flight}"
+            ));
+        }
+        for (name, pool, refs) in [("host", &t.host, &host_refs), ("disk", &t.disk, &disk_refs)] {
+            for (i, &r) in refs.iter().enumerate() {
+                let rc = pool
+                    .refcount(BlockId(i as u32))
+                    .map_err(|e| e.to_string())?;
+                if rc != r {
+                    return Err(format!(
+                        "{name} block {i}: refcount {rc} but {r} references"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}

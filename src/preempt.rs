@@ -1,0 +1,432 @@
+//! Preemption: which sequences give up their device blocks when the arena is short,
+//! and whether each is swapped to the host tier or dropped and recomputed.
+//!
+//! # Policy
+//!
+//! Victims are whole *fork groups* (every sequence descending from one admission,
+//! so shared blocks move once and stay shared), taken in vLLM's order: lowest
+//! priority first ([`KvCacheManager::set_priority`]), then the most recently
+//! admitted. Sequences with a swap in flight are never picked.
+//!
+//! For each victim the [`CostModel`] compares
+//!
+//! * **swap**: `2 x bytes / swap_bytes_per_s` (out now, back in later), against
+//! * **recompute**: `tokens / prefill_tokens_per_s` (the prompt and generated tokens
+//!   the engine must prefill again),
+//!
+//! and picks the cheaper, unless the host tier has no room (then recompute) or the
+//! policy forces one way. The transfer bandwidth is measured on the real storage by
+//! [`CostModel::probe`]; the prefill throughput is the engine's own figure. Both can be
+//! overridden.
+//!
+//! # Engine loop (overload)
+//!
+//! ```
+//! use pagedkv::{CacheConfig, CopyPlan, CostModel, DType, Error, HostStorage, KvCacheManager,
+//!               KvLayout, ModelShape, PreemptAction, PreemptPolicy, SeqId, Storage, TierConfig};
+//!
+//! let shape = ModelShape { num_layers: 2, num_q_heads: 4, num_kv_heads: 2, head_dim: 8,
+//!                          kv_dtype: DType::F16 };
+//! let layout = KvLayout::new(shape, 16)?;
+//! let mut storage = HostStorage::with_host_tier(layout, 8, 16)?;
+//! let tiers = TierConfig { num_host_blocks: 16, num_disk_slots: 0 };
+//! let mut kv = KvCacheManager::with_tiers(layout, CacheConfig::new(8), tiers)?;
+//! let policy = PreemptPolicy::cost_based(CostModel::probe(&mut storage, 4, 10_000.0)?);
+//! let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+//!
+//! kv.admit(SeqId(1), 64, &mut slots)?;   // 4 blocks
+//! kv.admit(SeqId(2), 64, &mut slots)?;   // 4 blocks: the arena is full
+//! let err = kv.append(SeqId(1), 1, &mut slots, &mut copies).unwrap_err();
+//! if let Error::OutOfBlocks { needed, .. } = err {
+//!     for p in kv.preempt_for(needed, &policy)? {
+//!         if let PreemptAction::Swap(job) = &p.action {
+//!             storage.swap(&job.plan)?;        // or a TransferEngine
+//!             kv.complete_swap(job.ticket)?;
+//!         }                                  // Recompute: re-admit later with its tokens
+//!     }
+//! }
+//! kv.append(SeqId(1), 1, &mut slots, &mut copies)?;  // fits now
+//! assert!(!kv.contains(SeqId(2)) || kv.is_swapped(SeqId(2)));
+//! # Ok::<(), pagedkv::Error>(())
+//! ```
+
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::manager::{KvCacheManager, SwapJob};
+use crate::storage::Storage;
+use crate::transfer::{SwapDirection, SwapPlan};
+use crate::{BlockId, SeqId};
+
+/// Events kept by [`KvCacheManager::take_preempt_events`] before the oldest are
+/// dropped.
+pub const MAX_PREEMPT_EVENTS: usize = 4096;
+
+/// The two throughputs the swap-or-recompute decision weighs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostModel {
+    /// Device <-> host transfer bandwidth, bytes per second.
+    pub swap_bytes_per_s: f64,
+    /// Prefill throughput of the engine, tokens per second.
+    pub prefill_tokens_per_s: f64,
+}
+
+impl CostModel {
+    /// Measures the swap bandwidth of `storage` with one swap-out and one swap-in plan
+    /// of `num_blocks` blocks (device blocks `0..n` to host blocks `0..n` and back) and
+    /// pairs it with the engine's `prefill_tokens_per_s`.
+    ///
+    /// Run it at start-up: it overwrites host-tier blocks `0..n`. Device blocks are
+    /// copied out and back unchanged.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when `num_blocks` is 0 or exceeds either tier, or
+    /// `prefill_tokens_per_s` is not positive; the storage's swap errors.
+    pub fn probe<S: Storage + ?Sized>(
+        storage: &mut S,
+        num_blocks: usize,
+        prefill_tokens_per_s: f64,
+    ) -> Result<Self> {
+        let swap_bytes_per_s = measure_swap_bandwidth(storage, num_blocks)?;
+        Self::new(swap_bytes_per_s, prefill_tokens_per_s)
+    }
+
+    /// A model from known figures (an override of the probe).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when a figure is not a positive finite number.
+    pub fn new(swap_bytes_per_s: f64, prefill_tokens_per_s: f64) -> Result<Self> {
+        for (field, v) in [
+            ("swap_bytes_per_s", swap_bytes_per_s),
+            ("prefill_tokens_per_s", prefill_tokens_per_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(Error::config(field, format!("{v} is not a positive rate")));
+            }
+        }
+        Ok(CostModel {
+            swap_bytes_per_s,
+            prefill_tokens_per_s,
+        })
+    }
+
+    /// Seconds to swap `bytes` out and back in.
+    pub fn swap_seconds(&self, bytes: usize) -> f64 {
+        2.0 * bytes as f64 / self.swap_bytes_per_s
+    }
+
+    /// Seconds to prefill `tokens` again.
+    pub fn recompute_seconds(&self, tokens: usize) -> f64 {
+        tokens as f64 / self.prefill_tokens_per_s
+    }
+}
+
+/// Times one swap-out and one swap-in of `num_blocks` blocks on `storage`; returns
+/// bytes per second over both. See [`CostModel::probe`] for what it overwrites.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] when `num_blocks` is 0 or exceeds either tier; the
+/// storage's swap errors.
+pub fn measure_swap_bandwidth<S: Storage + ?Sized>(
+    storage: &mut S,
+    num_blocks: usize,
+) -> Result<f64> {
+    let limit = storage.num_blocks().min(storage.num_host_blocks());
+    if num_blocks == 0 || num_blocks > limit {
+        return Err(Error::config(
+            "num_blocks",
+            format!("probe of {num_blocks} blocks; must be in 1..={limit}"),
+        ));
+    }
+    let mut out = SwapPlan::new(SwapDirection::Out);
+    let mut back = SwapPlan::new(SwapDirection::In);
+    for b in 0..num_blocks as u32 {
+        out.push(BlockId(b), BlockId(b));
+        back.push(BlockId(b), BlockId(b));
+    }
+    let start = Instant::now();
+    storage.swap(&out)?;
+    storage.swap(&back)?;
+    let secs = start.elapsed().as_secs_f64().max(1e-9);
+    let bytes = 2.0 * (num_blocks * storage.layout().block_bytes()) as f64;
+    Ok(bytes / secs)
+}
+
+/// How [`KvCacheManager::preempt_for`] chooses between swapping and recomputing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PreemptMode {
+    /// The cheaper by the cost model.
+    CostBased,
+    /// Always swap (recompute only when the host tier is full).
+    AlwaysSwap,
+    /// Always drop for recomputation.
+    AlwaysRecompute,
+}
+
+/// The preemption policy: a mode and the cost model it consults.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PreemptPolicy {
+    /// How to choose.
+    pub mode: PreemptMode,
+    /// The throughputs weighed.
+    pub cost: CostModel,
+}
+
+impl PreemptPolicy {
+    /// Swap or recompute, whichever the cost model says is cheaper.
+    pub fn cost_based(cost: CostModel) -> Self {
+        PreemptPolicy {
+            mode: PreemptMode::CostBased,
+            cost,
+        }
+    }
+}
+
+/// Why a victim was swapped or recomputed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PreemptReason {
+    /// The cost model found swapping cheaper.
+    SwapCheaper,
+    /// The cost model found recomputing cheaper.
+    RecomputeCheaper,
+    /// Swapping was preferred but the host tier could not take the group.
+    HostTierFull,
+    /// The policy forces this action.
+    Forced,
+}
+
+/// What happened to one preempted group.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PreemptAction {
+    /// Swapped out: execute the job's plan, then
+    /// [`KvCacheManager::complete_swap`] frees the device blocks; later
+    /// [`KvCacheManager::swap_in_group`] brings the group back.
+    Swap(SwapJob),
+    /// Freed now: the engine re-admits each sequence with its tokens (prompt and
+    /// generated) when there is room, and prefills them again.
+    Recompute {
+        /// Each freed sequence and the tokens it held.
+        tokens: Vec<(SeqId, usize)>,
+    },
+}
+
+/// One preempted group and the decision taken for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Preemption {
+    /// The group (a sequence and its forks), in id order.
+    pub seqs: Vec<SeqId>,
+    /// What was done.
+    pub action: PreemptAction,
+    /// Why.
+    pub reason: PreemptReason,
+    /// Device blocks the preemption frees (a swap frees them on completion).
+    pub blocks_freed: usize,
+    /// Distinct blocks of the group, i.e. the blocks a swap moves.
+    pub blocks: usize,
+    /// Tokens a recompute would prefill again.
+    pub tokens: usize,
+    /// The cost model's estimate for swapping, in seconds.
+    pub swap_seconds: f64,
+    /// The cost model's estimate for recomputing, in seconds.
+    pub recompute_seconds: f64,
+}
+
+/// A record of one preemption, without its plan (see
+/// [`KvCacheManager::take_preempt_events`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreemptEvent {
+    /// The group.
+    pub seqs: Vec<SeqId>,
+    /// True for a swap, false for a recompute.
+    pub swapped: bool,
+    /// Why.
+    pub reason: PreemptReason,
+    /// Device blocks freed.
+    pub blocks_freed: usize,
+    /// Estimated seconds to swap.
+    pub swap_seconds: f64,
+    /// Estimated seconds to recompute.
+    pub recompute_seconds: f64,
+}
+
+/// A candidate group with everything the decision needs.
+struct Candidate {
+    priority: i32,
+    admission: u64,
+    seqs: Vec<SeqId>,
+    blocks: usize,
+    blocks_freed: usize,
+    tokens: usize,
+}
+
+impl KvCacheManager {
+    /// Fork groups of resident sequences with no swap in flight, in victim order.
+    fn preemption_candidates(&self) -> Result<Vec<Candidate>> {
+        // Keyed by admission; a sequence without a stamp (0) is a group of its own.
+        let mut groups: std::collections::HashMap<(u64, SeqId), Vec<SeqId>> = Default::default();
+        for (&id, s) in &self.seqs {
+            let key = match s.admission {
+                0 => (0, id),
+                a => (a, SeqId(0)),
+            };
+            groups.entry(key).or_default().push(id);
+        }
+        let mut out = Vec::with_capacity(groups.len());
+        for ((admission, _), mut seqs) in groups {
+            // A group with a member in flight is busy as a whole.
+            if seqs.iter().any(|id| self.resident(*id).is_err()) {
+                continue;
+            }
+            seqs.sort_unstable();
+            let mut refs: std::collections::HashMap<BlockId, u32> = Default::default();
+            let mut tokens = 0;
+            let mut priority = i32::MAX;
+            for id in &seqs {
+                let s = self.resident(*id)?;
+                tokens += s.num_tokens;
+                priority = priority.min(s.priority);
+                for &b in &s.table {
+                    *refs.entry(b).or_default() += 1;
+                }
+            }
+            let mut blocks_freed = 0;
+            for (&b, &r) in &refs {
+                if self.pool.refcount(b)? == r {
+                    blocks_freed += 1;
+                }
+            }
+            out.push(Candidate {
+                priority,
+                admission,
+                seqs,
+                blocks: refs.len(),
+                blocks_freed,
+                tokens,
+            });
+        }
+        // Lowest priority first, then the most recent admission.
+        out.sort_by(|a, b| {
+            a.priority
+                .cmp(&b.priority)
+                .then(b.admission.cmp(&a.admission))
+        });
+        Ok(out)
+    }
+
+    /// Frees device blocks for an allocation of `needed_blocks` by preempting fork
+    /// groups (see the [module docs](crate::preempt) for the order and the decision).
+    /// Counts blocks already free or evictable and those in-flight swap-outs will
+    /// free; returns nothing when they suffice.
+    ///
+    /// Recomputed groups are freed at once. Swapped groups free their blocks when the
+    /// engine has run each returned [`PreemptAction::Swap`] plan and called
+    /// [`KvCacheManager::complete_swap`]. Every decision is also counted in
+    /// [`KvCacheManager::tier_stats`] and recorded for
+    /// [`KvCacheManager::take_preempt_events`].
+    ///
+    /// A group's freed blocks are those only it references; blocks it shares with
+    /// other groups are not counted, so the estimate errs on the side of one victim
+    /// too many, never too few.
+    ///
+    /// The sequence whose allocation failed may itself be picked (it may be the
+    /// newest): check the returned groups before retrying.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBlocks`] when even preempting every candidate would not free
+    /// enough; nothing is preempted then.
+    pub fn preempt_for(
+        &mut self,
+        needed_blocks: usize,
+        policy: &PreemptPolicy,
+    ) -> Result<Vec<Preemption>> {
+        let mut have = self.num_available_blocks() + self.tiers.pending_device_release();
+        if needed_blocks <= have {
+            return Ok(Vec::new());
+        }
+        let block_bytes = self.layout.block_bytes();
+        let mut host_free = self.tiers.host_free();
+        let mut chosen = Vec::new();
+        for c in self.preemption_candidates()? {
+            if have >= needed_blocks {
+                break;
+            }
+            let swap_seconds = policy.cost.swap_seconds(c.blocks * block_bytes);
+            let recompute_seconds = policy.cost.recompute_seconds(c.tokens);
+            let (swap, reason) = match policy.mode {
+                PreemptMode::AlwaysSwap => (true, PreemptReason::Forced),
+                PreemptMode::AlwaysRecompute => (false, PreemptReason::Forced),
+                PreemptMode::CostBased if swap_seconds <= recompute_seconds => {
+                    (true, PreemptReason::SwapCheaper)
+                }
+                PreemptMode::CostBased => (false, PreemptReason::RecomputeCheaper),
+            };
+            // A swap the host tier cannot take becomes a recompute.
+            let (swap, reason) = if swap && c.blocks > host_free {
+                (false, PreemptReason::HostTierFull)
+            } else {
+                (swap, reason)
+            };
+            if swap {
+                host_free -= c.blocks;
+            }
+            have += c.blocks_freed;
+            chosen.push((c, swap, reason, swap_seconds, recompute_seconds));
+        }
+        if have < needed_blocks {
+            return Err(Error::OutOfBlocks {
+                needed: needed_blocks,
+                free: have,
+            });
+        }
+        // Decisions made on a consistent state; applying them cannot fail short of
+        // a corrupt manager.
+        let mut out = Vec::with_capacity(chosen.len());
+        for (c, swap, reason, swap_seconds, recompute_seconds) in chosen {
+            let action = if swap {
+                PreemptAction::Swap(self.swap_out_group(&c.seqs)?)
+            } else {
+                let mut tokens = Vec::with_capacity(c.seqs.len());
+                for &id in &c.seqs {
+                    tokens.push((id, self.num_tokens(id)?));
+                    self.free(id)?;
+                }
+                PreemptAction::Recompute { tokens }
+            };
+            let stats = &mut self.tiers.stats;
+            stats.preemptions += 1;
+            if swap {
+                stats.preempt_swaps += 1;
+            } else {
+                stats.preempt_recomputes += 1;
+            }
+            if self.tiers.events.len() == MAX_PREEMPT_EVENTS {
+                self.tiers.events.pop_front();
+            }
+            self.tiers.events.push_back(PreemptEvent {
+                seqs: c.seqs.clone(),
+                swapped: swap,
+                reason,
+                blocks_freed: c.blocks_freed,
+                swap_seconds,
+                recompute_seconds,
+            });
+            out.push(Preemption {
+                seqs: c.seqs,
+                action,
+                reason,
+                blocks_freed: c.blocks_freed,
+                blocks: c.blocks,
+                tokens: c.tokens,
+                swap_seconds,
+                recompute_seconds,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The preemptions recorded since the last call, oldest first (at most
+    /// [`MAX_PREEMPT_EVENTS`]; older ones are dropped).
+    pub fn take_preempt_events(&mut self) -> Vec<PreemptEvent> {
+        self.tiers.events.drain(..).collect()
+    }
+}
