@@ -25,6 +25,7 @@ use pagedkv::{
     BlockId, CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, HostStorage, KvCacheManager,
     KvLayout, ModelConfig, PaddedTables, SeqId, Slot, Storage, SwapPlan,
 };
+use pagedkv::{CostModel, PreemptAction, PreemptPolicy, TierConfig};
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Continuous-batching simulation: paged vs contiguous KV allocation on one arena")]
@@ -62,6 +63,17 @@ struct Args {
     /// Shrink the paged arena mid-trace (another model needs the memory), then grow it.
     #[arg(long)]
     elastic: bool,
+    /// Add a run on a squeezed arena with a host tier: preemption is forced, and a cost
+    /// model picks swap or recompute for each victim.
+    #[arg(long)]
+    overload: bool,
+    /// Fraction of the arena the overload run keeps.
+    #[arg(long, default_value_t = 0.3)]
+    overload_fraction: f64,
+    /// Prefill throughput the cost model assumes, tokens/s (default: measured on the
+    /// simulation's attention model at start-up, or 5,000 without it).
+    #[arg(long)]
+    prefill_tokens_per_s: Option<f64>,
     /// Fraction of the arena kept while shrunk.
     #[arg(long, default_value_t = 0.5)]
     elastic_fraction: f64,
@@ -348,6 +360,39 @@ impl Storage for Mirror {
     }
 }
 
+impl Mirror {
+    /// The same storages, each with a host tier of `blocks` blocks to swap to.
+    fn with_host_tier(self, blocks: usize) -> pagedkv::Result<Self> {
+        let tiered =
+            |s: HostStorage| HostStorage::with_host_tier(*s.layout(), s.num_blocks(), blocks);
+        Ok(Mirror {
+            main: tiered(self.main)?,
+            model: self.model.map(tiered).transpose()?,
+        })
+    }
+}
+
+/// Prefill throughput of the simulation's attention model, tokens/s: what the cost
+/// model weighs recomputation with.
+fn measure_prefill(model: &TinyModel, block_size: usize) -> pagedkv::Result<f64> {
+    let tokens: usize = 512;
+    let blocks = tokens.div_ceil(block_size);
+    let mut store = HostStorage::new(KvLayout::new(*model.shape(), block_size)?, blocks)?;
+    let tables = PaddedTables {
+        tables: (0..blocks as u32).collect(),
+        context_lens: vec![tokens as u32],
+        batch: 1,
+        max_blocks: blocks,
+    };
+    let ids: Vec<u32> = (0..tokens as u32)
+        .map(|t| t % model.vocab_size() as u32)
+        .collect();
+    let mut hidden = vec![0f32; tokens * model.hidden_size()];
+    let t = Instant::now();
+    model.prefill_tokens(&mut store, &tables, &[0, tokens], &ids, &mut hidden)?;
+    Ok(tokens as f64 / t.elapsed().as_secs_f64().max(1e-9))
+}
+
 #[derive(Debug, Default, Clone)]
 struct Elastic {
     shrinks: usize,
@@ -359,6 +404,20 @@ struct Elastic {
     preemptions: usize,
     fragmentation_before: f64,
     fragmentation_after: f64,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Overload {
+    arena_blocks: usize,
+    swaps: usize,
+    recomputes: usize,
+    bytes_swapped_out: u64,
+    bytes_swapped_in: u64,
+    recomputed_tokens: usize,
+    /// The cost model's estimate of the time the preemptions cost (chosen action).
+    simulated_seconds_lost: f64,
+    probe_swap_gb_per_s: f64,
+    prefill_tokens_per_s: f64,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -387,6 +446,7 @@ struct Summary {
     model_checksum: u64,
     model_seconds: f64,
     elastic: Option<Elastic>,
+    overload: Option<Overload>,
 }
 
 impl Summary {
@@ -417,6 +477,19 @@ impl Summary {
             "model_checksum": self.model_checksum,
             "model_seconds": self.model_seconds,
         });
+        if let Some(o) = &self.overload {
+            v["overload"] = serde_json::json!({
+                "arena_blocks": o.arena_blocks,
+                "swaps": o.swaps,
+                "recomputes": o.recomputes,
+                "bytes_swapped_out": o.bytes_swapped_out,
+                "bytes_swapped_in": o.bytes_swapped_in,
+                "recomputed_tokens": o.recomputed_tokens,
+                "simulated_seconds_lost": o.simulated_seconds_lost,
+                "probe_swap_gb_per_s": o.probe_swap_gb_per_s,
+                "prefill_tokens_per_s": o.prefill_tokens_per_s,
+            });
+        }
         if let Some(e) = &self.elastic {
             v["elastic"] = serde_json::json!({
                 "shrinks": e.shrinks,
@@ -453,6 +526,9 @@ struct Sim<'a> {
     model: Option<&'a TinyModel>,
     tables: PaddedTables,
     hidden: Vec<f32>,
+    /// Overload mode: how to preempt, and the groups swapped out to the host tier.
+    policy: Option<PreemptPolicy>,
+    swapped: VecDeque<Vec<Running>>,
     trace: &'a [Request],
     waiting: VecDeque<usize>,
     running: Vec<Running>,
@@ -481,6 +557,8 @@ impl<'a> Sim<'a> {
             model,
             tables: PaddedTables::default(),
             hidden: Vec::new(),
+            policy: None,
+            swapped: VecDeque::new(),
             trace,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -527,8 +605,10 @@ impl<'a> Sim<'a> {
             if let Some(plan) = elastic {
                 self.elastic_phase(plan)?;
             }
-            // Admit in arrival order; the head of the queue blocks the rest (no skipping).
-            while let Some(&r) = self.waiting.front() {
+            self.swap_in_ready()?;
+            // Admit in arrival order; the head of the queue blocks the rest (no skipping),
+            // and swapped-out requests come back before new ones start.
+            while let Some(&r) = self.waiting.front().filter(|_| self.swapped.is_empty()) {
                 if !self.admit_request(r)? {
                     delayed[r] = true;
                     break;
@@ -571,6 +651,14 @@ impl<'a> Sim<'a> {
         if let Some(kv) = self.backend.paged() {
             kv.check_invariants()
                 .map_err(pagedkv::Error::CorruptBlockTable)?;
+            if let (Some(o), Some(policy)) = (self.sum.overload.as_mut(), self.policy) {
+                let t = kv.tier_stats();
+                o.bytes_swapped_out = t.bytes_swapped_out;
+                o.bytes_swapped_in = t.bytes_swapped_in;
+                o.arena_blocks = kv.num_blocks();
+                o.probe_swap_gb_per_s = policy.cost.swap_bytes_per_s / 1e9;
+                o.prefill_tokens_per_s = policy.cost.prefill_tokens_per_s;
+            }
         }
         Ok((self.sum, self.timeline))
     }
@@ -660,6 +748,7 @@ impl<'a> Sim<'a> {
     /// Every running sequence appends one token; a sequence that cannot grow preempts
     /// the most recently admitted request (recompute).
     fn decode_step(&mut self) -> pagedkv::Result<()> {
+        self.reserve_for_step()?;
         let mut i = 0;
         while i < self.running.len() {
             let run = &self.running[i];
@@ -732,6 +821,103 @@ impl<'a> Sim<'a> {
         Ok(())
     }
 
+    /// Overload mode: before the step, frees the blocks this step's appends need with
+    /// the manager's preemption policy (swap or recompute per victim, by cost).
+    fn reserve_for_step(&mut self) -> pagedkv::Result<()> {
+        let Some(policy) = self.policy else {
+            return Ok(());
+        };
+        let Backend::Paged { kv, .. } = &mut self.backend else {
+            return Ok(());
+        };
+        let bs = kv.block_size();
+        let mut needed = 0;
+        for r in &self.running {
+            let n = kv.num_tokens(r.seq)?;
+            let table = kv.block_table(r.seq)?;
+            let shared_tail = n % bs != 0
+                && table
+                    .last()
+                    .is_some_and(|&b| kv.pool().refcount(b).unwrap_or(0) > 1);
+            needed += usize::from(n % bs == 0 || shared_tail);
+        }
+        let available = kv.num_available_blocks();
+        if needed <= available {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let preempted = match kv.preempt_for(needed - available, &policy) {
+            Ok(p) => p,
+            // Not enough to preempt: the in-step fallback (recompute) handles it.
+            Err(pagedkv::Error::OutOfBlocks { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let mut o = self.sum.overload.take().unwrap_or_default();
+        for p in preempted {
+            let group: Vec<Running> = {
+                let (out, keep): (Vec<Running>, Vec<Running>) = self
+                    .running
+                    .drain(..)
+                    .partition(|r| p.seqs.contains(&r.seq));
+                self.running = keep;
+                out
+            };
+            let Some(req) = group.first().map(|r| r.req) else {
+                continue;
+            };
+            match p.action {
+                PreemptAction::Swap(job) => {
+                    self.store.swap(&job.plan)?;
+                    if let Backend::Paged { kv, .. } = &mut self.backend {
+                        kv.complete_swap(job.ticket)?;
+                    }
+                    o.swaps += 1;
+                    o.simulated_seconds_lost += p.swap_seconds;
+                    self.swapped.push_back(group);
+                }
+                PreemptAction::Recompute { tokens } => {
+                    // The manager freed the group; the request starts over.
+                    o.recomputes += 1;
+                    o.recomputed_tokens += tokens.iter().map(|t| t.1).sum::<usize>();
+                    o.simulated_seconds_lost += p.recompute_seconds;
+                    self.waiting.push_front(req);
+                }
+            }
+            self.sum.preemptions += 1;
+            self.timeline.mark(self.step, EventKind::Preemption);
+        }
+        self.sum.overload = Some(o);
+        self.alloc_time += t.elapsed();
+        Ok(())
+    }
+
+    /// Brings swapped-out groups back, oldest first, while they fit with room to grow.
+    fn swap_in_ready(&mut self) -> pagedkv::Result<()> {
+        while let Some(group) = self.swapped.front() {
+            let Backend::Paged { kv, .. } = &mut self.backend else {
+                return Ok(());
+            };
+            let seqs: Vec<SeqId> = group.iter().map(|r| r.seq).collect();
+            let blocks = kv.swapped_table(seqs[0])?.len();
+            if kv.num_available_blocks()
+                < blocks + kv.config().watermark_blocks + self.running.len() / 4 + 1
+            {
+                return Ok(());
+            }
+            let job = match kv.swap_in_group(&seqs) {
+                Ok(job) => job,
+                Err(pagedkv::Error::OutOfBlocks { .. }) => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            self.store.swap(&job.plan)?;
+            kv.complete_swap(job.ticket)?;
+            if let Some(group) = self.swapped.pop_front() {
+                self.running.extend(group);
+            }
+        }
+        Ok(())
+    }
+
     fn youngest_request(&self) -> Option<usize> {
         self.running
             .iter()
@@ -763,6 +949,12 @@ impl<'a> Sim<'a> {
         let mut k = keep.iter();
         self.batch.slots.retain(|_| *k.next().unwrap_or(&true));
         self.sum.preemptions += 1;
+        if self.policy.is_some() {
+            // In overload mode this is the in-step fallback when the reservation before
+            // the step fell short: a recompute, outside the cost model.
+            let o = self.sum.overload.get_or_insert_with(Overload::default);
+            o.recomputes += 1;
+        }
         self.timeline.mark(self.step, EventKind::Preemption);
         self.waiting.push_front(victim);
         Ok(())
@@ -976,6 +1168,39 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (sum, tl) = sim.run(&bar, elastic)?;
         runs.push((name, sum, tl));
     }
+    if args.overload {
+        // The same trace on a squeezed arena with a host tier as large as the full arena:
+        // preemption is forced, and every request must still end with the same outputs.
+        let squeezed = ((num_blocks as f64 * args.overload_fraction) as usize)
+            .max(layout.blocks_for_tokens(args.max_len) + cfg.watermark_blocks + 1);
+        let cfg = CacheConfig {
+            num_blocks: squeezed,
+            watermark_blocks: squeezed / 100,
+            ..cfg
+        };
+        let tiers = TierConfig {
+            num_host_blocks: num_blocks,
+            num_disk_slots: 0,
+        };
+        let mut kv = KvCacheManager::with_tiers(layout, cfg, tiers)?;
+        let mut store = mirror(squeezed)?.with_host_tier(num_blocks)?;
+        let prefill = match (args.prefill_tokens_per_s, &model) {
+            (Some(rate), _) => rate,
+            (None, Some(m)) => measure_prefill(m, args.block_size)?,
+            (None, None) => 5_000.0,
+        };
+        // The probe swaps real blocks of this storage out and back before any data lands.
+        let policy = PreemptPolicy::cost_based(CostModel::probe(&mut store, 16, prefill)?);
+        bar.set_prefix("paged_overload");
+        let backend = Backend::Paged {
+            kv: &mut kv,
+            prefix_cache: true,
+        };
+        let mut sim = Sim::new(backend, &mut store, model.as_ref(), &trace, "paged");
+        sim.policy = Some(policy);
+        let (sum, tl) = sim.run(&bar, None)?;
+        runs.push(("paged_overload", sum, tl));
+    }
     let mut contiguous = ContiguousCache::new(layout, num_blocks, args.max_len)?;
     let mut store = mirror(num_blocks)?;
     bar.set_prefix("contiguous");
@@ -1108,6 +1333,44 @@ fn print_table(
             Box::new(|s| format!("{:.0}", s.tokens_generated as f64 / s.wall_seconds)),
         ),
     ];
+    if args.overload {
+        let o = |f: fn(&Overload) -> String| -> Row {
+            Box::new(move |s| s.overload.as_ref().map_or("-".into(), f))
+        };
+        rows.push(("overload: arena blocks", o(|o| o.arena_blocks.to_string())));
+        rows.push(("overload: swapped out (groups)", o(|o| o.swaps.to_string())));
+        rows.push((
+            "overload: recomputed (groups)",
+            o(|o| o.recomputes.to_string()),
+        ));
+        rows.push((
+            "overload: MiB swapped out/in",
+            o(|o| {
+                format!(
+                    "{:.0}/{:.0}",
+                    o.bytes_swapped_out as f64 / 1048576.0,
+                    o.bytes_swapped_in as f64 / 1048576.0
+                )
+            }),
+        ));
+        rows.push((
+            "overload: tokens recomputed",
+            o(|o| o.recomputed_tokens.to_string()),
+        ));
+        rows.push((
+            "overload: est. time lost",
+            o(|o| format!("{:.2} s", o.simulated_seconds_lost)),
+        ));
+        rows.push((
+            "overload: swap GB/s, prefill tok/s",
+            o(|o| {
+                format!(
+                    "{:.1}, {:.0}",
+                    o.probe_swap_gb_per_s, o.prefill_tokens_per_s
+                )
+            }),
+        ));
+    }
     if args.elastic {
         let e = |f: fn(&Elastic) -> String| -> Row {
             Box::new(move |s| s.elastic.as_ref().map_or("-".into(), f))
