@@ -2,7 +2,10 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
+pub mod attention;
 pub mod baseline;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod layout;
 pub mod manager;
