@@ -304,6 +304,13 @@ pub fn compile_uncached(spec: &KernelSpec, arch: Arch) -> Result<CompiledModule>
         "--ptxas-options=-v".to_string(),
     ];
     options.extend(spec.defines());
+    // The kernels need no CUDA headers; an include path is passed on when set (by
+    // .ci/nvrtc-env) so local experiments with `#include <cuda_fp16.h>` work too.
+    if let Some(dir) = std::env::var_os("PAGEDKV_CUDA_INCLUDE") {
+        if let Some(dir) = dir.to_str().filter(|d| std::path::Path::new(d).is_dir()) {
+            options.push(format!("--include-path={dir}"));
+        }
+    }
     // SAFETY (all calls below): `prog` comes from `create_program` above and is
     // destroyed once, at the end; `src` and `name`, which it may reference, outlive it.
     let compiled = unsafe { nvrtc::compile_program(prog, &options) };
