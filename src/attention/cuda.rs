@@ -10,8 +10,8 @@
 //! each row is returned in natural-log units, as the CPU reference does.
 
 use super::{
-    plan_splits, split_plan_with, validate_csr, validate_params, validate_tables,
-    AttentionParams, SplitPlan,
+    plan_splits, split_plan_with, validate_csr, validate_params, validate_tables, AttentionParams,
+    SplitPlan,
 };
 use crate::cuda::{compile, driver_err, AttentionSpec, KernelSpec, ATTENTION_THREADS};
 use crate::error::{Error, Result};
@@ -92,7 +92,11 @@ impl CudaAttention {
             .context()
             .load_module(cudarc::nvrtc::Ptx::from_binary(module.cubin.clone()))
             .map_err(driver_err("cuModuleLoadData(paged_attention)"))?;
-        let f = |n: &str| loaded.load_function(n).map_err(driver_err("cuModuleGetFunction"));
+        let f = |n: &str| {
+            loaded
+                .load_function(n)
+                .map_err(driver_err("cuModuleGetFunction"))
+        };
         Ok(CudaAttention {
             spec,
             decode: f("paged_attention_decode")?,
@@ -108,7 +112,7 @@ impl CudaAttention {
     }
 
     /// Validates `tables` against `storage`'s arena (see
-    /// [`validate_tables`](super::validate_tables)) and uploads them.
+    /// [`super::validate_tables`]) and uploads them.
     ///
     /// # Errors
     /// The validation errors; [`Error::ShapeMismatch`] for a batch over 65535 (the grid's
@@ -116,7 +120,11 @@ impl CudaAttention {
     pub fn upload_tables(&self, storage: &CudaStorage, tables: Tables<'_>) -> Result<DeviceTables> {
         let layout = storage.layout();
         let stream = storage.compute_stream();
-        let up = |v: &[u32]| stream.clone_htod(v).map_err(driver_err("cuMemcpyHtoDAsync(tables)"));
+        let up = |v: &[u32]| {
+            stream
+                .clone_htod(v)
+                .map_err(driver_err("cuMemcpyHtoDAsync(tables)"))
+        };
         let bs = layout.block_size();
         let t = match tables {
             Tables::Padded(p) => {
@@ -129,7 +137,11 @@ impl CudaAttention {
                 DeviceTables {
                     ids: up(if p.tables.is_empty() { &[0] } else { &p.tables })?,
                     indptr: None,
-                    lens: up(if p.context_lens.is_empty() { &[0] } else { &p.context_lens })?,
+                    lens: up(if p.context_lens.is_empty() {
+                        &[0]
+                    } else {
+                        &p.context_lens
+                    })?,
                     batch: p.batch,
                     row_stride: p.max_blocks as u32,
                     max_context,
@@ -139,9 +151,17 @@ impl CudaAttention {
             Tables::Csr(c) => {
                 let max_context = validate_csr(layout, storage.num_blocks(), c)?;
                 DeviceTables {
-                    ids: up(if c.indices.is_empty() { &[0] } else { &c.indices })?,
+                    ids: up(if c.indices.is_empty() {
+                        &[0]
+                    } else {
+                        &c.indices
+                    })?,
                     indptr: Some(up(&c.indptr)?),
-                    lens: up(if c.last_page_len.is_empty() { &[0] } else { &c.last_page_len })?,
+                    lens: up(if c.last_page_len.is_empty() {
+                        &[0]
+                    } else {
+                        &c.last_page_len
+                    })?,
                     batch: c.last_page_len.len(),
                     row_stride: 0,
                     max_context,
@@ -209,7 +229,11 @@ impl CudaAttention {
             ("log-sum-exp entries", rows, lse.len()),
         ] {
             if got < expected {
-                return Err(Error::ShapeMismatch { what, expected, got });
+                return Err(Error::ShapeMismatch {
+                    what,
+                    expected,
+                    got,
+                });
             }
         }
         let plan = match splits {
@@ -221,21 +245,34 @@ impl CudaAttention {
         }
         let stream = storage.compute_stream();
         let fp8 = shape.kv_dtype == DType::Fp8E4M3;
-        let scale_log2 = params.scale * if fp8 { params.k_scale } else { 1.0 } * std::f32::consts::LOG2_E;
+        let scale_log2 =
+            params.scale * if fp8 { params.k_scale } else { 1.0 } * std::f32::consts::LOG2_E;
         let v_scale = if fp8 { params.v_scale } else { 1.0 };
         let window = params.sliding_window.unwrap_or(0) as u32;
         let alibi = match &params.alibi_slopes {
-            Some(s) => Some(stream.clone_htod(s).map_err(driver_err("cuMemcpyHtoDAsync(alibi)"))?),
+            Some(s) => Some(
+                stream
+                    .clone_htod(s)
+                    .map_err(driver_err("cuMemcpyHtoDAsync(alibi)"))?,
+            ),
             None => None,
         };
         if plan.num_splits > 1 {
             let need_out = elems * plan.num_splits as usize;
             let need_lse = rows * plan.num_splits as usize;
             if self.part_out.as_ref().map_or(true, |b| b.len() < need_out) {
-                self.part_out = Some(stream.alloc_zeros(need_out).map_err(driver_err("cuMemAlloc"))?);
+                self.part_out = Some(
+                    stream
+                        .alloc_zeros(need_out)
+                        .map_err(driver_err("cuMemAlloc"))?,
+                );
             }
             if self.part_lse.as_ref().map_or(true, |b| b.len() < need_lse) {
-                self.part_lse = Some(stream.alloc_zeros(need_lse).map_err(driver_err("cuMemAlloc"))?);
+                self.part_lse = Some(
+                    stream
+                        .alloc_zeros(need_lse)
+                        .map_err(driver_err("cuMemAlloc"))?,
+                );
             }
         }
         storage.wait_layer(layer)?;
@@ -243,7 +280,11 @@ impl CudaAttention {
         let (sb, skv, sh, st) = (s.block as u64, s.kv as u64, s.head as u64, s.token as u64);
         let null = 0u64;
         let cfg = LaunchConfig {
-            grid_dim: (shape.num_kv_heads as u32, tables.batch as u32, plan.num_splits),
+            grid_dim: (
+                shape.num_kv_heads as u32,
+                tables.batch as u32,
+                plan.num_splits,
+            ),
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -293,12 +334,17 @@ impl CudaAttention {
                 shared_mem_bytes: 0,
             };
             let mut m = stream.launch_builder(&self.merge);
-            m.arg(&mut *out).arg(&mut *lse).arg(po).arg(pl).arg(&plan.num_splits);
+            m.arg(&mut *out)
+                .arg(&mut *lse)
+                .arg(po)
+                .arg(pl)
+                .arg(&plan.num_splits);
             // SAFETY: arguments match `paged_attention_merge`. Bounds: the grid is
             // (q_heads, batch); it reads `num_splits` partial rows per output row from
             // the scratch written above (sized for them) and writes one row of `out`
             // and one `lse` entry, both checked above to hold batch * q_heads rows.
-            unsafe { m.launch(cfg) }.map_err(driver_err("cuLaunchKernel(paged_attention_merge)"))?;
+            unsafe { m.launch(cfg) }
+                .map_err(driver_err("cuLaunchKernel(paged_attention_merge)"))?;
         }
         Ok(plan)
     }
@@ -340,9 +386,15 @@ impl CudaAttention {
             .alloc_zeros::<f32>(rows.max(1))
             .map_err(driver_err("cuMemAlloc"))?;
         self.decode(storage, layer, &d_q, &t, params, splits, &mut out, &mut lse)?;
-        let mut o = stream.clone_dtoh(&out).map_err(driver_err("cuMemcpyDtoH"))?;
-        let mut l = stream.clone_dtoh(&lse).map_err(driver_err("cuMemcpyDtoH"))?;
-        stream.synchronize().map_err(driver_err("cuStreamSynchronize"))?;
+        let mut o = stream
+            .clone_dtoh(&out)
+            .map_err(driver_err("cuMemcpyDtoH"))?;
+        let mut l = stream
+            .clone_dtoh(&lse)
+            .map_err(driver_err("cuMemcpyDtoH"))?;
+        stream
+            .synchronize()
+            .map_err(driver_err("cuStreamSynchronize"))?;
         o.truncate(rows * shape.head_dim);
         l.truncate(rows);
         Ok((o, l))

@@ -159,13 +159,7 @@ pub fn validate_csr(layout: &KvLayout, num_blocks: usize, tables: &CsrTables) ->
             }
             (n, l) => (n - 1).saturating_mul(bs).saturating_add(l),
         };
-        check_row(
-            layout,
-            num_blocks,
-            i,
-            &tables.indices[start..end],
-            context,
-        )?;
+        check_row(layout, num_blocks, i, &tables.indices[start..end], context)?;
         longest = longest.max(context);
     }
     Ok(longest)
@@ -191,11 +185,17 @@ pub fn validate_params(layout: &KvLayout, params: &AttentionParams) -> Result<()
         }
     }
     if !params.scale.is_finite() {
-        return Err(Error::config("scale", format!("{} is not finite", params.scale)));
+        return Err(Error::config(
+            "scale",
+            format!("{} is not finite", params.scale),
+        ));
     }
     for (field, v) in [("k_scale", params.k_scale), ("v_scale", params.v_scale)] {
         if !(v.is_finite() && v > 0.0) {
-            return Err(Error::config(field, format!("{v} must be positive and finite")));
+            return Err(Error::config(
+                field,
+                format!("{v} must be positive and finite"),
+            ));
         }
     }
     if let Some(w) = params.sliding_window {
@@ -260,7 +260,11 @@ fn even_splits(max_context: usize, bs: usize, splits: usize) -> SplitPlan {
 /// # Errors
 /// [`Error::InvalidConfig`] for 0 or more than [`MAX_SPLITS`] splits, or a context
 /// over [`MAX_CONTEXT_TOKENS`].
-pub fn split_plan_with(max_context: usize, block_size: usize, num_splits: u32) -> Result<SplitPlan> {
+pub fn split_plan_with(
+    max_context: usize,
+    block_size: usize,
+    num_splits: u32,
+) -> Result<SplitPlan> {
     if num_splits == 0 || num_splits > MAX_SPLITS {
         return Err(Error::config(
             "num_splits",
@@ -403,10 +407,10 @@ mod tests {
     fn hostile_csr_tables_are_rejected() {
         let l = layout();
         let bad = [
-            csr(&[&[3, 10]], &[1]),  // id out of range
-            csr(&[&[3]], &[17]),     // last page longer than a block
-            csr(&[&[3]], &[0]),      // non-empty row with an empty last page
-            csr(&[&[]], &[5]),       // empty row claiming tokens
+            csr(&[&[3, 10]], &[1]), // id out of range
+            csr(&[&[3]], &[17]),    // last page longer than a block
+            csr(&[&[3]], &[0]),     // non-empty row with an empty last page
+            csr(&[&[]], &[5]),      // empty row claiming tokens
         ];
         for t in &bad {
             assert!(validate_csr(&l, 10, t).is_err(), "{t:?}");
@@ -488,7 +492,9 @@ mod tests {
                     assert_eq!(p.tokens_per_split as usize % bs, 0);
                     assert!(p.num_splits as usize * p.tokens_per_split as usize >= ctx);
                     // No split is wholly past the context.
-                    assert!(((p.num_splits - 1) as usize * (p.tokens_per_split as usize)) < ctx.max(1));
+                    assert!(
+                        ((p.num_splits - 1) as usize * (p.tokens_per_split as usize)) < ctx.max(1)
+                    );
                 }
             }
         }

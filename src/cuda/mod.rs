@@ -16,8 +16,8 @@
 mod nvrtc;
 
 pub use nvrtc::{
-    catalog, compile, compile_uncached, parse_ptxas_log, Arch, AttentionSpec, CompiledModule,
-    KernelResources, KernelSpec, ATTENTION_THREADS,
+    catalog, compile, compile_uncached, parse_ptxas_log, write_cubin, Arch, AttentionSpec,
+    CompiledModule, KernelResources, KernelSpec, ATTENTION_THREADS, CUBIN_DIR_ENV,
 };
 
 use crate::error::{Error, Result};
@@ -75,7 +75,9 @@ pub fn open_device(ordinal: usize) -> Result<(Arc<CudaContext>, DeviceInfo)> {
     let count = CudaContext::device_count()
         .map_err(|e| Error::CudaUnavailable(format!("cuInit/cuDeviceGetCount: {e}")))?;
     if count <= 0 {
-        return Err(Error::CudaUnavailable("the driver reports no device".into()));
+        return Err(Error::CudaUnavailable(
+            "the driver reports no device".into(),
+        ));
     }
     if ordinal >= count as usize {
         return Err(Error::CudaUnavailable(format!(

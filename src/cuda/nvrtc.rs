@@ -227,7 +227,9 @@ pub fn parse_ptxas_log(log: &str) -> Vec<KernelResources> {
     for line in log.lines() {
         if let Some(at) = line.find("Function properties for ") {
             out.push(KernelResources {
-                name: line[at + "Function properties for ".len()..].trim().to_string(),
+                name: line[at + "Function properties for ".len()..]
+                    .trim()
+                    .to_string(),
                 registers: 0,
                 spill_stores: 0,
                 spill_loads: 0,
@@ -258,7 +260,64 @@ fn cache() -> &'static Cache {
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// Compiles `spec` for `arch`, or returns the module compiled earlier in this process.
+/// Environment variable naming a folder of prebuilt cubins (written by
+/// [`write_cubin`]); [`compile`] loads from it before calling NVRTC, so a machine
+/// without NVRTC (the GPU test machine) runs kernels built elsewhere.
+pub const CUBIN_DIR_ENV: &str = "PAGEDKV_CUBIN_DIR";
+
+impl KernelSpec {
+    /// File name of this specialisation's cubin for `arch`. It carries a hash of the
+    /// source and defines, so a cubin built from other sources is never picked up.
+    pub fn cubin_file_name(&self, arch: Arch) -> String {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in self
+            .source()
+            .bytes()
+            .chain(self.defines().join(" ").bytes())
+        {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+        let tag = match self {
+            KernelSpec::Attention(a) => format!(
+                "attention-d{}-bs{}-g{}-{}",
+                a.head_dim, a.block_size, a.gqa_group, a.dtype
+            ),
+            KernelSpec::CacheOps => "cache_ops".to_string(),
+        };
+        format!("{tag}-{}-{h:016x}.cubin", arch.sm())
+    }
+}
+
+/// Writes `module`'s cubin into `dir` under [`KernelSpec::cubin_file_name`].
+///
+/// # Errors
+/// [`Error::Io`].
+pub fn write_cubin(module: &CompiledModule, dir: &std::path::Path) -> Result<std::path::PathBuf> {
+    let path = dir.join(module.spec.cubin_file_name(module.arch));
+    std::fs::create_dir_all(dir).map_err(|e| Error::Io(format!("{}: {e}", dir.display())))?;
+    std::fs::write(&path, &module.cubin)
+        .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+    Ok(path)
+}
+
+fn prebuilt(spec: &KernelSpec, arch: Arch) -> Option<CompiledModule> {
+    let dir = std::env::var_os(CUBIN_DIR_ENV)?;
+    let path = std::path::Path::new(&dir).join(spec.cubin_file_name(arch));
+    let cubin = std::fs::read(path).ok()?;
+    Some(CompiledModule {
+        spec: *spec,
+        arch,
+        ptx: String::new(),
+        cubin,
+        log: format!(
+            "prebuilt cubin from {}",
+            std::path::Path::new(&dir).display()
+        ),
+    })
+}
+
+/// Compiles `spec` for `arch`, or returns the module compiled earlier in this process
+/// (or prebuilt, see [`CUBIN_DIR_ENV`]).
 ///
 /// # Errors
 /// [`Error::CudaUnavailable`] without NVRTC; [`Error::Unsupported`] for a
@@ -269,7 +328,10 @@ pub fn compile(spec: &KernelSpec, arch: Arch) -> Result<Arc<CompiledModule>> {
         return Ok(m.clone());
     }
     // Compile outside the lock: NVRTC is thread-safe and a compile takes a while.
-    let module = Arc::new(compile_uncached(spec, arch)?);
+    let module = match prebuilt(spec, arch) {
+        Some(m) => Arc::new(m),
+        None => Arc::new(compile_uncached(spec, arch)?),
+    };
     Ok(cache()
         .lock()
         .entry((*spec, arch))
@@ -311,8 +373,9 @@ pub fn compile_uncached(spec: &KernelSpec, arch: Arch) -> Result<CompiledModule>
             options.push(format!("--include-path={dir}"));
         }
     }
-    // SAFETY (all calls below): `prog` comes from `create_program` above and is
-    // destroyed once, at the end; `src` and `name`, which it may reference, outlive it.
+    // SAFETY: `prog` comes from `create_program` above and is destroyed once, at the
+    // end; `src` and `name`, which it may reference, outlive it. The same holds for
+    // every call on `prog` below.
     let compiled = unsafe { nvrtc::compile_program(prog, &options) };
     // SAFETY: as above.
     let log = unsafe { nvrtc::get_program_log(prog) }
@@ -347,7 +410,9 @@ pub fn compile_uncached(spec: &KernelSpec, arch: Arch) -> Result<CompiledModule>
 
 /// # Safety
 /// `prog` must be a live program that compiled successfully.
-unsafe fn get_cubin(prog: nvrtc_sys::nvrtcProgram) -> std::result::Result<Vec<u8>, nvrtc::NvrtcError> {
+unsafe fn get_cubin(
+    prog: nvrtc_sys::nvrtcProgram,
+) -> std::result::Result<Vec<u8>, nvrtc::NvrtcError> {
     let mut size = 0usize;
     // SAFETY: the caller guarantees `prog`; `size` is a valid out-pointer.
     unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) }.result()?;
@@ -385,7 +450,12 @@ ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
         assert_eq!((r[0].registers, r[0].shared_bytes), (32, 0));
         assert_eq!(r[1].name, "paged_attention_decode");
         assert_eq!(
-            (r[1].registers, r[1].spill_stores, r[1].spill_loads, r[1].shared_bytes),
+            (
+                r[1].registers,
+                r[1].spill_stores,
+                r[1].spill_loads,
+                r[1].shared_bytes
+            ),
             (137, 8, 12, 8768)
         );
     }
@@ -401,9 +471,15 @@ ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
         assert!(ok.check().is_ok());
         for bad in [
             AttentionSpec { head_dim: 4, ..ok },
-            AttentionSpec { head_dim: 96 + 4, ..ok },
+            AttentionSpec {
+                head_dim: 96 + 4,
+                ..ok
+            },
             AttentionSpec { gqa_group: 0, ..ok },
-            AttentionSpec { block_size: 0, ..ok },
+            AttentionSpec {
+                block_size: 0,
+                ..ok
+            },
         ] {
             assert!(matches!(bad.check(), Err(Error::Unsupported(_))), "{bad:?}");
         }

@@ -26,8 +26,8 @@ use crate::shape::DType;
 use crate::transfer::{CopyPlan, SwapDirection, SwapPlan};
 use crate::BlockId;
 use cudarc::driver::{
-    sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice,
-    PushKernelArg,
+    sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
 };
 use std::sync::Arc;
 
@@ -105,7 +105,12 @@ impl VmmRegion {
     }
 
     /// Maps chunks until at least `bytes` are backed. On failure the region is as it was.
-    fn grow_to(&mut self, bytes: usize, prop: &sys::CUmemAllocationProp, access: &sys::CUmemAccessDesc) -> Result<()> {
+    fn grow_to(
+        &mut self,
+        bytes: usize,
+        prop: &sys::CUmemAllocationProp,
+        access: &sys::CUmemAccessDesc,
+    ) -> Result<()> {
         let before = self.chunks.len();
         while self.mapped_bytes() < bytes {
             if let Err(e) = self.map_one(prop, access) {
@@ -116,12 +121,19 @@ impl VmmRegion {
         Ok(())
     }
 
-    fn map_one(&mut self, prop: &sys::CUmemAllocationProp, access: &sys::CUmemAccessDesc) -> Result<()> {
+    fn map_one(
+        &mut self,
+        prop: &sys::CUmemAllocationProp,
+        access: &sys::CUmemAccessDesc,
+    ) -> Result<()> {
         let at = self.base + self.mapped_bytes() as u64;
         if self.mapped_bytes() + self.chunk_bytes > self.reserved_bytes {
             return Err(Error::config(
                 "num_blocks",
-                format!("past the reserved maximum of {} bytes per layer", self.reserved_bytes),
+                format!(
+                    "past the reserved maximum of {} bytes per layer",
+                    self.reserved_bytes
+                ),
             ));
         }
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
@@ -160,7 +172,9 @@ impl VmmRegion {
     /// work touches them. Errors here cannot leave memory in use; they are ignored.
     fn shrink_to_chunks(&mut self, keep: usize) {
         while self.chunks.len() > keep {
-            let Some(handle) = self.chunks.pop() else { break };
+            let Some(handle) = self.chunks.pop() else {
+                break;
+            };
             let at = self.base + self.mapped_bytes() as u64;
             // SAFETY: `[at, at + chunk)` is the last mapped chunk, backed by `handle`;
             // no queued work uses it (the caller synchronised the streams).
@@ -194,9 +208,7 @@ impl CacheKernels {
             .iter()
             .find(|((i, c), _)| *i == input && *c == cache)
             .map(|(_, f)| f)
-            .ok_or_else(|| {
-                Error::Unsupported(format!("writing {input} K/V into a {cache} cache"))
-            })
+            .ok_or_else(|| Error::Unsupported(format!("writing {input} K/V into a {cache} cache")))
     }
 }
 
@@ -253,7 +265,8 @@ impl CudaStorage {
     /// allocated so far is released.
     pub fn new(layout: KvLayout, config: CudaStorageConfig) -> Result<Self> {
         let (ctx, info) = open_device(config.device)?;
-        ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))?;
+        ctx.bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
         let bpl = layout.block_bytes_per_layer();
         let layers = layout.num_layers();
         let (alloc_prop, access) = vmm_props(config.device);
@@ -283,8 +296,8 @@ impl CudaStorage {
                         format!("{fraction}; must be in (0, 1]"),
                     ));
                 }
-                let budget = ((info.free_bytes as f64 * fraction) as usize)
-                    .saturating_sub(reserve_bytes);
+                let budget =
+                    ((info.free_bytes as f64 * fraction) as usize).saturating_sub(reserve_bytes);
                 let n = blocks_in_budget(budget, bpl, layers, chunk);
                 if n == 0 {
                     return Err(Error::OutOfBlocks { needed: 1, free: 0 });
@@ -342,7 +355,11 @@ impl CudaStorage {
         let loaded = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(module.cubin.clone()))
             .map_err(driver_err("cuModuleLoadData(cache_ops)"))?;
-        let f = |name: &str| loaded.load_function(name).map_err(driver_err("cuModuleGetFunction"));
+        let f = |name: &str| {
+            loaded
+                .load_function(name)
+                .map_err(driver_err("cuModuleGetFunction"))
+        };
         use DType::*;
         let mut reshape = Vec::new();
         for (i, c, name) in [
@@ -388,7 +405,8 @@ impl CudaStorage {
         // record, so later waits and queries have something to refer to.
         storage.zero_range(0, region_bytes)?;
         for e in &storage.layer_ready {
-            e.record(&storage.transfer).map_err(driver_err("cuEventRecord"))?;
+            e.record(&storage.transfer)
+                .map_err(driver_err("cuEventRecord"))?;
         }
         storage
             .compute
@@ -557,7 +575,10 @@ impl CudaStorage {
         }
         for (field, s) in [("k_scale", k_scale), ("v_scale", v_scale)] {
             if !(s.is_finite() && s > 0.0) {
-                return Err(Error::config(field, format!("{s} must be positive and finite")));
+                return Err(Error::config(
+                    field,
+                    format!("{s} must be positive and finite"),
+                ));
             }
         }
         if slots.is_empty() {
@@ -568,7 +589,16 @@ impl CudaStorage {
         let d_slots = self.htod(&slot_ids)?;
         let d_k = self.htod(k)?;
         let d_v = self.htod(v)?;
-        self.launch_reshape(&func, layer, &d_slots, &d_k, &d_v, slots.len(), k_scale, v_scale)
+        self.launch_reshape(
+            &func,
+            layer,
+            &d_slots,
+            &d_k,
+            &d_v,
+            slots.len(),
+            k_scale,
+            v_scale,
+        )
     }
 
     /// [`Self::reshape_and_cache`] with K, V and the slot mapping already on the
@@ -900,7 +930,8 @@ impl Storage for CudaStorage {
             let dev = self.regions[layer].base;
             let host = self.host_ptrs[layer];
             for &(src, dst, len) in &runs {
-                let (src, dst, bytes) = (src as usize * bpl, dst as usize * bpl, len as usize * bpl);
+                let (src, dst, bytes) =
+                    (src as usize * bpl, dst as usize * bpl, len as usize * bpl);
                 let r = match plan.direction() {
                     // SAFETY: the plan was validated: device runs lie below
                     // `num_blocks` (mapped), host runs below `num_host_blocks` (inside

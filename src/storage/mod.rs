@@ -78,7 +78,7 @@ pub trait Storage {
 /// The storage [`auto`] picked.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Backend {
-    /// A [`CudaStorage`](crate::storage) on this device ordinal.
+    /// A `CudaStorage` on this device ordinal.
     Cuda(usize),
     /// [`HostStorage`], with the reason the GPU path was not taken.
     Host(String),
@@ -104,12 +104,12 @@ pub fn auto(
             ..CudaStorageConfig::blocks(num_blocks)
         };
         match CudaStorage::new(layout, config) {
-            Ok(s) => return Ok((Box::new(s), Backend::Cuda(0))),
+            Ok(s) => Ok((Box::new(s), Backend::Cuda(0))),
             Err(Error::CudaUnavailable(why)) => {
                 let host = HostStorage::with_host_tier(layout, num_blocks, host_blocks)?;
-                return Ok((Box::new(host), Backend::Host(why)));
+                Ok((Box::new(host), Backend::Host(why)))
             }
-            Err(e) => return Err(e),
+            Err(e) => Err(e),
         }
     }
     #[cfg(not(feature = "cuda"))]

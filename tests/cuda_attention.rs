@@ -1,0 +1,338 @@
+//! The CUDA decode kernel against an f64 reference on the same cache: f16, bf16 and
+//! fp8 (with scales), GQA groups 1/4/8, head dims 64/128, ALiBi, sliding window,
+//! every slot past a context poisoned with NaN (a kernel that reads one fails), empty
+//! sequences, padded and CSR tables, and split counts 1, 2, 3, 5, 8, 64 plus the
+//! planner's choice (which exercises the log-sum-exp merge).
+//!
+//! The reference here reads K/V back through `HostStorage::read_tokens` and decodes
+//! them with encoders written independently of the crate (tests/cuda_common). When
+//! `pagedkv::attention::reference::paged_decode_reference` lands on main, the same
+//! cases compare against it as well (see tests/cuda_attention.rs.pending).
+//! Each test prints a skip line and returns on a machine without a GPU.
+#![cfg(feature = "cuda")]
+
+mod cuda_common;
+
+use cuda_common::{decode, encode, nan_bytes, storage_or_skip, Rng};
+use pagedkv::attention::cuda::{CudaAttention, Tables};
+use pagedkv::attention::AttentionParams;
+use pagedkv::storage::{CudaStorage, CudaStorageConfig};
+use pagedkv::{
+    BlockId, CsrTables, DType, HostStorage, KvLayout, ModelShape, PaddedTables, Slot, Storage,
+};
+
+const LAYER: usize = 1;
+
+#[derive(Debug, Clone)]
+struct Case {
+    dtype: DType,
+    head_dim: usize,
+    group: usize,
+    alibi: bool,
+    window: Option<usize>,
+    contexts: Vec<usize>,
+}
+
+struct Setup {
+    layout: KvLayout,
+    host: HostStorage,
+    gpu: CudaStorage,
+    padded: PaddedTables,
+    csr: CsrTables,
+    tables: Vec<Vec<BlockId>>,
+    q: Vec<f32>,
+    params: AttentionParams,
+}
+
+fn setup(test: &str, case: &Case, seed: u64) -> Option<Setup> {
+    let kv_heads = 2;
+    let shape = ModelShape {
+        num_layers: 2,
+        num_q_heads: kv_heads * case.group,
+        num_kv_heads: kv_heads,
+        head_dim: case.head_dim,
+        kv_dtype: case.dtype,
+    };
+    let layout = KvLayout::new(shape, 16).unwrap();
+    let bs = layout.block_size();
+    let needed: usize = case.contexts.iter().map(|&c| c.div_ceil(bs)).sum();
+    let num_blocks = needed + 8;
+    let mut gpu = storage_or_skip(test, layout, CudaStorageConfig::blocks(num_blocks))?;
+    let mut host = HostStorage::new(layout, num_blocks).unwrap();
+    let mut rng = Rng(seed);
+    let fp8 = case.dtype == DType::Fp8E4M3;
+    let (k_scale, v_scale) = if fp8 { (0.05, 0.03) } else { (1.0, 1.0) };
+
+    // Poison every slot of every block, in both layers, with NaN.
+    let per_token = kv_heads * case.head_dim;
+    let all: Vec<Slot> = (0..(num_blocks * bs) as u64).map(Slot).collect();
+    let nan: Vec<u8> = nan_bytes(case.dtype).repeat(all.len() * per_token);
+    for layer in 0..2 {
+        gpu.write_slots(layer, &all, &nan, &nan).unwrap();
+        host.write_slots(layer, &all, &nan, &nan).unwrap();
+    }
+
+    let mut free: Vec<u32> = (0..num_blocks as u32).collect();
+    rng.shuffle(&mut free);
+    let mut tables = Vec::new();
+    for &ctx in &case.contexts {
+        let table: Vec<BlockId> = free.drain(..ctx.div_ceil(bs)).map(BlockId).collect();
+        let slots: Vec<Slot> = (0..ctx)
+            .map(|t| layout.slot(table[t / bs], t % bs))
+            .collect();
+        let k: Vec<f32> = (0..ctx * per_token).map(|_| rng.f32()).collect();
+        let v: Vec<f32> = (0..ctx * per_token).map(|_| rng.f32()).collect();
+        let (kb, vb) = (
+            encode(case.dtype, &k, k_scale),
+            encode(case.dtype, &v, v_scale),
+        );
+        gpu.write_slots(LAYER, &slots, &kb, &vb).unwrap();
+        host.write_slots(LAYER, &slots, &kb, &vb).unwrap();
+        tables.push(table);
+    }
+    let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(0);
+    let mut padded = PaddedTables {
+        tables: vec![0; tables.len() * max_blocks],
+        context_lens: case.contexts.iter().map(|&c| c as u32).collect(),
+        batch: tables.len(),
+        max_blocks,
+    };
+    let mut csr = CsrTables {
+        indptr: vec![0],
+        ..CsrTables::default()
+    };
+    for (i, t) in tables.iter().enumerate() {
+        for (j, b) in t.iter().enumerate() {
+            padded.tables[i * max_blocks + j] = b.0;
+        }
+        csr.indices.extend(t.iter().map(|b| b.0));
+        csr.indptr.push(csr.indices.len() as u32);
+        let c = case.contexts[i];
+        csr.last_page_len
+            .push(if c == 0 { 0 } else { ((c - 1) % bs + 1) as u32 });
+    }
+    let q_heads = shape.num_q_heads;
+    let q: Vec<f32> = (0..tables.len() * q_heads * case.head_dim)
+        .map(|_| rng.f32() * 2.0)
+        .collect();
+    let params = AttentionParams {
+        scale: 1.0 / (case.head_dim as f32).sqrt(),
+        alibi_slopes: case.alibi.then(|| {
+            (0..q_heads)
+                .map(|h| 2f32.powf(-8.0 * (h + 1) as f32 / q_heads as f32))
+                .collect()
+        }),
+        sliding_window: case.window,
+        k_scale,
+        v_scale,
+    };
+    Some(Setup {
+        layout,
+        host,
+        gpu,
+        padded,
+        csr,
+        tables,
+        q,
+        params,
+    })
+}
+
+/// f64 attention for every (sequence, query head): `(out, lse)`.
+fn reference(s: &Setup, contexts: &[usize]) -> (Vec<f64>, Vec<f64>) {
+    let shape = s.layout.shape();
+    let (d, qh, g) = (shape.head_dim, shape.num_q_heads, shape.group_size());
+    let eb = shape.kv_dtype.size_bytes();
+    let fp8 = shape.kv_dtype == DType::Fp8E4M3;
+    let (ks, vs) = if fp8 {
+        (s.params.k_scale as f64, s.params.v_scale as f64)
+    } else {
+        (1.0, 1.0)
+    };
+    let mut out = vec![0.0; contexts.len() * qh * d];
+    let mut lse = vec![f64::NEG_INFINITY; contexts.len() * qh];
+    for (i, &ctx) in contexts.iter().enumerate() {
+        let n = ctx * shape.num_kv_heads * d * eb;
+        let (mut kb, mut vb) = (vec![0u8; n], vec![0u8; n]);
+        s.host
+            .read_tokens(LAYER, &s.tables[i], ctx, &mut kb, &mut vb)
+            .unwrap();
+        let (k, v) = (
+            decode(shape.kv_dtype, &kb, ks),
+            decode(shape.kv_dtype, &vb, vs),
+        );
+        let start = s.params.sliding_window.map_or(0, |w| ctx.saturating_sub(w));
+        for h in 0..qh {
+            let kvh = h / g;
+            let q = &s.q[(i * qh + h) * d..(i * qh + h + 1) * d];
+            let logits: Vec<f64> = (start..ctx)
+                .map(|t| {
+                    let kt = &k[(t * shape.num_kv_heads + kvh) * d..][..d];
+                    let dot: f64 = q.iter().zip(kt).map(|(&a, &b)| a as f64 * b).sum();
+                    let alibi = s
+                        .params
+                        .alibi_slopes
+                        .as_ref()
+                        .map_or(0.0, |sl| sl[h] as f64 * (t as f64 - (ctx as f64 - 1.0)));
+                    dot * s.params.scale as f64 + alibi
+                })
+                .collect();
+            if logits.is_empty() {
+                continue;
+            }
+            let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+            let sum: f64 = w.iter().sum();
+            lse[i * qh + h] = m + sum.ln();
+            for (j, t) in (start..ctx).enumerate() {
+                let vt = &v[(t * shape.num_kv_heads + kvh) * d..][..d];
+                for (o, &x) in out[(i * qh + h) * d..][..d].iter_mut().zip(vt) {
+                    *o += w[j] / sum * x;
+                }
+            }
+        }
+    }
+    (out, lse)
+}
+
+fn compare(what: &str, gpu: &[f32], want: &[f64]) {
+    assert_eq!(gpu.len(), want.len(), "{what}: lengths");
+    for (i, (&g, &w)) in gpu.iter().zip(want).enumerate() {
+        let ok = if w.is_infinite() {
+            g as f64 == w
+        } else {
+            (g as f64 - w).abs() <= 2e-3 * (1.0 + w.abs())
+        };
+        assert!(ok, "{what}: element {i}: gpu {g}, reference {w}");
+    }
+}
+
+/// Runs one case; false when the machine has no GPU (skip printed once).
+fn run(test: &str, case: Case, seed: u64) -> bool {
+    let Some(s) = setup(test, &case, seed) else {
+        return false;
+    };
+    let (want_out, want_lse) = reference(&s, &case.contexts);
+    let mut attn = CudaAttention::new(&s.gpu).unwrap();
+    for splits in [None, Some(1), Some(2), Some(3), Some(5), Some(8), Some(64)] {
+        let (out, lse) = attn
+            .decode_host(
+                &s.gpu,
+                LAYER,
+                &s.q,
+                Tables::Padded(&s.padded),
+                &s.params,
+                splits,
+            )
+            .unwrap();
+        let what = format!("{case:?} padded splits {splits:?}");
+        compare(&format!("{what} out"), &out, &want_out);
+        compare(&format!("{what} lse"), &lse, &want_lse);
+    }
+    for splits in [None, Some(3)] {
+        let (out, lse) = attn
+            .decode_host(&s.gpu, LAYER, &s.q, Tables::Csr(&s.csr), &s.params, splits)
+            .unwrap();
+        let what = format!("{case:?} csr splits {splits:?}");
+        compare(&format!("{what} out"), &out, &want_out);
+        compare(&format!("{what} lse"), &lse, &want_lse);
+    }
+    true
+}
+
+const CONTEXTS: [usize; 8] = [1, 15, 16, 17, 100, 333, 0, 1030];
+
+#[test]
+fn decode_matches_reference_for_every_dtype_group_and_head_dim() {
+    let mut seed = 10;
+    for dtype in [DType::F16, DType::BF16, DType::Fp8E4M3] {
+        for head_dim in [64, 128] {
+            for group in [1, 4, 8] {
+                seed += 1;
+                let case = Case {
+                    dtype,
+                    head_dim,
+                    group,
+                    alibi: false,
+                    window: None,
+                    contexts: CONTEXTS.to_vec(),
+                };
+                if !run(
+                    "decode_matches_reference_for_every_dtype_group_and_head_dim",
+                    case,
+                    seed,
+                ) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn decode_matches_reference_with_alibi_and_sliding_window() {
+    for (i, (dtype, head_dim, group, alibi, window)) in [
+        (DType::BF16, 128, 4, true, None),
+        (DType::F16, 64, 8, false, Some(40)),
+        (DType::Fp8E4M3, 128, 8, true, Some(300)),
+        (DType::F32, 128, 8, true, Some(17)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let case = Case {
+            dtype,
+            head_dim,
+            group,
+            alibi,
+            window,
+            contexts: CONTEXTS.to_vec(),
+        };
+        if !run(
+            "decode_matches_reference_with_alibi_and_sliding_window",
+            case,
+            100 + i as u64,
+        ) {
+            return;
+        }
+    }
+}
+
+#[test]
+fn hostile_tables_are_rejected_before_launch() {
+    let case = Case {
+        dtype: DType::BF16,
+        head_dim: 64,
+        group: 4,
+        alibi: false,
+        window: None,
+        contexts: vec![20, 5],
+    };
+    let Some(s) = setup("hostile_tables_are_rejected_before_launch", &case, 7) else {
+        return;
+    };
+    let mut attn = CudaAttention::new(&s.gpu).unwrap();
+    let mut bad = s.padded.clone();
+    bad.tables[0] = s.gpu.num_blocks() as u32;
+    assert!(attn
+        .decode_host(&s.gpu, LAYER, &s.q, Tables::Padded(&bad), &s.params, None)
+        .is_err());
+    let mut bad = s.padded.clone();
+    bad.context_lens[1] = u32::MAX;
+    assert!(attn
+        .decode_host(&s.gpu, LAYER, &s.q, Tables::Padded(&bad), &s.params, None)
+        .is_err());
+    assert!(attn
+        .decode_host(&s.gpu, 5, &s.q, Tables::Padded(&s.padded), &s.params, None)
+        .is_err());
+    assert!(attn
+        .decode_host(
+            &s.gpu,
+            LAYER,
+            &s.q[1..],
+            Tables::Padded(&s.padded),
+            &s.params,
+            None
+        )
+        .is_err());
+}
