@@ -232,6 +232,9 @@ fn main() {
             Ok(v) => println!("{v}"),
             Err(pagedkv::Error::CudaUnavailable(why)) => {
                 println!("gpu_bench: no GPU here ({why}); nothing measured");
+                if std::env::var("PAGEDKV_REQUIRE_GPU").as_deref() == Ok("1") {
+                    std::process::exit(1);
+                }
             }
             Err(e) => {
                 eprintln!("gpu_bench: {e}");

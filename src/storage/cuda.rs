@@ -249,6 +249,17 @@ impl std::fmt::Debug for CudaStorage {
     }
 }
 
+impl Drop for CudaStorage {
+    fn drop(&mut self) {
+        // Queued kernels and copies may still use the regions and the host tier that
+        // the fields' own drops release; wait for both streams first. Errors cannot
+        // be reported from Drop, and a failed wait leaves nothing better to do.
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.compute.synchronize();
+        let _ = self.transfer.synchronize();
+    }
+}
+
 fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
@@ -703,6 +714,14 @@ impl CudaStorage {
         Ok(())
     }
 
+    /// Makes the storage's context current on this thread, which the raw driver calls
+    /// (memcpy, memset, VMM) need; cudarc's safe calls do it themselves.
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))
+    }
+
     fn check_layer(&self, layer: usize) -> Result<()> {
         if layer < self.layout.num_layers() {
             Ok(())
@@ -734,6 +753,7 @@ impl CudaStorage {
 
     /// Copies device bytes at `src` into `out` on the compute stream and waits.
     fn dtoh(&self, out: &mut [u8], src: sys::CUdeviceptr) -> Result<()> {
+        self.bind()?;
         // SAFETY: `src..src + out.len()` lies in a mapped region (callers check block
         // ids against `num_blocks`); `out` is a live host buffer of that length; the
         // stream is synchronised before `out` is used or dropped.
@@ -755,6 +775,7 @@ impl CudaStorage {
         if to <= from {
             return Ok(());
         }
+        self.bind()?;
         for r in &self.regions {
             // SAFETY: `[from, to)` lies inside the mapped part of the region (callers
             // pass byte counts of mapped blocks).
@@ -874,6 +895,7 @@ impl Storage for CudaStorage {
         let bpl = self.layout.block_bytes_per_layer();
         let mut staged = vec![0u8; nb * bpl];
         self.wait_layer(layer)?;
+        self.bind()?;
         for (i, &b) in table[..nb].iter().enumerate() {
             let src = self.regions[layer].base + self.layout.block_byte_offset(b) as u64;
             // SAFETY: `b` is below `num_blocks`, so `[src, src + bpl)` is mapped;
@@ -916,6 +938,7 @@ impl Storage for CudaStorage {
         if plan.is_empty() {
             return Ok(());
         }
+        self.bind()?;
         // The swap sees everything queued on compute before it...
         self.compute_mark
             .record(&self.compute)
@@ -986,6 +1009,7 @@ impl Storage for CudaStorage {
         }
         let bpl = self.layout.block_bytes_per_layer();
         let (old_bytes, new_bytes) = (self.num_blocks * bpl, num_blocks * bpl);
+        self.bind()?;
         // Queued work may still touch the tail being unmapped, or the bytes being
         // zeroed; wait for both streams (not the whole device).
         self.sync_compute()?;

@@ -14,7 +14,8 @@ pub fn skip(test: &str, why: &str) {
 }
 
 /// A `CudaStorage`, or `None` (with a skip line) on a machine without a GPU.
-/// Any other error fails the test.
+/// Any other error fails the test, and so does a missing GPU when
+/// `PAGEDKV_REQUIRE_GPU=1` (set by `.ci/gpu-check` on the GPU machine).
 pub fn storage_or_skip(
     test: &str,
     layout: KvLayout,
@@ -23,6 +24,9 @@ pub fn storage_or_skip(
     match CudaStorage::new(layout, config) {
         Ok(s) => Some(s),
         Err(Error::CudaUnavailable(why)) => {
+            if std::env::var("PAGEDKV_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("{test}: PAGEDKV_REQUIRE_GPU=1 but no GPU: {why}");
+            }
             skip(test, &format!("no GPU: {why}"));
             None
         }
