@@ -6,11 +6,11 @@
 //! unchanged. That is what engines without paging do, and it is why they waste memory:
 //! every reservation is sized for the longest possible sequence.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
 use crate::layout::{KvLayout, Slot};
-use crate::manager::{CacheStats, KvCacheManager};
+use crate::manager::{CacheStats, KvCacheManager, SeqMap};
 use crate::transfer::CopyPlan;
 use crate::{BlockId, SeqId};
 
@@ -118,7 +118,7 @@ pub struct ContiguousCache {
     /// Free extents: start block -> length in blocks, coalesced.
     free: BTreeMap<u32, u32>,
     free_blocks: usize,
-    seqs: HashMap<SeqId, Reservation>,
+    seqs: SeqMap<Reservation>,
     live_tokens: usize,
     peak_used_blocks: usize,
 }
@@ -145,7 +145,7 @@ impl ContiguousCache {
             reservation_blocks,
             free,
             free_blocks: num_blocks,
-            seqs: HashMap::new(),
+            seqs: SeqMap::default(),
             live_tokens: 0,
             peak_used_blocks: 0,
         })

@@ -3,6 +3,7 @@
 //! Every variant carries the numbers a caller needs to act on it. A call that returns
 //! an error has left every structure it touched as it was before the call.
 
+use crate::shape::DType;
 use crate::{BlockId, SeqId};
 
 /// Result alias used across the crate.
@@ -108,9 +109,102 @@ pub enum Error {
         /// Checksum of the bytes read.
         got: u64,
     },
+    /// The arena cannot shrink to `requested` blocks: every live and cached block must
+    /// stay, and together they need more.
+    #[error("cannot shrink the arena to {requested} blocks: {live} live and {cached} cached blocks must stay")]
+    ShrinkBelowResident {
+        /// Blocks asked for.
+        requested: usize,
+        /// Blocks referenced by tables.
+        live: usize,
+        /// Unreferenced blocks kept for the prefix cache.
+        cached: usize,
+    },
+    /// The arena cannot grow to `requested` blocks: the configured maximum is `max`.
+    #[error("cannot grow the arena to {requested} blocks: the maximum is {max}")]
+    ArenaLimit {
+        /// Blocks asked for.
+        requested: usize,
+        /// `CacheConfig::max_num_blocks`, or the `u32` id space.
+        max: usize,
+    },
     /// The operation is not supported by this backend or configuration.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// Tensor parallelism: the KV heads do not split evenly over the shards.
+    #[error("{num_kv_heads} KV heads do not split evenly over {num_shards} shards")]
+    UnevenHeadSplit {
+        /// KV heads of the model.
+        num_kv_heads: usize,
+        /// Shards (GPUs) asked for.
+        num_shards: usize,
+    },
+    /// A KV export buffer is not in a format this build reads (magic, version, a
+    /// header field inconsistent with the others).
+    #[error("KV export format: {what}: expected {expected:#x}, got {got:#x}")]
+    ExportFormat {
+        /// The field at fault.
+        what: &'static str,
+        /// The value this build expects.
+        expected: u64,
+        /// The value in the buffer.
+        got: u64,
+    },
+    /// A KV export buffer is shorter than its header says.
+    #[error("KV export truncated: {needed} bytes needed, {got} given")]
+    ExportTruncated {
+        /// Bytes the buffer must hold.
+        needed: usize,
+        /// Bytes it holds.
+        got: usize,
+    },
+    /// A KV export comes from a model whose KV shape differs from the receiver's.
+    #[error("KV export from another shape: {what}: sender {sender}, receiver {receiver}")]
+    ExportShape {
+        /// The shape field that differs (`num_layers`, `num_kv_heads`, `head_dim`...).
+        what: &'static str,
+        /// The sender's value.
+        sender: usize,
+        /// The receiver's value.
+        receiver: usize,
+    },
+    /// A KV export holds another element type than the receiver's cache.
+    #[error("KV export dtype: sender {sender}, receiver {receiver}")]
+    ExportDType {
+        /// The sender's KV dtype.
+        sender: DType,
+        /// The receiver's KV dtype.
+        receiver: DType,
+    },
+    /// A number is outside the range its parameter allows (a memory size of zero, a
+    /// utilisation fraction above 1...).
+    #[error("{field} = {value} is out of range: {allowed}")]
+    OutOfRange {
+        /// The parameter at fault.
+        field: &'static str,
+        /// The value given.
+        value: f64,
+        /// The allowed range, in words (`"in (0, 1]"`).
+        allowed: &'static str,
+    },
+    /// A planned context is longer than the model's position embeddings allow.
+    #[error("context of {context_tokens} tokens exceeds the model's max_position_embeddings of {max_position_embeddings}")]
+    ContextTooLong {
+        /// The context asked for, in tokens.
+        context_tokens: usize,
+        /// The model's `max_position_embeddings`.
+        max_position_embeddings: usize,
+    },
+    /// A tensor-parallel degree does not split a model dimension evenly.
+    #[error("tensor-parallel degree {tp} does not divide {what} ({count})")]
+    UnevenTensorParallel {
+        /// The dimension (`"num_kv_heads"`, ...).
+        what: &'static str,
+        /// Its size.
+        count: usize,
+        /// The tensor-parallel degree.
+        tp: usize,
+    },
 }
 
 impl Error {

@@ -4,26 +4,39 @@
 
 pub mod attention;
 pub mod baseline;
+pub mod chart;
+pub mod concurrent;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+pub mod export;
 pub mod layout;
 pub mod manager;
+pub mod metrics;
+pub mod plan;
 pub mod pool;
 pub mod shape;
+pub mod shard;
 pub mod storage;
+mod sync;
 pub mod transfer;
 
 pub use baseline::{CacheAllocator, ContiguousCache};
 pub use error::{Error, Result};
+pub use export::{
+    export_blocks, export_sequence, exported_len, import_sequence, ExportHeader, ExportView,
+    ImportedSequence,
+};
 pub use layout::{Kv, KvLayout, Slot};
 pub use manager::{
-    CacheConfig, CacheStats, CsrTables, KvCacheManager, PaddedTables, SharedKvCacheManager,
+    CacheConfig, CacheStats, CsrTables, DefragOptions, FragStats, KvCacheManager, PaddedTables,
+    PendingDefrag, SharedKvCacheManager,
 };
 pub use pool::{BlockPool, BlockState};
 pub use shape::{DType, ModelConfig, ModelShape};
+pub use shard::ShardedStorage;
 pub use storage::{HostStorage, Storage};
-pub use transfer::{BlockCopy, CopyPlan, SwapDirection, SwapPair, SwapPlan};
+pub use transfer::{BlockCopy, CopyPlan, MovePlan, SwapDirection, SwapPair, SwapPlan};
 
 /// A physical block: an index into the arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]

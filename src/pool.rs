@@ -347,6 +347,24 @@ impl BlockPool {
         }
     }
 
+    /// The state of every block, indexed by block id.
+    pub fn states(&self) -> &[BlockState] {
+        &self.state
+    }
+
+    /// Rebuilds the free list so the lowest free ids are handed out first, in O(blocks).
+    /// After a compaction the freed sources sit at the top of the arena; without this
+    /// they would be the next blocks allocated and the arena would re-fragment at once.
+    pub fn reorder_free_low_first(&mut self) {
+        self.free.clear();
+        for b in (0..self.state.len()).rev() {
+            if self.state[b] == BlockState::Free {
+                self.free_pos[b] = self.free.len() as u32;
+                self.free.push(BlockId(b as u32));
+            }
+        }
+    }
+
     /// Free block ids, in no particular order.
     pub fn free_blocks(&self) -> &[BlockId] {
         &self.free

@@ -53,6 +53,64 @@ impl CopyPlan {
     }
 }
 
+/// Defragmentation moves: whole blocks relocated inside the arena.
+///
+/// Every destination is a free block and no destination is also a source, so the moves
+/// can run in any order or all at once. Executing a plan is
+/// [`crate::storage::Storage::copy_blocks`] on its [`CopyPlan`] ([`Self::to_copy_plan`]
+/// or `CopyPlan::from`), so a backend's one batched copy serves both.
+/// Plans made by the manager list moves with ascending sources and ascending
+/// destinations, so [`Self::runs`] merges neighbours into long transfers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MovePlan {
+    moves: Vec<BlockCopy>,
+}
+
+impl MovePlan {
+    /// An empty plan.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a move of `src`'s contents to `dst`.
+    pub fn push(&mut self, src: BlockId, dst: BlockId) {
+        self.moves.push(BlockCopy { src, dst });
+    }
+
+    /// The moves, in order.
+    pub fn moves(&self) -> &[BlockCopy] {
+        &self.moves
+    }
+
+    /// Number of blocks moved.
+    pub fn len(&self) -> usize {
+        self.moves.len()
+    }
+
+    /// Whether the plan moves nothing.
+    pub fn is_empty(&self) -> bool {
+        self.moves.is_empty()
+    }
+
+    /// `(src_start, dst_start, len)` runs of consecutive blocks on both sides.
+    pub fn runs(&self) -> Vec<(u32, u32, u32)> {
+        merge_runs(self.moves.iter().map(|m| (m.src.0, m.dst.0)))
+    }
+
+    /// The same moves as a copy plan, for [`crate::storage::Storage::copy_blocks`].
+    pub fn to_copy_plan(&self) -> CopyPlan {
+        CopyPlan {
+            copies: self.moves.clone(),
+        }
+    }
+}
+
+impl From<MovePlan> for CopyPlan {
+    fn from(plan: MovePlan) -> Self {
+        CopyPlan { copies: plan.moves }
+    }
+}
+
 /// Direction of a [`SwapPlan`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SwapDirection {

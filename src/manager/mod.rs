@@ -4,12 +4,15 @@
 //! move (copy-on-write), it returns a plan that a [`crate::storage::Storage`] executes.
 
 mod batch;
+mod defrag;
 mod shared;
 
 pub use batch::{CsrTables, PaddedTables};
+pub use defrag::{DefragOptions, FragStats, PendingDefrag};
 pub use shared::SharedKvCacheManager;
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::error::{Error, Result};
 use crate::layout::{KvLayout, Slot};
@@ -27,6 +30,9 @@ pub struct CacheConfig {
     pub watermark_blocks: usize,
     /// Longest sequence, in tokens, the manager accepts (0: whatever the arena holds).
     pub max_seq_len_tokens: usize,
+    /// Largest arena [`KvCacheManager::grow_to`] accepts, in blocks (0: the `u32` id
+    /// space is the only limit).
+    pub max_num_blocks: usize,
 }
 
 impl CacheConfig {
@@ -36,9 +42,32 @@ impl CacheConfig {
             num_blocks,
             watermark_blocks: num_blocks / 100,
             max_seq_len_tokens: 0,
+            max_num_blocks: 0,
         }
     }
 }
+
+/// Hashes a [`SeqId`] with one multiply (Fibonacci hashing): sequence ids come from the
+/// engine, not from an adversary, and the lookup is on the per-token path.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct SeqIdHasher(u64);
+
+impl Hasher for SeqIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// The map from sequence ids to their tables.
+pub(crate) type SeqMap<V> = HashMap<SeqId, V, BuildHasherDefault<SeqIdHasher>>;
 
 /// One sequence's block table and length.
 #[derive(Debug, Clone, Default)]
@@ -107,7 +136,7 @@ pub struct KvCacheManager {
     pub(crate) layout: KvLayout,
     pub(crate) config: CacheConfig,
     pub(crate) pool: BlockPool,
-    pub(crate) seqs: HashMap<SeqId, Sequence>,
+    pub(crate) seqs: SeqMap<Sequence>,
     /// Filled token slots of each block (meaningful for live blocks).
     pub(crate) block_fill: Vec<u16>,
     pub(crate) live_token_slots: usize,
@@ -136,11 +165,20 @@ impl KvCacheManager {
                 ),
             ));
         }
+        if config.max_num_blocks != 0 && config.num_blocks > config.max_num_blocks {
+            return Err(Error::config(
+                "max_num_blocks",
+                format!(
+                    "{} is below num_blocks {}",
+                    config.max_num_blocks, config.num_blocks
+                ),
+            ));
+        }
         Ok(KvCacheManager {
             layout,
             config,
             pool: BlockPool::new(config.num_blocks)?,
-            seqs: HashMap::new(),
+            seqs: SeqMap::default(),
             block_fill: vec![0; config.num_blocks],
             live_token_slots: 0,
             peak_used_blocks: 0,
@@ -272,6 +310,19 @@ impl KvCacheManager {
             });
         }
         let needed = self.blocks_needed_for_append(s, n);
+        if needed == 0 {
+            // The common decode case: the tokens land in the sequence's own last block.
+            let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+            fill_slots(
+                &self.layout,
+                s,
+                new_len,
+                slots,
+                &mut self.block_fill,
+                &mut self.live_token_slots,
+            );
+            return Ok(());
+        }
         let cow = self.needs_cow(s, n);
         self.ensure_available(needed)?;
         // Take the table out so the pool can be borrowed mutably; every step below
@@ -300,19 +351,14 @@ impl KvCacheManager {
 
     /// Extends `s` to `new_len` tokens over blocks already in its table, emitting slots.
     fn fill_tokens(&mut self, s: &mut Sequence, new_len: usize, slots: &mut Vec<Slot>) {
-        let bs = self.block_size();
-        slots.reserve(new_len - s.num_tokens);
-        for pos in s.num_tokens..new_len {
-            let b = s.table[pos / bs];
-            let off = pos % bs;
-            slots.push(self.layout.slot(b, off));
-            let fill = &mut self.block_fill[b.index()];
-            if usize::from(*fill) <= off {
-                self.live_token_slots += off + 1 - usize::from(*fill);
-                *fill = (off + 1) as u16;
-            }
-        }
-        s.num_tokens = new_len;
+        fill_slots(
+            &self.layout,
+            s,
+            new_len,
+            slots,
+            &mut self.block_fill,
+            &mut self.live_token_slots,
+        );
     }
 
     /// Drops the last tokens of `seq` so it holds `new_len` (rejected speculative
@@ -542,4 +588,29 @@ impl KvCacheManager {
         }
         Ok(())
     }
+}
+
+/// Extends `s` to `new_len` tokens over blocks already in its table, emitting slots and
+/// keeping the per-block fill counts (split borrows, so the hot path needs no `&mut self`).
+fn fill_slots(
+    layout: &KvLayout,
+    s: &mut Sequence,
+    new_len: usize,
+    slots: &mut Vec<Slot>,
+    block_fill: &mut [u16],
+    live_token_slots: &mut usize,
+) {
+    let bs = layout.block_size();
+    slots.reserve(new_len - s.num_tokens);
+    for pos in s.num_tokens..new_len {
+        let b = s.table[pos / bs];
+        let off = pos % bs;
+        slots.push(layout.slot(b, off));
+        let fill = &mut block_fill[b.index()];
+        if usize::from(*fill) <= off {
+            *live_token_slots += off + 1 - usize::from(*fill);
+            *fill = (off + 1) as u16;
+        }
+    }
+    s.num_tokens = new_len;
 }

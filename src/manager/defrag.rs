@@ -1,0 +1,704 @@
+//! Defragmentation and the elastic arena: fragmentation metrics, compaction plans,
+//! and shrinking or growing the arena.
+//!
+//! # Compaction
+//!
+//! A block is *resident* when it is live (referenced by a table) or cached (kept for
+//! the prefix cache); both hold data someone may read, so both move. With `r`
+//! resident blocks, full compaction leaves them in exactly `[0, r)`. The planner is the
+//! classic two-finger sweep: one finger walks down from the top of the arena to
+//! collect resident blocks at or above `r` (the only blocks that must move), the other
+//! walks up from block 0 to collect the holes below `r`. Each such block moves exactly
+//! once, so the plan has the fewest moves possible; its destinations are all below `r`
+//! and its sources all at or above `r`, so no block is both read and written and the
+//! plan runs as one batch. Shared blocks are sources once; every table entry that
+//! names them is remapped in one pass over the tables through a dense move map, so
+//! planning and committing are linear in the arena and the tables.
+//!
+//! # Two ways to run it
+//!
+//! - [`KvCacheManager::defragment_with`] plans, executes on a [`Storage`] and commits
+//!   in one call.
+//! - [`KvCacheManager::plan_defragment`] returns a [`PendingDefrag`]: the engine
+//!   executes [`PendingDefrag::plan`] itself (on its own stream, say) and then calls
+//!   [`PendingDefrag::commit`], which remaps the tables and frees the sources. Until
+//!   the commit the tables still point at the sources, which stay intact. The pending
+//!   plan holds the manager's `&mut` borrow, so nothing can allocate a destination or
+//!   write into a source meanwhile; that is why no destination needs a reservation.
+//!   Dropping it without a commit aborts: the manager is unchanged, and whatever was
+//!   copied went into free blocks.
+//!
+//! # Elastic arena
+//!
+//! [`KvCacheManager::shrink_to`] moves only the resident blocks above the new size
+//! into holes below it, then releases the tail in the storage and the manager.
+//! [`KvCacheManager::grow_to`] adds free blocks at the tail; since a block's address
+//! does not depend on the arena size (see [`crate::layout`]), no live data moves.
+
+use super::KvCacheManager;
+use crate::error::{Error, Result};
+use crate::pool::BlockState;
+use crate::storage::Storage;
+use crate::transfer::MovePlan;
+use crate::BlockId;
+
+/// How much one [`KvCacheManager::defragment_with`] or
+/// [`KvCacheManager::plan_defragment`] call may do.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DefragOptions {
+    /// Most blocks one call moves (`usize::MAX`: a full compaction). The highest
+    /// resident blocks go first, so each step lowers the high-water mark as far as its
+    /// budget allows. Must be at least 1.
+    pub max_moves_per_step: usize,
+    /// Plan nothing unless [`FragStats::fragmentation`] is at least this ratio, in
+    /// `[0, 1]` (0: always compact).
+    pub min_fragmentation: f64,
+}
+
+impl DefragOptions {
+    /// Compact everything, whatever the fragmentation.
+    pub const FULL: DefragOptions = DefragOptions {
+        max_moves_per_step: usize::MAX,
+        min_fragmentation: 0.0,
+    };
+
+    /// At most `max_moves_per_step` moves per call, whatever the fragmentation.
+    pub const fn incremental(max_moves_per_step: usize) -> Self {
+        DefragOptions {
+            max_moves_per_step,
+            min_fragmentation: 0.0,
+        }
+    }
+
+    /// These options, acting only at or above `min_fragmentation`.
+    pub const fn above(self, min_fragmentation: f64) -> Self {
+        DefragOptions {
+            min_fragmentation,
+            ..self
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.max_moves_per_step == 0 {
+            return Err(Error::config(
+                "max_moves_per_step",
+                "0 moves per step; must be at least 1",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.min_fragmentation) {
+            return Err(Error::config(
+                "min_fragmentation",
+                format!("{} is not a ratio in [0, 1]", self.min_fragmentation),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Default for DefragOptions {
+    fn default() -> Self {
+        Self::FULL
+    }
+}
+
+/// How scattered the arena and the block tables are; see
+/// [`KvCacheManager::fragmentation`].
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct FragStats {
+    /// Blocks in the arena.
+    pub num_blocks: usize,
+    /// Blocks referenced by at least one table.
+    pub live_blocks: usize,
+    /// Unreferenced blocks kept for the prefix cache (they move with compaction too).
+    pub cached_blocks: usize,
+    /// Blocks on the free list.
+    pub free_blocks: usize,
+    /// Highest resident (live or cached) block + 1; 0 when none is resident. The arena
+    /// can shrink to this without moving anything.
+    pub high_water_blocks: usize,
+    /// Free blocks below the high-water mark.
+    pub holes_below_high_water: usize,
+    /// Longest run of consecutive free blocks anywhere in the arena.
+    pub largest_free_run_blocks: usize,
+    /// Moves a full compaction needs: resident blocks at or above the resident count.
+    pub moves_to_compact: usize,
+    /// Mean number of contiguous runs (maximal stretches of consecutive block ids) per
+    /// block table, over sequences holding at least one block; 1.0 is perfectly
+    /// contiguous, 0.0 when no sequence holds a block.
+    pub mean_runs_per_sequence: f64,
+    /// Most contiguous runs in one block table.
+    pub max_runs_per_sequence: usize,
+    /// Token slots of live blocks that hold no token (mostly last-block tails).
+    pub internal_waste_slots: usize,
+    /// The fragmentation figure, in `[0, 1]`:
+    /// `holes_below_high_water / high_water_blocks` (0 when nothing is resident).
+    ///
+    /// It is the share of the arena's occupied prefix that holds nothing: 0 when the
+    /// resident blocks are packed in `[0, resident)`, about 0.5 for a checkerboard, and
+    /// close to 1 when a few blocks pin the top of an otherwise empty arena. It says
+    /// how much a shrink would gain from compacting first.
+    pub fragmentation: f64,
+}
+
+/// Where resident blocks sit, from one pass over the block states.
+#[derive(Debug, Clone, Copy)]
+struct Occupancy {
+    resident: usize,
+    high_water: usize,
+}
+
+impl Occupancy {
+    fn fragmentation(&self) -> f64 {
+        if self.high_water == 0 {
+            0.0
+        } else {
+            (self.high_water - self.resident) as f64 / self.high_water as f64
+        }
+    }
+}
+
+/// A compaction planned but not yet committed; see the module docs.
+///
+/// It holds the manager's `&mut` borrow, so the manager cannot change until it is
+/// committed or dropped. Dropping it aborts the compaction and leaves the manager as
+/// it was.
+#[derive(Debug)]
+#[must_use = "dropping a pending compaction aborts it"]
+pub struct PendingDefrag<'a> {
+    manager: &'a mut KvCacheManager,
+    plan: MovePlan,
+}
+
+impl PendingDefrag<'_> {
+    /// The moves to execute before [`Self::commit`]; the tables still point at the
+    /// sources.
+    pub fn plan(&self) -> &MovePlan {
+        &self.plan
+    }
+
+    /// Records that the plan was executed: tables now point at the destinations and the
+    /// sources are free. Returns the plan.
+    ///
+    /// # Errors
+    /// [`Error::CorruptBlockTable`] when the manager's own state contradicts the plan
+    /// (it cannot, since the plan was made under the same borrow); nothing changed then.
+    pub fn commit(self) -> Result<MovePlan> {
+        self.manager.commit_moves(&self.plan)?;
+        self.manager.pool.reorder_free_low_first();
+        Ok(self.plan)
+    }
+}
+
+impl KvCacheManager {
+    /// Fragmentation metrics, from one pass over the block states and one over the
+    /// tables: O(blocks + table entries), so a monitoring call rather than a per-token
+    /// one on large arenas.
+    pub fn fragmentation(&self) -> FragStats {
+        let states = self.pool.states();
+        let (mut resident, mut high_water, mut largest_run, mut run) = (0, 0, 0, 0);
+        for (i, st) in states.iter().enumerate() {
+            if *st == BlockState::Free {
+                run += 1;
+                largest_run = largest_run.max(run);
+            } else {
+                resident += 1;
+                high_water = i + 1;
+                run = 0;
+            }
+        }
+        let resident_below = states[..resident]
+            .iter()
+            .filter(|s| **s != BlockState::Free)
+            .count();
+        let occupancy = Occupancy {
+            resident,
+            high_water,
+        };
+
+        let (mut tables, mut runs_total, mut runs_max) = (0usize, 0usize, 0usize);
+        for s in self.seqs.values() {
+            if s.table.is_empty() {
+                continue;
+            }
+            let runs = 1 + s
+                .table
+                .windows(2)
+                .filter(|w| w[0].0.checked_add(1) != Some(w[1].0))
+                .count();
+            tables += 1;
+            runs_total += runs;
+            runs_max = runs_max.max(runs);
+        }
+
+        let live = self.pool.num_live();
+        FragStats {
+            num_blocks: states.len(),
+            live_blocks: live,
+            cached_blocks: self.pool.num_cached(),
+            free_blocks: self.pool.num_free(),
+            high_water_blocks: high_water,
+            holes_below_high_water: high_water - resident,
+            largest_free_run_blocks: largest_run,
+            moves_to_compact: resident - resident_below,
+            mean_runs_per_sequence: if tables == 0 {
+                0.0
+            } else {
+                runs_total as f64 / tables as f64
+            },
+            max_runs_per_sequence: runs_max,
+            internal_waste_slots: live * self.block_size() - self.live_token_slots,
+            fragmentation: occupancy.fragmentation(),
+        }
+    }
+
+    /// Plans a compaction and returns it pending: execute [`PendingDefrag::plan`] on the
+    /// storage, then [`PendingDefrag::commit`]. The plan is empty when the
+    /// fragmentation is below `opts.min_fragmentation` or the arena is compact.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for options out of range; nothing changed.
+    pub fn plan_defragment(&mut self, opts: DefragOptions) -> Result<PendingDefrag<'_>> {
+        opts.validate()?;
+        let occupancy = self.occupancy();
+        let plan = if occupancy.fragmentation() < opts.min_fragmentation {
+            MovePlan::new()
+        } else {
+            self.plan_moves(occupancy.resident, opts.max_moves_per_step)
+        };
+        Ok(PendingDefrag {
+            manager: self,
+            plan,
+        })
+    }
+
+    /// Compacts resident blocks toward block 0: plans, executes the moves on `storage`,
+    /// and updates the tables. Returns the executed plan (empty when there was nothing
+    /// to do or the fragmentation was below `opts.min_fragmentation`).
+    ///
+    /// ```
+    /// use pagedkv::{CacheConfig, DType, DefragOptions, HostStorage, KvCacheManager,
+    ///               KvLayout, ModelShape, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1,
+    ///                          head_dim: 8, kv_dtype: DType::F16 };
+    /// let layout = KvLayout::new(shape, 16)?;
+    /// let mut kv = KvCacheManager::new(layout, CacheConfig::new(64))?;
+    /// let mut storage = HostStorage::new(layout, 64)?;
+    /// let mut slots = Vec::new();
+    /// for i in 0..64 {
+    ///     kv.admit(SeqId(i), 16, &mut slots)?;          // one block each
+    /// }
+    /// for i in (1..64).step_by(2) {
+    ///     kv.free(SeqId(i))?;                           // a checkerboard
+    /// }
+    /// assert!(kv.fragmentation().fragmentation > 0.49);
+    ///
+    /// let plan = kv.defragment_with(&mut storage, DefragOptions::FULL)?;
+    /// assert_eq!(plan.len(), 16);                       // live blocks above 32 move down
+    /// assert_eq!(kv.fragmentation().high_water_blocks, 32);
+    /// kv.shrink_to(32, &mut storage)?;                  // give the tail back
+    /// kv.grow_to(48, &mut storage)?;                    // and take some again
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for options out of range or a storage with another
+    /// layout, [`Error::ShapeMismatch`] for a storage of another size, and whatever
+    /// [`Storage::copy_blocks`] returns. On error the manager is unchanged and the
+    /// tables still read the same bytes (a failed copy only wrote into free blocks).
+    pub fn defragment_with<S: Storage + ?Sized>(
+        &mut self,
+        storage: &mut S,
+        opts: DefragOptions,
+    ) -> Result<MovePlan> {
+        self.check_storage(storage)?;
+        let pending = self.plan_defragment(opts)?;
+        if !pending.plan().is_empty() {
+            storage.copy_blocks(&pending.plan().to_copy_plan())?;
+        }
+        pending.commit()
+    }
+
+    /// Shrinks the arena to `num_blocks`: resident blocks at or above it move into the
+    /// lowest holes (the fewest moves; no full compaction), then the tail is released
+    /// in `storage` and in the manager. Returns the executed moves.
+    ///
+    /// Cached (prefix-cache) blocks count as resident: evict them first to shrink
+    /// further.
+    ///
+    /// # Errors
+    /// [`Error::ShrinkBelowResident`] when the live and cached blocks need more than
+    /// `num_blocks`; [`Error::InvalidConfig`] when `num_blocks` is above the arena, is
+    /// 0, is not above the watermark, or `storage` has another layout;
+    /// [`Error::ShapeMismatch`] for a storage of another size; whatever
+    /// [`Storage::copy_blocks`] or [`Storage::resize`] returns. On error the manager
+    /// is unchanged and its tables read the same bytes.
+    pub fn shrink_to<S: Storage + ?Sized>(
+        &mut self,
+        num_blocks: usize,
+        storage: &mut S,
+    ) -> Result<MovePlan> {
+        self.check_storage(storage)?;
+        let old = self.num_blocks();
+        if num_blocks > old {
+            return Err(Error::config(
+                "num_blocks",
+                format!("shrink to {num_blocks} is above the arena's {old} blocks; grow instead"),
+            ));
+        }
+        let resident = self.pool.num_live() + self.pool.num_cached();
+        if num_blocks < resident {
+            return Err(Error::ShrinkBelowResident {
+                requested: num_blocks,
+                live: self.pool.num_live(),
+                cached: self.pool.num_cached(),
+            });
+        }
+        self.check_new_size(num_blocks)?;
+        if num_blocks == old {
+            return Ok(MovePlan::new());
+        }
+        let plan = self.plan_moves(num_blocks, usize::MAX);
+        if !plan.is_empty() {
+            storage.copy_blocks(&plan.to_copy_plan())?;
+        }
+        storage.resize(num_blocks)?;
+        // Nothing below can fail: the plan was made from this state and, once it is
+        // applied, every block at or above `num_blocks` is free.
+        self.commit_moves(&plan)?;
+        self.pool.resize(num_blocks)?;
+        self.block_fill.truncate(num_blocks);
+        self.block_fill.shrink_to_fit();
+        self.config.num_blocks = num_blocks;
+        self.pool.reorder_free_low_first();
+        Ok(plan)
+    }
+
+    /// Grows the arena to `num_blocks` by adding free blocks at the tail of `storage`
+    /// and the manager; no live data moves. The lowest free blocks are still handed out
+    /// first.
+    ///
+    /// # Errors
+    /// [`Error::ArenaLimit`] above `CacheConfig::max_num_blocks` (or the `u32` id
+    /// space); [`Error::InvalidConfig`] when `num_blocks` is below the arena or
+    /// `storage` has another layout; [`Error::ShapeMismatch`] for a storage of another
+    /// size; whatever [`Storage::resize`] returns. On error nothing changed.
+    pub fn grow_to<S: Storage + ?Sized>(
+        &mut self,
+        num_blocks: usize,
+        storage: &mut S,
+    ) -> Result<()> {
+        self.check_storage(storage)?;
+        let old = self.num_blocks();
+        if num_blocks < old {
+            return Err(Error::config(
+                "num_blocks",
+                format!("grow to {num_blocks} is below the arena's {old} blocks; shrink instead"),
+            ));
+        }
+        let max = self.max_num_blocks();
+        if num_blocks > max {
+            return Err(Error::ArenaLimit {
+                requested: num_blocks,
+                max,
+            });
+        }
+        if num_blocks == old {
+            return Ok(());
+        }
+        storage.resize(num_blocks)?;
+        self.pool.resize(num_blocks)?;
+        self.block_fill.resize(num_blocks, 0);
+        self.config.num_blocks = num_blocks;
+        self.pool.reorder_free_low_first();
+        Ok(())
+    }
+
+    /// The largest arena [`Self::grow_to`] accepts.
+    pub fn max_num_blocks(&self) -> usize {
+        // The pool needs ids strictly below u32::MAX.
+        let id_space = u32::MAX as usize - 1;
+        match self.config.max_num_blocks {
+            0 => id_space,
+            n => n.min(id_space),
+        }
+    }
+
+    // ---- internals ----------------------------------------------------------------
+
+    fn occupancy(&self) -> Occupancy {
+        let states = self.pool.states();
+        let high_water = states
+            .iter()
+            .rposition(|s| *s != BlockState::Free)
+            .map_or(0, |i| i + 1);
+        Occupancy {
+            resident: self.pool.num_live() + self.pool.num_cached(),
+            high_water,
+        }
+    }
+
+    fn check_new_size(&self, num_blocks: usize) -> Result<()> {
+        if num_blocks == 0 || num_blocks <= self.config.watermark_blocks {
+            return Err(Error::config(
+                "num_blocks",
+                format!(
+                    "{num_blocks} blocks; the arena needs more than the watermark of {}",
+                    self.config.watermark_blocks
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_storage<S: Storage + ?Sized>(&self, storage: &S) -> Result<()> {
+        if storage.layout() != self.layout() {
+            return Err(Error::config(
+                "storage",
+                "the storage's layout differs from the manager's",
+            ));
+        }
+        if storage.num_blocks() != self.num_blocks() {
+            return Err(Error::ShapeMismatch {
+                what: "storage blocks",
+                expected: self.num_blocks(),
+                got: storage.num_blocks(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Moves the highest resident blocks at or above `target` (at most `max_moves` of
+    /// them) into the lowest free blocks below `target`. Sources and destinations are
+    /// both listed ascending, so neighbours merge into runs.
+    ///
+    /// The caller guarantees `target >= resident`, so the holes below `target` are at
+    /// least as many as the resident blocks above it.
+    fn plan_moves(&self, target: usize, max_moves: usize) -> MovePlan {
+        let states = self.pool.states();
+        let mut sources: Vec<u32> = Vec::new();
+        let mut hi = states.len();
+        while hi > target && sources.len() < max_moves {
+            hi -= 1;
+            if states[hi] != BlockState::Free {
+                sources.push(hi as u32);
+            }
+        }
+        sources.reverse();
+        let mut plan = MovePlan::new();
+        let mut lo = 0;
+        for &src in &sources {
+            while lo < target && states[lo] != BlockState::Free {
+                lo += 1;
+            }
+            if lo >= target {
+                // Unreachable when `target >= resident`; stop rather than plan a move
+                // into an occupied block.
+                break;
+            }
+            plan.push(BlockId(src), BlockId(lo as u32));
+            lo += 1;
+        }
+        plan
+    }
+
+    /// Applies executed moves: each source's state, refcount and fill pass to its
+    /// destination, the source is freed, and every table entry naming a source is
+    /// remapped in one pass. Validates the whole plan first, so an error leaves
+    /// everything unchanged.
+    fn commit_moves(&mut self, plan: &MovePlan) -> Result<()> {
+        let moves = plan.moves();
+        let (Some(first), Some(last)) = (moves.first(), moves.last()) else {
+            return Ok(());
+        };
+        // The planner's shape: strictly ascending sources and destinations, every
+        // destination below every source. It makes sources and destinations distinct
+        // without a set.
+        let ascending = moves
+            .windows(2)
+            .all(|w| w[0].src < w[1].src && w[0].dst < w[1].dst);
+        if !ascending || last.dst >= first.src {
+            return Err(Error::CorruptBlockTable(
+                "move plan is not ascending with destinations below sources".into(),
+            ));
+        }
+        for m in moves {
+            if self.pool.state(m.src)? == BlockState::Free {
+                return Err(Error::CorruptBlockTable(format!(
+                    "move source {} is free",
+                    m.src
+                )));
+            }
+            if self.pool.state(m.dst)? != BlockState::Free {
+                return Err(Error::CorruptBlockTable(format!(
+                    "move destination {} is not free",
+                    m.dst
+                )));
+            }
+        }
+
+        let base = first.src.0;
+        let mut move_map = vec![u32::MAX; (last.src.0 - base) as usize + 1];
+        for m in moves {
+            self.pool.relocate(m.src, m.dst)?;
+            self.on_block_moved(m.src, m.dst);
+            move_map[(m.src.0 - base) as usize] = m.dst.0;
+        }
+        for table in self.device_tables_mut() {
+            for b in table.iter_mut() {
+                if let Some(&dst) = b.0.checked_sub(base).and_then(|i| move_map.get(i as usize)) {
+                    if dst != u32::MAX {
+                        b.0 = dst;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every table whose entries are device block ids. (Tables of sequences swapped to
+    /// the host tier must not be remapped; the swap branch narrows this.)
+    fn device_tables_mut(&mut self) -> impl Iterator<Item = &mut Vec<BlockId>> + '_ {
+        self.seqs.values_mut().map(|s| &mut s.table)
+    }
+
+    /// Called once per moved block, after the pool relocated it: everything keyed by
+    /// physical block id follows the data from `src` to `dst`. The prefix cache's
+    /// hash -> block index is re-keyed here once that branch is merged.
+    pub(crate) fn on_block_moved(&mut self, src: BlockId, dst: BlockId) {
+        self.block_fill[dst.index()] = self.block_fill[src.index()];
+        self.block_fill[src.index()] = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CacheConfig, DType, HostStorage, KvLayout, ModelShape, SeqId};
+
+    fn manager(num_blocks: usize) -> KvCacheManager {
+        let shape = ModelShape {
+            num_layers: 1,
+            num_q_heads: 1,
+            num_kv_heads: 1,
+            head_dim: 4,
+            kv_dtype: DType::F16,
+        };
+        let layout = KvLayout::new(shape, 2).unwrap();
+        let mut config = CacheConfig::new(num_blocks);
+        config.watermark_blocks = 0;
+        KvCacheManager::new(layout, config).unwrap()
+    }
+
+    #[test]
+    fn planner_pairs_top_sources_with_bottom_holes_ascending() {
+        let mut kv = manager(8);
+        let mut slots = Vec::new();
+        for i in 0..8 {
+            kv.admit(SeqId(i), 2, &mut slots).unwrap();
+        }
+        for i in [0, 2, 3] {
+            kv.free(SeqId(i)).unwrap();
+        }
+        // Resident: 1, 4, 5, 6, 7 -> target 5; holes below 5: 0, 2, 3; sources 5, 6, 7.
+        let pending = kv.plan_defragment(DefragOptions::FULL).unwrap();
+        let moves: Vec<(u32, u32)> = pending
+            .plan()
+            .moves()
+            .iter()
+            .map(|m| (m.src.0, m.dst.0))
+            .collect();
+        assert_eq!(moves, vec![(5, 0), (6, 2), (7, 3)]);
+        drop(pending);
+        // Incremental: the highest first.
+        let pending = kv.plan_defragment(DefragOptions::incremental(1)).unwrap();
+        assert_eq!(pending.plan().moves()[0].src, BlockId(7));
+        assert_eq!(pending.plan().moves()[0].dst, BlockId(0));
+    }
+
+    #[test]
+    fn aborted_plan_changes_nothing_and_commit_remaps() {
+        let mut kv = manager(4);
+        let mut slots = Vec::new();
+        kv.admit(SeqId(1), 2, &mut slots).unwrap();
+        kv.admit(SeqId(2), 2, &mut slots).unwrap();
+        kv.free(SeqId(1)).unwrap();
+        drop(kv.plan_defragment(DefragOptions::FULL).unwrap());
+        assert_eq!(kv.block_table(SeqId(2)).unwrap(), &[BlockId(1)]);
+        let plan = kv
+            .plan_defragment(DefragOptions::FULL)
+            .unwrap()
+            .commit()
+            .unwrap();
+        assert_eq!(plan.len(), 1);
+        assert_eq!(kv.block_table(SeqId(2)).unwrap(), &[BlockId(0)]);
+        kv.check_invariants().unwrap();
+        // The freed source is not handed out before the lower free blocks.
+        kv.admit(SeqId(3), 2, &mut slots).unwrap();
+        assert_eq!(kv.block_table(SeqId(3)).unwrap(), &[BlockId(1)]);
+    }
+
+    #[test]
+    fn cached_blocks_follow_compaction() {
+        let mut kv = manager(8);
+        let mut slots = Vec::new();
+        for i in 0..8 {
+            kv.admit(SeqId(i), 2, &mut slots).unwrap();
+        }
+        // Block 7 becomes a prefix-cache block (what the prefix cache does on free).
+        let cached = kv.seqs.remove(&SeqId(7)).unwrap().table[0];
+        kv.live_token_slots -= usize::from(kv.block_fill[cached.index()]);
+        kv.pool.decref_keep(cached).unwrap();
+        for i in 0..6 {
+            kv.free(SeqId(i)).unwrap();
+        }
+        let f = kv.fragmentation();
+        assert_eq!(
+            (f.live_blocks, f.cached_blocks, f.moves_to_compact),
+            (1, 1, 2)
+        );
+        let mut storage = HostStorage::new(*kv.layout(), 8).unwrap();
+        let plan = kv
+            .defragment_with(&mut storage, DefragOptions::FULL)
+            .unwrap();
+        assert_eq!(plan.runs(), vec![(6, 0, 2)]);
+        assert_eq!(kv.pool.state(BlockId(1)).unwrap(), BlockState::Cached);
+        assert_eq!(kv.block_table(SeqId(6)).unwrap(), &[BlockId(0)]);
+        kv.check_invariants().unwrap();
+        assert_eq!(
+            kv.shrink_to(1, &mut storage),
+            Err(Error::ShrinkBelowResident {
+                requested: 1,
+                live: 1,
+                cached: 1
+            })
+        );
+        kv.shrink_to(2, &mut storage).unwrap();
+        kv.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn bad_options_are_rejected() {
+        let mut kv = manager(4);
+        for opts in [
+            DefragOptions::incremental(0),
+            DefragOptions::FULL.above(1.5),
+            DefragOptions::FULL.above(f64::NAN),
+        ] {
+            assert!(matches!(
+                kv.plan_defragment(opts),
+                Err(Error::InvalidConfig { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn storage_of_another_size_is_rejected() {
+        let mut kv = manager(4);
+        let mut storage = HostStorage::new(*kv.layout(), 5).unwrap();
+        assert!(matches!(
+            kv.defragment_with(&mut storage, DefragOptions::FULL),
+            Err(Error::ShapeMismatch { .. })
+        ));
+    }
+}

@@ -1,0 +1,660 @@
+//! The manager's counters through the [`metrics`](https://docs.rs/metrics) facade,
+//! plus a small Prometheus text-format recorder and a bounded loopback server.
+//!
+//! The engine picks the recorder: anything installed with
+//! `metrics::set_global_recorder` (or scoped with `metrics::with_local_recorder`)
+//! receives what [`MetricsExporter::publish`] sends. For a process that wants a
+//! Prometheus endpoint without pulling an async HTTP stack, [`PrometheusRecorder`]
+//! renders the text exposition format and [`serve_prometheus`] answers `GET /metrics`
+//! on a `std::net::TcpListener`, for a bounded number of requests or time.
+//!
+//! # What is published
+//!
+//! Every name, its type and meaning is in [`METRICS`]; names are constants in
+//! [`names`]. The ones marked `wired` come from [`CacheStats`] today. The others are
+//! reserved for counters other parts of the crate are adding (prefix cache, preemption,
+//! swap, defragmentation): they are published from [`ExtraCounters`] whenever the field
+//! is `Some`, and left out when it is `None`, so a dashboard never shows a fake zero.
+//!
+//! # Peaks
+//!
+//! A gauge sampled every few seconds misses the spikes that cause preemptions, so
+//! [`MetricsSnapshot::from_manager`] takes the *peak* of used blocks since the previous
+//! snapshot ([`KvCacheManager::take_peak_used_blocks`]) and publishes it as
+//! `pagedkv_blocks_used_peak`. Take a snapshot once per scrape (the `before_render`
+//! hook of [`serve_prometheus`] does exactly that) and the gauge is the peak between
+//! two scrapes.
+//!
+//! ```
+//! use pagedkv::metrics::{MetricsExporter, MetricsSnapshot, PrometheusRecorder, names};
+//! use pagedkv::{CacheConfig, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+//!
+//! let shape = ModelShape { num_layers: 2, num_q_heads: 4, num_kv_heads: 2, head_dim: 8,
+//!                          kv_dtype: DType::F16 };
+//! let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+//! kv.admit(SeqId(1), 40, &mut Vec::new())?;
+//!
+//! let recorder = PrometheusRecorder::new();
+//! let exporter = MetricsExporter::new();
+//! metrics::with_local_recorder(&recorder, || {
+//!     exporter.describe();
+//!     exporter.publish(&MetricsSnapshot::from_manager(&mut kv));
+//! });
+//! let text = recorder.render();
+//! assert!(text.contains(&format!("{} 3\n", names::BLOCKS_USED)));
+//! # Ok::<(), pagedkv::Error>(())
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::manager::{CacheStats, KvCacheManager};
+
+/// Metric names, all with the `pagedkv_` prefix.
+pub mod names {
+    /// Gauge: blocks in the arena.
+    pub const BLOCKS_CAPACITY: &str = "pagedkv_blocks_capacity";
+    /// Gauge: blocks referenced by at least one sequence.
+    pub const BLOCKS_USED: &str = "pagedkv_blocks_used";
+    /// Gauge: highest `pagedkv_blocks_used` since the previous snapshot.
+    pub const BLOCKS_USED_PEAK: &str = "pagedkv_blocks_used_peak";
+    /// Gauge: blocks on the free list.
+    pub const BLOCKS_FREE: &str = "pagedkv_blocks_free";
+    /// Gauge: unreferenced blocks kept for the prefix cache (evictable).
+    pub const BLOCKS_CACHED: &str = "pagedkv_blocks_cached";
+    /// Gauge: sequences the manager holds.
+    pub const SEQUENCES: &str = "pagedkv_sequences";
+    /// Gauge: token slots of used blocks that hold a token.
+    pub const TOKEN_SLOTS_LIVE: &str = "pagedkv_token_slots_live";
+    /// Gauge: token slots of used blocks that hold nothing (internal waste).
+    pub const TOKEN_SLOTS_WASTED: &str = "pagedkv_token_slots_wasted";
+    /// Gauge: live token slots over all slots of the arena.
+    pub const UTILIZATION_RATIO: &str = "pagedkv_utilization_ratio";
+    /// Gauge: bytes of the used blocks.
+    pub const KV_BYTES_USED: &str = "pagedkv_kv_bytes_used";
+    /// Gauge: blocks swapped out to the host tier.
+    pub const BLOCKS_SWAPPED: &str = "pagedkv_blocks_swapped";
+    /// Counter: prompt tokens looked up in the prefix cache.
+    pub const PREFIX_QUERY_TOKENS: &str = "pagedkv_prefix_query_tokens_total";
+    /// Counter: prompt tokens found in the prefix cache.
+    pub const PREFIX_HIT_TOKENS: &str = "pagedkv_prefix_hit_tokens_total";
+    /// Counter: preemptions, label `kind` = `swap` or `recompute`.
+    pub const PREEMPTIONS: &str = "pagedkv_preemptions_total";
+    /// Counter: bytes swapped, label `direction` = `out` (device to host) or `in`.
+    pub const SWAP_BYTES: &str = "pagedkv_swap_bytes_total";
+    /// Counter: time spent executing swap plans, microseconds.
+    pub const SWAP_TIME_US: &str = "pagedkv_swap_time_microseconds_total";
+    /// Counter: defragmentation passes.
+    pub const DEFRAG_RUNS: &str = "pagedkv_defrag_runs_total";
+    /// Counter: bytes moved by defragmentation.
+    pub const DEFRAG_MOVED_BYTES: &str = "pagedkv_defrag_moved_bytes_total";
+    /// Counter: time spent executing defragmentation moves, microseconds.
+    pub const DEFRAG_TIME_US: &str = "pagedkv_defrag_time_microseconds_total";
+}
+
+/// Gauge or counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    /// A value that goes up and down.
+    Gauge,
+    /// A total that only grows (published with `absolute`).
+    Counter,
+}
+
+impl MetricKind {
+    /// The Prometheus `# TYPE` word.
+    pub const fn prometheus_type(self) -> &'static str {
+        match self {
+            MetricKind::Gauge => "gauge",
+            MetricKind::Counter => "counter",
+        }
+    }
+}
+
+/// One documented metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricDef {
+    /// Full name.
+    pub name: &'static str,
+    /// Gauge or counter.
+    pub kind: MetricKind,
+    /// The label and its values, for metrics published once per value.
+    pub label: Option<(&'static str, &'static [&'static str])>,
+    /// Meaning, used as the `# HELP` text.
+    pub help: &'static str,
+    /// Whether the manager fills it today (from [`CacheStats`]); the rest come from
+    /// [`ExtraCounters`] once the parts that count them land.
+    pub wired: bool,
+}
+
+const fn def(name: &'static str, kind: MetricKind, help: &'static str, wired: bool) -> MetricDef {
+    MetricDef {
+        name,
+        kind,
+        label: None,
+        help,
+        wired,
+    }
+}
+
+/// Label values of [`names::PREEMPTIONS`].
+pub const PREEMPTION_KINDS: [&str; 2] = ["swap", "recompute"];
+/// Label values of [`names::SWAP_BYTES`].
+pub const SWAP_DIRECTIONS: [&str; 2] = ["out", "in"];
+
+/// Every metric the exporter publishes.
+pub const METRICS: [MetricDef; 19] = {
+    use names::*;
+    use MetricKind::{Counter, Gauge};
+    [
+        def(BLOCKS_CAPACITY, Gauge, "Blocks in the KV arena.", true),
+        def(
+            BLOCKS_USED,
+            Gauge,
+            "Blocks referenced by at least one sequence.",
+            true,
+        ),
+        def(
+            BLOCKS_USED_PEAK,
+            Gauge,
+            "Highest number of used blocks since the previous snapshot.",
+            true,
+        ),
+        def(BLOCKS_FREE, Gauge, "Blocks on the free list.", true),
+        def(
+            BLOCKS_CACHED,
+            Gauge,
+            "Unreferenced blocks kept for the prefix cache (evictable).",
+            true,
+        ),
+        def(SEQUENCES, Gauge, "Sequences the manager holds.", true),
+        def(
+            TOKEN_SLOTS_LIVE,
+            Gauge,
+            "Token slots of used blocks that hold a token.",
+            true,
+        ),
+        def(
+            TOKEN_SLOTS_WASTED,
+            Gauge,
+            "Token slots of used blocks that hold nothing (internal waste).",
+            true,
+        ),
+        def(
+            UTILIZATION_RATIO,
+            Gauge,
+            "Live token slots over all token slots of the arena.",
+            true,
+        ),
+        def(KV_BYTES_USED, Gauge, "Bytes of the used blocks.", true),
+        def(
+            BLOCKS_SWAPPED,
+            Gauge,
+            "Blocks swapped out to the host tier.",
+            false,
+        ),
+        def(
+            PREFIX_QUERY_TOKENS,
+            Counter,
+            "Prompt tokens looked up in the prefix cache.",
+            false,
+        ),
+        def(
+            PREFIX_HIT_TOKENS,
+            Counter,
+            "Prompt tokens found in the prefix cache.",
+            false,
+        ),
+        MetricDef {
+            name: PREEMPTIONS,
+            kind: Counter,
+            label: Some(("kind", &PREEMPTION_KINDS)),
+            help: "Sequences preempted, by kind (swap to host, or drop and recompute).",
+            wired: false,
+        },
+        MetricDef {
+            name: SWAP_BYTES,
+            kind: Counter,
+            label: Some(("direction", &SWAP_DIRECTIONS)),
+            help: "Bytes swapped between device and host, by direction.",
+            wired: false,
+        },
+        def(
+            SWAP_TIME_US,
+            Counter,
+            "Time spent executing swap plans, in microseconds.",
+            false,
+        ),
+        def(DEFRAG_RUNS, Counter, "Defragmentation passes.", false),
+        def(
+            DEFRAG_MOVED_BYTES,
+            Counter,
+            "Bytes moved by defragmentation.",
+            false,
+        ),
+        def(
+            DEFRAG_TIME_US,
+            Counter,
+            "Time spent executing defragmentation moves, in microseconds.",
+            false,
+        ),
+    ]
+};
+
+/// Counters other parts of the crate are adding; `None` means "not counted here" and
+/// the metric is not published. Totals are cumulative since the manager started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExtraCounters {
+    /// Blocks now on the host tier ([`names::BLOCKS_SWAPPED`]).
+    pub swapped_blocks: Option<u64>,
+    /// Prompt tokens looked up in the prefix cache ([`names::PREFIX_QUERY_TOKENS`]).
+    pub prefix_query_tokens: Option<u64>,
+    /// Prompt tokens found there ([`names::PREFIX_HIT_TOKENS`]).
+    pub prefix_hit_tokens: Option<u64>,
+    /// Preemptions by swapping out ([`names::PREEMPTIONS`], `kind="swap"`).
+    pub preemptions_swap: Option<u64>,
+    /// Preemptions by dropping for recompute (`kind="recompute"`).
+    pub preemptions_recompute: Option<u64>,
+    /// Bytes swapped device to host ([`names::SWAP_BYTES`], `direction="out"`).
+    pub swap_out_bytes: Option<u64>,
+    /// Bytes swapped host to device (`direction="in"`).
+    pub swap_in_bytes: Option<u64>,
+    /// Microseconds spent executing swap plans ([`names::SWAP_TIME_US`]).
+    pub swap_time_us: Option<u64>,
+    /// Defragmentation passes ([`names::DEFRAG_RUNS`]).
+    pub defrag_runs: Option<u64>,
+    /// Bytes moved by defragmentation ([`names::DEFRAG_MOVED_BYTES`]).
+    pub defrag_moved_bytes: Option<u64>,
+    /// Microseconds spent moving ([`names::DEFRAG_TIME_US`]).
+    pub defrag_time_us: Option<u64>,
+}
+
+/// What one publish sends: the manager's counters, the arena's geometry, the extras.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MetricsSnapshot {
+    /// The manager's counters. Its `peak_used_blocks` is ignored in favour of
+    /// [`Self::peak_used_blocks`].
+    pub cache: CacheStats,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Bytes of one block over all layers.
+    pub block_bytes: usize,
+    /// Highest used blocks since the previous snapshot.
+    pub peak_used_blocks: usize,
+    /// Counters the manager does not have yet.
+    pub extra: ExtraCounters,
+}
+
+impl MetricsSnapshot {
+    /// Reads the manager's counters and takes its peak (restarting the peak window).
+    pub fn from_manager(kv: &mut KvCacheManager) -> Self {
+        let cache = kv.stats();
+        MetricsSnapshot {
+            cache,
+            block_size: kv.block_size(),
+            block_bytes: kv.layout().block_bytes(),
+            peak_used_blocks: kv.take_peak_used_blocks(),
+            extra: ExtraCounters::default(),
+        }
+    }
+}
+
+/// Publishes [`MetricsSnapshot`]s to whatever recorder the `metrics` facade has.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MetricsExporter {
+    _private: (),
+}
+
+impl MetricsExporter {
+    /// An exporter.
+    pub const fn new() -> Self {
+        MetricsExporter { _private: () }
+    }
+
+    /// Sends the `# HELP` text of every metric in [`METRICS`] to the current recorder;
+    /// call it once after installing the recorder.
+    pub fn describe(&self) {
+        for m in METRICS {
+            match m.kind {
+                MetricKind::Gauge => ::metrics::describe_gauge!(m.name, m.help),
+                MetricKind::Counter => ::metrics::describe_counter!(m.name, m.help),
+            }
+        }
+    }
+
+    /// Publishes `snap` to the current recorder: gauges are set, counters are set to
+    /// their totals, extras that are `None` are skipped.
+    pub fn publish(&self, snap: &MetricsSnapshot) {
+        use names::*;
+        let c = &snap.cache;
+        let gauges = [
+            (BLOCKS_CAPACITY, c.num_blocks as f64),
+            (BLOCKS_USED, c.used_blocks as f64),
+            (
+                BLOCKS_USED_PEAK,
+                snap.peak_used_blocks.max(c.used_blocks) as f64,
+            ),
+            (BLOCKS_FREE, c.free_blocks as f64),
+            (BLOCKS_CACHED, c.cached_blocks as f64),
+            (SEQUENCES, c.num_sequences as f64),
+            (TOKEN_SLOTS_LIVE, c.live_token_slots as f64),
+            (TOKEN_SLOTS_WASTED, c.internal_waste_slots as f64),
+            (UTILIZATION_RATIO, c.utilization(snap.block_size)),
+            (
+                KV_BYTES_USED,
+                c.used_blocks as f64 * snap.block_bytes as f64,
+            ),
+        ];
+        for (name, value) in gauges {
+            ::metrics::gauge!(name).set(value);
+        }
+        let e = &snap.extra;
+        if let Some(v) = e.swapped_blocks {
+            ::metrics::gauge!(BLOCKS_SWAPPED).set(v as f64);
+        }
+        let counters = [
+            (PREFIX_QUERY_TOKENS, e.prefix_query_tokens),
+            (PREFIX_HIT_TOKENS, e.prefix_hit_tokens),
+            (SWAP_TIME_US, e.swap_time_us),
+            (DEFRAG_RUNS, e.defrag_runs),
+            (DEFRAG_MOVED_BYTES, e.defrag_moved_bytes),
+            (DEFRAG_TIME_US, e.defrag_time_us),
+        ];
+        for (name, value) in counters {
+            if let Some(v) = value {
+                ::metrics::counter!(name).absolute(v);
+            }
+        }
+        let labelled = [
+            (PREEMPTIONS, "kind", "swap", e.preemptions_swap),
+            (PREEMPTIONS, "kind", "recompute", e.preemptions_recompute),
+            (SWAP_BYTES, "direction", "out", e.swap_out_bytes),
+            (SWAP_BYTES, "direction", "in", e.swap_in_bytes),
+        ];
+        for (name, label, value, total) in labelled {
+            if let Some(v) = total {
+                ::metrics::counter!(name, label => value).absolute(v);
+            }
+        }
+    }
+}
+
+// ---- a small Prometheus text-format recorder -----------------------------------------
+
+/// Count and sum of a histogram, rendered as a Prometheus summary without quantiles.
+#[derive(Debug, Default)]
+struct Summary {
+    inner: Mutex<(u64, f64)>,
+}
+
+impl ::metrics::HistogramFn for Summary {
+    fn record(&self, value: f64) {
+        let mut s = self.inner.lock();
+        s.0 += 1;
+        s.1 += value;
+    }
+}
+
+#[derive(Debug, Default)]
+struct Registry {
+    help: HashMap<String, String>,
+    counters: BTreeMap<::metrics::Key, Arc<AtomicU64>>,
+    gauges: BTreeMap<::metrics::Key, Arc<AtomicU64>>,
+    histograms: BTreeMap<::metrics::Key, Arc<Summary>>,
+}
+
+/// A `metrics` recorder that keeps the latest values and renders them in the
+/// Prometheus text exposition format (version 0.0.4). Histograms are rendered as
+/// summaries with `_count` and `_sum` only.
+///
+/// Clones share the same values, so one clone can be installed as the recorder while
+/// another renders for the HTTP server.
+#[derive(Debug, Clone, Default)]
+pub struct PrometheusRecorder {
+    registry: Arc<Mutex<Registry>>,
+}
+
+impl PrometheusRecorder {
+    /// An empty recorder.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// All metrics in the text format, grouped by name, names in order.
+    pub fn render(&self) -> String {
+        let reg = self.registry.lock();
+        let mut out = String::new();
+        let group = |out: &mut String, name: &str, kind: &str, lines: &[String]| {
+            if let Some(help) = reg.help.get(name) {
+                let help = help.replace('\\', "\\\\").replace('\n', "\\n");
+                let _ = writeln!(out, "# HELP {name} {help}");
+            }
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+            for line in lines {
+                out.push_str(line);
+            }
+        };
+        let mut by_name: BTreeMap<&str, (&str, Vec<String>)> = BTreeMap::new();
+        for (key, v) in &reg.counters {
+            let line = format!(
+                "{}{} {}\n",
+                key.name(),
+                labels(key),
+                v.load(Ordering::Relaxed)
+            );
+            by_name
+                .entry(key.name())
+                .or_insert(("counter", Vec::new()))
+                .1
+                .push(line);
+        }
+        for (key, v) in &reg.gauges {
+            let value = f64::from_bits(v.load(Ordering::Relaxed));
+            let line = format!("{}{} {}\n", key.name(), labels(key), prom_f64(value));
+            by_name
+                .entry(key.name())
+                .or_insert(("gauge", Vec::new()))
+                .1
+                .push(line);
+        }
+        for (key, h) in &reg.histograms {
+            let (count, sum) = *h.inner.lock();
+            let l = labels(key);
+            let lines = by_name.entry(key.name()).or_insert(("summary", Vec::new()));
+            lines
+                .1
+                .push(format!("{}_sum{l} {}\n", key.name(), prom_f64(sum)));
+            lines.1.push(format!("{}_count{l} {count}\n", key.name()));
+        }
+        for (name, (kind, lines)) in &by_name {
+            group(&mut out, name, kind, lines);
+        }
+        out
+    }
+}
+
+/// `{a="x",b="y"}`, or nothing without labels.
+fn labels(key: &::metrics::Key) -> String {
+    let mut out = String::new();
+    for (i, label) in key.labels().enumerate() {
+        out.push(if i == 0 { '{' } else { ',' });
+        let value = label
+            .value()
+            .replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n");
+        let _ = write!(out, "{}=\"{value}\"", label.key());
+    }
+    if !out.is_empty() {
+        out.push('}');
+    }
+    out
+}
+
+/// A float as Prometheus spells it (`+Inf`, `-Inf`, `NaN`).
+fn prom_f64(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "+Inf" } else { "-Inf" }.into()
+    } else {
+        format!("{v}")
+    }
+}
+
+impl ::metrics::Recorder for PrometheusRecorder {
+    fn describe_counter(
+        &self,
+        key: ::metrics::KeyName,
+        _unit: Option<::metrics::Unit>,
+        description: ::metrics::SharedString,
+    ) {
+        self.registry
+            .lock()
+            .help
+            .insert(key.as_str().to_string(), description.into_owned());
+    }
+
+    fn describe_gauge(
+        &self,
+        key: ::metrics::KeyName,
+        unit: Option<::metrics::Unit>,
+        description: ::metrics::SharedString,
+    ) {
+        self.describe_counter(key, unit, description);
+    }
+
+    fn describe_histogram(
+        &self,
+        key: ::metrics::KeyName,
+        unit: Option<::metrics::Unit>,
+        description: ::metrics::SharedString,
+    ) {
+        self.describe_counter(key, unit, description);
+    }
+
+    fn register_counter(
+        &self,
+        key: &::metrics::Key,
+        _metadata: &::metrics::Metadata<'_>,
+    ) -> ::metrics::Counter {
+        let mut reg = self.registry.lock();
+        let cell = reg.counters.entry(key.clone()).or_default().clone();
+        ::metrics::Counter::from_arc(cell)
+    }
+
+    fn register_gauge(
+        &self,
+        key: &::metrics::Key,
+        _metadata: &::metrics::Metadata<'_>,
+    ) -> ::metrics::Gauge {
+        let mut reg = self.registry.lock();
+        let cell = reg.gauges.entry(key.clone()).or_default().clone();
+        ::metrics::Gauge::from_arc(cell)
+    }
+
+    fn register_histogram(
+        &self,
+        key: &::metrics::Key,
+        _metadata: &::metrics::Metadata<'_>,
+    ) -> ::metrics::Histogram {
+        let mut reg = self.registry.lock();
+        let cell = reg.histograms.entry(key.clone()).or_default().clone();
+        ::metrics::Histogram::from_arc(cell)
+    }
+}
+
+// ---- a bounded loopback HTTP server ----------------------------------------------------
+
+/// When [`serve_prometheus`] stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServeLimits {
+    /// Requests to answer before returning.
+    pub max_requests: usize,
+    /// Longest time to serve, from the call.
+    pub max_duration: Duration,
+}
+
+/// Longest request head [`serve_prometheus`] reads.
+const MAX_REQUEST_BYTES: usize = 8 * 1024;
+
+/// Answers HTTP `GET /metrics` (and `GET /`) on `listener` with
+/// `recorder.render()`, calling `before_render` first so the caller can publish a
+/// fresh snapshot; anything else gets a 404. Returns the number of requests answered
+/// once `limits` is reached.
+///
+/// Deliberately small and synchronous: one connection at a time, `Connection: close`,
+/// a 2-second read timeout per request. It is meant for a loopback port scraped by a
+/// local agent, not for the open internet.
+///
+/// # Errors
+/// [`Error::Io`] when the listener fails (a failing client connection is dropped and
+/// does not end the loop).
+pub fn serve_prometheus(
+    listener: &TcpListener,
+    recorder: &PrometheusRecorder,
+    limits: ServeLimits,
+    mut before_render: impl FnMut(),
+) -> Result<usize> {
+    let io = |e: std::io::Error| Error::Io(format!("metrics server: {e}"));
+    let start = Instant::now();
+    listener.set_nonblocking(true).map_err(io)?;
+    let mut served = 0;
+    while served < limits.max_requests && start.elapsed() < limits.max_duration {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                if answer(stream, recorder, &mut before_render).is_ok() {
+                    served += 1;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io(e)),
+        }
+    }
+    Ok(served)
+}
+
+fn answer(
+    mut stream: TcpStream,
+    recorder: &PrometheusRecorder,
+    before_render: &mut impl FnMut(),
+) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST_BYTES {
+        let n = stream.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+    let mut parts = line.split(|&b| b == b' ');
+    let (method, path) = (parts.next(), parts.next());
+    let (status, body) = match (method, path) {
+        (Some(b"GET"), Some(b"/metrics" | b"/")) => {
+            before_render();
+            ("200 OK", recorder.render())
+        }
+        _ => ("404 Not Found", "not found; try GET /metrics\n".to_string()),
+    };
+    write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    stream.flush()
+}

@@ -1,0 +1,497 @@
+//! Capacity planner: numbers against hand calculations for the shipped configs, every
+//! weight precision and KV dtype; invalid inputs are typed errors; suggestions are
+//! checked by applying them.
+
+use pagedkv::plan::{
+    ModelSpec, PlanInput, Shortfall, Suggestion, Verdict, WeightPrecision, GIB, SWEEP_GPU_GIB,
+    SWEEP_KV_DTYPES, WORKSPACE_BYTES,
+};
+use pagedkv::{DType, Error};
+
+/// Parameter counts written out by hand from each config.json.
+struct Hand {
+    name: &'static str,
+    /// q, k, v, o and gate, up, down of all layers.
+    linear: u64,
+    /// Embedding + lm_head (+ q/k/v biases for Qwen2): kept in 16 bits.
+    dense: u64,
+    /// RMSNorm weights, replicated under tensor parallelism.
+    norms: u64,
+    /// 2 * layers * kv_heads * head_dim: KV elements per token.
+    kv_elems_per_token: u64,
+    max_position_embeddings: usize,
+}
+
+fn llama3_8b() -> Hand {
+    // hidden 4096, intermediate 14336, vocab 128256, 32 layers, 32 q heads, 8 KV heads,
+    // head dim 128: q = 32*128 = 4096 wide, k and v = 8*128 = 1024 wide.
+    Hand {
+        name: "llama3-8b",
+        // per layer: q 4096x4096 + k 4096x1024 + v 4096x1024 + o 4096x4096
+        //          + gate, up, down 3 x 4096x14336
+        linear: 32 * (4096 * 4096 + 4096 * 1024 + 4096 * 1024 + 4096 * 4096)
+            + 32 * 3 * 4096 * 14336,
+        // embedding and untied lm_head, 128256 x 4096 each
+        dense: 2 * 128256 * 4096,
+        // two norms per layer and the final one
+        norms: (2 * 32 + 1) * 4096,
+        kv_elems_per_token: 2 * 32 * 8 * 128,
+        max_position_embeddings: 8192,
+    }
+}
+
+fn qwen2_5_7b() -> Hand {
+    // hidden 3584, intermediate 18944, vocab 152064, 28 layers, 28 q heads, 4 KV heads,
+    // head dim 128: q = 3584 wide, k and v = 512 wide; q/k/v have biases.
+    Hand {
+        name: "qwen2.5-7b",
+        linear: 28 * (3584 * 3584 + 3584 * 512 + 3584 * 512 + 3584 * 3584) + 28 * 3 * 3584 * 18944,
+        // embedding + lm_head + per-layer q, k, v biases (3584 + 512 + 512)
+        dense: 2 * 152064 * 3584 + 28 * (3584 + 512 + 512),
+        norms: (2 * 28 + 1) * 3584,
+        kv_elems_per_token: 2 * 28 * 4 * 128,
+        max_position_embeddings: 32768,
+    }
+}
+
+fn llama3_70b() -> Hand {
+    // hidden 8192, intermediate 28672, vocab 128256, 80 layers, 64 q heads, 8 KV heads,
+    // head dim 128: q = 8192 wide, k and v = 1024 wide.
+    Hand {
+        name: "llama3-70b",
+        linear: 80 * (8192 * 8192 + 8192 * 1024 + 8192 * 1024 + 8192 * 8192)
+            + 80 * 3 * 8192 * 28672,
+        dense: 2 * 128256 * 8192,
+        norms: (2 * 80 + 1) * 8192,
+        kv_elems_per_token: 2 * 80 * 8 * 128,
+        max_position_embeddings: 8192,
+    }
+}
+
+fn hands() -> [Hand; 3] {
+    [llama3_8b(), qwen2_5_7b(), llama3_70b()]
+}
+
+fn input(name: &str, gpu_gib: u64) -> PlanInput {
+    PlanInput::new(ModelSpec::resolve(name).unwrap(), gpu_gib * GIB)
+}
+
+#[test]
+fn parameter_counts_match_the_published_sizes() {
+    // Model cards: Llama-3-8B 8.03 B, Qwen2.5-7B 7.61 B ("7.6 B"), Llama-3-70B 70.6 B.
+    let expected = [8_030_261_248u64, 7_615_616_512, 70_553_706_496];
+    for (hand, total) in hands().iter().zip(expected) {
+        assert_eq!(
+            hand.linear + hand.dense + hand.norms,
+            total,
+            "{}",
+            hand.name
+        );
+        let spec = ModelSpec::resolve(hand.name).unwrap();
+        assert_eq!(spec.param_counts().total(), total, "{}", hand.name);
+        assert_eq!(
+            spec.param_counts().attention + spec.param_counts().mlp,
+            hand.linear
+        );
+    }
+}
+
+#[test]
+fn weight_bytes_for_every_precision() {
+    for hand in hands() {
+        let (lin, dense, norms) = (hand.linear, hand.dense, hand.norms);
+        let cases = [
+            // 4 bytes for everything
+            (WeightPrecision::F32, 4 * (lin + dense + norms)),
+            // 2 bytes for everything
+            (WeightPrecision::F16, 2 * (lin + dense + norms)),
+            // linear layers 1 byte, the rest stays 16-bit
+            (WeightPrecision::Int8, lin + 2 * (dense + norms)),
+            // 4 bits per linear weight plus one f16 scale per 128 weights
+            (
+                WeightPrecision::Int4 { group_size: 128 },
+                lin / 2 + 2 * (lin / 128) + 2 * (dense + norms),
+            ),
+            (
+                WeightPrecision::Int4 { group_size: 64 },
+                lin / 2 + 2 * (lin / 64) + 2 * (dense + norms),
+            ),
+        ];
+        for (precision, bytes) in cases {
+            let mut i = input(hand.name, 1000);
+            i.weight_precision = precision;
+            i.context_tokens = 1024;
+            let plan = i.plan().unwrap();
+            assert_eq!(plan.weight_bytes, bytes, "{} {precision}", hand.name);
+        }
+    }
+    // The 16-bit Llama-3-8B is the well-known ~16.06 GB checkpoint.
+    let plan = input("llama3-8b", 80).plan().unwrap();
+    assert_eq!(plan.weight_bytes, 16_060_522_496);
+}
+
+#[test]
+fn kv_bytes_per_token_and_block_for_every_dtype() {
+    for hand in hands() {
+        for dtype in DType::ALL {
+            for block_size in [8usize, 16, 32] {
+                let mut i = input(hand.name, 1000);
+                i.kv_dtype = dtype;
+                i.block_size = block_size;
+                i.context_tokens = 1024;
+                let plan = i.plan().unwrap();
+                let per_token = hand.kv_elems_per_token * dtype.size_bytes() as u64;
+                assert_eq!(plan.kv_bytes_per_token, per_token, "{} {dtype}", hand.name);
+                assert_eq!(plan.block_bytes, per_token * block_size as u64);
+            }
+        }
+    }
+    // Spelled out: Llama-3-8B in bf16 is 2 (K,V) * 32 layers * 8 heads * 128 * 2 B
+    // = 128 KiB per token, 2 MiB per 16-token block.
+    let plan = input("llama3-8b", 80).plan().unwrap();
+    assert_eq!(plan.kv_bytes_per_token, 131_072);
+    assert_eq!(plan.block_bytes, 2_097_152);
+}
+
+#[test]
+fn end_to_end_llama3_8b_on_80_gib() {
+    let mut i = input("llama3-8b", 80);
+    i.reserve_bytes = Some(2 * GIB);
+    i.context_tokens = 8192;
+    i.concurrency = 32;
+    let plan = i.plan().unwrap();
+    // usable = 80 GiB * 0.9 = 85_899_345_920 * 0.9
+    assert_eq!(plan.usable_bytes, 77_309_411_328);
+    // KV budget = usable - weights (16_060_522_496) - reserve (2 GiB)
+    assert_eq!(
+        plan.kv_budget_bytes,
+        77_309_411_328 - 16_060_522_496 - 2_147_483_648
+    );
+    // 59_101_405_184 / 2 MiB = 28181.6 -> 28181 blocks of 16 tokens
+    assert_eq!(plan.num_blocks, 28_181);
+    assert_eq!(plan.capacity_tokens, 28_181 * 16);
+    // 8192 tokens = 512 blocks per request; 28181 / 512 = 55.04 -> 55 requests
+    assert_eq!(plan.blocks_per_request, 512);
+    assert_eq!(plan.max_concurrency, 55);
+    assert_eq!(plan.verdict, Verdict::Fits);
+
+    // 64 requests need 64 * 512 = 32768 blocks: does not fit.
+    i.concurrency = 64;
+    let plan = i.plan().unwrap();
+    match plan.verdict {
+        Verdict::DoesNotFit {
+            shortfall,
+            suggestions,
+        } => {
+            assert_eq!(
+                shortfall,
+                Shortfall::Blocks {
+                    needed_blocks: 32_768,
+                    num_blocks: 28_181
+                }
+            );
+            // fp8 halves the block: 59_101_405_184 / 1 MiB = 56363 blocks, 110 requests.
+            assert!(suggestions.contains(&Suggestion::KvDtype {
+                kv_dtype: DType::Fp8E4M3,
+                max_concurrency: 110
+            }));
+            // 28181 / 64 = 440 blocks each = 7040 tokens.
+            assert!(suggestions.contains(&Suggestion::Context {
+                max_context_tokens: 7040
+            }));
+            assert!(suggestions.contains(&Suggestion::Concurrency {
+                max_concurrency: 55
+            }));
+        }
+        Verdict::Fits => panic!("64 x 8192 tokens cannot fit 28181 blocks"),
+    }
+}
+
+#[test]
+fn estimated_reserve_follows_the_documented_formula() {
+    let mut i = input("llama3-8b", 80);
+    i.concurrency = 32;
+    // 1 GiB workspace
+    // + 8192 tokens * 2 B * (2*4096 residual+normed + (32+2*8)*128 qkv + 2*14336 gate/up)
+    // + 32 rows * 128256 vocab * 4 B logits
+    let expected = WORKSPACE_BYTES + 8192 * 2 * (2 * 4096 + 48 * 128 + 2 * 14336) + 32 * 128256 * 4;
+    assert_eq!(expected, 1_794_801_664);
+    assert_eq!(i.estimated_reserve_bytes(), expected);
+    assert_eq!(i.plan().unwrap().reserve_bytes, expected);
+    // Under tp 2 the sharded activations halve.
+    i.tensor_parallel = 2;
+    let expected_tp2 =
+        WORKSPACE_BYTES + 8192 * 2 * (2 * 4096 + 48 * 128 / 2 + 14336) + 32 * 128256 * 4;
+    assert_eq!(i.estimated_reserve_bytes(), expected_tp2);
+    // An explicit reserve replaces the estimate.
+    i.reserve_bytes = Some(123);
+    assert_eq!(i.plan().unwrap().reserve_bytes, 123);
+}
+
+#[test]
+fn tensor_parallel_splits_weights_and_kv_heads() {
+    let hand = llama3_70b();
+    let mut i = input("llama3-70b", 80);
+    i.tensor_parallel = 4;
+    i.context_tokens = 8192;
+    let plan = i.plan().unwrap();
+    // Each GPU: a quarter of the linear, embedding and lm_head weights, all the norms.
+    assert_eq!(
+        plan.weight_bytes,
+        2 * (hand.linear / 4) + 2 * (hand.dense / 4) + 2 * hand.norms
+    );
+    // 8 KV heads / 4 = 2 per GPU: 2 * 80 * 2 * 128 * 2 B = 80 KiB per token.
+    assert_eq!(plan.kv_bytes_per_token, 81_920);
+    // tp 1 does not even hold the weights.
+    i.tensor_parallel = 1;
+    let plan = i.plan().unwrap();
+    assert_eq!(plan.num_blocks, 0);
+    assert!(matches!(
+        plan.verdict,
+        Verdict::DoesNotFit {
+            shortfall: Shortfall::Weights { .. },
+            ..
+        }
+    ));
+}
+
+#[test]
+fn every_suggestion_fits_when_applied() {
+    let cases: [(&str, u64, usize, usize); 4] = [
+        ("llama3-8b", 80, 8192, 64),
+        ("llama3-8b", 24, 8192, 16),
+        ("qwen2.5-7b", 48, 32768, 16),
+        ("llama3-70b", 80, 8192, 8),
+    ];
+    for (name, gib, context, concurrency) in cases {
+        let mut i = input(name, gib);
+        i.context_tokens = context;
+        i.concurrency = concurrency;
+        let plan = i.plan().unwrap();
+        let Verdict::DoesNotFit { suggestions, .. } = plan.verdict else {
+            panic!("{name} on {gib} GiB should not fit {concurrency} x {context}");
+        };
+        assert!(!suggestions.is_empty());
+        for s in suggestions {
+            let mut alt = i.clone();
+            let mut too_far = None;
+            match s {
+                Suggestion::KvDtype { kv_dtype, .. } => alt.kv_dtype = kv_dtype,
+                Suggestion::TensorParallel {
+                    tensor_parallel, ..
+                } => alt.tensor_parallel = tensor_parallel,
+                Suggestion::WeightPrecision { precision, .. } => alt.weight_precision = precision,
+                Suggestion::GpuMemory { gpu_memory_bytes } => {
+                    alt.gpu_memory_bytes = gpu_memory_bytes;
+                    let mut less = i.clone();
+                    less.gpu_memory_bytes = gpu_memory_bytes - 4 * (1 << 20);
+                    too_far = Some(less);
+                }
+                Suggestion::Context { max_context_tokens } => {
+                    alt.context_tokens = max_context_tokens as usize;
+                    let mut more = i.clone();
+                    more.context_tokens = max_context_tokens as usize + i.block_size;
+                    too_far = Some(more);
+                }
+                Suggestion::Concurrency { max_concurrency } => {
+                    alt.concurrency = max_concurrency as usize;
+                    let mut more = i.clone();
+                    more.concurrency = max_concurrency as usize + 1;
+                    too_far = Some(more);
+                }
+            }
+            assert!(alt.plan().unwrap().verdict.fits(), "{name}: {s}");
+            if let Some(beyond) = too_far {
+                // The suggestion is the limit, not just something that fits.
+                assert!(!beyond.plan().unwrap().verdict.fits(), "{name}: {s}");
+            }
+        }
+    }
+}
+
+#[test]
+fn invalid_inputs_are_typed_errors() {
+    // Zero memory.
+    let i = input("llama3-8b", 0);
+    assert!(matches!(
+        i.plan(),
+        Err(Error::OutOfRange {
+            field: "gpu_memory_bytes",
+            ..
+        })
+    ));
+    let mut i = input("llama3-8b", 80);
+    for gib in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        assert!(matches!(
+            i.set_gpu_memory_gib(gib),
+            Err(Error::OutOfRange {
+                field: "gpu_memory_gib",
+                ..
+            })
+        ));
+    }
+    // Context past max_position_embeddings.
+    let mut i = input("llama3-8b", 80);
+    i.context_tokens = llama3_8b().max_position_embeddings + 1;
+    assert_eq!(
+        i.plan().unwrap_err(),
+        Error::ContextTooLong {
+            context_tokens: 8193,
+            max_position_embeddings: 8192
+        }
+    );
+    let mut i = input("qwen2.5-7b", 80);
+    i.context_tokens = qwen2_5_7b().max_position_embeddings;
+    assert!(i.plan().is_ok());
+    i.context_tokens += 1;
+    assert!(matches!(i.plan(), Err(Error::ContextTooLong { .. })));
+    // Utilisation outside (0, 1].
+    for u in [0.0, -0.5, 1.0001, 2.0, f64::NAN] {
+        let mut i = input("llama3-8b", 80);
+        i.gpu_memory_utilization = u;
+        assert!(
+            matches!(
+                i.plan(),
+                Err(Error::OutOfRange {
+                    field: "gpu_memory_utilization",
+                    ..
+                })
+            ),
+            "{u}"
+        );
+    }
+    let mut i = input("llama3-8b", 80);
+    i.gpu_memory_utilization = 1.0;
+    assert!(i.plan().is_ok());
+    // Tensor parallelism that does not divide the heads.
+    let cases = [
+        ("llama3-8b", 3, "num_attention_heads", 32),
+        ("llama3-8b", 16, "num_key_value_heads", 8),
+        ("qwen2.5-7b", 8, "num_attention_heads", 28),
+        ("llama3-70b", 16, "num_key_value_heads", 8),
+    ];
+    for (name, tp, what, count) in cases {
+        let mut i = input(name, 80);
+        i.tensor_parallel = tp;
+        assert_eq!(
+            i.plan().unwrap_err(),
+            Error::UnevenTensorParallel { what, count, tp }
+        );
+    }
+    // Zeros elsewhere.
+    for field in ["context_tokens", "concurrency", "tensor_parallel"] {
+        let mut i = input("llama3-8b", 80);
+        match field {
+            "context_tokens" => i.context_tokens = 0,
+            "concurrency" => i.concurrency = 0,
+            _ => i.tensor_parallel = 0,
+        }
+        assert!(
+            matches!(i.plan(), Err(Error::OutOfRange { field: f, .. }) if f == field),
+            "{field}"
+        );
+    }
+    let mut i = input("llama3-8b", 80);
+    i.block_size = 0;
+    assert!(matches!(
+        i.plan(),
+        Err(Error::InvalidConfig {
+            field: "block_size",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn precision_names_parse() {
+    assert_eq!(
+        WeightPrecision::parse("bf16").unwrap(),
+        WeightPrecision::F16
+    );
+    assert_eq!(
+        WeightPrecision::parse("FP8").unwrap(),
+        WeightPrecision::Int8
+    );
+    assert_eq!(
+        WeightPrecision::parse("int4").unwrap(),
+        WeightPrecision::Int4 { group_size: 128 }
+    );
+    assert_eq!(
+        WeightPrecision::parse("int4-g32").unwrap(),
+        WeightPrecision::Int4 { group_size: 32 }
+    );
+    for p in WeightPrecision::LADDER {
+        assert_eq!(WeightPrecision::parse(&p.name()).unwrap(), p);
+    }
+    for bad in ["int3", "int4-g0", "int4-gx", ""] {
+        assert!(WeightPrecision::parse(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn model_specs_from_configs() {
+    let text = pagedkv::shape::builtin::LLAMA3_8B;
+    assert!(!ModelSpec::from_json_str(text).unwrap().attention_bias);
+    assert!(ModelSpec::resolve("qwen2.5-7b").unwrap().attention_bias);
+    // Tied embeddings drop the lm_head.
+    let tied = text.replace(
+        "\"tie_word_embeddings\": false",
+        "\"tie_word_embeddings\": true",
+    );
+    let spec = ModelSpec::from_json_str(&tied).unwrap();
+    assert_eq!(spec.param_counts().lm_head, 0);
+    assert_eq!(spec.param_counts().total(), 8_030_261_248 - 128256 * 4096);
+    // The weight estimate needs intermediate_size.
+    let partial = text.replace("\"intermediate_size\": 14336,", "");
+    assert!(matches!(
+        ModelSpec::from_json_str(&partial),
+        Err(Error::ModelConfig(_))
+    ));
+    assert!(matches!(
+        ModelSpec::resolve("/no/such/config.json"),
+        Err(Error::Io(_))
+    ));
+}
+
+#[test]
+fn sweep_covers_every_gpu_and_dtype() {
+    let mut i = input("llama3-8b", 80);
+    i.context_tokens = 8192;
+    i.concurrency = 64;
+    let plans = i.sweep().unwrap();
+    assert_eq!(plans.len(), SWEEP_GPU_GIB.len() * SWEEP_KV_DTYPES.len());
+    for (n, p) in plans.iter().enumerate() {
+        let gib = SWEEP_GPU_GIB[n / SWEEP_KV_DTYPES.len()];
+        assert_eq!(p.gpu_memory_bytes, (gib * GIB as f64) as u64);
+        assert_eq!(p.kv_dtype, SWEEP_KV_DTYPES[n % SWEEP_KV_DTYPES.len()]);
+        assert!(p.sweep_line().contains(p.kv_dtype.name()));
+    }
+    // Halving the element size doubles the blocks, up to rounding.
+    for row in plans.chunks(SWEEP_KV_DTYPES.len()) {
+        let (f32_, bf16, fp8) = (row[0].num_blocks, row[1].num_blocks, row[2].num_blocks);
+        assert!(bf16 == 2 * f32_ || bf16 == 2 * f32_ + 1);
+        assert!(fp8 == 2 * bf16 || fp8 == 2 * bf16 + 1);
+    }
+    // 64 x 8192 needs 32768 blocks: bf16 fits on 141 GiB, not on 80.
+    assert!(!plans[7].verdict.fits());
+    assert!(plans[10].verdict.fits());
+}
+
+#[test]
+fn json_carries_the_numbers() {
+    let mut i = input("llama3-8b", 24);
+    i.context_tokens = 8192;
+    i.concurrency = 16;
+    let plan = i.plan().unwrap();
+    let v = plan.to_json();
+    assert_eq!(v["num_blocks"], plan.num_blocks);
+    assert_eq!(v["kv_bytes_per_token"], 131_072);
+    assert_eq!(v["weight_bytes"], plan.weight_bytes);
+    assert_eq!(v["fits"], false);
+    assert_eq!(v["shortfall"]["kind"], "blocks");
+    assert!(v["suggestions"].as_array().is_some_and(|s| !s.is_empty()));
+    // And it is valid JSON text.
+    let text = v.to_string();
+    let back: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(back, v);
+}
