@@ -61,6 +61,20 @@ fn check_row(
 ///
 /// Returns the longest context of the batch.
 ///
+/// ```
+/// use pagedkv::attention::validate_tables;
+/// use pagedkv::{DType, Error, KvLayout, ModelShape, PaddedTables};
+///
+/// let shape = ModelShape { num_layers: 1, num_q_heads: 8, num_kv_heads: 2, head_dim: 64, kv_dtype: DType::F16 };
+/// let layout = KvLayout::new(shape, 16)?;
+/// // Two sequences over an arena of 10 blocks: 17 tokens in blocks 3, 4; 5 tokens in 9.
+/// let mut t = PaddedTables { tables: vec![3, 4, 9, 0], context_lens: vec![17, 5], batch: 2, max_blocks: 2 };
+/// assert_eq!(validate_tables(&layout, 10, &t)?, 17);
+/// t.tables[2] = 10; // outside the arena: rejected before any launch
+/// assert!(matches!(validate_tables(&layout, 10, &t), Err(Error::BlockOutOfRange { .. })));
+/// # Ok::<(), Error>(())
+/// ```
+///
 /// # Errors
 /// [`Error::ShapeMismatch`], [`Error::CorruptBlockTable`], [`Error::BlockOutOfRange`],
 /// [`Error::TooLong`] for a context over [`MAX_CONTEXT_TOKENS`].

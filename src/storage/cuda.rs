@@ -479,6 +479,18 @@ impl CudaStorage {
             .map_err(driver_err("cuEventQuery"))
     }
 
+    /// Whether every layer of the last swap plan has arrived (the plan's event: layers
+    /// are recorded in order on one stream, so the last layer's event is the plan's).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn is_swap_complete(&self) -> Result<bool> {
+        match self.layer_ready.last() {
+            Some(e) => e.try_is_complete().map_err(driver_err("cuEventQuery")),
+            None => Ok(true),
+        }
+    }
+
     /// Makes the compute stream wait (on the GPU; the host does not block) until
     /// `layer` of the last swap has arrived. Every method of this storage that reads
     /// or writes a layer on the compute stream does this itself.
@@ -552,7 +564,8 @@ impl CudaStorage {
     /// Writes K/V of `slots.len()` tokens for one layer, converting from `input` dtype
     /// to the cache dtype (quantising to fp8 as `x / scale`, round-to-nearest-even,
     /// saturating). `k` and `v` are `[tokens, kv_heads, head_dim]` elements of `input`,
-    /// as bytes, on the host.
+    /// as bytes, on the host. Tokens run in parallel: when two tokens name the same
+    /// slot, which one lands is unspecified (the manager never hands out a slot twice).
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`], [`Error::BlockOutOfRange`], [`Error::Unsupported`] for
@@ -815,7 +828,7 @@ fn vmm_props(device: usize) -> (sys::CUmemAllocationProp, sys::CUmemAccessDesc) 
 }
 
 /// Blocks that fit `budget` bytes over `layers` regions, each rounded up to `chunk`.
-fn blocks_in_budget(budget: usize, bpl: usize, layers: usize, chunk: usize) -> usize {
+pub(crate) fn blocks_in_budget(budget: usize, bpl: usize, layers: usize, chunk: usize) -> usize {
     let per_layer = (budget / layers.max(1)) / chunk * chunk;
     per_layer / bpl.max(1)
 }
@@ -1035,5 +1048,30 @@ impl Storage for CudaStorage {
         }
         self.num_blocks = num_blocks;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_count_whole_chunks_per_layer() {
+        let mib = 1 << 20;
+        // 80 layers, 2 MiB chunks, 64 KiB blocks: 1 GiB gives 12 MiB per layer
+        // (13.1 rounded down to chunks) = 192 blocks.
+        assert_eq!(blocks_in_budget(1 << 30, 64 << 10, 80, 2 * mib), 192);
+        // Whatever the inputs, the rounded-up regions fit the budget.
+        for (budget, bpl, layers, chunk) in [
+            (10 * mib + 1, 3000, 3, 2 * mib),
+            (mib, 4096, 1, 2 * mib),
+            (0, 1, 1, 1),
+            (usize::MAX / 2, 1 << 20, 80, 2 * mib),
+        ] {
+            let n = blocks_in_budget(budget, bpl, layers, chunk);
+            assert!(layers * round_up((n * bpl).max(1), chunk) <= budget.max(layers * chunk));
+            assert!(n * bpl * layers <= budget);
+        }
+        assert_eq!(blocks_in_budget(mib, 4096, 1, 2 * mib), 0);
     }
 }

@@ -88,6 +88,25 @@ pub enum Backend {
 /// device 0 when a driver and a GPU are there, otherwise a [`HostStorage`] of the same
 /// size. The reason for a fallback is returned, not hidden.
 ///
+/// ```
+/// use pagedkv::storage::{auto, Backend};
+/// use pagedkv::{DType, KvLayout, ModelShape};
+///
+/// let shape = ModelShape {
+///     num_layers: 2,
+///     num_q_heads: 8,
+///     num_kv_heads: 2,
+///     head_dim: 64,
+///     kv_dtype: DType::BF16,
+/// };
+/// let (storage, backend) = auto(KvLayout::new(shape, 16)?, 64, 8)?;
+/// assert_eq!((storage.num_blocks(), storage.num_host_blocks()), (64, 8));
+/// if let Backend::Host(why) = backend {
+///     println!("host fallback: {why}");
+/// }
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+///
 /// # Errors
 /// Only errors that are not "CUDA unavailable": an invalid size, or a CUDA failure on
 /// a machine that has a GPU (that is a bug or an out-of-memory, not a reason to fall
