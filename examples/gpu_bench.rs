@@ -16,6 +16,7 @@ mod gpu {
     use cudarc::driver::sys;
     use pagedkv::attention::cuda::{CudaAttention, Tables};
     use pagedkv::attention::AttentionParams;
+    use pagedkv::cuda::AttentionSpec;
     use pagedkv::storage::{CudaStorage, CudaStorageConfig};
     use pagedkv::{
         BlockId, CopyPlan, DType, Error, KvLayout, ModelShape, PaddedTables, Result, Storage,
@@ -83,11 +84,21 @@ mod gpu {
         }
     }
 
-    fn decode_case(dtype: DType, batch: usize, ctx: usize, scattered: bool) -> Result<Value> {
+    fn decode_case(
+        dtype: DType,
+        batch: usize,
+        ctx: usize,
+        scattered: bool,
+        unroll: u32,
+    ) -> Result<Value> {
         let layout = KvLayout::new(shape(dtype), 16)?;
         let num_blocks = batch * ctx.div_ceil(16) + 64;
         let storage = CudaStorage::new(layout, CudaStorageConfig::blocks(num_blocks))?;
-        let mut attn = CudaAttention::new(&storage)?;
+        let spec = AttentionSpec {
+            unroll,
+            ..AttentionSpec::for_layout(&layout)
+        };
+        let mut attn = CudaAttention::with_spec(&storage, spec)?;
         let t = tables(batch, ctx, num_blocks, scattered);
         let dt = attn.upload_tables(&storage, Tables::Padded(&t))?;
         let plan = attn.plan(&storage, &dt);
@@ -112,6 +123,7 @@ mod gpu {
         Ok(json!({
             "dtype": dtype.name(), "batch": batch, "context": ctx,
             "layout": if scattered { "paged (scattered blocks)" } else { "contiguous (consecutive blocks)" },
+            "unroll": if unroll == 0 { "default".to_string() } else { unroll.to_string() },
             "splits": plan.num_splits, "tokens_per_split": plan.tokens_per_split,
             "kernel_us": ms * 1e3, "kv_bytes": kv_bytes,
             "bandwidth_gb_s": kv_bytes / (ms * 1e-3) / 1e9,
@@ -176,9 +188,13 @@ mod gpu {
         let mut decode = Vec::new();
         for (batch, ctx) in [(64, 4096), (1, 32768)] {
             for scattered in [true, false] {
-                decode.push(decode_case(DType::BF16, batch, ctx, scattered)?);
+                decode.push(decode_case(DType::BF16, batch, ctx, scattered, 0)?);
             }
-            decode.push(decode_case(DType::Fp8E4M3, batch, ctx, true)?);
+            decode.push(decode_case(DType::Fp8E4M3, batch, ctx, true, 0)?);
+        }
+        // The register/in-flight trade-off of the main case, measured rather than guessed.
+        for unroll in [1, 2] {
+            decode.push(decode_case(DType::BF16, 64, 4096, true, unroll)?);
         }
         let probe = CudaStorage::new(
             KvLayout::new(shape(DType::BF16), 16)?,

@@ -6,6 +6,7 @@
 //   GQA_GROUP    query heads per KV head
 //   KV_DTYPE     cache dtype code (see common.cuh)
 //   NUM_THREADS  threads per CTA (default 128)
+//   UNROLL       tokens per token group in flight (default: 2, or 1 when registers are tight)
 //
 // Cache layout of one layer region (strides in elements come from KvLayout::strides):
 //   [block][K|V][kv_head][token][dim]
@@ -34,6 +35,11 @@ typedef typename DTypeOf<KV_DTYPE>::T cache_t;
 #define VECS_PER_LANE (VECS_PER_TOKEN / LANES_PER_TOKEN)
 #define ELEMS_PER_LANE (VECS_PER_LANE * VEC_ELEMS)
 #define TOKEN_GROUPS (NUM_THREADS / LANES_PER_TOKEN)
+// Tokens each group has in flight per iteration: 2 unless the accumulators already
+// fill the register file (fp8 with large groups), where a second token would spill.
+#ifndef UNROLL
+#define UNROLL (GQA_GROUP * ELEMS_PER_LANE <= 32 ? 2 : 1)
+#endif
 
 static_assert((HEAD_DIM * (int)sizeof(cache_t)) % 16 == 0, "head bytes must be a multiple of 16");
 static_assert((LANES_PER_TOKEN & (LANES_PER_TOKEN - 1)) == 0, "lanes per token must be a power of two");
@@ -42,8 +48,7 @@ static_assert(NUM_THREADS % 32 == 0 && NUM_THREADS <= 1024, "whole warps");
 static_assert(GQA_GROUP >= 1 && BLOCK_SIZE >= 1, "positive group and block size");
 
 // Decodes one 16-byte vector of the cache into floats.
-__device__ __forceinline__ void load_vec(const cache_t* __restrict__ p, float* out) {
-    uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+__device__ __forceinline__ void decode_vec(uint4 raw, float* out) {
     const cache_t* e = reinterpret_cast<const cache_t*>(&raw);
 #pragma unroll
     for (int i = 0; i < VEC_ELEMS; ++i) {
@@ -111,10 +116,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         q_sh[g][d] = q[((u64)seq * q_heads + kv_head * GQA_GROUP + g) * HEAD_DIM + d];
         acc_sh[g][d] = 0.0f;
     }
-    float slope[GQA_GROUP];
-#pragma unroll
-    for (int g = 0; g < GQA_GROUP; ++g) {
-        slope[g] = alibi_slopes != nullptr ? alibi_slopes[kv_head * GQA_GROUP + g] * PKV_LOG2E : 0.0f;
+    // ALiBi slopes in base-2 units, in shared memory: registers go to the accumulators.
+    __shared__ float slope_sh[GQA_GROUP];
+    for (int g = tid; g < GQA_GROUP; g += NUM_THREADS) {
+        slope_sh[g] = alibi_slopes != nullptr ? alibi_slopes[kv_head * GQA_GROUP + g] * PKV_LOG2E : 0.0f;
     }
     __syncthreads();
 
@@ -129,49 +134,67 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
 
     const cache_t* head_base = cache + (u64)kv_head * stride_head;
     // Every warp runs the same number of iterations so the shuffles see all lanes.
-    for (u32 base = begin; base < end; base += TOKEN_GROUPS) {
-        const u32 t = base + tg;
-        const bool valid = t < end;
-        float k[ELEMS_PER_LANE], v[ELEMS_PER_LANE];
-        if (valid) {
-            const u32 blk = block_ids[row + t / BLOCK_SIZE];
-            const cache_t* kp = head_base + (u64)blk * stride_block + (u64)(t % BLOCK_SIZE) * stride_token;
+    // Each iteration first issues the raw 16-byte loads of UNROLL tokens per group, then
+    // decodes and consumes them, so more bytes are in flight per warp.
+    for (u32 base = begin; base < end; base += TOKEN_GROUPS * UNROLL) {
+        uint4 kraw[UNROLL][VECS_PER_LANE], vraw[UNROLL][VECS_PER_LANE];
 #pragma unroll
-            for (int j = 0; j < VECS_PER_LANE; ++j) {
-                load_vec(kp + lane_dim(lt, j, 0), &k[j * VEC_ELEMS]);
-                load_vec(kp + stride_kv + lane_dim(lt, j, 0), &v[j * VEC_ELEMS]);
-            }
-        } else {
+        for (int u = 0; u < UNROLL; ++u) {
+            const u32 t = base + u * TOKEN_GROUPS + tg;
+            if (t < end) {
+                const u32 blk = block_ids[row + t / BLOCK_SIZE];
+                const cache_t* kp = head_base + (u64)blk * stride_block + (u64)(t % BLOCK_SIZE) * stride_token;
 #pragma unroll
-            for (int i = 0; i < ELEMS_PER_LANE; ++i) { k[i] = 0.0f; v[i] = 0.0f; }
-        }
-        float s[GQA_GROUP];
+                for (int j = 0; j < VECS_PER_LANE; ++j) {
+                    kraw[u][j] = __ldg(reinterpret_cast<const uint4*>(kp + lane_dim(lt, j, 0)));
+                    vraw[u][j] = __ldg(reinterpret_cast<const uint4*>(kp + stride_kv + lane_dim(lt, j, 0)));
+                }
+            } else {
 #pragma unroll
-        for (int g = 0; g < GQA_GROUP; ++g) {
-            float part = 0.0f;
-#pragma unroll
-            for (int j = 0; j < VECS_PER_LANE; ++j) {
-#pragma unroll
-                for (int e = 0; e < VEC_ELEMS; ++e) {
-                    part += q_sh[g][lane_dim(lt, j, e)] * k[j * VEC_ELEMS + e];
+                for (int j = 0; j < VECS_PER_LANE; ++j) {
+                    kraw[u][j] = make_uint4(0u, 0u, 0u, 0u);
+                    vraw[u][j] = make_uint4(0u, 0u, 0u, 0u);
                 }
             }
-#pragma unroll
-            for (int off = LANES_PER_TOKEN / 2; off > 0; off /= 2) {
-                part += __shfl_xor_sync(0xffffffffu, part, off);
-            }
-            s[g] = part * scale_log2 + slope[g] * ((float)t - (float)(ctx - 1));
         }
-        if (valid) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const u32 t = base + u * TOKEN_GROUPS + tg;
+            const bool valid = t < end;
+            float k[ELEMS_PER_LANE];
+#pragma unroll
+            for (int j = 0; j < VECS_PER_LANE; ++j) decode_vec(kraw[u][j], &k[j * VEC_ELEMS]);
+            float s[GQA_GROUP];
 #pragma unroll
             for (int g = 0; g < GQA_GROUP; ++g) {
-                const float m_new = fmaxf(m[g], s[g]);
-                const float corr = m[g] == -PKV_INF ? 0.0f : exp2f(m[g] - m_new);
-                const float p = exp2f(s[g] - m_new);
-                l[g] = l[g] * corr + p;
+                float part = 0.0f;
 #pragma unroll
-                for (int i = 0; i < ELEMS_PER_LANE; ++i) acc[g][i] = acc[g][i] * corr + p * v[i];
-                m[g] = m_new;
+                for (int j = 0; j < VECS_PER_LANE; ++j) {
+#pragma unroll
+                    for (int e = 0; e < VEC_ELEMS; ++e) {
+                        part += q_sh[g][lane_dim(lt, j, e)] * k[j * VEC_ELEMS + e];
+                    }
+                }
+#pragma unroll
+                for (int off = LANES_PER_TOKEN / 2; off > 0; off /= 2) {
+                    part += __shfl_xor_sync(0xffffffffu, part, off);
+                }
+                s[g] = part * scale_log2 + slope_sh[g] * ((float)t - (float)(ctx - 1));
+            }
+            if (valid) {
+                float v[ELEMS_PER_LANE];
+#pragma unroll
+                for (int j = 0; j < VECS_PER_LANE; ++j) decode_vec(vraw[u][j], &v[j * VEC_ELEMS]);
+#pragma unroll
+                for (int g = 0; g < GQA_GROUP; ++g) {
+                    const float m_new = fmaxf(m[g], s[g]);
+                    const float corr = m[g] == -PKV_INF ? 0.0f : exp2f(m[g] - m_new);
+                    const float p = exp2f(s[g] - m_new);
+                    l[g] = l[g] * corr + p;
+#pragma unroll
+                    for (int i = 0; i < ELEMS_PER_LANE; ++i) acc[g][i] = acc[g][i] * corr + p * v[i];
+                    m[g] = m_new;
+                }
             }
         }
     }

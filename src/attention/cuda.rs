@@ -80,13 +80,25 @@ impl CudaAttention {
     /// [`Error::Unsupported`] for a head size the kernel cannot take;
     /// [`Error::CudaUnavailable`] without NVRTC; [`Error::Cuda`].
     pub fn new(storage: &CudaStorage) -> Result<Self> {
-        let shape = storage.layout().shape();
-        let spec = AttentionSpec {
-            head_dim: shape.head_dim,
-            block_size: storage.layout().block_size(),
-            gqa_group: shape.group_size(),
-            dtype: shape.kv_dtype,
+        Self::with_spec(storage, AttentionSpec::for_layout(storage.layout()))
+    }
+
+    /// Like [`Self::new`] with a hand-tuned specialisation (e.g. another `unroll`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when `spec` does not describe the storage's layout;
+    /// otherwise as [`Self::new`].
+    pub fn with_spec(storage: &CudaStorage, spec: AttentionSpec) -> Result<Self> {
+        let want = AttentionSpec {
+            unroll: spec.unroll,
+            ..AttentionSpec::for_layout(storage.layout())
         };
+        if spec != want {
+            return Err(Error::config(
+                "spec",
+                format!("{spec:?} does not match the storage's layout, which needs {want:?}"),
+            ));
+        }
         let module = compile(&KernelSpec::Attention(spec), storage.device().arch)?;
         let loaded = storage
             .context()

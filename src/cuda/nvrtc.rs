@@ -48,9 +48,24 @@ pub struct AttentionSpec {
     pub gqa_group: usize,
     /// Cache dtype.
     pub dtype: DType,
+    /// Tokens each token group keeps in flight per iteration (the `UNROLL` define);
+    /// 0 leaves the kernel's default (2, or 1 when the accumulators are large).
+    pub unroll: u32,
 }
 
 impl AttentionSpec {
+    /// The specialisation for `layout`, with the default unroll.
+    pub fn for_layout(layout: &crate::layout::KvLayout) -> Self {
+        let shape = layout.shape();
+        AttentionSpec {
+            head_dim: shape.head_dim,
+            block_size: layout.block_size(),
+            gqa_group: shape.group_size(),
+            dtype: shape.kv_dtype,
+            unroll: 0,
+        }
+    }
+
     /// Checks what the kernel's `static_assert`s would reject, before compiling.
     ///
     /// # Errors
@@ -70,6 +85,12 @@ impl AttentionSpec {
             return Err(Error::Unsupported(format!(
                 "CUDA attention supports GQA groups of 1..=64 query heads, not {}",
                 self.gqa_group
+            )));
+        }
+        if self.unroll > 4 {
+            return Err(Error::Unsupported(format!(
+                "unroll {} (0 = default, at most 4)",
+                self.unroll
             )));
         }
         if self.block_size == 0 || self.block_size > crate::layout::MAX_BLOCK_SIZE {
@@ -122,13 +143,19 @@ impl KernelSpec {
     /// The `-D` options of this specialisation.
     pub fn defines(&self) -> Vec<String> {
         match self {
-            KernelSpec::Attention(a) => vec![
-                format!("-DHEAD_DIM={}", a.head_dim),
-                format!("-DBLOCK_SIZE={}", a.block_size),
-                format!("-DGQA_GROUP={}", a.gqa_group),
-                format!("-DKV_DTYPE={}", dtype_code(a.dtype)),
-                format!("-DNUM_THREADS={ATTENTION_THREADS}"),
-            ],
+            KernelSpec::Attention(a) => {
+                let mut d = vec![
+                    format!("-DHEAD_DIM={}", a.head_dim),
+                    format!("-DBLOCK_SIZE={}", a.block_size),
+                    format!("-DGQA_GROUP={}", a.gqa_group),
+                    format!("-DKV_DTYPE={}", dtype_code(a.dtype)),
+                    format!("-DNUM_THREADS={ATTENTION_THREADS}"),
+                ];
+                if a.unroll > 0 {
+                    d.push(format!("-DUNROLL={}", a.unroll));
+                }
+                d
+            }
             KernelSpec::CacheOps => Vec::new(),
         }
     }
@@ -166,6 +193,7 @@ pub fn catalog() -> Vec<KernelSpec> {
                     block_size: 16,
                     gqa_group,
                     dtype,
+                    unroll: 0,
                 }));
             }
         }
@@ -175,7 +203,18 @@ pub fn catalog() -> Vec<KernelSpec> {
         block_size: 16,
         gqa_group: 8,
         dtype: DType::F32,
+        unroll: 0,
     }));
+    // The bench compares explicit unrolls on its main case (bf16, d128, GQA 8).
+    for unroll in [1, 2] {
+        out.push(KernelSpec::Attention(AttentionSpec {
+            head_dim: 128,
+            block_size: 16,
+            gqa_group: 8,
+            dtype: DType::BF16,
+            unroll,
+        }));
+    }
     out
 }
 
@@ -279,8 +318,8 @@ impl KernelSpec {
         }
         let tag = match self {
             KernelSpec::Attention(a) => format!(
-                "attention-d{}-bs{}-g{}-{}",
-                a.head_dim, a.block_size, a.gqa_group, a.dtype
+                "attention-d{}-bs{}-g{}-{}-u{}",
+                a.head_dim, a.block_size, a.gqa_group, a.dtype, a.unroll
             ),
             KernelSpec::CacheOps => "cache_ops".to_string(),
         };
@@ -467,6 +506,7 @@ ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
             block_size: 16,
             gqa_group: 8,
             dtype: DType::BF16,
+            unroll: 0,
         };
         assert!(ok.check().is_ok());
         for bad in [
@@ -476,6 +516,7 @@ ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
                 ..ok
             },
             AttentionSpec { gqa_group: 0, ..ok },
+            AttentionSpec { unroll: 5, ..ok },
             AttentionSpec {
                 block_size: 0,
                 ..ok
