@@ -15,7 +15,7 @@ mod cuda_common;
 
 use cuda_common::{decode, encode, nan_bytes, storage_or_skip, Rng};
 use pagedkv::attention::cuda::{CudaAttention, Tables};
-use pagedkv::attention::AttentionParams;
+use pagedkv::attention::{plan_splits, split_plan_with, AttentionParams, SplitPlan};
 use pagedkv::storage::{CudaStorage, CudaStorageConfig};
 use pagedkv::{
     BlockId, CsrTables, DType, HostStorage, KvLayout, ModelShape, PaddedTables, Slot, Storage,
@@ -36,7 +36,8 @@ struct Case {
 struct Setup {
     layout: KvLayout,
     host: HostStorage,
-    gpu: CudaStorage,
+    /// `None` for the CPU-only simulation test.
+    gpu: Option<CudaStorage>,
     padded: PaddedTables,
     csr: CsrTables,
     tables: Vec<Vec<BlockId>>,
@@ -44,7 +45,9 @@ struct Setup {
     params: AttentionParams,
 }
 
-fn setup(test: &str, case: &Case, seed: u64) -> Option<Setup> {
+/// The case's cache and inputs on the host, and on the GPU when `want_gpu` (then
+/// `None` on a machine without one).
+fn setup(test: &str, case: &Case, seed: u64, want_gpu: bool) -> Option<Setup> {
     let kv_heads = 2;
     let shape = ModelShape {
         num_layers: 2,
@@ -57,7 +60,14 @@ fn setup(test: &str, case: &Case, seed: u64) -> Option<Setup> {
     let bs = layout.block_size();
     let needed: usize = case.contexts.iter().map(|&c| c.div_ceil(bs)).sum();
     let num_blocks = needed + 8;
-    let mut gpu = storage_or_skip(test, layout, CudaStorageConfig::blocks(num_blocks))?;
+    let mut gpu = match want_gpu {
+        true => Some(storage_or_skip(
+            test,
+            layout,
+            CudaStorageConfig::blocks(num_blocks),
+        )?),
+        false => None,
+    };
     let mut host = HostStorage::new(layout, num_blocks).unwrap();
     let mut rng = Rng(seed);
     let fp8 = case.dtype == DType::Fp8E4M3;
@@ -68,7 +78,9 @@ fn setup(test: &str, case: &Case, seed: u64) -> Option<Setup> {
     let all: Vec<Slot> = (0..(num_blocks * bs) as u64).map(Slot).collect();
     let nan: Vec<u8> = nan_bytes(case.dtype).repeat(all.len() * per_token);
     for layer in 0..2 {
-        gpu.write_slots(layer, &all, &nan, &nan).unwrap();
+        if let Some(g) = gpu.as_mut() {
+            g.write_slots(layer, &all, &nan, &nan).unwrap();
+        }
         host.write_slots(layer, &all, &nan, &nan).unwrap();
     }
 
@@ -86,7 +98,9 @@ fn setup(test: &str, case: &Case, seed: u64) -> Option<Setup> {
             encode(case.dtype, &k, k_scale),
             encode(case.dtype, &v, v_scale),
         );
-        gpu.write_slots(LAYER, &slots, &kb, &vb).unwrap();
+        if let Some(g) = gpu.as_mut() {
+            g.write_slots(LAYER, &slots, &kb, &vb).unwrap();
+        }
         host.write_slots(LAYER, &slots, &kb, &vb).unwrap();
         tables.push(table);
     }
@@ -209,15 +223,18 @@ fn compare(what: &str, gpu: &[f32], want: &[f64]) {
 
 /// Runs one case; false when the machine has no GPU (skip printed once).
 fn run(test: &str, case: Case, seed: u64) -> bool {
-    let Some(s) = setup(test, &case, seed) else {
+    let Some(s) = setup(test, &case, seed, true) else {
+        return false;
+    };
+    let Some(gpu) = s.gpu.as_ref() else {
         return false;
     };
     let (want_out, want_lse) = reference(&s, &case.contexts);
-    let mut attn = CudaAttention::new(&s.gpu).unwrap();
+    let mut attn = CudaAttention::new(gpu).unwrap();
     for splits in [None, Some(1), Some(2), Some(3), Some(5), Some(8), Some(64)] {
         let (out, lse) = attn
             .decode_host(
-                &s.gpu,
+                gpu,
                 LAYER,
                 &s.q,
                 Tables::Padded(&s.padded),
@@ -231,7 +248,7 @@ fn run(test: &str, case: Case, seed: u64) -> bool {
     }
     for splits in [None, Some(3)] {
         let (out, lse) = attn
-            .decode_host(&s.gpu, LAYER, &s.q, Tables::Csr(&s.csr), &s.params, splits)
+            .decode_host(gpu, LAYER, &s.q, Tables::Csr(&s.csr), &s.params, splits)
             .unwrap();
         let what = format!("{case:?} csr splits {splits:?}");
         compare(&format!("{what} out"), &out, &want_out);
@@ -308,26 +325,29 @@ fn hostile_tables_are_rejected_before_launch() {
         window: None,
         contexts: vec![20, 5],
     };
-    let Some(s) = setup("hostile_tables_are_rejected_before_launch", &case, 7) else {
+    let Some(s) = setup("hostile_tables_are_rejected_before_launch", &case, 7, true) else {
         return;
     };
-    let mut attn = CudaAttention::new(&s.gpu).unwrap();
+    let Some(gpu) = s.gpu.as_ref() else {
+        return;
+    };
+    let mut attn = CudaAttention::new(gpu).unwrap();
     let mut bad = s.padded.clone();
-    bad.tables[0] = s.gpu.num_blocks() as u32;
+    bad.tables[0] = gpu.num_blocks() as u32;
     assert!(attn
-        .decode_host(&s.gpu, LAYER, &s.q, Tables::Padded(&bad), &s.params, None)
+        .decode_host(gpu, LAYER, &s.q, Tables::Padded(&bad), &s.params, None)
         .is_err());
     let mut bad = s.padded.clone();
     bad.context_lens[1] = u32::MAX;
     assert!(attn
-        .decode_host(&s.gpu, LAYER, &s.q, Tables::Padded(&bad), &s.params, None)
+        .decode_host(gpu, LAYER, &s.q, Tables::Padded(&bad), &s.params, None)
         .is_err());
     assert!(attn
-        .decode_host(&s.gpu, 5, &s.q, Tables::Padded(&s.padded), &s.params, None)
+        .decode_host(gpu, 5, &s.q, Tables::Padded(&s.padded), &s.params, None)
         .is_err());
     assert!(attn
         .decode_host(
-            &s.gpu,
+            gpu,
             LAYER,
             &s.q[1..],
             Tables::Padded(&s.padded),
@@ -335,4 +355,182 @@ fn hostile_tables_are_rejected_before_launch() {
             None
         )
         .is_err());
+}
+
+/// The decode kernel's algorithm (kernels/paged_attention.cu) replayed on the CPU in
+/// f32: the split ranges and window clamp, the token-group partition of a CTA, the
+/// base-2 online softmax of each group, the CTA merge, and the log-sum-exp merge of
+/// the splits. It checks the algorithm without a GPU; the compiled kernel is checked
+/// by the tests above on a GPU.
+fn simulate_kernel(s: &Setup, contexts: &[usize], plan: SplitPlan) -> (Vec<f32>, Vec<f32>) {
+    const THREADS: usize = 128;
+    let shape = s.layout.shape();
+    let (d, qh, g_size, kvh_n) = (
+        shape.head_dim,
+        shape.num_q_heads,
+        shape.group_size(),
+        shape.num_kv_heads,
+    );
+    let eb = shape.kv_dtype.size_bytes();
+    let lanes = (d * eb / 16).min(32);
+    let groups = THREADS / lanes;
+    let fp8 = shape.kv_dtype == DType::Fp8E4M3;
+    let scale_log2 =
+        s.params.scale * if fp8 { s.params.k_scale } else { 1.0 } * std::f32::consts::LOG2_E;
+    let v_scale = if fp8 { s.params.v_scale } else { 1.0 };
+    let (splits, tps) = (plan.num_splits as usize, plan.tokens_per_split as usize);
+    let mut out = vec![0f32; contexts.len() * qh * d];
+    let mut lse = vec![0f32; contexts.len() * qh];
+    for (i, &ctx) in contexts.iter().enumerate() {
+        let n = ctx * kvh_n * d * eb;
+        let (mut kb, mut vb) = (vec![0u8; n], vec![0u8; n]);
+        s.host
+            .read_tokens(LAYER, &s.tables[i], ctx, &mut kb, &mut vb)
+            .unwrap();
+        // Stored values: the kernel folds the fp8 scales into scale_log2 and v_scale.
+        let k: Vec<f32> = decode(shape.kv_dtype, &kb, 1.0)
+            .iter()
+            .map(|&x| x as f32)
+            .collect();
+        let v: Vec<f32> = decode(shape.kv_dtype, &vb, 1.0)
+            .iter()
+            .map(|&x| x as f32)
+            .collect();
+        for kvh in 0..kvh_n {
+            // Per split and query head of the group: (normalised out, lse).
+            let mut parts = vec![(vec![0f32; d], f32::NEG_INFINITY); splits * g_size];
+            for split in 0..splits {
+                let mut begin = split * tps;
+                let end = (begin + tps).min(ctx);
+                if let Some(w) = s.params.sliding_window {
+                    if ctx > w && begin < ctx - w {
+                        begin = ctx - w;
+                    }
+                }
+                for g in 0..g_size {
+                    let h = kvh * g_size + g;
+                    let q = &s.q[(i * qh + h) * d..][..d];
+                    let slope = s
+                        .params
+                        .alibi_slopes
+                        .as_ref()
+                        .map_or(0.0, |sl| sl[h] * std::f32::consts::LOG2_E);
+                    let mut st = vec![(f32::NEG_INFINITY, 0f32, vec![0f32; d]); groups];
+                    for t in begin..end {
+                        let (m, l, acc) = &mut st[(t - begin) % groups];
+                        let kt = &k[(t * kvh_n + kvh) * d..][..d];
+                        let dot: f32 = q.iter().zip(kt).map(|(a, b)| a * b).sum();
+                        let sc = dot * scale_log2 + slope * (t as f32 - (ctx as f32 - 1.0));
+                        let m_new = m.max(sc);
+                        let corr = if *m == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            (*m - m_new).exp2()
+                        };
+                        let p = (sc - m_new).exp2();
+                        *l = *l * corr + p;
+                        let vt = &v[(t * kvh_n + kvh) * d..][..d];
+                        for (a, &x) in acc.iter_mut().zip(vt) {
+                            *a = *a * corr + p * x;
+                        }
+                        *m = m_new;
+                    }
+                    let mt = st.iter().map(|x| x.0).fold(f32::NEG_INFINITY, f32::max);
+                    let mut lt = 0f32;
+                    let mut acc = vec![0f32; d];
+                    if mt != f32::NEG_INFINITY {
+                        for (m, l, a) in &st {
+                            if *m != f32::NEG_INFINITY {
+                                let f = (m - mt).exp2();
+                                lt += l * f;
+                                for (o, x) in acc.iter_mut().zip(a) {
+                                    *o += x * f;
+                                }
+                            }
+                        }
+                    }
+                    let o: Vec<f32> = acc
+                        .iter()
+                        .map(|a| if lt > 0.0 { a / lt * v_scale } else { 0.0 })
+                        .collect();
+                    let l = if lt > 0.0 {
+                        (mt + lt.log2()) * std::f32::consts::LN_2
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                    parts[split * g_size + g] = (o, l);
+                }
+            }
+            for g in 0..g_size {
+                let row = i * qh + kvh * g_size + g;
+                let ls: Vec<f32> = (0..splits).map(|sp| parts[sp * g_size + g].1).collect();
+                let mx = ls.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let w: Vec<f32> = ls
+                    .iter()
+                    .map(|&l| {
+                        if mx == f32::NEG_INFINITY || l == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            (l - mx).exp()
+                        }
+                    })
+                    .collect();
+                let wsum: f32 = w.iter().sum();
+                for dd in 0..d {
+                    let acc: f32 = (0..splits)
+                        .map(|sp| w[sp] * parts[sp * g_size + g].0[dd])
+                        .sum();
+                    out[row * d + dd] = if wsum > 0.0 { acc / wsum } else { 0.0 };
+                }
+                lse[row] = if wsum > 0.0 {
+                    mx + wsum.ln()
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+        }
+    }
+    (out, lse)
+}
+
+#[test]
+fn kernel_algorithm_simulated_on_cpu_matches_reference() {
+    let mut cases = Vec::new();
+    for dtype in [DType::F16, DType::BF16, DType::Fp8E4M3] {
+        for head_dim in [64, 128] {
+            for group in [1, 4, 8] {
+                cases.push((dtype, head_dim, group, false, None));
+            }
+        }
+    }
+    cases.extend([
+        (DType::BF16, 128, 4, true, None),
+        (DType::F16, 64, 8, false, Some(40)),
+        (DType::Fp8E4M3, 128, 8, true, Some(300)),
+        (DType::F32, 128, 8, true, Some(17)),
+    ]);
+    for (n, (dtype, head_dim, group, alibi, window)) in cases.into_iter().enumerate() {
+        let case = Case {
+            dtype,
+            head_dim,
+            group,
+            alibi,
+            window,
+            contexts: CONTEXTS.to_vec(),
+        };
+        let s = setup("simulation", &case, 300 + n as u64, false).unwrap();
+        let (want_out, want_lse) = reference(&s, &case.contexts);
+        let max_ctx = *case.contexts.iter().max().unwrap();
+        let mut plans: Vec<SplitPlan> = [1, 3, 64]
+            .iter()
+            .map(|&n| split_plan_with(max_ctx, 16, n).unwrap())
+            .collect();
+        plans.push(plan_splits(case.contexts.len(), 2, max_ctx, 16, 132));
+        for plan in plans {
+            let (out, lse) = simulate_kernel(&s, &case.contexts, plan);
+            let what = format!("simulated {case:?} {plan:?}");
+            compare(&format!("{what} out"), &out, &want_out);
+            compare(&format!("{what} lse"), &lse, &want_lse);
+        }
+    }
 }
