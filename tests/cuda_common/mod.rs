@@ -76,8 +76,11 @@ pub fn fp8_value(code: u8) -> f64 {
     sign * mag
 }
 
-/// Nearest e4m3 code, ties to the even code, saturating at 448, NaN -> 0x7f.
+/// Nearest e4m3 code, ties to the even code, saturating at 448, NaN -> 0x7f: a search
+/// over the table of all 127 non-negative finite values (codes 0..=0x7e ascend).
 pub fn fp8_encode(x: f32) -> u8 {
+    static TABLE: std::sync::OnceLock<Vec<f64>> = std::sync::OnceLock::new();
+    let table = TABLE.get_or_init(|| (0..=0x7eu8).map(fp8_value).collect());
     if x.is_nan() {
         return 0x7f;
     }
@@ -86,16 +89,16 @@ pub fn fp8_encode(x: f32) -> u8 {
     if a >= 448.0 {
         return sign | 0x7e;
     }
-    let mut best = 0u8;
-    let mut best_d = f64::INFINITY;
-    for code in 0..=0x7eu8 {
-        let d = (fp8_value(code) - a).abs();
-        if d < best_d || (d == best_d && code % 2 == 0) {
-            best = code;
-            best_d = d;
-        }
-    }
-    sign | best
+    // First code whose value is >= a; the nearest is it or the one below.
+    let hi = table.partition_point(|&v| v < a).min(0x7e);
+    let lo = hi.saturating_sub(1);
+    let (dl, dh) = (a - table[lo], table[hi] - a);
+    let code = if dl < dh || (dl == dh && lo % 2 == 0) {
+        lo
+    } else {
+        hi
+    };
+    sign | code as u8
 }
 
 /// Elements of `x` in `dtype` (fp8 as `x / scale`), as bytes.
