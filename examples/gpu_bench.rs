@@ -90,12 +90,14 @@ mod gpu {
         ctx: usize,
         scattered: bool,
         unroll: u32,
+        vec_bytes: u32,
     ) -> Result<Value> {
         let layout = KvLayout::new(shape(dtype), 16)?;
         let num_blocks = batch * ctx.div_ceil(16) + 64;
         let storage = CudaStorage::new(layout, CudaStorageConfig::blocks(num_blocks))?;
         let spec = AttentionSpec {
             unroll,
+            vec_bytes,
             ..AttentionSpec::for_layout(&layout)
         };
         let mut attn = CudaAttention::with_spec(&storage, spec)?;
@@ -124,6 +126,7 @@ mod gpu {
             "dtype": dtype.name(), "batch": batch, "context": ctx,
             "layout": if scattered { "paged (scattered blocks)" } else { "contiguous (consecutive blocks)" },
             "unroll": if unroll == 0 { "default".to_string() } else { unroll.to_string() },
+            "vec_bytes": if vec_bytes == 0 { "default".to_string() } else { vec_bytes.to_string() },
             "splits": plan.num_splits, "tokens_per_split": plan.tokens_per_split,
             "kernel_us": ms * 1e3, "kv_bytes": kv_bytes,
             "bandwidth_gb_s": kv_bytes / (ms * 1e-3) / 1e9,
@@ -188,13 +191,16 @@ mod gpu {
         let mut decode = Vec::new();
         for (batch, ctx) in [(64, 4096), (1, 32768)] {
             for scattered in [true, false] {
-                decode.push(decode_case(DType::BF16, batch, ctx, scattered, 0)?);
+                decode.push(decode_case(DType::BF16, batch, ctx, scattered, 0, 0)?);
             }
-            decode.push(decode_case(DType::Fp8E4M3, batch, ctx, true, 0)?);
+            decode.push(decode_case(DType::Fp8E4M3, batch, ctx, true, 0, 0)?);
         }
         // The register/in-flight trade-off of the main case, measured rather than guessed.
         for unroll in [1, 2] {
-            decode.push(decode_case(DType::BF16, 64, 4096, true, unroll)?);
+            decode.push(decode_case(DType::BF16, 64, 4096, true, unroll, 0)?);
+        }
+        for vec_bytes in [8, 16] {
+            decode.push(decode_case(DType::Fp8E4M3, 64, 4096, true, 0, vec_bytes)?);
         }
         let probe = CudaStorage::new(
             KvLayout::new(shape(DType::BF16), 16)?,

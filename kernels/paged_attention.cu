@@ -7,13 +7,16 @@
 //   KV_DTYPE     cache dtype code (see common.cuh)
 //   NUM_THREADS  threads per CTA (default 128)
 //   UNROLL       tokens per token group in flight (default: 2, or 1 when registers are tight)
+//   VEC_BYTES    bytes per vector load, 16 or 8 (default 16; 8 for fp8 with large groups,
+//                where 16 one-byte elements per lane times the group would fill the
+//                register file with accumulators)
 //
 // Cache layout of one layer region (strides in elements come from KvLayout::strides):
 //   [block][K|V][kv_head][token][dim]
 //
 // Grid: x = KV head, y = sequence, z = split of the context. One CTA serves every
 // query head of its GQA group from one load of each K/V vector. Lanes are grouped
-// LANES_PER_TOKEN to a token; each lane loads 16-byte vectors; each token group keeps
+// LANES_PER_TOKEN to a token; each lane loads VEC_BYTES vectors; each token group keeps
 // its own online-softmax state (base-2 logits), merged across the CTA at the end.
 // With more than one split the CTA writes a normalised partial output and its
 // log-sum-exp, and `paged_attention_merge` combines them.
@@ -29,26 +32,37 @@
 
 typedef typename DTypeOf<KV_DTYPE>::T cache_t;
 
-#define VEC_ELEMS (16 / (int)sizeof(cache_t))
+#define ELEMS_PER_LANE_16B (HEAD_DIM / ((HEAD_DIM * (int)sizeof(cache_t) / 16) < 32 ? (HEAD_DIM * (int)sizeof(cache_t) / 16) : 32))
+#ifndef VEC_BYTES
+#define VEC_BYTES ((sizeof(cache_t) == 1 && GQA_GROUP * ELEMS_PER_LANE_16B > 64) ? 8 : 16)
+#endif
+#define VEC_ELEMS (VEC_BYTES / (int)sizeof(cache_t))
 #define VECS_PER_TOKEN (HEAD_DIM / VEC_ELEMS)
 #define LANES_PER_TOKEN (VECS_PER_TOKEN < 32 ? VECS_PER_TOKEN : 32)
 #define VECS_PER_LANE (VECS_PER_TOKEN / LANES_PER_TOKEN)
 #define ELEMS_PER_LANE (VECS_PER_LANE * VEC_ELEMS)
 #define TOKEN_GROUPS (NUM_THREADS / LANES_PER_TOKEN)
 // Tokens each group has in flight per iteration: 2 unless the accumulators already
-// fill the register file (fp8 with large groups), where a second token would spill.
+// fill the register file, where a second token would spill.
 #ifndef UNROLL
 #define UNROLL (GQA_GROUP * ELEMS_PER_LANE <= 32 ? 2 : 1)
 #endif
 
+// The raw vector type of one load.
+template <int BYTES> struct VecOf;
+template <> struct VecOf<16> { typedef uint4 T; };
+template <> struct VecOf<8> { typedef uint2 T; };
+typedef typename VecOf<VEC_BYTES>::T vec_t;
+
 static_assert((HEAD_DIM * (int)sizeof(cache_t)) % 16 == 0, "head bytes must be a multiple of 16");
 static_assert((LANES_PER_TOKEN & (LANES_PER_TOKEN - 1)) == 0, "lanes per token must be a power of two");
 static_assert(VECS_PER_TOKEN % LANES_PER_TOKEN == 0, "vectors must divide among lanes");
+static_assert(VEC_BYTES == 16 || VEC_BYTES == 8, "8- or 16-byte vectors");
 static_assert(NUM_THREADS % 32 == 0 && NUM_THREADS <= 1024, "whole warps");
 static_assert(GQA_GROUP >= 1 && BLOCK_SIZE >= 1, "positive group and block size");
 
-// Decodes one 16-byte vector of the cache into floats.
-__device__ __forceinline__ void decode_vec(uint4 raw, float* out) {
+// Decodes one vector of the cache into floats.
+__device__ __forceinline__ void decode_vec(vec_t raw, float* out) {
     const cache_t* e = reinterpret_cast<const cache_t*>(&raw);
 #pragma unroll
     for (int i = 0; i < VEC_ELEMS; ++i) {
@@ -57,7 +71,7 @@ __device__ __forceinline__ void decode_vec(uint4 raw, float* out) {
 }
 
 // Dimension of element `e` of vector `j` held by lane `lt` of a token group: vectors
-// are interleaved so the lanes of a group read consecutive 16-byte chunks.
+// are interleaved so the lanes of a group read consecutive chunks.
 __device__ __forceinline__ int lane_dim(int lt, int j, int e) {
     return (lt + j * LANES_PER_TOKEN) * VEC_ELEMS + e;
 }
@@ -137,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     // Each iteration first issues the raw 16-byte loads of UNROLL tokens per group, then
     // decodes and consumes them, so more bytes are in flight per warp.
     for (u32 base = begin; base < end; base += TOKEN_GROUPS * UNROLL) {
-        uint4 kraw[UNROLL][VECS_PER_LANE], vraw[UNROLL][VECS_PER_LANE];
+        vec_t kraw[UNROLL][VECS_PER_LANE], vraw[UNROLL][VECS_PER_LANE];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const u32 t = base + u * TOKEN_GROUPS + tg;
@@ -146,14 +160,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
                 const cache_t* kp = head_base + (u64)blk * stride_block + (u64)(t % BLOCK_SIZE) * stride_token;
 #pragma unroll
                 for (int j = 0; j < VECS_PER_LANE; ++j) {
-                    kraw[u][j] = __ldg(reinterpret_cast<const uint4*>(kp + lane_dim(lt, j, 0)));
-                    vraw[u][j] = __ldg(reinterpret_cast<const uint4*>(kp + stride_kv + lane_dim(lt, j, 0)));
+                    kraw[u][j] = __ldg(reinterpret_cast<const vec_t*>(kp + lane_dim(lt, j, 0)));
+                    vraw[u][j] = __ldg(reinterpret_cast<const vec_t*>(kp + stride_kv + lane_dim(lt, j, 0)));
                 }
             } else {
 #pragma unroll
                 for (int j = 0; j < VECS_PER_LANE; ++j) {
-                    kraw[u][j] = make_uint4(0u, 0u, 0u, 0u);
-                    vraw[u][j] = make_uint4(0u, 0u, 0u, 0u);
+                    kraw[u][j] = vec_t{};
+                    vraw[u][j] = vec_t{};
                 }
             }
         }

@@ -372,7 +372,15 @@ fn simulate_kernel(s: &Setup, contexts: &[usize], plan: SplitPlan) -> (Vec<f32>,
         shape.num_kv_heads,
     );
     let eb = shape.kv_dtype.size_bytes();
-    let lanes = (d * eb / 16).min(32);
+    // The kernel's lane layout: VEC_BYTES defaults to 8 for fp8 when 16 elements per
+    // lane times the group exceed 64 accumulators.
+    let elems16 = d / (d * eb / 16).min(32);
+    let vec_bytes = if eb == 1 && g_size * elems16 > 64 {
+        8
+    } else {
+        16
+    };
+    let lanes = (d * eb / vec_bytes).min(32);
     let groups = THREADS / lanes;
     let fp8 = shape.kv_dtype == DType::Fp8E4M3;
     let scale_log2 =

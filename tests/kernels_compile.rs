@@ -27,8 +27,8 @@ fn nvrtc_or_skip(test: &str) -> bool {
 fn describe(spec: &KernelSpec) -> String {
     match spec {
         KernelSpec::Attention(a) => format!(
-            "attention d{} bs{} g{} {} u{}",
-            a.head_dim, a.block_size, a.gqa_group, a.dtype, a.unroll
+            "attention d{} bs{} g{} {} u{} v{}",
+            a.head_dim, a.block_size, a.gqa_group, a.dtype, a.unroll, a.vec_bytes
         ),
         KernelSpec::CacheOps => "cache_ops".to_string(),
     }
@@ -94,6 +94,7 @@ fn a_specialisation_the_kernel_rejects_fails_to_compile_with_the_log() {
         gqa_group: 4,
         dtype: pagedkv::DType::F16,
         unroll: 0,
+        vec_bytes: 0,
     };
     let err = compile_uncached(&KernelSpec::Attention(bad), Arch::SM90).unwrap_err();
     assert!(matches!(err, pagedkv::Error::Unsupported(_)), "{err}");
@@ -111,6 +112,7 @@ fn prebuilt_cubins_are_loaded_before_nvrtc() {
         gqa_group: 2,
         dtype: pagedkv::DType::BF16,
         unroll: 0,
+        vec_bytes: 0,
     });
     let arch = Arch { major: 8, minor: 9 };
     std::fs::write(dir.join(spec.cubin_file_name(arch)), b"fake cubin").unwrap();
@@ -125,6 +127,7 @@ fn prebuilt_cubins_are_loaded_before_nvrtc() {
         gqa_group: 2,
         dtype: pagedkv::DType::BF16,
         unroll: 0,
+        vec_bytes: 0,
     });
     assert_ne!(spec.cubin_file_name(arch), other.cubin_file_name(arch));
     assert_ne!(spec.cubin_file_name(arch), spec.cubin_file_name(Arch::SM90));

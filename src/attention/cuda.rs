@@ -83,7 +83,8 @@ impl CudaAttention {
         Self::with_spec(storage, AttentionSpec::for_layout(storage.layout()))
     }
 
-    /// Like [`Self::new`] with a hand-tuned specialisation (e.g. another `unroll`).
+    /// Like [`Self::new`] with a hand-tuned specialisation (another `unroll` or
+    /// `vec_bytes`).
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] when `spec` does not describe the storage's layout;
@@ -91,6 +92,7 @@ impl CudaAttention {
     pub fn with_spec(storage: &CudaStorage, spec: AttentionSpec) -> Result<Self> {
         let want = AttentionSpec {
             unroll: spec.unroll,
+            vec_bytes: spec.vec_bytes,
             ..AttentionSpec::for_layout(storage.layout())
         };
         if spec != want {

@@ -51,6 +51,10 @@ pub struct AttentionSpec {
     /// Tokens each token group keeps in flight per iteration (the `UNROLL` define);
     /// 0 leaves the kernel's default (2, or 1 when the accumulators are large).
     pub unroll: u32,
+    /// Bytes per vector load (the `VEC_BYTES` define), 8 or 16; 0 leaves the kernel's
+    /// default (16, or 8 for fp8 when 16 elements per lane times the group would fill
+    /// the register file with accumulators).
+    pub vec_bytes: u32,
 }
 
 impl AttentionSpec {
@@ -63,6 +67,7 @@ impl AttentionSpec {
             gqa_group: shape.group_size(),
             dtype: shape.kv_dtype,
             unroll: 0,
+            vec_bytes: 0,
         }
     }
 
@@ -85,6 +90,12 @@ impl AttentionSpec {
             return Err(Error::Unsupported(format!(
                 "CUDA attention supports GQA groups of 1..=64 query heads, not {}",
                 self.gqa_group
+            )));
+        }
+        if !matches!(self.vec_bytes, 0 | 8 | 16) {
+            return Err(Error::Unsupported(format!(
+                "vector loads of {} bytes (0 = default, 8 or 16)",
+                self.vec_bytes
             )));
         }
         if self.unroll > 4 {
@@ -154,6 +165,9 @@ impl KernelSpec {
                 if a.unroll > 0 {
                     d.push(format!("-DUNROLL={}", a.unroll));
                 }
+                if a.vec_bytes > 0 {
+                    d.push(format!("-DVEC_BYTES={}", a.vec_bytes));
+                }
                 d
             }
             KernelSpec::CacheOps => Vec::new(),
@@ -194,6 +208,7 @@ pub fn catalog() -> Vec<KernelSpec> {
                     gqa_group,
                     dtype,
                     unroll: 0,
+                    vec_bytes: 0,
                 }));
             }
         }
@@ -204,6 +219,7 @@ pub fn catalog() -> Vec<KernelSpec> {
         gqa_group: 8,
         dtype: DType::F32,
         unroll: 0,
+        vec_bytes: 0,
     }));
     // The bench compares explicit unrolls on its main case (bf16, d128, GQA 8).
     for unroll in [1, 2] {
@@ -213,6 +229,18 @@ pub fn catalog() -> Vec<KernelSpec> {
             gqa_group: 8,
             dtype: DType::BF16,
             unroll,
+            vec_bytes: 0,
+        }));
+    }
+    // ...and 8- against 16-byte loads for fp8 at GQA 8.
+    for vec_bytes in [8, 16] {
+        out.push(KernelSpec::Attention(AttentionSpec {
+            head_dim: 128,
+            block_size: 16,
+            gqa_group: 8,
+            dtype: DType::Fp8E4M3,
+            unroll: 0,
+            vec_bytes,
         }));
     }
     out
@@ -318,8 +346,8 @@ impl KernelSpec {
         }
         let tag = match self {
             KernelSpec::Attention(a) => format!(
-                "attention-d{}-bs{}-g{}-{}-u{}",
-                a.head_dim, a.block_size, a.gqa_group, a.dtype, a.unroll
+                "attention-d{}-bs{}-g{}-{}-u{}-v{}",
+                a.head_dim, a.block_size, a.gqa_group, a.dtype, a.unroll, a.vec_bytes
             ),
             KernelSpec::CacheOps => "cache_ops".to_string(),
         };
@@ -507,6 +535,7 @@ ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
             gqa_group: 8,
             dtype: DType::BF16,
             unroll: 0,
+            vec_bytes: 0,
         };
         assert!(ok.check().is_ok());
         for bad in [
@@ -517,6 +546,7 @@ ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
             },
             AttentionSpec { gqa_group: 0, ..ok },
             AttentionSpec { unroll: 5, ..ok },
+            AttentionSpec { vec_bytes: 4, ..ok },
             AttentionSpec {
                 block_size: 0,
                 ..ok
