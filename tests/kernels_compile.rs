@@ -133,3 +133,58 @@ fn prebuilt_cubins_are_loaded_before_nvrtc() {
     assert_ne!(spec.cubin_file_name(arch), spec.cubin_file_name(Arch::SM90));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn edge_specialisations_the_host_check_accepts_compile() {
+    if !nvrtc_or_skip("edge_specialisations_the_host_check_accepts_compile") {
+        return;
+    }
+    use pagedkv::cuda::AttentionSpec;
+    use pagedkv::DType;
+    let base = AttentionSpec {
+        head_dim: 128,
+        block_size: 16,
+        gqa_group: 1,
+        dtype: DType::BF16,
+        unroll: 0,
+        vec_bytes: 0,
+    };
+    for spec in [
+        AttentionSpec {
+            gqa_group: 32,
+            ..base
+        },
+        AttentionSpec {
+            head_dim: 256,
+            dtype: DType::F32,
+            ..base
+        },
+        AttentionSpec {
+            head_dim: 256,
+            gqa_group: 16,
+            dtype: DType::Fp8E4M3,
+            ..base
+        },
+        AttentionSpec {
+            head_dim: 16,
+            dtype: DType::Fp8E4M3,
+            ..base
+        },
+        AttentionSpec {
+            block_size: 1,
+            ..base
+        },
+        AttentionSpec {
+            block_size: 1024,
+            unroll: 4,
+            vec_bytes: 8,
+            ..base
+        },
+    ] {
+        spec.check().unwrap();
+        let m = compile_uncached(&KernelSpec::Attention(spec), Arch::SM90).unwrap_or_else(|e| {
+            panic!("{spec:?} passed the host check but failed to compile: {e}")
+        });
+        assert!(!m.cubin.is_empty());
+    }
+}

@@ -92,6 +92,16 @@ impl AttentionSpec {
                 self.gqa_group
             )));
         }
+        // q and the output accumulators live in static shared memory (2 x group x
+        // head_dim floats), which the 48 KiB static limit bounds.
+        if 8 * self.gqa_group * self.head_dim > 40 * 1024 {
+            return Err(Error::Unsupported(format!(
+                "GQA group {} x head_dim {} needs {} bytes of shared memory; the kernel takes at most 40 KiB",
+                self.gqa_group,
+                self.head_dim,
+                8 * self.gqa_group * self.head_dim
+            )));
+        }
         if !matches!(self.vec_bytes, 0 | 8 | 16) {
             return Err(Error::Unsupported(format!(
                 "vector loads of {} bytes (0 = default, 8 or 16)",
@@ -546,6 +556,11 @@ ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
             },
             AttentionSpec { gqa_group: 0, ..ok },
             AttentionSpec { unroll: 5, ..ok },
+            AttentionSpec {
+                gqa_group: 64,
+                head_dim: 128,
+                ..ok
+            },
             AttentionSpec { vec_bytes: 4, ..ok },
             AttentionSpec {
                 block_size: 0,
