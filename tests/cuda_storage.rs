@@ -154,10 +154,14 @@ fn resize_keeps_blocks_and_zeroes_new_ones() {
     else {
         return;
     };
+    let bases: Vec<u64> = (0..3).map(|l| gpu.region_ptr(l).unwrap()).collect();
     for n in [3 * BLOCKS, 10, 4 * BLOCKS, BLOCKS] {
         gpu.resize(n).unwrap();
         host.resize(n).unwrap();
         assert_same(&gpu, &host, &format!("after resize to {n}"));
+        // Grown and shrunk in place: no region moved, so nothing was copied.
+        let now: Vec<u64> = (0..3).map(|l| gpu.region_ptr(l).unwrap()).collect();
+        assert_eq!(now, bases, "a region moved on resize to {n}");
     }
     let err = gpu.resize(gpu.max_blocks() + 1).unwrap_err();
     assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");

@@ -7,7 +7,28 @@
 //! launch (`paged_attention_merge`) combines the partial results by log-sum-exp.
 //!
 //! Queries and outputs are `f32` (`[batch, q_heads, head_dim]`); the log-sum-exp of
-//! each row is returned in natural-log units, as the CPU reference does.
+//! each row is returned in natural-log units, as the CPU reference does. (An engine
+//! whose activations are bf16 converts `q` before the call: f16/bf16 query and output
+//! dtypes are not specialised yet.)
+//!
+//! ```no_run
+//! # fn main() -> pagedkv::Result<()> {
+//! use pagedkv::attention::cuda::{CudaAttention, Tables};
+//! use pagedkv::attention::AttentionParams;
+//! use pagedkv::storage::{CudaStorage, CudaStorageConfig};
+//! use pagedkv::{DType, KvLayout, ModelShape, PaddedTables};
+//!
+//! let shape = ModelShape { num_layers: 1, num_q_heads: 8, num_kv_heads: 2, head_dim: 128, kv_dtype: DType::BF16 };
+//! let storage = CudaStorage::new(KvLayout::new(shape, 16)?, CudaStorageConfig::blocks(1024))?;
+//! let mut attn = CudaAttention::new(&storage)?;
+//! // One sequence of 20 tokens in blocks 7 and 3.
+//! let tables = PaddedTables { tables: vec![7, 3], context_lens: vec![20], batch: 1, max_blocks: 2 };
+//! let q = vec![0.1f32; 8 * 128];
+//! let (out, lse) = attn.decode_host(&storage, 0, &q, Tables::Padded(&tables), &AttentionParams::new(128), None)?;
+//! assert_eq!((out.len(), lse.len()), (8 * 128, 8));
+//! # Ok(())
+//! # }
+//! ```
 
 use super::{
     plan_splits, split_plan_with, validate_csr, validate_params, validate_tables, AttentionParams,
