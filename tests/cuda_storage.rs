@@ -279,3 +279,48 @@ fn auto_falls_back_to_host_without_a_gpu() {
         }
     }
 }
+
+#[test]
+fn per_layer_swaps_and_host_block_io_match_host_storage() {
+    let Some((mut gpu, mut host)) = pair(
+        "per_layer_swaps_and_host_block_io_match_host_storage",
+        DType::BF16,
+        8,
+    ) else {
+        return;
+    };
+    let mut out = SwapPlan::new(SwapDirection::Out);
+    for (d, h) in [(2, 3), (3, 4), (30, 0), (11, 23)] {
+        out.push(BlockId(d), BlockId(h));
+    }
+    // Layer by layer, in reverse order, equals one whole swap.
+    for layer in (0..3).rev() {
+        gpu.swap_layer(layer, &out).unwrap();
+    }
+    host.swap(&out).unwrap();
+    gpu.sync_transfers().unwrap();
+    assert!(gpu.is_swap_complete().unwrap());
+    assert_same(&gpu, &host, "after per-layer swap out");
+    assert!(gpu.swap_layer(3, &out).is_err());
+
+    // A host block read and written back through the all-layers byte layout.
+    let l = *host.layout();
+    let n = l.block_bytes_per_layer();
+    let mut bytes = vec![0u8; l.block_bytes()];
+    gpu.read_host_block(BlockId(4), &mut bytes).unwrap();
+    for layer in 0..3 {
+        assert!(bytes[layer * n..][..n] == host.host_region(layer)[4 * n..][..n]);
+    }
+    gpu.write_host_block(BlockId(5), &bytes).unwrap();
+    let mut back = vec![0u8; l.block_bytes()];
+    gpu.read_host_block(BlockId(5), &mut back).unwrap();
+    assert!(back == bytes);
+    assert!(matches!(
+        gpu.read_host_block(BlockId(HOST_BLOCKS as u32), &mut back),
+        Err(Error::BlockOutOfRange { .. })
+    ));
+    assert!(matches!(
+        gpu.write_host_block(BlockId(0), &bytes[1..]),
+        Err(Error::ShapeMismatch { .. })
+    ));
+}

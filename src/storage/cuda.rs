@@ -735,6 +735,136 @@ impl CudaStorage {
             .map_err(driver_err("cuCtxSetCurrent"))
     }
 
+    /// Enqueues one layer of a swap plan on the transfer stream, so a transfer engine
+    /// can hand layers over as they land; running every layer once is [`Storage::swap`].
+    /// (The `swap_layer` of the `Storage` trait on the `swap` branch; this is what its
+    /// implementation for `CudaStorage` calls.)
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for a bad layer; as [`Storage::swap`].
+    pub fn swap_layer(&mut self, layer: usize, plan: &SwapPlan) -> Result<()> {
+        self.check_layer(layer)?;
+        validate_swap_plan(plan, self.num_blocks, self.num_host_blocks)?;
+        self.enqueue_swap(plan, layer..layer + 1)
+    }
+
+    /// Copies host-tier `block`, every layer one after the other
+    /// (`layout().block_bytes()` bytes), into `out`, after queued swaps finish.
+    ///
+    /// # Errors
+    /// [`Error::BlockOutOfRange`], [`Error::ShapeMismatch`] for a wrong `out` length;
+    /// [`Error::Cuda`].
+    pub fn read_host_block(&self, block: BlockId, out: &mut [u8]) -> Result<()> {
+        self.check_host_block(block, out.len())?;
+        self.sync_transfers()?;
+        let n = self.layout.block_bytes_per_layer();
+        for (layer, chunk) in out.chunks_exact_mut(n).enumerate() {
+            let bytes = self.host[layer]
+                .as_slice()
+                .map_err(driver_err("pinned host slice"))?;
+            chunk.copy_from_slice(&bytes[block.index() * n..][..n]);
+        }
+        Ok(())
+    }
+
+    /// Overwrites host-tier `block` with `data`, laid out as by
+    /// [`Self::read_host_block`], after queued swaps (which may read it) finish.
+    ///
+    /// # Errors
+    /// As [`Self::read_host_block`].
+    pub fn write_host_block(&mut self, block: BlockId, data: &[u8]) -> Result<()> {
+        self.check_host_block(block, data.len())?;
+        self.sync_transfers()?;
+        let n = self.layout.block_bytes_per_layer();
+        for (layer, chunk) in data.chunks_exact(n).enumerate() {
+            let bytes = self.host[layer]
+                .as_mut_slice()
+                .map_err(driver_err("pinned host slice"))?;
+            bytes[block.index() * n..][..n].copy_from_slice(chunk);
+        }
+        Ok(())
+    }
+
+    fn check_host_block(&self, block: BlockId, len: usize) -> Result<()> {
+        if block.index() >= self.num_host_blocks {
+            return Err(Error::BlockOutOfRange {
+                block,
+                num_blocks: self.num_host_blocks,
+            });
+        }
+        if len != self.layout.block_bytes() {
+            return Err(Error::ShapeMismatch {
+                what: "bytes of one host-tier block (all layers)",
+                expected: self.layout.block_bytes(),
+                got: len,
+            });
+        }
+        Ok(())
+    }
+
+    /// Enqueues the runs of a validated swap plan for `layers` on the transfer stream,
+    /// recording each layer's event.
+    fn enqueue_swap(&self, plan: &SwapPlan, layers: std::ops::Range<usize>) -> Result<()> {
+        if plan.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // The swap sees everything queued on compute before it...
+        self.compute_mark
+            .record(&self.compute)
+            .map_err(driver_err("cuEventRecord"))?;
+        self.transfer
+            .wait(&self.compute_mark)
+            .map_err(driver_err("cuStreamWaitEvent"))?;
+        let bpl = self.layout.block_bytes_per_layer();
+        let runs = plan.runs();
+        let stream = self.transfer.cu_stream();
+        for layer in layers {
+            let dev = self.regions[layer].base;
+            let host = self.host_ptrs[layer];
+            for &(src, dst, len) in &runs {
+                let (src, dst, bytes) =
+                    (src as usize * bpl, dst as usize * bpl, len as usize * bpl);
+                let r = match plan.direction() {
+                    // SAFETY: the plan was validated by the caller: device runs lie
+                    // below `num_blocks` (mapped), host runs below `num_host_blocks`
+                    // (inside the pinned region of `host_blocks * bpl` bytes, alive as
+                    // long as `self`); the transfer stream orders these with later
+                    // swaps and the events below order them with compute.
+                    SwapDirection::Out => unsafe {
+                        sys::cuMemcpyDtoHAsync_v2(
+                            (host + dst) as *mut std::ffi::c_void,
+                            dev + src as u64,
+                            bytes,
+                            stream,
+                        )
+                    },
+                    // SAFETY: as above, with the roles of the two sides exchanged.
+                    SwapDirection::In => unsafe {
+                        sys::cuMemcpyHtoDAsync_v2(
+                            dev + dst as u64,
+                            (host + src) as *const std::ffi::c_void,
+                            bytes,
+                            stream,
+                        )
+                    },
+                };
+                r.result().map_err(driver_err("cuMemcpyAsync(swap)"))?;
+            }
+            self.layer_ready[layer]
+                .record(&self.transfer)
+                .map_err(driver_err("cuEventRecord"))?;
+            // ...and a swap-out finishes reading a layer's device blocks before compute
+            // may reuse them. A swap-in is waited for per layer, by whoever touches it.
+            if plan.direction() == SwapDirection::Out {
+                self.compute
+                    .wait(&self.layer_ready[layer])
+                    .map_err(driver_err("cuStreamWaitEvent"))?;
+            }
+        }
+        Ok(())
+    }
+
     fn check_layer(&self, layer: usize) -> Result<()> {
         if layer < self.layout.num_layers() {
             Ok(())
@@ -948,66 +1078,7 @@ impl Storage for CudaStorage {
 
     fn swap(&mut self, plan: &SwapPlan) -> Result<()> {
         validate_swap_plan(plan, self.num_blocks, self.num_host_blocks)?;
-        if plan.is_empty() {
-            return Ok(());
-        }
-        self.bind()?;
-        // The swap sees everything queued on compute before it...
-        self.compute_mark
-            .record(&self.compute)
-            .map_err(driver_err("cuEventRecord"))?;
-        self.transfer
-            .wait(&self.compute_mark)
-            .map_err(driver_err("cuStreamWaitEvent"))?;
-        let bpl = self.layout.block_bytes_per_layer();
-        let runs = plan.runs();
-        let stream = self.transfer.cu_stream();
-        for layer in 0..self.layout.num_layers() {
-            let dev = self.regions[layer].base;
-            let host = self.host_ptrs[layer];
-            for &(src, dst, len) in &runs {
-                let (src, dst, bytes) =
-                    (src as usize * bpl, dst as usize * bpl, len as usize * bpl);
-                let r = match plan.direction() {
-                    // SAFETY: the plan was validated: device runs lie below
-                    // `num_blocks` (mapped), host runs below `num_host_blocks` (inside
-                    // the pinned region of `host_blocks * bpl` bytes, alive as long as
-                    // `self`); the transfer stream orders these with later swaps and
-                    // the events below order them with compute.
-                    SwapDirection::Out => unsafe {
-                        sys::cuMemcpyDtoHAsync_v2(
-                            (host + dst) as *mut std::ffi::c_void,
-                            dev + src as u64,
-                            bytes,
-                            stream,
-                        )
-                    },
-                    // SAFETY: as above, with the roles of the two sides exchanged.
-                    SwapDirection::In => unsafe {
-                        sys::cuMemcpyHtoDAsync_v2(
-                            dev + dst as u64,
-                            (host + src) as *const std::ffi::c_void,
-                            bytes,
-                            stream,
-                        )
-                    },
-                };
-                r.result().map_err(driver_err("cuMemcpyAsync(swap)"))?;
-            }
-            self.layer_ready[layer]
-                .record(&self.transfer)
-                .map_err(driver_err("cuEventRecord"))?;
-        }
-        // ...and a swap-out finishes reading device blocks before compute may reuse
-        // them. A swap-in is waited for per layer, by whoever touches the layer.
-        if plan.direction() == SwapDirection::Out {
-            if let Some(last) = self.layer_ready.last() {
-                self.compute
-                    .wait(last)
-                    .map_err(driver_err("cuStreamWaitEvent"))?;
-            }
-        }
-        Ok(())
+        self.enqueue_swap(plan, 0..self.layout.num_layers())
     }
 
     fn resize(&mut self, num_blocks: usize) -> Result<()> {
