@@ -1,11 +1,14 @@
 //! The serve simulation: continuous batching over a seeded, long-tailed request trace,
-//! run twice on the same host-memory arena — once with paged allocation, once with
-//! contiguous `max_len` reservations — with every token's K and V really written into
-//! the arena through the slot mapping.
+//! run on the same host-memory arena with paged allocation (prefix cache on and off)
+//! and with contiguous `max_len` reservations. Every token's K and V is really written
+//! into the arena through the slot mapping, and every finished sequence is read back
+//! and checked against the values it must hold.
 //!
 //! ```text
-//! cargo run --release --example serve                # table
-//! cargo run --release --example serve -- --json      # {"paged": {...}, "contiguous": {...}}
+//! cargo run --release --example serve                  # table
+//! cargo run --release --example serve -- --json        # {"paged": {...}, "contiguous": {...}, ...}
+//! cargo run --release --example serve -- --elastic     # shrink the arena mid-trace, then grow it
+//! cargo run --release --example serve -- --svg kv.svg  # KV memory over time, paged vs contiguous
 //! cargo run --release --example serve -- --help
 //! ```
 
@@ -14,12 +17,15 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use pagedkv::chart::{EventKind, MemoryChart, Timeline};
+use pagedkv::manager::FragStats;
+use pagedkv::prefix::AdmitOptions;
 use pagedkv::{
     CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, HostStorage, KvCacheManager, KvLayout,
     ModelConfig, SeqId, Slot, Storage,
 };
 
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Clone)]
 #[command(about = "Continuous-batching simulation: paged vs contiguous KV allocation on one arena")]
 struct Args {
     /// Model config.json path, or a built-in name (llama3-8b, qwen2.5-7b, llama3-70b).
@@ -43,9 +49,27 @@ struct Args {
     /// Share of requests that sample several outputs (forks of the prompt).
     #[arg(long, default_value_t = 0.1)]
     fork_share: f64,
+    /// Share of requests that start with one of a few shared system prompts.
+    #[arg(long, default_value_t = 0.4)]
+    system_prompt_share: f64,
+    /// Share of requests that continue an earlier conversation (resend its history).
+    #[arg(long, default_value_t = 0.2)]
+    multi_turn_share: f64,
+    /// Run paged without the prefix cache only (skips the prefix-cache run).
+    #[arg(long)]
+    no_prefix_cache: bool,
+    /// Shrink the paged arena mid-trace (another model needs the memory), then grow it.
+    #[arg(long)]
+    elastic: bool,
+    /// Fraction of the arena kept while shrunk.
+    #[arg(long, default_value_t = 0.5)]
+    elastic_fraction: f64,
     /// Trace seed.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// Write an SVG of KV memory over time (paged vs contiguous) to this path.
+    #[arg(long)]
+    svg: Option<std::path::PathBuf>,
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
@@ -60,10 +84,7 @@ struct Rng(u64);
 impl Rng {
     fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        mix(self.0)
     }
     fn unit(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
@@ -74,59 +95,152 @@ impl Rng {
         let normal = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
         median * (sigma * normal).exp()
     }
+    fn tokens(&mut self, n: usize) -> Vec<u32> {
+        (0..n).map(|_| (self.next_u64() % 128_000) as u32).collect()
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The token a sample generates at output position `i` (the simulation's "model").
+fn generated_token(req: u64, sample: usize, i: usize) -> u32 {
+    (mix(req.wrapping_mul(0x1000_0000_01b3) ^ ((sample as u64) << 40) ^ i as u64) % 128_000) as u32
+}
+
+/// Hash of a token prefix, one token further. The K/V of a token is a function of the
+/// whole prefix up to it, as in a real model, so identical prefixes hold identical
+/// K/V and may be shared.
+fn chain(prev: u64, token: u32) -> u64 {
+    mix(prev.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(token))
 }
 
 #[derive(Debug, Clone)]
 struct Request {
     id: u64,
     arrival_step: u64,
-    prompt_len: usize,
+    prompt: Vec<u32>,
     output_len: usize,
     samples: usize,
 }
 
 fn make_trace(args: &Args) -> Vec<Request> {
     let mut rng = Rng(args.seed);
-    let mut step = 0.0;
-    (0..args.requests as u64)
-        .map(|id| {
-            step += -rng.unit().max(1e-12).ln() / args.arrival_rate;
-            let prompt_len = (rng.lognormal(250.0, 0.9) as usize).clamp(8, args.max_len / 2);
-            let output_len =
-                (rng.lognormal(120.0, 0.8) as usize).clamp(4, args.max_len - prompt_len);
-            let samples = if rng.unit() < args.fork_share {
-                2 + (rng.next_u64() % 3) as usize
-            } else {
-                1
-            };
-            Request {
-                id,
-                arrival_step: step as u64,
-                prompt_len,
-                output_len,
-                samples,
-            }
+    let system: Vec<Vec<u32>> = (0..4)
+        .map(|_| {
+            let n = (rng.lognormal(300.0, 0.5) as usize).clamp(64, args.max_len / 4);
+            rng.tokens(n)
         })
-        .collect()
+        .collect();
+    let mut trace: Vec<Request> = Vec::with_capacity(args.requests);
+    let mut step = 0.0;
+    let max_prompt = args.max_len * 3 / 4;
+    for id in 0..args.requests as u64 {
+        step += -rng.unit().max(1e-12).ln() / args.arrival_rate;
+        let kind = rng.unit();
+        let mut prompt = if kind < args.multi_turn_share && !trace.is_empty() {
+            // A follow-up turn: an earlier conversation, its first answer, a new question.
+            let prev = &trace[trace.len() - 1 - (rng.next_u64() as usize % trace.len().min(20))];
+            let mut p = prev.prompt.clone();
+            p.extend((0..prev.output_len).map(|i| generated_token(prev.id, 0, i)));
+            p
+        } else if kind < args.multi_turn_share + args.system_prompt_share {
+            system[rng.next_u64() as usize % system.len()].clone()
+        } else {
+            Vec::new()
+        };
+        let tail =
+            (rng.lognormal(if prompt.is_empty() { 250.0 } else { 80.0 }, 0.9) as usize).max(8);
+        prompt.extend(rng.tokens(tail));
+        prompt.truncate(max_prompt);
+        let output_len = (rng.lognormal(120.0, 0.8) as usize).clamp(4, args.max_len - prompt.len());
+        let samples = if rng.unit() < args.fork_share {
+            2 + (rng.next_u64() % 3) as usize
+        } else {
+            1
+        };
+        trace.push(Request {
+            id,
+            arrival_step: step as u64,
+            prompt,
+            output_len,
+            samples,
+        });
+    }
+    trace
 }
 
-/// The K/V value of one token: a function of (request, sample, position, layer) only,
-/// so both allocators must end with identical bytes for every sequence. Prompt tokens
-/// are shared by all samples of a request.
-fn token_word(req: u64, sample: usize, pos: usize, prompt_len: usize, layer: usize) -> u64 {
-    let sample = if pos < prompt_len { 0 } else { sample as u64 };
-    let mut z = req.wrapping_mul(0x9e37_79b9_7f4a_7c15)
-        ^ (sample << 48)
-        ^ ((pos as u64) << 16)
-        ^ layer as u64;
-    z = (z ^ (z >> 31)).wrapping_mul(0xd6e8_feb8_6659_fd93);
-    z ^ (z >> 32)
+/// The allocator under test, with what differs between the kinds.
+enum Backend<'a> {
+    Paged {
+        kv: &'a mut KvCacheManager,
+        prefix_cache: bool,
+    },
+    Contiguous(&'a mut ContiguousCache),
 }
 
-fn fnv1a(hash: &mut u64, bytes: &[u8]) {
-    for &b in bytes {
-        *hash ^= u64::from(b);
-        *hash = hash.wrapping_mul(0x0100_0000_01b3);
+impl Backend<'_> {
+    fn alloc(&self) -> &dyn CacheAllocator {
+        match self {
+            Backend::Paged { kv, .. } => &**kv,
+            Backend::Contiguous(c) => &**c,
+        }
+    }
+    fn alloc_mut(&mut self) -> &mut dyn CacheAllocator {
+        match self {
+            Backend::Paged { kv, .. } => &mut **kv,
+            Backend::Contiguous(c) => &mut **c,
+        }
+    }
+    fn can_admit(&self, prompt: &[u32]) -> bool {
+        match self {
+            Backend::Paged {
+                kv,
+                prefix_cache: true,
+            } => kv.can_admit_tokens(prompt, &AdmitOptions::default()),
+            _ => self.alloc().can_admit(prompt.len()),
+        }
+    }
+    /// Admits a prompt; returns how many leading tokens were already cached.
+    fn admit(
+        &mut self,
+        seq: SeqId,
+        prompt: &[u32],
+        slots: &mut Vec<Slot>,
+    ) -> pagedkv::Result<usize> {
+        match self {
+            Backend::Paged {
+                kv,
+                prefix_cache: true,
+            } => Ok(kv
+                .admit_tokens(seq, prompt, &AdmitOptions::default(), slots)?
+                .cached_tokens),
+            _ => self.alloc_mut().admit(seq, prompt.len(), slots).map(|()| 0),
+        }
+    }
+    fn append(
+        &mut self,
+        seq: SeqId,
+        token: u32,
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> pagedkv::Result<()> {
+        match self {
+            Backend::Paged {
+                kv,
+                prefix_cache: true,
+            } => kv.append_tokens(seq, &[token], slots, copies),
+            _ => self.alloc_mut().append(seq, 1, slots, copies),
+        }
+    }
+    fn paged(&mut self) -> Option<&mut KvCacheManager> {
+        match self {
+            Backend::Paged { kv, .. } => Some(kv),
+            Backend::Contiguous(_) => None,
+        }
     }
 }
 
@@ -136,26 +250,26 @@ struct Running {
     req: usize,
     sample: usize,
     generated: usize,
+    /// Chain hash of every token so far.
+    hash: u64,
 }
 
-/// Tokens to write this step: (request index, sample, position) with its slot.
+/// Tokens to write this step: the K/V word of each and its slot.
 #[derive(Default)]
 struct WriteBatch {
-    tokens: Vec<(u64, usize, usize, usize)>,
+    words: Vec<(u64, SeqId)>,
     slots: Vec<Slot>,
     k: Vec<u8>,
     v: Vec<u8>,
 }
 
-impl WriteBatch {
-    fn push(&mut self, req: &Request, sample: usize, first_pos: usize, slots: &[Slot]) {
-        for (i, &s) in slots.iter().enumerate() {
-            self.tokens
-                .push((req.id, sample, first_pos + i, req.prompt_len));
-            self.slots.push(s);
-        }
-    }
+/// The bytes of one token's K (and, inverted, V) in one layer.
+fn fill_token(out: &mut Vec<u8>, word: u64, layer: usize, len: usize) {
+    let w = mix(word ^ (layer as u64).wrapping_mul(0xd6e8_feb8_6659_fd93)).to_le_bytes();
+    out.extend((0..len).map(|i| w[i % 8]));
+}
 
+impl WriteBatch {
     /// Writes every layer's K/V of the batch through the slot mapping.
     fn flush(&mut self, store: &mut HostStorage) -> pagedkv::Result<()> {
         let layout = *store.layout();
@@ -164,22 +278,29 @@ impl WriteBatch {
         for layer in 0..layout.num_layers() {
             self.k.clear();
             self.v.clear();
-            for &(req, sample, pos, prompt_len) in &self.tokens {
-                let w = token_word(req, sample, pos, prompt_len, layer);
-                fill_words(&mut self.k, w, per_token);
-                fill_words(&mut self.v, !w, per_token);
+            for &(w, _) in &self.words {
+                fill_token(&mut self.k, w, layer, per_token);
+                fill_token(&mut self.v, !w, layer, per_token);
             }
             store.write_slots(layer, &self.slots, &self.k, &self.v)?;
         }
-        self.tokens.clear();
+        self.words.clear();
         self.slots.clear();
         Ok(())
     }
 }
 
-fn fill_words(out: &mut Vec<u8>, word: u64, len: usize) {
-    let bytes = word.to_le_bytes();
-    out.extend((0..len).map(|i| bytes[i % 8]));
+#[derive(Debug, Default, Clone)]
+struct Elastic {
+    shrinks: usize,
+    grows: usize,
+    blocks_released: usize,
+    moves: usize,
+    bytes_moved: usize,
+    seconds: f64,
+    preemptions: usize,
+    fragmentation_before: f64,
+    fragmentation_after: f64,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -187,6 +308,8 @@ struct Summary {
     requests_served: usize,
     sequences_served: usize,
     tokens_generated: usize,
+    prompt_tokens: usize,
+    prefill_tokens_saved: usize,
     steps: u64,
     peak_concurrent_seqs: usize,
     mean_concurrent_seqs: f64,
@@ -201,14 +324,18 @@ struct Summary {
     alloc_seconds: f64,
     wall_seconds: f64,
     kv_checksum: u64,
+    elastic: Option<Elastic>,
 }
 
 impl Summary {
     fn json(&self) -> serde_json::Value {
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "requests_served": self.requests_served,
             "sequences_served": self.sequences_served,
             "tokens_generated": self.tokens_generated,
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens_saved": self.prefill_tokens_saved,
+            "prefix_hit_rate": self.prefix_hit_rate(),
             "steps": self.steps,
             "peak_concurrent_seqs": self.peak_concurrent_seqs,
             "mean_concurrent_seqs": self.mean_concurrent_seqs,
@@ -221,262 +348,409 @@ impl Summary {
             "preemptions": self.preemptions,
             "cow_copies": self.cow_copies,
             "alloc_seconds": self.alloc_seconds,
+            "alloc_share_of_wall": self.alloc_seconds / self.wall_seconds.max(1e-9),
             "wall_seconds": self.wall_seconds,
             "tokens_per_second": self.tokens_generated as f64 / self.wall_seconds.max(1e-9),
             "kv_checksum": self.kv_checksum,
-        })
+        });
+        if let Some(e) = &self.elastic {
+            v["elastic"] = serde_json::json!({
+                "shrinks": e.shrinks,
+                "grows": e.grows,
+                "blocks_released": e.blocks_released,
+                "moves": e.moves,
+                "bytes_moved": e.bytes_moved,
+                "seconds": e.seconds,
+                "preemptions": e.preemptions,
+                "fragmentation_before": e.fragmentation_before,
+                "fragmentation_after": e.fragmentation_after,
+            });
+        }
+        v
+    }
+
+    fn prefix_hit_rate(&self) -> f64 {
+        self.prefill_tokens_saved as f64 / self.prompt_tokens.max(1) as f64
     }
 }
 
-/// Runs the trace on one allocator and one arena.
-fn simulate(
-    alloc: &mut dyn CacheAllocator,
-    store: &mut HostStorage,
-    trace: &[Request],
-    bar: &ProgressBar,
-) -> pagedkv::Result<Summary> {
-    let layout = *alloc.layout();
-    let start = Instant::now();
-    let mut alloc_time = Duration::ZERO;
-    let mut sum = Summary::default();
-    let mut waiting: VecDeque<usize> = VecDeque::new();
-    let mut running: Vec<Running> = Vec::new();
-    let mut next_arrival = 0;
-    let mut next_seq = 0u64;
-    let mut delayed = vec![false; trace.len()];
-    let (mut slots, mut copies, mut batch) = (Vec::new(), CopyPlan::new(), WriteBatch::default());
-    let mut checksum = 0u64;
-    let (mut util_sum, mut util_load_sum, mut load_steps, mut conc_sum, mut waste_sum) =
-        (0.0, 0.0, 0u64, 0.0, 0.0);
-    let arena_slots = (store.num_blocks() * layout.block_size()) as f64;
-    let mut step = 0u64;
-    bar.set_length(trace.len() as u64);
-    bar.set_position(0);
-    while sum.requests_served < trace.len() {
-        while next_arrival < trace.len() && trace[next_arrival].arrival_step <= step {
-            waiting.push_back(next_arrival);
-            next_arrival += 1;
+/// When the arena shrinks and grows again, in decode steps.
+#[derive(Debug, Clone, Copy)]
+struct ElasticPlan {
+    shrink_at: u64,
+    grow_at: u64,
+    shrunk_blocks: usize,
+}
+
+/// One run of the trace on one allocator and one arena.
+struct Sim<'a> {
+    backend: Backend<'a>,
+    store: &'a mut HostStorage,
+    trace: &'a [Request],
+    waiting: VecDeque<usize>,
+    running: Vec<Running>,
+    next_seq: u64,
+    slots: Vec<Slot>,
+    copies: CopyPlan,
+    batch: WriteBatch,
+    alloc_time: Duration,
+    sum: Summary,
+    timeline: Timeline,
+    step: u64,
+}
+
+impl<'a> Sim<'a> {
+    fn new(
+        backend: Backend<'a>,
+        store: &'a mut HostStorage,
+        trace: &'a [Request],
+        name: &str,
+    ) -> Self {
+        Sim {
+            backend,
+            store,
+            trace,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_seq: 0,
+            slots: Vec::new(),
+            copies: CopyPlan::new(),
+            batch: WriteBatch::default(),
+            alloc_time: Duration::ZERO,
+            sum: Summary::default(),
+            timeline: Timeline::new(name),
+            step: 0,
         }
-        // Admit in arrival order; the head of the queue blocks the rest (no skipping).
-        while let Some(&r) = waiting.front() {
-            let req = &trace[r];
-            let t = Instant::now();
-            let admitted = admit_request(
-                alloc,
-                req,
-                &mut next_seq,
-                &mut slots,
-                &mut copies,
-                &mut running,
-                r,
-            )?;
-            alloc_time += t.elapsed();
-            if !admitted {
-                delayed[r] = true;
-                break;
+    }
+
+    fn timed<T>(
+        &mut self,
+        f: impl FnOnce(&mut Backend<'a>, &mut Vec<Slot>, &mut CopyPlan) -> T,
+    ) -> T {
+        let t = Instant::now();
+        let out = f(&mut self.backend, &mut self.slots, &mut self.copies);
+        self.alloc_time += t.elapsed();
+        out
+    }
+
+    fn run(
+        mut self,
+        bar: &ProgressBar,
+        elastic: Option<ElasticPlan>,
+    ) -> pagedkv::Result<(Summary, Timeline)> {
+        let start = Instant::now();
+        let trace = self.trace;
+        let mut next_arrival = 0;
+        let mut delayed = vec![false; trace.len()];
+        let (mut util_sum, mut util_load_sum, mut load_steps, mut conc_sum, mut waste_sum) =
+            (0.0, 0.0, 0u64, 0.0, 0.0);
+        bar.set_length(trace.len() as u64);
+        bar.set_position(0);
+        while self.sum.requests_served < trace.len() {
+            while next_arrival < trace.len() && trace[next_arrival].arrival_step <= self.step {
+                self.waiting.push_back(next_arrival);
+                next_arrival += 1;
             }
-            waiting.pop_front();
-            // The prompt's K/V, then the forks' copies (contiguous forks copy the prompt).
-            batch.push(req, 0, 0, &slots);
-            batch.flush(store)?;
-            store.copy_blocks(&copies)?;
-            sum.cow_copies += copies.len();
-            copies.clear();
+            if let Some(plan) = elastic {
+                self.elastic_phase(plan)?;
+            }
+            // Admit in arrival order; the head of the queue blocks the rest (no skipping).
+            while let Some(&r) = self.waiting.front() {
+                if !self.admit_request(r)? {
+                    delayed[r] = true;
+                    break;
+                }
+                self.waiting.pop_front();
+            }
+            self.decode_step()?;
+            self.retire(bar)?;
+            let stats = self.backend.alloc().stats();
+            let arena_slots = (self.store.num_blocks() * self.store.layout().block_size()) as f64;
+            let util = stats.live_token_slots as f64 / arena_slots;
+            self.sum.peak_concurrent_seqs = self.sum.peak_concurrent_seqs.max(stats.num_sequences);
+            self.sum.peak_kv_utilization = self.sum.peak_kv_utilization.max(util);
+            self.sum.peak_used_blocks = self.sum.peak_used_blocks.max(stats.used_blocks);
+            util_sum += util;
+            conc_sum += stats.num_sequences as f64;
+            waste_sum += stats.internal_waste_slots as f64 / arena_slots;
+            if !self.waiting.is_empty() {
+                util_load_sum += util;
+                load_steps += 1;
+            }
+            self.timeline.record(self.step, &stats, 0)?;
+            self.step += 1;
         }
-        // One decode step: every running sequence appends one token.
+        let steps = self.step as f64;
+        let s = &mut self.sum;
+        s.steps = self.step;
+        s.mean_kv_utilization = util_sum / steps;
+        s.mean_kv_utilization_under_load = if load_steps == 0 {
+            0.0
+        } else {
+            util_load_sum / load_steps as f64
+        };
+        s.mean_concurrent_seqs = conc_sum / steps;
+        s.mean_internal_waste = waste_sum / steps;
+        s.admissions_delayed = delayed.iter().filter(|d| **d).count();
+        s.alloc_seconds = self.alloc_time.as_secs_f64();
+        s.wall_seconds = start.elapsed().as_secs_f64();
+        if let Some(kv) = self.backend.paged() {
+            kv.check_invariants()
+                .map_err(pagedkv::Error::CorruptBlockTable)?;
+        }
+        Ok((self.sum, self.timeline))
+    }
+
+    /// Admits a request and forks its samples, all or nothing; writes the K/V of the
+    /// prompt tokens that were not already cached. Returns false when it does not fit.
+    fn admit_request(&mut self, r: usize) -> pagedkv::Result<bool> {
+        let req = &self.trace[r];
+        let first = SeqId(self.next_seq);
+        let admitted = self.timed(
+            |b, slots, copies| -> pagedkv::Result<Option<(usize, Vec<SeqId>)>> {
+                if !b.can_admit(&req.prompt) {
+                    return Ok(None);
+                }
+                let cached = b.admit(first, &req.prompt, slots)?;
+                let mut seqs = vec![first];
+                for i in 1..req.samples {
+                    let child = SeqId(first.0 + i as u64);
+                    match b.alloc_mut().fork(first, child, copies) {
+                        Ok(()) => seqs.push(child),
+                        Err(pagedkv::Error::OutOfBlocks { .. }) => {
+                            for s in seqs {
+                                b.alloc_mut().free(s)?;
+                            }
+                            copies.clear();
+                            return Ok(None);
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(Some((cached, seqs)))
+            },
+        )?;
+        let Some((cached, seqs)) = admitted else {
+            return Ok(false);
+        };
+        self.next_seq += seqs.len() as u64;
+        // The prompt's K/V (only the uncached tail), then the forks' copies.
+        let mut hash = 0;
+        for (pos, &t) in req.prompt.iter().enumerate() {
+            hash = chain(hash, t);
+            if pos >= cached {
+                self.batch.words.push((hash, first));
+            }
+        }
+        self.batch.slots.extend_from_slice(&self.slots);
+        self.batch.flush(self.store)?;
+        self.store.copy_blocks(&self.copies)?;
+        self.sum.cow_copies += self.copies.len();
+        self.copies.clear();
+        self.sum.prompt_tokens += req.prompt.len();
+        self.sum.prefill_tokens_saved += cached;
+        self.running
+            .extend(seqs.into_iter().enumerate().map(|(sample, seq)| Running {
+                seq,
+                req: r,
+                sample,
+                generated: 0,
+                hash,
+            }));
+        Ok(true)
+    }
+
+    /// Every running sequence appends one token; a sequence that cannot grow preempts
+    /// the most recently admitted request (recompute).
+    fn decode_step(&mut self) -> pagedkv::Result<()> {
         let mut i = 0;
-        while i < running.len() {
-            let (seq, r, sample) = (running[i].seq, running[i].req, running[i].sample);
-            let t = Instant::now();
-            let res = alloc.append(seq, 1, &mut slots, &mut copies);
-            alloc_time += t.elapsed();
+        while i < self.running.len() {
+            let run = &self.running[i];
+            let (seq, req, sample) = (run.seq, &self.trace[run.req], run.sample);
+            let token = generated_token(req.id, sample, run.generated);
+            let res = self.timed(|b, slots, copies| b.append(seq, token, slots, copies));
             match res {
                 Ok(()) => {
-                    store.copy_blocks(&copies)?;
-                    sum.cow_copies += copies.len();
-                    copies.clear();
-                    batch.push(&trace[r], sample, alloc.num_tokens(seq)? - 1, &slots);
-                    running[i].generated += 1;
+                    self.store.copy_blocks(&self.copies)?;
+                    self.sum.cow_copies += self.copies.len();
+                    self.copies.clear();
+                    let run = &mut self.running[i];
+                    run.hash = chain(run.hash, token);
+                    run.generated += 1;
+                    self.batch.words.push((run.hash, seq));
+                    self.batch.slots.extend_from_slice(&self.slots);
                     i += 1;
                 }
                 Err(pagedkv::Error::OutOfBlocks { .. }) => {
-                    // Preempt by recompute: the most recently admitted request gives
-                    // back all its sequences and goes back to the head of the queue.
-                    let victim = running
-                        .iter()
-                        .map(|s| s.req)
-                        .max_by_key(|&q| trace[q].arrival_step)
-                        .unwrap_or(r);
-                    let t = Instant::now();
-                    for s in running.iter().filter(|s| s.req == victim) {
-                        alloc.free(s.seq)?;
-                    }
-                    alloc_time += t.elapsed();
-                    let before = running.len();
-                    let kept_before_i = running[..i].iter().filter(|s| s.req != victim).count();
-                    running.retain(|s| s.req != victim);
-                    batch.tokens.retain(|t| t.0 != trace[victim].id);
-                    // Slots of the victim's tokens written this step are dropped with them.
-                    rebuild_slots(&mut batch, alloc, &running, trace)?;
+                    let victim = self.youngest_request().unwrap_or(self.running[i].req);
+                    let kept_before_i =
+                        self.running[..i].iter().filter(|s| s.req != victim).count();
+                    self.preempt(victim)?;
                     i = kept_before_i;
-                    sum.preemptions += 1;
-                    debug_assert!(running.len() < before);
-                    waiting.push_front(victim);
                 }
                 Err(e) => return Err(e),
             }
         }
-        batch.flush(store)?;
-        // Retire finished sequences; a request is served when all its samples are.
-        let mut j = 0;
-        while j < running.len() {
-            let s = &running[j];
-            let req = &trace[s.req];
-            if s.generated >= req.output_len {
-                checksum ^= sequence_checksum(store, alloc, s.seq, req, s.sample)?;
-                let t = Instant::now();
-                alloc.free(s.seq)?;
-                alloc_time += t.elapsed();
-                sum.sequences_served += 1;
-                sum.tokens_generated += req.output_len;
-                let r = s.req;
-                running.swap_remove(j);
-                if !running.iter().any(|o| o.req == r) {
-                    sum.requests_served += 1;
-                    bar.inc(1);
-                }
-            } else {
-                j += 1;
-            }
-        }
-        let stats = alloc.stats();
-        let util = stats.live_token_slots as f64 / arena_slots;
-        sum.peak_concurrent_seqs = sum.peak_concurrent_seqs.max(stats.num_sequences);
-        sum.peak_kv_utilization = sum.peak_kv_utilization.max(util);
-        util_sum += util;
-        conc_sum += stats.num_sequences as f64;
-        waste_sum += stats.internal_waste_slots as f64 / arena_slots;
-        if !waiting.is_empty() {
-            util_load_sum += util;
-            load_steps += 1;
-        }
-        sum.peak_used_blocks = sum.peak_used_blocks.max(stats.used_blocks);
-        step += 1;
+        self.batch.flush(self.store)
     }
-    sum.steps = step;
-    sum.mean_kv_utilization = util_sum / step as f64;
-    sum.mean_kv_utilization_under_load = if load_steps == 0 {
-        0.0
-    } else {
-        util_load_sum / load_steps as f64
-    };
-    sum.mean_concurrent_seqs = conc_sum / step as f64;
-    sum.mean_internal_waste = waste_sum / step as f64;
-    sum.admissions_delayed = delayed.iter().filter(|d| **d).count();
-    sum.alloc_seconds = alloc_time.as_secs_f64();
-    sum.wall_seconds = start.elapsed().as_secs_f64();
-    sum.kv_checksum = checksum;
-    Ok(sum)
-}
 
-/// Admits a request and forks its samples, all or nothing. Returns false when it does
-/// not fit now (nothing is left allocated).
-fn admit_request(
-    alloc: &mut dyn CacheAllocator,
-    req: &Request,
-    next_seq: &mut u64,
-    slots: &mut Vec<Slot>,
-    copies: &mut CopyPlan,
-    running: &mut Vec<Running>,
-    r: usize,
-) -> pagedkv::Result<bool> {
-    if !alloc.can_admit(req.prompt_len) {
-        return Ok(false);
-    }
-    let first = SeqId(*next_seq);
-    alloc.admit(first, req.prompt_len, slots)?;
-    let mut seqs = vec![first];
-    for _ in 1..req.samples {
-        let child = SeqId(*next_seq + seqs.len() as u64);
-        match alloc.fork(first, child, copies) {
-            Ok(()) => seqs.push(child),
-            Err(pagedkv::Error::OutOfBlocks { .. }) => {
-                for s in seqs {
-                    alloc.free(s)?;
-                }
-                copies.clear();
-                return Ok(false);
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    *next_seq += seqs.len() as u64;
-    running.extend(seqs.into_iter().enumerate().map(|(sample, seq)| Running {
-        seq,
-        req: r,
-        sample,
-        generated: 0,
-    }));
-    Ok(true)
-}
-
-/// After a preemption, the pending batch's slots are recomputed from the surviving
-/// sequences' tables (a freed block may have been handed out again).
-fn rebuild_slots(
-    batch: &mut WriteBatch,
-    alloc: &dyn CacheAllocator,
-    running: &[Running],
-    trace: &[Request],
-) -> pagedkv::Result<()> {
-    let layout = *alloc.layout();
-    batch.slots.clear();
-    for &(req_id, sample, pos, _) in &batch.tokens {
-        let s = running
+    fn youngest_request(&self) -> Option<usize> {
+        self.running
             .iter()
-            .find(|s| trace[s.req].id == req_id && s.sample == sample)
-            .ok_or(pagedkv::Error::UnknownSequence(SeqId(req_id)))?;
-        let (b, off) = layout.locate(alloc.block_table(s.seq)?, pos)?;
-        batch.slots.push(layout.slot(b, off));
+            .map(|s| s.req)
+            .max_by_key(|&q| (self.trace[q].arrival_step, q))
     }
-    Ok(())
-}
 
-/// Checks a finished sequence's K/V (first and last layer) against the values it must
-/// hold, then returns their FNV-1a hash, so the two runs can be compared as a whole.
-fn sequence_checksum(
-    store: &HostStorage,
-    alloc: &dyn CacheAllocator,
-    seq: SeqId,
-    req: &Request,
-    sample: usize,
-) -> pagedkv::Result<u64> {
-    let layout = *store.layout();
-    let n = alloc.num_tokens(seq)?;
-    let table = alloc.block_table(seq)?;
-    let per_token =
-        layout.shape().num_kv_heads * layout.shape().head_dim * layout.dtype().size_bytes();
-    let (mut k, mut v) = (vec![0u8; n * per_token], vec![0u8; n * per_token]);
-    let mut want = Vec::with_capacity(per_token);
-    let mut hash = 0xcbf2_9ce4_8422_2325u64;
-    for layer in [0, layout.num_layers() - 1] {
-        store.read_tokens(layer, table, n, &mut k, &mut v)?;
-        for pos in 0..n {
-            let w = token_word(req.id, sample, pos, req.prompt_len, layer);
-            for (data, word) in [(&k, w), (&v, !w)] {
-                want.clear();
-                fill_words(&mut want, word, per_token);
-                if data[pos * per_token..(pos + 1) * per_token] != want[..] {
-                    return Err(pagedkv::Error::CorruptBlockTable(format!(
-                        "request {} sample {sample}: token {pos} of layer {layer} holds the wrong K/V",
-                        req.id
-                    )));
-                }
+    /// Preempts a request by recompute: all its sequences are freed and it goes back to
+    /// the head of the queue, to start over.
+    fn preempt(&mut self, victim: usize) -> pagedkv::Result<()> {
+        let seqs: Vec<SeqId> = self
+            .running
+            .iter()
+            .filter(|s| s.req == victim)
+            .map(|s| s.seq)
+            .collect();
+        self.timed(|b, _, _| seqs.iter().try_for_each(|&s| b.alloc_mut().free(s)))?;
+        self.running.retain(|s| s.req != victim);
+        // Tokens of the victim queued for writing this step are dropped with it, and the
+        // others' slots are looked up again (a freed block may be handed out again).
+        let keep: Vec<bool> = self
+            .batch
+            .words
+            .iter()
+            .map(|(_, s)| !seqs.contains(s))
+            .collect();
+        let mut k = keep.iter();
+        self.batch.words.retain(|_| *k.next().unwrap_or(&true));
+        let mut k = keep.iter();
+        self.batch.slots.retain(|_| *k.next().unwrap_or(&true));
+        self.sum.preemptions += 1;
+        self.timeline.mark(self.step, EventKind::Preemption);
+        self.waiting.push_front(victim);
+        Ok(())
+    }
+
+    /// Retires finished sequences, checking their K/V; a request is served when all its
+    /// samples are.
+    fn retire(&mut self, bar: &ProgressBar) -> pagedkv::Result<()> {
+        let mut j = 0;
+        while j < self.running.len() {
+            let s = &self.running[j];
+            let req = &self.trace[s.req];
+            if s.generated < req.output_len {
+                j += 1;
+                continue;
+            }
+            let (seq, r, sample) = (s.seq, s.req, s.sample);
+            self.sum.kv_checksum ^= self.check_sequence(seq, req, sample)?;
+            self.timed(|b, _, _| b.alloc_mut().free(seq))?;
+            self.sum.sequences_served += 1;
+            self.sum.tokens_generated += req.output_len;
+            self.running.swap_remove(j);
+            if !self.running.iter().any(|o| o.req == r) {
+                self.sum.requests_served += 1;
+                bar.inc(1);
             }
         }
-        fnv1a(&mut hash, &k);
-        fnv1a(&mut hash, &v);
+        Ok(())
     }
-    Ok(hash)
+
+    /// Checks a finished sequence's K/V (first and last layer) against the values it
+    /// must hold; returns their FNV-1a hash, so runs can be compared as a whole.
+    fn check_sequence(&self, seq: SeqId, req: &Request, sample: usize) -> pagedkv::Result<u64> {
+        let alloc = self.backend.alloc();
+        let layout = *self.store.layout();
+        let n = alloc.num_tokens(seq)?;
+        let table = alloc.block_table(seq)?;
+        let per_token =
+            layout.shape().num_kv_heads * layout.shape().head_dim * layout.dtype().size_bytes();
+        let tokens = req
+            .prompt
+            .iter()
+            .copied()
+            .chain((0..req.output_len).map(|i| generated_token(req.id, sample, i)));
+        let mut words = Vec::with_capacity(n);
+        let mut hash = 0;
+        for t in tokens.take(n) {
+            hash = chain(hash, t);
+            words.push(hash);
+        }
+        let (mut k, mut v) = (vec![0u8; n * per_token], vec![0u8; n * per_token]);
+        let mut want = Vec::with_capacity(per_token);
+        let mut fnv = 0xcbf2_9ce4_8422_2325u64;
+        for layer in [0, layout.num_layers() - 1] {
+            self.store.read_tokens(layer, table, n, &mut k, &mut v)?;
+            for (pos, &w) in words.iter().enumerate() {
+                for (data, word) in [(&k, w), (&v, !w)] {
+                    want.clear();
+                    fill_token(&mut want, word, layer, per_token);
+                    if data[pos * per_token..(pos + 1) * per_token] != want[..] {
+                        return Err(pagedkv::Error::CorruptBlockTable(format!(
+                            "request {} sample {sample}: token {pos} of layer {layer} holds the wrong K/V",
+                            req.id
+                        )));
+                    }
+                }
+            }
+            for b in k.iter().chain(&v) {
+                fnv = (fnv ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        Ok(fnv)
+    }
+
+    /// Another model needs memory: free enough (cached blocks first, then by
+    /// preemption), compact and shrink the arena; later grow it back.
+    fn elastic_phase(&mut self, plan: ElasticPlan) -> pagedkv::Result<()> {
+        if self.step != plan.shrink_at && self.step != plan.grow_at {
+            return Ok(());
+        }
+        let full = self.store.num_blocks();
+        let mut e = self.sum.elastic.take().unwrap_or_default();
+        let t = Instant::now();
+        if self.step == plan.shrink_at {
+            let kv = self
+                .backend
+                .paged()
+                .ok_or(pagedkv::Error::Unsupported("elastic needs paging".into()))?;
+            e.fragmentation_before = kv.fragmentation().fragmentation;
+            kv.evict_cached(usize::MAX);
+            // Keep the watermark and a block per running sequence free after shrinking.
+            let headroom = kv.config().watermark_blocks + self.running.len();
+            while self.backend.alloc().stats().used_blocks + headroom > plan.shrunk_blocks {
+                let Some(victim) = self.youngest_request() else {
+                    break;
+                };
+                self.preempt(victim)?;
+                e.preemptions += 1;
+            }
+            let kv = self
+                .backend
+                .paged()
+                .ok_or(pagedkv::Error::Unsupported("elastic needs paging".into()))?;
+            // Preempted requests' blocks went to the prefix cache; the memory is leaving.
+            kv.evict_cached(usize::MAX);
+            let moves = kv.shrink_to(plan.shrunk_blocks, &mut *self.store)?;
+            let frag: FragStats = kv.fragmentation();
+            e.fragmentation_after = frag.fragmentation;
+            e.moves += moves.len();
+            e.bytes_moved += moves.len() * self.store.layout().block_bytes();
+            e.blocks_released += full - plan.shrunk_blocks;
+            e.shrinks += 1;
+        } else {
+            let target = self.store.num_blocks() + e.blocks_released / e.shrinks.max(1);
+            let kv = self
+                .backend
+                .paged()
+                .ok_or(pagedkv::Error::Unsupported("elastic needs paging".into()))?;
+            kv.grow_to(target, &mut *self.store)?;
+            e.grows += 1;
+        }
+        e.seconds += t.elapsed().as_secs_f64();
+        self.timeline.mark(self.step, EventKind::Defragmentation);
+        self.sum.elastic = Some(e);
+        Ok(())
+    }
 }
 
 /// One line of the summary table: how to print a figure.
@@ -491,7 +765,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let layout = KvLayout::new(config.shape, args.block_size)?;
     let arena_bytes = (args.arena_gib * (1u64 << 30) as f64) as usize;
     let num_blocks = layout.blocks_for_budget(arena_bytes);
-    if args.max_len == 0 || layout.blocks_for_tokens(args.max_len) > num_blocks {
+    if args.max_len < 16 || layout.blocks_for_tokens(args.max_len) > num_blocks {
         return Err(format!(
             "max_len {} does not fit an arena of {num_blocks} blocks",
             args.max_len
@@ -505,40 +779,94 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ProgressBar::new(trace.len() as u64)
     };
     bar.set_style(
-        ProgressStyle::with_template("{prefix:>10} [{bar:40}] {pos}/{len} requests {elapsed}")?
+        ProgressStyle::with_template("{prefix:>18} [{bar:40}] {pos}/{len} requests {elapsed}")?
             .progress_chars("=> "),
     );
-
     let cfg = CacheConfig {
         num_blocks,
         watermark_blocks: num_blocks / 100,
         max_seq_len_tokens: args.max_len,
-        ..CacheConfig::new(0)
+        ..CacheConfig::new(num_blocks)
     };
-    let mut paged = KvCacheManager::new(layout, cfg)?;
-    let mut store = HostStorage::new(layout, num_blocks)?;
-    bar.set_prefix("paged");
-    let p = simulate(&mut paged, &mut store, &trace, &bar)?;
-    paged
-        .check_invariants()
-        .map_err(|e| format!("invariant broken after the run: {e}"))?;
+    let elastic = args.elastic.then(|| ElasticPlan {
+        shrink_at: trace[trace.len() / 3].arrival_step,
+        grow_at: trace[2 * trace.len() / 3]
+            .arrival_step
+            .max(trace[trace.len() / 3].arrival_step + 1),
+        shrunk_blocks: ((num_blocks as f64 * args.elastic_fraction) as usize)
+            .max(layout.blocks_for_tokens(args.max_len) + cfg.watermark_blocks + 1),
+    });
 
+    let mut runs: Vec<(&str, Summary, Timeline)> = Vec::new();
+    let paged_runs: &[(&str, bool)] = if args.no_prefix_cache {
+        &[("paged", false)]
+    } else {
+        &[("paged", true), ("paged_prefix_off", false)]
+    };
+    for &(name, prefix_cache) in paged_runs {
+        let mut kv = KvCacheManager::new(layout, cfg)?;
+        let mut store = HostStorage::new(layout, num_blocks)?;
+        bar.set_prefix(name);
+        let sim = Sim::new(
+            Backend::Paged {
+                kv: &mut kv,
+                prefix_cache,
+            },
+            &mut store,
+            &trace,
+            "paged",
+        );
+        let (sum, tl) = sim.run(&bar, elastic)?;
+        runs.push((name, sum, tl));
+    }
     let mut contiguous = ContiguousCache::new(layout, num_blocks, args.max_len)?;
     let mut store = HostStorage::new(layout, num_blocks)?;
     bar.set_prefix("contiguous");
-    let c = simulate(&mut contiguous, &mut store, &trace, &bar)?;
+    let (c, ctl) = Sim::new(
+        Backend::Contiguous(&mut contiguous),
+        &mut store,
+        &trace,
+        "contiguous",
+    )
+    .run(&bar, None)?;
+    runs.push(("contiguous", c, ctl));
     bar.finish_and_clear();
 
-    if p.kv_checksum != c.kv_checksum {
-        return Err("paged and contiguous runs left different K/V bytes".into());
+    if runs
+        .iter()
+        .any(|r| r.1.kv_checksum != runs[0].1.kv_checksum)
+    {
+        return Err("the runs left different K/V bytes".into());
+    }
+    if let Some(path) = &args.svg {
+        let title = format!(
+            "{}: {} blocks of {} tokens, paged vs contiguous",
+            config.name, num_blocks, args.block_size
+        );
+        let paged_tl = runs[0].2.clone();
+        let contig_tl = runs[runs.len() - 1].2.clone();
+        MemoryChart::new(title, &layout, num_blocks, paged_tl, contig_tl).write_svg(path)?;
     }
     if args.json {
-        println!(
-            "{}",
-            serde_json::json!({ "paged": p.json(), "contiguous": c.json() })
-        );
+        let mut out = serde_json::Map::new();
+        for (name, s, _) in &runs {
+            out.insert((*name).to_string(), s.json());
+        }
+        println!("{}", serde_json::Value::Object(out));
         return Ok(());
     }
+    print_table(&args, &config, &layout, num_blocks, &trace, &runs);
+    Ok(())
+}
+
+fn print_table(
+    args: &Args,
+    config: &ModelConfig,
+    layout: &KvLayout,
+    num_blocks: usize,
+    trace: &[Request],
+    runs: &[(&str, Summary, Timeline)],
+) {
     println!(
         "model {} ({} layers, {} KV heads x {}, {}), {:.2} GiB arena = {} blocks of {} tokens, max_len {}",
         config.name,
@@ -557,7 +885,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         args.seed,
         args.arrival_rate
     );
-    let rows: [(&str, Row); 13] = [
+    let mut rows: Vec<(&str, Row)> = vec![
         (
             "requests served",
             Box::new(|s| s.requests_served.to_string()),
@@ -591,6 +919,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Box::new(|s| format!("{:.2} %", 100.0 * s.mean_internal_waste)),
         ),
         (
+            "prefix hit rate (prompt tokens)",
+            Box::new(|s| format!("{:.1} %", 100.0 * s.prefix_hit_rate())),
+        ),
+        (
+            "prefill tokens saved",
+            Box::new(|s| s.prefill_tokens_saved.to_string()),
+        ),
+        (
             "admissions delayed",
             Box::new(|s| s.admissions_delayed.to_string()),
         ),
@@ -604,15 +940,50 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "wall time",
             Box::new(|s| format!("{:.2} s", s.wall_seconds)),
         ),
+        (
+            "generated tokens / s",
+            Box::new(|s| format!("{:.0}", s.tokens_generated as f64 / s.wall_seconds)),
+        ),
     ];
-    println!("{:<32} {:>14} {:>14}", "", "paged", "contiguous");
-    for (name, f) in rows.iter() {
-        println!("{:<32} {:>14} {:>14}", name, f(&p), f(&c));
+    if args.elastic {
+        let e = |f: fn(&Elastic) -> String| -> Row {
+            Box::new(move |s| s.elastic.as_ref().map_or("-".into(), f))
+        };
+        rows.push((
+            "elastic: blocks released",
+            e(|e| e.blocks_released.to_string()),
+        ));
+        rows.push(("elastic: blocks moved", e(|e| e.moves.to_string())));
+        rows.push((
+            "elastic: MiB moved",
+            e(|e| format!("{:.1}", e.bytes_moved as f64 / (1 << 20) as f64)),
+        ));
+        rows.push((
+            "elastic: shrink+grow time",
+            e(|e| format!("{:.1} ms", 1e3 * e.seconds)),
+        ));
+        rows.push(("elastic: preemptions", e(|e| e.preemptions.to_string())));
+        rows.push((
+            "elastic: frag. before/after",
+            e(|e| format!("{:.3}/{:.3}", e.fragmentation_before, e.fragmentation_after)),
+        ));
     }
+    print!("{:<34}", "");
+    for (name, _, _) in runs {
+        print!(" {name:>16}");
+    }
+    println!();
+    for (label, f) in &rows {
+        print!("{label:<34}");
+        for (_, s, _) in runs {
+            print!(" {:>16}", f(s));
+        }
+        println!();
+    }
+    let (p, c) = (&runs[0].1, &runs[runs.len() - 1].1);
     println!(
-        "\npaged holds {:.1}x the peak concurrent sequences of contiguous; K/V bytes of every sequence match (checksum {:016x}).",
+        "\npaged holds {:.1}x the peak concurrent sequences of contiguous; every sequence's K/V was checked and the runs match (checksum {:016x}).",
         p.peak_concurrent_seqs as f64 / c.peak_concurrent_seqs.max(1) as f64,
         p.kv_checksum
     );
-    Ok(())
 }

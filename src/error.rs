@@ -128,6 +128,37 @@ pub enum Error {
         /// `CacheConfig::max_num_blocks`, or the `u32` id space.
         max: usize,
     },
+    /// A prefix-cache key (cache salt or extra key) is longer than the configured limit.
+    #[error("{what} of {len} bytes exceeds the limit of {limit}")]
+    PrefixKeyTooLong {
+        /// Which key ("cache salt" or "extra key").
+        what: &'static str,
+        /// Its length in bytes.
+        len: usize,
+        /// `PrefixConfig::max_key_bytes`.
+        limit: usize,
+    },
+    /// A prefix to pin is not (wholly) in the prefix cache.
+    #[error("prefix not cached: {cached_tokens} of {requested_tokens} tokens are")]
+    PrefixNotCached {
+        /// Tokens the call asked to pin.
+        requested_tokens: usize,
+        /// Leading tokens found in the cache.
+        cached_tokens: usize,
+    },
+    /// Pinning would exceed `PrefixConfig::max_pinned_blocks`.
+    #[error("pin limit: {requested} more blocks with {pinned} pinned exceeds {limit}")]
+    PinLimit {
+        /// Blocks the pin would add.
+        requested: usize,
+        /// Blocks pinned now.
+        pinned: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// No pin with this id is held (never taken, or already released).
+    #[error("unknown {0}")]
+    UnknownPin(crate::prefix::PinId),
     /// The operation is not supported by this backend or configuration.
     #[error("unsupported: {0}")]
     Unsupported(String),

@@ -15,6 +15,7 @@ pub mod manager;
 pub mod metrics;
 pub mod plan;
 pub mod pool;
+pub mod prefix;
 pub mod shape;
 pub mod shard;
 pub mod storage;
@@ -33,6 +34,9 @@ pub use manager::{
     PendingDefrag, SharedKvCacheManager,
 };
 pub use pool::{BlockPool, BlockState};
+pub use prefix::{
+    Admission, AdmitOptions, BlockHash, PinId, PinnedPrefix, PrefixConfig, PrefixEvent, PrefixStats,
+};
 pub use shape::{DType, ModelConfig, ModelShape};
 pub use shard::ShardedStorage;
 pub use storage::{HostStorage, Storage};

@@ -367,6 +367,7 @@ impl KvCacheManager {
         // applied, every block at or above `num_blocks` is free.
         self.commit_moves(&plan)?;
         self.pool.resize(num_blocks)?;
+        self.prefix.resize(num_blocks)?;
         self.block_fill.truncate(num_blocks);
         self.block_fill.shrink_to_fit();
         self.config.num_blocks = num_blocks;
@@ -408,6 +409,7 @@ impl KvCacheManager {
         }
         storage.resize(num_blocks)?;
         self.pool.resize(num_blocks)?;
+        self.prefix.resize(num_blocks)?;
         self.block_fill.resize(num_blocks, 0);
         self.config.num_blocks = num_blocks;
         self.pool.reorder_free_low_first();
@@ -541,7 +543,7 @@ impl KvCacheManager {
         let mut move_map = vec![u32::MAX; (last.src.0 - base) as usize + 1];
         for m in moves {
             self.pool.relocate(m.src, m.dst)?;
-            self.on_block_moved(m.src, m.dst);
+            self.on_block_moved(m.src, m.dst)?;
             move_map[(m.src.0 - base) as usize] = m.dst.0;
         }
         for table in self.device_tables_mut() {
@@ -563,11 +565,12 @@ impl KvCacheManager {
     }
 
     /// Called once per moved block, after the pool relocated it: everything keyed by
-    /// physical block id follows the data from `src` to `dst`. The prefix cache's
-    /// hash -> block index is re-keyed here once that branch is merged.
-    pub(crate) fn on_block_moved(&mut self, src: BlockId, dst: BlockId) {
+    /// physical block id follows the data from `src` to `dst` (fill counts and the
+    /// prefix cache's hash -> block index).
+    pub(crate) fn on_block_moved(&mut self, src: BlockId, dst: BlockId) -> Result<()> {
         self.block_fill[dst.index()] = self.block_fill[src.index()];
         self.block_fill[src.index()] = 0;
+        self.prefix.relocate(src, dst)
     }
 }
 
@@ -642,13 +645,17 @@ mod tests {
     fn cached_blocks_follow_compaction() {
         let mut kv = manager(8);
         let mut slots = Vec::new();
-        for i in 0..8 {
+        for i in 0..7 {
             kv.admit(SeqId(i), 2, &mut slots).unwrap();
         }
-        // Block 7 becomes a prefix-cache block (what the prefix cache does on free).
-        let cached = kv.seqs.remove(&SeqId(7)).unwrap().table[0];
-        kv.live_token_slots -= usize::from(kv.block_fill[cached.index()]);
-        kv.pool.decref_keep(cached).unwrap();
+        // Block 7 is registered in the prefix cache and stays there, cached, once freed.
+        let opts = crate::prefix::AdmitOptions::default();
+        kv.admit_tokens(SeqId(7), &[5, 6], &opts, &mut slots)
+            .unwrap();
+        let cached = kv.block_table(SeqId(7)).unwrap()[0];
+        assert_eq!(cached, BlockId(7));
+        kv.free(SeqId(7)).unwrap();
+        assert_eq!(kv.pool.state(cached).unwrap(), BlockState::Cached);
         for i in 0..6 {
             kv.free(SeqId(i)).unwrap();
         }
@@ -665,6 +672,9 @@ mod tests {
         assert_eq!(kv.pool.state(BlockId(1)).unwrap(), BlockState::Cached);
         assert_eq!(kv.block_table(SeqId(6)).unwrap(), &[BlockId(0)]);
         kv.check_invariants().unwrap();
+        // The cache entry followed its block: the same prompt hits block 1.
+        let hit = kv.cached_prefix_len(&[5, 6, 7], &opts).unwrap();
+        assert_eq!(hit, 2);
         assert_eq!(
             kv.shrink_to(1, &mut storage),
             Err(Error::ShrinkBelowResident {

@@ -5,6 +5,7 @@
 
 mod batch;
 mod defrag;
+mod prefix;
 mod shared;
 
 pub use batch::{CsrTables, PaddedTables};
@@ -17,6 +18,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 use crate::error::{Error, Result};
 use crate::layout::{KvLayout, Slot};
 use crate::pool::{BlockPool, BlockState};
+use crate::prefix::index::PrefixIndex;
+use crate::prefix::PrefixConfig;
 use crate::transfer::CopyPlan;
 use crate::{BlockId, SeqId};
 
@@ -74,6 +77,8 @@ pub(crate) type SeqMap<V> = HashMap<SeqId, V, BuildHasherDefault<SeqIdHasher>>;
 pub(crate) struct Sequence {
     pub(crate) table: Vec<BlockId>,
     pub(crate) num_tokens: usize,
+    /// Prefix-cache progress; `None` when the token ids are unknown.
+    pub(crate) prefix: Option<Box<prefix::SeqPrefix>>,
 }
 
 /// Snapshot of the manager's counters.
@@ -141,6 +146,8 @@ pub struct KvCacheManager {
     pub(crate) block_fill: Vec<u16>,
     pub(crate) live_token_slots: usize,
     pub(crate) peak_used_blocks: usize,
+    /// The prefix cache (see `manager/prefix.rs`).
+    pub(crate) prefix: PrefixIndex,
 }
 
 impl KvCacheManager {
@@ -182,6 +189,11 @@ impl KvCacheManager {
             block_fill: vec![0; config.num_blocks],
             live_token_slots: 0,
             peak_used_blocks: 0,
+            prefix: PrefixIndex::new(
+                config.num_blocks,
+                layout.block_size(),
+                PrefixConfig::for_arena(config.num_blocks),
+            )?,
         })
     }
 
@@ -205,9 +217,9 @@ impl KvCacheManager {
         self.pool.num_blocks()
     }
 
-    /// Blocks an allocation can obtain now: free plus evictable.
+    /// Blocks an allocation can obtain now: free plus evictable (cached and not pinned).
     pub fn num_available_blocks(&self) -> usize {
-        self.pool.num_free() + self.pool.num_cached()
+        self.pool.num_free() + self.pool.num_cached() - self.prefix.pinned_cached()
     }
 
     /// Longest sequence the manager accepts.
@@ -243,13 +255,14 @@ impl KvCacheManager {
         new_blocks + usize::from(self.needs_cow(s, n))
     }
 
-    /// Appending `n` tokens writes into the current last block and that block is shared.
+    /// Appending `n` tokens writes into the current last block and that block is shared
+    /// or registered in the prefix cache (registered blocks are immutable).
     fn needs_cow(&self, s: &Sequence, n: usize) -> bool {
         n > 0
             && s.num_tokens % self.block_size() != 0
-            && s.table
-                .last()
-                .is_some_and(|b| self.pool.refcount(*b).unwrap_or(0) > 1)
+            && s.table.last().is_some_and(|b| {
+                self.pool.refcount(*b).unwrap_or(0) > 1 || self.prefix.is_registered(*b)
+            })
     }
 
     /// Admits sequence `seq` with a prompt of `num_tokens` tokens and writes the slots of
@@ -274,6 +287,7 @@ impl KvCacheManager {
         let mut s = Sequence {
             table: Vec::with_capacity(needed + 1),
             num_tokens: 0,
+            prefix: None,
         };
         for _ in 0..needed {
             let b = self.alloc_block()?;
@@ -300,6 +314,18 @@ impl KvCacheManager {
         slots: &mut Vec<Slot>,
         copies: &mut CopyPlan,
     ) -> Result<()> {
+        self.append_inner(seq, n, None, slots, copies)
+    }
+
+    /// [`Self::append`], with the token ids when known (`append_tokens`).
+    pub(crate) fn append_inner(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        tokens: Option<&[u32]>,
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<()> {
         slots.clear();
         let s = self.seq(seq)?;
         let new_len = s.num_tokens + n;
@@ -310,8 +336,9 @@ impl KvCacheManager {
             });
         }
         let needed = self.blocks_needed_for_append(s, n);
-        if needed == 0 {
-            // The common decode case: the tokens land in the sequence's own last block.
+        if needed == 0 && s.prefix.is_none() {
+            // The common decode case: the tokens land in the sequence's own last block
+            // and no prefix-cache bookkeeping follows the sequence.
             let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
             fill_slots(
                 &self.layout,
@@ -344,6 +371,7 @@ impl KvCacheManager {
             s.table.push(b);
         }
         self.fill_tokens(&mut s, new_len, slots);
+        self.prefix_after_append(&mut s, tokens);
         self.seqs.insert(seq, s);
         self.note_usage();
         Ok(())
@@ -395,6 +423,7 @@ impl KvCacheManager {
             }
         }
         s.num_tokens = new_len;
+        self.prefix_after_truncate(&mut s, new_len);
         self.seqs.insert(seq, s);
         result
     }
@@ -522,18 +551,30 @@ impl KvCacheManager {
         Ok(())
     }
 
-    /// Takes one block for a table.
+    /// Takes one block for a table, evicting a cached block when none is free.
     pub(crate) fn alloc_block(&mut self) -> Result<BlockId> {
+        if self.pool.num_free() == 0 {
+            self.evict_one()?;
+        }
         let b = self.pool.allocate()?;
         self.block_fill[b.index()] = 0;
         Ok(b)
     }
 
-    /// Drops one table reference to `b`.
+    /// Drops one table reference to `b`; a registered block is kept cached at zero.
     pub(crate) fn release_block(&mut self, b: BlockId) -> Result<()> {
-        if self.pool.decref(b)? == 0 {
+        let registered = self.prefix.is_registered(b);
+        let rc = if registered {
+            self.pool.decref_keep(b)?
+        } else {
+            self.pool.decref(b)?
+        };
+        if rc == 0 {
             self.live_token_slots -= usize::from(self.block_fill[b.index()]);
             self.block_fill[b.index()] = 0;
+            if registered {
+                self.prefix.on_cached(b);
+            }
         }
         Ok(())
     }
@@ -544,7 +585,10 @@ impl KvCacheManager {
 
     /// Checks every invariant between tables and pool: refcounts equal table
     /// references, no table points at a free block, tables cover exactly their tokens,
-    /// and the live-slot counter matches the blocks' fills.
+    /// the live-slot counter matches the blocks' fills, and the prefix cache is
+    /// consistent: every cached block is in the index exactly once, the index names only
+    /// live or cached blocks with matching hashes, chains are linked parent to child
+    /// (no live block under a cached parent), pins and eviction candidates match.
     ///
     /// # Errors
     /// A message describing the first violation.
@@ -586,7 +630,7 @@ impl KvCacheManager {
                 self.live_token_slots
             ));
         }
-        Ok(())
+        self.check_prefix_invariants()
     }
 }
 

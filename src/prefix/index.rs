@@ -1,0 +1,692 @@
+//! The prefix index: which registered block holds which content, and which of them
+//! may be evicted next.
+//!
+//! Every registered block has an entry (its hash, the hash of its parent block, its
+//! token ids, its namespace if it is the first block of a prompt) and is found by hash
+//! through `by_hash`, one block per hash. A hit is confirmed against the entry before
+//! reuse: the tokens must be equal, the parent must be the block just confirmed (so the
+//! whole chain is confirmed by induction from the first block), and the first block's
+//! namespace bytes must be equal. A different prompt whose hash collides is a miss.
+//!
+//! Parent links are hashes, not block ids, so a block can move (defragmentation) by
+//! updating one map entry. That is exact because a block is registered only under a
+//! registered parent that its sequence holds, and a block with registered children is
+//! never evicted: the block a parent hash names cannot change while a child names it.
+//!
+//! Eviction candidates are cached, unpinned leaves (no registered children) in one
+//! ordered set keyed by `(priority, policy key, block)`: O(log n) per change.
+
+use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
+
+use super::{
+    AdmitOptions, BlockHash, EvictionCandidate, PinId, PrefixConfig, PrefixEvent, PrefixHasher,
+    PrefixStats,
+};
+use crate::error::{Error, Result};
+use crate::pool::{BlockPool, BlockState};
+use crate::BlockId;
+
+/// `BlockHash` values are already mixed; hashing them again is wasted work.
+#[derive(Default)]
+struct PassThrough(u64);
+
+impl Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type HashIndex = HashMap<BlockHash, BlockId, BuildHasherDefault<PassThrough>>;
+
+/// A request's namespace: the exact key bytes (compared on every first-block hit) and
+/// the hash seed the first block chains from.
+#[derive(Debug, Clone)]
+pub(crate) struct Namespace {
+    pub(crate) key: Arc<[u8]>,
+    pub(crate) seed: BlockHash,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    hash: BlockHash,
+    parent: Option<BlockHash>,
+    /// The namespace key, on first blocks only (later blocks inherit it by the chain).
+    ns: Option<Arc<[u8]>>,
+    depth: u32,
+    /// Registered blocks whose parent is this one.
+    children: u32,
+    pins: u32,
+    hits: u32,
+    last_used: u64,
+    priority: i32,
+    /// Mirrors the pool: refcount 0, content kept.
+    cached: bool,
+    /// `(priority, key)` while in the candidate set.
+    candidate: Option<(i32, u64)>,
+}
+
+/// What a lookup found.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lookup {
+    /// Hash of the last confirmed block, `None` when nothing hit.
+    pub(crate) last: Option<BlockHash>,
+    /// A hash hit was rejected on confirmation.
+    pub(crate) collision: bool,
+}
+
+/// See the module docs.
+#[derive(Debug, Clone)]
+pub(crate) struct PrefixIndex {
+    block_size: usize,
+    entries: Vec<Option<Entry>>,
+    /// `block_size` token ids per block, meaningful for registered blocks.
+    tokens: Vec<u32>,
+    by_hash: HashIndex,
+    candidates: BTreeSet<(i32, u64, u32)>,
+    pins: HashMap<PinId, BlockHash>,
+    next_pin: u64,
+    pinned_blocks: usize,
+    /// Pinned blocks in the cached state: kept, not evictable, not available.
+    pinned_cached: usize,
+    clock: u64,
+    config: PrefixConfig,
+    events: Vec<PrefixEvent>,
+    counters: PrefixStats,
+    default_ns: Namespace,
+}
+
+impl PrefixIndex {
+    pub(crate) fn new(num_blocks: usize, block_size: usize, config: PrefixConfig) -> Result<Self> {
+        if config.max_pinned_blocks > num_blocks {
+            return Err(Error::config(
+                "max_pinned_blocks",
+                format!(
+                    "{} exceeds the arena of {num_blocks} blocks",
+                    config.max_pinned_blocks
+                ),
+            ));
+        }
+        let default_ns = Namespace {
+            key: Arc::from(&[][..]),
+            seed: config.hasher.namespace(&[], &[]),
+        };
+        Ok(PrefixIndex {
+            block_size,
+            entries: vec![None; num_blocks],
+            tokens: vec![0; num_blocks * block_size],
+            by_hash: HashIndex::default(),
+            candidates: BTreeSet::new(),
+            pins: HashMap::new(),
+            next_pin: 0,
+            pinned_blocks: 0,
+            pinned_cached: 0,
+            clock: 0,
+            config,
+            events: Vec::new(),
+            counters: PrefixStats::default(),
+            default_ns,
+        })
+    }
+
+    pub(crate) fn config(&self) -> &PrefixConfig {
+        &self.config
+    }
+
+    pub(crate) fn hasher(&self) -> &dyn PrefixHasher {
+        &*self.config.hasher
+    }
+
+    /// The namespace of a request, after checking its key lengths.
+    pub(crate) fn namespace(&self, opts: &AdmitOptions<'_>) -> Result<Namespace> {
+        let limit = self.config.max_key_bytes;
+        for (what, key) in [
+            ("cache salt", opts.cache_salt),
+            ("extra key", opts.extra_key),
+        ] {
+            if key.len() > limit {
+                return Err(Error::PrefixKeyTooLong {
+                    what,
+                    len: key.len(),
+                    limit,
+                });
+            }
+        }
+        if opts.cache_salt.is_empty() && opts.extra_key.is_empty() {
+            return Ok(self.default_ns.clone());
+        }
+        // The salt's length goes first so that ("ab", "c") and ("a", "bc") differ.
+        let mut key = Vec::with_capacity(8 + opts.cache_salt.len() + opts.extra_key.len());
+        key.extend_from_slice(&(opts.cache_salt.len() as u64).to_le_bytes());
+        key.extend_from_slice(opts.cache_salt);
+        key.extend_from_slice(opts.extra_key);
+        Ok(Namespace {
+            key: key.into(),
+            seed: self
+                .config
+                .hasher
+                .namespace(opts.cache_salt, opts.extra_key),
+        })
+    }
+
+    /// Confirmed cached blocks for the leading full blocks of `tokens`, at most
+    /// `max_blocks`, pushed onto `out` in order.
+    pub(crate) fn lookup(
+        &self,
+        ns: &Namespace,
+        tokens: &[u32],
+        max_blocks: usize,
+        out: &mut Vec<BlockId>,
+    ) -> Lookup {
+        let mut found = Lookup {
+            last: None,
+            collision: false,
+        };
+        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
+            let h = self
+                .config
+                .hasher
+                .block(found.last.unwrap_or(ns.seed), chunk);
+            let Some(&b) = self.by_hash.get(&h) else {
+                break;
+            };
+            let confirmed = self.entry(b).is_some_and(|e| {
+                e.parent == found.last
+                    && self.block_tokens(b) == chunk
+                    && (e.parent.is_some() || e.ns.as_deref() == Some(&*ns.key))
+            });
+            if !confirmed {
+                found.collision = true;
+                break;
+            }
+            out.push(b);
+            found.last = Some(h);
+        }
+        found
+    }
+
+    fn entry(&self, b: BlockId) -> Option<&Entry> {
+        self.entries.get(b.index()).and_then(Option::as_ref)
+    }
+
+    fn entry_mut(&mut self, b: BlockId) -> Option<&mut Entry> {
+        self.entries.get_mut(b.index()).and_then(Option::as_mut)
+    }
+
+    /// The token ids stored for `b` (meaningful when registered).
+    pub(crate) fn block_tokens(&self, b: BlockId) -> &[u32] {
+        let start = b.index() * self.block_size;
+        self.tokens
+            .get(start..start + self.block_size)
+            .unwrap_or(&[])
+    }
+
+    pub(crate) fn is_registered(&self, b: BlockId) -> bool {
+        self.entry(b).is_some()
+    }
+
+    pub(crate) fn hash_of(&self, b: BlockId) -> Option<BlockHash> {
+        self.entry(b).map(|e| e.hash)
+    }
+
+    pub(crate) fn is_pinned(&self, b: BlockId) -> bool {
+        self.entry(b).is_some_and(|e| e.pins > 0)
+    }
+
+    /// The block registered under `hash`.
+    pub(crate) fn block_of(&self, hash: BlockHash) -> Option<BlockId> {
+        self.by_hash.get(&hash).copied()
+    }
+
+    /// Cached blocks that are pinned (kept, but not available).
+    pub(crate) fn pinned_cached(&self) -> usize {
+        self.pinned_cached
+    }
+
+    /// Advances the logical clock.
+    pub(crate) fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Records a hit on registered block `b`; `revived` when it was cached.
+    pub(crate) fn on_hit(&mut self, b: BlockId, priority: i32, revived: bool) {
+        let clock = self.tick();
+        let Some(e) = self.entry_mut(b) else { return };
+        e.hits = e.hits.saturating_add(1);
+        e.last_used = clock;
+        if revived {
+            e.cached = false;
+            e.priority = priority;
+            let (candidate, pinned) = (e.candidate.take(), e.pins > 0);
+            if let Some((p, k)) = candidate {
+                self.candidates.remove(&(p, k, b.0));
+            }
+            if pinned {
+                self.pinned_cached -= 1;
+            }
+        } else {
+            e.priority = e.priority.max(priority);
+        }
+    }
+
+    /// Counts one admission query.
+    pub(crate) fn note_query(&mut self, tokens: usize, hit_blocks: usize, collision: bool) {
+        let c = &mut self.counters;
+        c.queries += 1;
+        c.query_tokens += tokens as u64;
+        c.hit_blocks += hit_blocks as u64;
+        c.hit_tokens += (hit_blocks * self.block_size) as u64;
+        c.rejected_collisions += u64::from(collision);
+    }
+
+    /// Registers live full block `b`. Returns `false` (and changes nothing but a
+    /// counter) when `hash` is taken or the parent is not registered.
+    pub(crate) fn register(
+        &mut self,
+        b: BlockId,
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+        ns: &Namespace,
+        tokens: &[u32],
+        priority: i32,
+    ) -> bool {
+        if tokens.len() != self.block_size
+            || self.entry(b).is_some()
+            || b.index() >= self.entries.len()
+        {
+            return false;
+        }
+        if self.by_hash.contains_key(&hash) {
+            self.counters.duplicate_blocks += 1;
+            return false;
+        }
+        let depth = match parent {
+            None => 1,
+            Some(ph) => {
+                let Some(pb) = self.block_of(ph) else {
+                    return false;
+                };
+                let Some(pe) = self.entry_mut(pb) else {
+                    return false;
+                };
+                pe.children += 1;
+                let (depth, candidate) = (pe.depth + 1, pe.candidate.take());
+                if let Some((p, k)) = candidate {
+                    // Unreachable while parents are held by the registering sequence;
+                    // kept so the candidate set never holds a non-leaf.
+                    self.candidates.remove(&(p, k, pb.0));
+                }
+                depth
+            }
+        };
+        let clock = self.tick();
+        self.entries[b.index()] = Some(Entry {
+            hash,
+            parent,
+            ns: parent.is_none().then(|| ns.key.clone()),
+            depth,
+            children: 0,
+            pins: 0,
+            hits: 0,
+            last_used: clock,
+            priority,
+            cached: false,
+            candidate: None,
+        });
+        let start = b.index() * self.block_size;
+        self.tokens[start..start + self.block_size].copy_from_slice(tokens);
+        self.by_hash.insert(hash, b);
+        self.counters.stored_blocks += 1;
+        self.emit(PrefixEvent::BlockStored {
+            hash,
+            parent,
+            block: b,
+        });
+        true
+    }
+
+    /// Registered block `b` lost its last table reference and is now cached.
+    pub(crate) fn on_cached(&mut self, b: BlockId) {
+        let clock = self.tick();
+        let Some(e) = self.entry_mut(b) else { return };
+        e.cached = true;
+        e.last_used = clock;
+        if e.pins > 0 {
+            self.pinned_cached += 1;
+        } else {
+            self.offer_candidate(b);
+        }
+    }
+
+    /// Adds `b` to the candidates when it is a cached, unpinned leaf.
+    fn offer_candidate(&mut self, b: BlockId) {
+        let Some(e) = self.entries.get(b.index()).and_then(Option::as_ref) else {
+            return;
+        };
+        if !e.cached || e.pins > 0 || e.children > 0 || e.candidate.is_some() {
+            return;
+        }
+        let info = EvictionCandidate {
+            last_used: e.last_used,
+            depth: e.depth,
+            hits: e.hits,
+        };
+        let key = self.config.policy.key(&info);
+        let priority = e.priority;
+        if let Some(e) = self.entry_mut(b) {
+            e.candidate = Some((priority, key));
+        }
+        self.candidates.insert((priority, key, b.0));
+    }
+
+    /// Takes the next victim out of the index; the caller evicts it from the pool.
+    pub(crate) fn pop_victim(&mut self) -> Option<BlockId> {
+        let (_, key, id) = self.candidates.pop_first()?;
+        let b = BlockId(id);
+        let e = self.entries.get_mut(b.index())?.take()?;
+        self.by_hash.remove(&e.hash);
+        self.config.policy.on_evict(key);
+        self.counters.evicted_blocks += 1;
+        self.emit(PrefixEvent::BlockRemoved {
+            hash: e.hash,
+            block: b,
+        });
+        if let Some(pb) = e.parent.and_then(|ph| self.block_of(ph)) {
+            if let Some(pe) = self.entry_mut(pb) {
+                pe.children -= 1;
+            }
+            self.offer_candidate(pb);
+        }
+        Some(b)
+    }
+
+    /// Pins the chain `blocks` (first block first) whose last hash is `last`.
+    pub(crate) fn pin(&mut self, blocks: &[BlockId], last: BlockHash) -> Result<PinId> {
+        let requested = blocks.iter().filter(|&&b| !self.is_pinned(b)).count();
+        let limit = self.config.max_pinned_blocks;
+        if self.pinned_blocks + requested > limit {
+            return Err(Error::PinLimit {
+                requested,
+                pinned: self.pinned_blocks,
+                limit,
+            });
+        }
+        for &b in blocks {
+            let Some(e) = self.entries.get_mut(b.index()).and_then(Option::as_mut) else {
+                continue;
+            };
+            e.pins += 1;
+            if e.pins == 1 {
+                self.pinned_blocks += 1;
+                if e.cached {
+                    self.pinned_cached += 1;
+                }
+                if let Some((p, k)) = e.candidate.take() {
+                    self.candidates.remove(&(p, k, b.0));
+                }
+            }
+        }
+        let id = PinId(self.next_pin);
+        self.next_pin += 1;
+        self.pins.insert(id, last);
+        Ok(id)
+    }
+
+    /// Releases a pin; returns the blocks it covered.
+    pub(crate) fn unpin(&mut self, id: PinId) -> Result<usize> {
+        let mut hash = self.pins.remove(&id).ok_or(Error::UnknownPin(id))?;
+        let mut blocks = 0;
+        while let Some(b) = self.block_of(hash) {
+            let Some(e) = self.entry_mut(b) else { break };
+            e.pins -= 1;
+            let (unpinned, cached, parent) = (e.pins == 0, e.cached, e.parent);
+            blocks += 1;
+            if unpinned {
+                self.pinned_blocks -= 1;
+                if cached {
+                    self.pinned_cached -= 1;
+                    self.offer_candidate(b);
+                }
+            }
+            match parent {
+                Some(p) => hash = p,
+                None => break,
+            }
+        }
+        Ok(blocks)
+    }
+
+    /// Moves the entry of `src` to `dst` (its data moved there). Hash links make this
+    /// O(log n); emits `BlockRemoved` then `BlockStored`.
+    ///
+    /// Defragmentation calls this for every moved block.
+    pub(crate) fn relocate(&mut self, src: BlockId, dst: BlockId) -> Result<()> {
+        let n = self.entries.len();
+        for b in [src, dst] {
+            if b.index() >= n {
+                return Err(Error::BlockOutOfRange {
+                    block: b,
+                    num_blocks: n,
+                });
+            }
+        }
+        if self.entries[dst.index()].is_some() {
+            return Err(Error::CorruptBlockTable(format!(
+                "relocation into registered block {dst}"
+            )));
+        }
+        let Some(e) = self.entries[src.index()].take() else {
+            return Ok(());
+        };
+        let bs = self.block_size;
+        self.tokens
+            .copy_within(src.index() * bs..src.index() * bs + bs, dst.index() * bs);
+        self.by_hash.insert(e.hash, dst);
+        if let Some((p, k)) = e.candidate {
+            self.candidates.remove(&(p, k, src.0));
+            self.candidates.insert((p, k, dst.0));
+        }
+        self.emit(PrefixEvent::BlockRemoved {
+            hash: e.hash,
+            block: src,
+        });
+        self.emit(PrefixEvent::BlockStored {
+            hash: e.hash,
+            parent: e.parent,
+            block: dst,
+        });
+        self.entries[dst.index()] = Some(e);
+        Ok(())
+    }
+
+    /// Follows the arena to `num_blocks`; shrinking needs no entry at or above it.
+    pub(crate) fn resize(&mut self, num_blocks: usize) -> Result<()> {
+        if let Some(b) = self
+            .entries
+            .iter()
+            .skip(num_blocks)
+            .position(Option::is_some)
+        {
+            return Err(Error::config(
+                "num_blocks",
+                format!("block {} is still in the prefix cache", num_blocks + b),
+            ));
+        }
+        self.entries.resize(num_blocks, None);
+        self.tokens.resize(num_blocks * self.block_size, 0);
+        Ok(())
+    }
+
+    /// Records `event` for `drain_events` and sends it to the channel, as configured.
+    /// The channel never blocks the manager: a full or closed channel drops the event
+    /// and counts it.
+    fn emit(&mut self, event: PrefixEvent) {
+        if self.config.record_events {
+            self.events.push(event);
+        }
+        if let Some(tx) = &self.config.event_channel {
+            if tx.try_send(event).is_err() {
+                self.counters.dropped_events += 1;
+            }
+        }
+    }
+
+    pub(crate) fn drain_events(&mut self, out: &mut Vec<PrefixEvent>) {
+        out.append(&mut self.events);
+    }
+
+    pub(crate) fn stats(&self, pool_cached: usize) -> PrefixStats {
+        PrefixStats {
+            registered_blocks: self.by_hash.len(),
+            evictable_blocks: pool_cached - self.pinned_cached,
+            pinned_blocks: self.pinned_blocks,
+            pins: self.pins.len(),
+            ..self.counters
+        }
+    }
+
+    /// Parent hash of registered block `b` (`Some(None)` for a first block).
+    pub(crate) fn parent_of(&self, b: BlockId) -> Option<Option<BlockHash>> {
+        self.entry(b).map(|e| e.parent)
+    }
+
+    /// Checks the index against the pool; see `KvCacheManager::check_invariants`.
+    pub(crate) fn check(&self, pool: &BlockPool) -> std::result::Result<(), String> {
+        if self.entries.len() != pool.num_blocks() {
+            return Err(format!(
+                "index covers {} blocks, pool {}",
+                self.entries.len(),
+                pool.num_blocks()
+            ));
+        }
+        let mut children = vec![0u32; self.entries.len()];
+        let mut registered = 0;
+        let (mut pinned, mut pinned_cached) = (0, 0);
+        let mut candidates = 0;
+        for (i, slot) in self.entries.iter().enumerate() {
+            let b = BlockId(i as u32);
+            let state = pool.state(b).map_err(|e| e.to_string())?;
+            let Some(e) = slot else {
+                if state == BlockState::Cached {
+                    return Err(format!("cached block {b} is not in the index"));
+                }
+                continue;
+            };
+            registered += 1;
+            if self.by_hash.get(&e.hash) != Some(&b) {
+                return Err(format!(
+                    "block {b} hash {} does not lead back to it",
+                    e.hash
+                ));
+            }
+            match state {
+                BlockState::Free => return Err(format!("free block {b} is in the index")),
+                BlockState::Cached if !e.cached => {
+                    return Err(format!("block {b} is cached but its entry says live"))
+                }
+                BlockState::Live if e.cached => {
+                    return Err(format!("block {b} is live but its entry says cached"))
+                }
+                _ => {}
+            }
+            match e.parent {
+                None => {
+                    if e.depth != 1 || e.ns.is_none() {
+                        return Err(format!(
+                            "first block {b}: depth {} or no namespace",
+                            e.depth
+                        ));
+                    }
+                }
+                Some(ph) => {
+                    let pb = self
+                        .block_of(ph)
+                        .ok_or_else(|| format!("block {b}: parent {ph} is not registered"))?;
+                    let pe = self.entry(pb).ok_or("parent entry missing")?;
+                    if pe.depth + 1 != e.depth || e.ns.is_some() {
+                        return Err(format!("block {b}: depth {} under {}", e.depth, pe.depth));
+                    }
+                    if e.pins > pe.pins {
+                        return Err(format!("block {b} is pinned more than its parent {pb}"));
+                    }
+                    if !e.cached && pe.cached {
+                        return Err(format!("live block {b} has a cached parent {pb}"));
+                    }
+                    children[pb.index()] += 1;
+                }
+            }
+            if e.pins > 0 {
+                pinned += 1;
+                pinned_cached += usize::from(e.cached);
+            }
+            if e.candidate.is_some() {
+                candidates += 1;
+            }
+        }
+        for (i, slot) in self.entries.iter().enumerate() {
+            let Some(e) = slot else { continue };
+            if e.children != children[i] {
+                return Err(format!(
+                    "block #{i}: {} children recorded, {} registered",
+                    e.children, children[i]
+                ));
+            }
+            let should = e.cached && e.pins == 0 && e.children == 0;
+            let is = e
+                .candidate
+                .is_some_and(|(p, k)| self.candidates.contains(&(p, k, i as u32)));
+            if should != is {
+                return Err(format!("block #{i}: candidate {is}, should be {should}"));
+            }
+        }
+        if registered != self.by_hash.len() {
+            return Err(format!(
+                "{registered} entries but {} hashes",
+                self.by_hash.len()
+            ));
+        }
+        if candidates != self.candidates.len() {
+            return Err(format!(
+                "{candidates} flagged candidates, {} in the set",
+                self.candidates.len()
+            ));
+        }
+        if (pinned, pinned_cached) != (self.pinned_blocks, self.pinned_cached) {
+            return Err(format!(
+                "pinned {pinned}/{pinned_cached} cached, counters {}/{}",
+                self.pinned_blocks, self.pinned_cached
+            ));
+        }
+        let mut pins = vec![0u32; self.entries.len()];
+        for (id, &last) in &self.pins {
+            let mut h = Some(last);
+            while let Some(hash) = h {
+                let b = self
+                    .block_of(hash)
+                    .ok_or_else(|| format!("{id} names unregistered {hash}"))?;
+                pins[b.index()] += 1;
+                h = self.entry(b).and_then(|e| e.parent);
+            }
+        }
+        for (i, slot) in self.entries.iter().enumerate() {
+            let want = slot.as_ref().map_or(0, |e| e.pins);
+            if pins[i] != want {
+                return Err(format!(
+                    "block #{i}: {want} pins recorded, {} held",
+                    pins[i]
+                ));
+            }
+        }
+        Ok(())
+    }
+}

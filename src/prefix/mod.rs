@@ -1,0 +1,190 @@
+//! Prefix caching: content-addressed full blocks shared across requests.
+//!
+//! | piece | what it does |
+//! |---|---|
+//! | [`PrefixHasher`] ([`ChainHasher`]) | chained hash of (parent hash, token ids), seeded per namespace (cache salt + extra key) |
+//! | index (internal) | hash -> block, stored token ids and parent links to confirm every hit, pins, eviction candidates |
+//! | [`EvictionPolicy`] ([`LruPolicy`], [`CostAwarePolicy`]) | which unreferenced cached block goes first |
+//! | [`crate::KvCacheManager::admit_tokens`] and friends | the manager's entry points, in `manager/prefix.rs` |
+//!
+//! A block enters the cache when it becomes full in a sequence admitted or extended
+//! *with token ids* ([`crate::KvCacheManager::admit_tokens`],
+//! [`crate::KvCacheManager::append_tokens`]); the plain `admit`/`append` never touch
+//! it. Registered blocks are immutable: writing into one (after a truncation made it
+//! the partial last block) goes through copy-on-write. When the last table reference
+//! goes, a registered block stays `Cached` (content kept, findable, evictable) until an
+//! allocation needs the memory.
+//!
+//! Bookkeeping is allocated once for the arena: `4 * block_size` bytes of token ids
+//! and an entry of about a hundred bytes per block, so a hit is confirmed by comparing
+//! the stored ids without touching K/V memory.
+//!
+//! Known limits: a block whose content is already registered under another block (two
+//! requests computing the same content side by side) is not registered again, and its
+//! sequence registers nothing after it (see `admit_tokens`); blocks are registered when
+//! the call that fills them returns, so an engine that drops a step it was given must
+//! not leave those blocks' K/V unwritten and then free the sequence into the cache.
+
+mod hash;
+pub(crate) mod index;
+mod policy;
+
+pub use hash::{BlockHash, ChainHasher, PrefixHasher};
+pub use policy::{CostAwarePolicy, EvictionCandidate, EvictionPolicy, LruPolicy};
+
+use crate::BlockId;
+
+/// Longest cache salt or extra key [`PrefixConfig::for_arena`] accepts, in bytes.
+pub const DEFAULT_MAX_KEY_BYTES: usize = 256;
+
+/// Tuning of the prefix cache of a [`crate::KvCacheManager`].
+#[derive(Debug, Clone)]
+pub struct PrefixConfig {
+    /// Most blocks that pins may hold at once; pinned blocks are never evicted and do
+    /// not count as available.
+    pub max_pinned_blocks: usize,
+    /// Longest cache salt, and longest extra key, in bytes.
+    pub max_key_bytes: usize,
+    /// Whether [`PrefixEvent`]s are recorded for [`crate::KvCacheManager::drain_prefix_events`]
+    /// (off by default: nobody drains them otherwise).
+    pub record_events: bool,
+    /// Where to send every [`PrefixEvent`] as it happens (a router thread's receiver),
+    /// besides or instead of recording. Sending never blocks: a full or disconnected
+    /// channel drops the event and counts it in [`PrefixStats::dropped_events`].
+    pub event_channel: Option<crossbeam_channel::Sender<PrefixEvent>>,
+    /// The content hash.
+    pub hasher: Box<dyn PrefixHasher>,
+    /// The eviction order among unreferenced cached blocks.
+    pub policy: Box<dyn EvictionPolicy>,
+}
+
+impl PrefixConfig {
+    /// Defaults for an arena of `num_blocks`: pins may hold a quarter of it, keys up to
+    /// [`DEFAULT_MAX_KEY_BYTES`], no events recorded or sent, [`ChainHasher`],
+    /// [`LruPolicy`].
+    pub fn for_arena(num_blocks: usize) -> Self {
+        PrefixConfig {
+            max_pinned_blocks: num_blocks / 4,
+            max_key_bytes: DEFAULT_MAX_KEY_BYTES,
+            record_events: false,
+            event_channel: None,
+            hasher: Box::new(ChainHasher),
+            policy: Box::new(LruPolicy),
+        }
+    }
+}
+
+/// Per-request keys of [`crate::KvCacheManager::admit_tokens`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdmitOptions<'a> {
+    /// Anything besides the token ids that changes the K/V of every block (a LoRA
+    /// adapter id, a multimodal input hash). Requests share blocks only when their extra
+    /// keys are equal.
+    pub extra_key: &'a [u8],
+    /// The tenant's namespace: requests share blocks only when their salts are equal.
+    pub cache_salt: &'a [u8],
+    /// Retention priority of the blocks this request uses: when memory is needed, every
+    /// evictable block of a lower priority goes before any of a higher one.
+    pub priority: i32,
+}
+
+/// What [`crate::KvCacheManager::admit_tokens`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Admission {
+    /// Leading prompt tokens whose K/V is already cached; the engine computes only the
+    /// rest. Always a multiple of the block size and below the prompt length (0 for an
+    /// empty prompt).
+    pub cached_tokens: usize,
+    /// Blocks shared from the cache (`cached_tokens / block_size`).
+    pub cached_blocks: usize,
+    /// Blocks allocated for the uncached tokens.
+    pub new_blocks: usize,
+    /// Blocks of the prompt newly registered in the cache.
+    pub registered_blocks: usize,
+}
+
+/// Names one pin taken by [`crate::KvCacheManager::pin_prefix`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(transparent)]
+pub struct PinId(pub u64);
+
+impl std::fmt::Display for PinId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pin {}", self.0)
+    }
+}
+
+/// A pinned prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PinnedPrefix {
+    /// Pass to [`crate::KvCacheManager::unpin_prefix`].
+    pub id: PinId,
+    /// Tokens covered (whole blocks).
+    pub tokens: usize,
+    /// Blocks covered.
+    pub blocks: usize,
+}
+
+/// A change to the set of cached blocks, for an external (KV-aware) router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixEvent {
+    /// A full block was registered and can now be hit.
+    BlockStored {
+        /// Its content hash.
+        hash: BlockHash,
+        /// The hash of the block before it (`None` for the first block of a prompt).
+        parent: Option<BlockHash>,
+        /// Where it lives.
+        block: BlockId,
+    },
+    /// A block left the cache (evicted to the free list).
+    BlockRemoved {
+        /// Its content hash.
+        hash: BlockHash,
+        /// Where it lived.
+        block: BlockId,
+    },
+}
+
+/// Prefix-cache counters; totals since the manager was created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixStats {
+    /// Successful [`crate::KvCacheManager::admit_tokens`] calls.
+    pub queries: u64,
+    /// Prompt tokens of those calls.
+    pub query_tokens: u64,
+    /// Prompt tokens served from the cache.
+    pub hit_tokens: u64,
+    /// Blocks served from the cache.
+    pub hit_blocks: u64,
+    /// Blocks registered.
+    pub stored_blocks: u64,
+    /// Blocks evicted.
+    pub evicted_blocks: u64,
+    /// Full blocks not registered because an equal block already was (the sequence
+    /// stops registering there; see `admit_tokens`).
+    pub duplicate_blocks: u64,
+    /// Events the configured channel refused (full or disconnected).
+    pub dropped_events: u64,
+    /// Hash hits rejected because the stored tokens, chain or namespace differed.
+    pub rejected_collisions: u64,
+    /// Blocks in the index now (live or cached).
+    pub registered_blocks: usize,
+    /// Cached blocks that an allocation may evict now (neither referenced nor pinned).
+    pub evictable_blocks: usize,
+    /// Blocks held by at least one pin now.
+    pub pinned_blocks: usize,
+    /// Pins held now.
+    pub pins: usize,
+}
+
+impl PrefixStats {
+    /// `hit_tokens / query_tokens`, in `[0, 1]`.
+    pub fn hit_rate(&self) -> f64 {
+        if self.query_tokens == 0 {
+            0.0
+        } else {
+            self.hit_tokens as f64 / self.query_tokens as f64
+        }
+    }
+}

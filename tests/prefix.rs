@@ -1,0 +1,1048 @@
+//! Prefix caching: hits, namespaces, collisions, eviction order, pins, priorities,
+//! events, bad input, and a model-based property test that checks every sequence's
+//! K/V bytes against what an unshared run would hold.
+
+use std::collections::BTreeMap;
+
+use pagedkv::prefix::{ChainHasher, CostAwarePolicy, EvictionPolicy, LruPolicy, PrefixHasher};
+use pagedkv::{
+    AdmitOptions, BlockHash, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCacheManager,
+    KvLayout, ModelShape, PinId, PrefixConfig, PrefixEvent, SeqId, Slot, Storage,
+};
+use proptest::prelude::*;
+
+const BLOCK: usize = 4;
+const HEAD_DIM: usize = 2;
+const LAYERS: usize = 2;
+
+fn layout() -> KvLayout {
+    let shape = ModelShape {
+        num_layers: LAYERS,
+        num_q_heads: 2,
+        num_kv_heads: 1,
+        head_dim: HEAD_DIM,
+        kv_dtype: DType::F32,
+    };
+    KvLayout::new(shape, BLOCK).unwrap()
+}
+
+fn cfg(num_blocks: usize) -> CacheConfig {
+    CacheConfig {
+        num_blocks,
+        watermark_blocks: 0,
+        max_seq_len_tokens: 0,
+        ..CacheConfig::new(0)
+    }
+}
+
+fn manager(num_blocks: usize) -> KvCacheManager {
+    KvCacheManager::new(layout(), cfg(num_blocks)).unwrap()
+}
+
+fn manager_with(num_blocks: usize, f: impl FnOnce(&mut PrefixConfig)) -> KvCacheManager {
+    let mut p = PrefixConfig::for_arena(num_blocks);
+    f(&mut p);
+    KvCacheManager::with_prefix_config(layout(), cfg(num_blocks), p).unwrap()
+}
+
+const NONE: AdmitOptions<'static> = AdmitOptions {
+    extra_key: b"",
+    cache_salt: b"",
+    priority: 0,
+};
+
+fn toks(start: u32, n: usize) -> Vec<u32> {
+    (start..start + n as u32).collect()
+}
+
+/// Everything observable about the manager, to prove a failed call changed nothing.
+fn snapshot(kv: &KvCacheManager) -> String {
+    format!("{kv:?}")
+}
+
+/// Hashes every block of every prompt to one of three values: collisions everywhere.
+#[derive(Debug, Clone, Copy)]
+struct CollidingHasher;
+
+impl PrefixHasher for CollidingHasher {
+    fn namespace(&self, _salt: &[u8], _extra: &[u8]) -> BlockHash {
+        BlockHash(0)
+    }
+    fn block(&self, _parent: BlockHash, tokens: &[u32]) -> BlockHash {
+        BlockHash(u64::from(tokens.iter().sum::<u32>() % 3))
+    }
+    fn clone_box(&self) -> Box<dyn PrefixHasher> {
+        Box::new(*self)
+    }
+}
+
+// ---- K/V content: what an unshared run would hold ---------------------------------
+
+/// The value a token's K/V stands for: a hash of its namespace and every token up to
+/// and including it, as real K/V depends on the whole prefix.
+fn next_value(prev: u64, token: u32) -> u64 {
+    let x = (prev ^ u64::from(token)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^ (x >> 29)
+}
+
+fn values(ns: u64, tokens: &[u32]) -> Vec<u64> {
+    let mut v = ns.wrapping_mul(0xbf58_476d_1ce4_e5b9) | 1;
+    tokens
+        .iter()
+        .map(|&t| {
+            v = next_value(v, t);
+            v
+        })
+        .collect()
+}
+
+fn pattern(value: u64, layer: usize) -> ([u8; 4 * HEAD_DIM], [u8; 4 * HEAD_DIM]) {
+    let mut k = [0u8; 4 * HEAD_DIM];
+    let mut v = [0u8; 4 * HEAD_DIM];
+    let x = value ^ (layer as u64) << 60;
+    k.copy_from_slice(&x.to_le_bytes());
+    v.copy_from_slice(&(!x).to_le_bytes());
+    (k, v)
+}
+
+/// Engine side: manager + storage + what each sequence should hold.
+struct Engine {
+    kv: KvCacheManager,
+    store: HostStorage,
+    /// Per sequence: namespace id and token ids.
+    shadow: BTreeMap<SeqId, (u64, Vec<u32>)>,
+    slots: Vec<Slot>,
+    copies: CopyPlan,
+}
+
+impl Engine {
+    fn new(kv: KvCacheManager) -> Self {
+        let n = kv.num_blocks();
+        Engine {
+            kv,
+            store: HostStorage::new(layout(), n).unwrap(),
+            shadow: BTreeMap::new(),
+            slots: Vec::new(),
+            copies: CopyPlan::new(),
+        }
+    }
+
+    /// Writes the K/V of tokens `from..` of `seq` into the slots just handed out.
+    fn write(&mut self, seq: SeqId, from: usize) {
+        let (ns, tokens) = &self.shadow[&seq];
+        let vals = values(*ns, tokens);
+        assert_eq!(
+            vals.len() - from,
+            self.slots.len(),
+            "{seq}: slots for {from}.."
+        );
+        for layer in 0..LAYERS {
+            let (mut k, mut v) = (Vec::new(), Vec::new());
+            for &val in &vals[from..] {
+                let (kb, vb) = pattern(val, layer);
+                k.extend_from_slice(&kb);
+                v.extend_from_slice(&vb);
+            }
+            self.store.write_slots(layer, &self.slots, &k, &v).unwrap();
+        }
+    }
+
+    fn admit(
+        &mut self,
+        seq: SeqId,
+        ns: u64,
+        tokens: &[u32],
+        opts: &AdmitOptions,
+    ) -> Result<usize, Error> {
+        let a = self.kv.admit_tokens(seq, tokens, opts, &mut self.slots)?;
+        assert!(a.cached_tokens % BLOCK == 0);
+        assert!(a.cached_tokens < tokens.len().max(1));
+        self.shadow.insert(seq, (ns, tokens.to_vec()));
+        self.write(seq, a.cached_tokens);
+        Ok(a.cached_tokens)
+    }
+
+    fn append(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(), Error> {
+        self.copies.clear();
+        self.kv
+            .append_tokens(seq, tokens, &mut self.slots, &mut self.copies)?;
+        self.store.copy_blocks(&self.copies).unwrap();
+        let from = self.shadow[&seq].1.len();
+        self.shadow
+            .get_mut(&seq)
+            .unwrap()
+            .1
+            .extend_from_slice(tokens);
+        self.write(seq, from);
+        Ok(())
+    }
+
+    fn free(&mut self, seq: SeqId) {
+        self.kv.free(seq).unwrap();
+        self.shadow.remove(&seq);
+    }
+
+    /// Invariants, exact block accounting, and every sequence's bytes.
+    fn check(&self) {
+        self.kv.check_invariants().unwrap();
+        let s = self.kv.stats();
+        let p = self.kv.prefix_stats();
+        assert_eq!(
+            s.used_blocks + s.free_blocks + s.cached_blocks,
+            s.num_blocks
+        );
+        assert!(p.evictable_blocks <= s.cached_blocks);
+        assert_eq!(
+            self.kv.num_available_blocks(),
+            s.free_blocks + p.evictable_blocks
+        );
+        assert!(self.kv.num_available_blocks() <= s.num_blocks - s.used_blocks);
+        for (&seq, (ns, tokens)) in &self.shadow {
+            let vals = values(*ns, tokens);
+            assert_eq!(self.kv.num_tokens(seq).unwrap(), tokens.len());
+            let table = self.kv.block_table(seq).unwrap();
+            for layer in 0..LAYERS {
+                let n = tokens.len() * 4 * HEAD_DIM;
+                let (mut k, mut v) = (vec![0u8; n], vec![0u8; n]);
+                self.store
+                    .read_tokens(layer, table, tokens.len(), &mut k, &mut v)
+                    .unwrap();
+                for (t, &val) in vals.iter().enumerate() {
+                    let (kb, vb) = pattern(val, layer);
+                    let r = t * 4 * HEAD_DIM..(t + 1) * 4 * HEAD_DIM;
+                    assert_eq!(&k[r.clone()], &kb, "{seq} token {t} K, layer {layer}");
+                    assert_eq!(&v[r], &vb, "{seq} token {t} V, layer {layer}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_manager_stays_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<KvCacheManager>();
+}
+
+// ---- hits and misses --------------------------------------------------------------
+
+#[test]
+fn a_freed_prompt_is_served_from_the_cache_and_only_the_rest_is_computed() {
+    let mut e = Engine::new(manager(16));
+    let prompt = toks(0, 10);
+    assert_eq!(e.admit(SeqId(1), 0, &prompt, &NONE).unwrap(), 0);
+    e.free(SeqId(1));
+    let s = e.kv.stats();
+    assert_eq!((s.used_blocks, s.cached_blocks), (0, 2));
+
+    let mut longer = prompt.clone();
+    longer.extend(toks(100, 5));
+    assert_eq!(e.kv.cached_prefix_len(&longer, &NONE).unwrap(), 8);
+    assert_eq!(e.admit(SeqId(2), 0, &longer, &NONE).unwrap(), 8);
+    assert_eq!(e.slots.len(), 7);
+    e.check();
+    let p = e.kv.prefix_stats();
+    assert_eq!(
+        (p.queries, p.hit_blocks, p.hit_tokens, p.query_tokens),
+        (2, 2, 8, 25)
+    );
+
+    // A live hit shares (refcount up) rather than revives.
+    assert_eq!(e.admit(SeqId(3), 0, &longer, &NONE).unwrap(), 12);
+    let t2 = e.kv.block_table(SeqId(2)).unwrap().to_vec();
+    let t3 = e.kv.block_table(SeqId(3)).unwrap().to_vec();
+    assert_eq!(t2[..3], t3[..3]);
+    assert_ne!(
+        t2[3], t3[3],
+        "the partial last block is not shared through the cache"
+    );
+    assert_eq!(e.kv.pool().refcount(t2[0]).unwrap(), 2);
+    e.check();
+}
+
+#[test]
+fn a_whole_prompt_hit_still_leaves_its_last_block_to_compute() {
+    let mut e = Engine::new(manager(16));
+    let prompt = toks(0, 8);
+    e.admit(SeqId(1), 0, &prompt, &NONE).unwrap();
+    e.free(SeqId(1));
+    assert_eq!(e.admit(SeqId(2), 0, &prompt, &NONE).unwrap(), 4);
+    assert_eq!(e.slots.len(), 4);
+    // The recomputed block duplicates the cached one: not registered twice.
+    assert_eq!(e.kv.prefix_stats().duplicate_blocks, 1);
+    assert_eq!(e.kv.prefix_stats().registered_blocks, 2);
+    e.check();
+    // Empty and one-token prompts: nothing can hit.
+    assert_eq!(e.admit(SeqId(3), 0, &[], &NONE).unwrap(), 0);
+    assert_eq!(e.admit(SeqId(4), 0, &[0], &NONE).unwrap(), 0);
+    e.check();
+}
+
+#[test]
+fn appended_blocks_are_registered_when_they_fill() {
+    let mut e = Engine::new(manager(16));
+    e.admit(SeqId(1), 0, &toks(0, 6), &NONE).unwrap();
+    assert_eq!(e.kv.prefix_stats().registered_blocks, 1);
+    e.append(SeqId(1), &[6]).unwrap();
+    assert_eq!(e.kv.prefix_stats().registered_blocks, 1);
+    e.append(SeqId(1), &[7, 8, 9, 10, 11, 12]).unwrap();
+    assert_eq!(e.kv.prefix_stats().registered_blocks, 3);
+    e.check();
+    // A second turn of the conversation hits the generated blocks too.
+    assert_eq!(e.admit(SeqId(2), 0, &toks(0, 14), &NONE).unwrap(), 12);
+    e.check();
+}
+
+#[test]
+fn plain_admit_and_append_never_touch_the_cache() {
+    let mut kv = manager(8);
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+    kv.admit(SeqId(1), 9, &mut slots).unwrap();
+    kv.append(SeqId(1), 4, &mut slots, &mut copies).unwrap();
+    kv.free(SeqId(1)).unwrap();
+    assert_eq!(kv.stats().cached_blocks, 0);
+    assert_eq!(kv.prefix_stats().registered_blocks, 0);
+    // A plain append on a tracked sequence stops its registration (ids unknown).
+    kv.admit_tokens(SeqId(2), &toks(0, 6), &NONE, &mut slots)
+        .unwrap();
+    kv.append(SeqId(2), 2, &mut slots, &mut copies).unwrap();
+    kv.append_tokens(SeqId(2), &toks(50, 8), &mut slots, &mut copies)
+        .unwrap();
+    assert_eq!(kv.prefix_stats().registered_blocks, 1);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn forks_share_and_copy_on_write_without_corrupting_the_cache() {
+    let mut e = Engine::new(manager(24));
+    e.admit(SeqId(1), 0, &toks(0, 6), &NONE).unwrap();
+    e.kv.fork(SeqId(1), SeqId(2)).unwrap();
+    let content = e.shadow[&SeqId(1)].clone();
+    e.shadow.insert(SeqId(2), content);
+    e.append(SeqId(1), &[6, 7, 8]).unwrap();
+    e.append(SeqId(2), &[6, 9, 7]).unwrap();
+    e.check();
+    // Both filled their own copy of block 1 with different ids: both registered.
+    assert_eq!(e.kv.prefix_stats().registered_blocks, 3);
+    e.admit(SeqId(3), 0, &[toks(0, 6), vec![6, 9, 7, 1]].concat(), &NONE)
+        .unwrap();
+    assert_eq!(e.slots.len(), 2, "hits both blocks of the second branch");
+    e.check();
+}
+
+#[test]
+fn truncating_into_a_registered_block_copies_it_before_writing() {
+    let mut e = Engine::new(manager(16));
+    e.admit(SeqId(1), 0, &toks(0, 9), &NONE).unwrap();
+    e.kv.truncate(SeqId(1), 6).unwrap();
+    e.shadow.get_mut(&SeqId(1)).unwrap().1.truncate(6);
+    e.check();
+    e.append(SeqId(1), &[60, 61]).unwrap();
+    assert_eq!(e.copies.len(), 1, "the registered block is immutable");
+    e.check();
+    e.free(SeqId(1));
+    // The original blocks are intact and still hit.
+    assert_eq!(e.admit(SeqId(2), 0, &toks(0, 9), &NONE).unwrap(), 8);
+    e.check();
+}
+
+// ---- never wrong content ----------------------------------------------------------
+
+#[test]
+fn namespaces_isolate_tenants_and_extra_keys() {
+    let mut e = Engine::new(manager(32));
+    let prompt = toks(0, 9);
+    e.admit(SeqId(1), 0, &prompt, &NONE).unwrap();
+    let tenant = AdmitOptions {
+        cache_salt: b"tenant-b",
+        ..NONE
+    };
+    let lora = AdmitOptions {
+        extra_key: b"lora-7",
+        ..NONE
+    };
+    let swapped = AdmitOptions {
+        cache_salt: b"lora-7",
+        ..NONE
+    };
+    assert_eq!(e.admit(SeqId(2), 1, &prompt, &tenant).unwrap(), 0);
+    assert_eq!(e.admit(SeqId(3), 2, &prompt, &lora).unwrap(), 0);
+    assert_eq!(e.admit(SeqId(4), 3, &prompt, &swapped).unwrap(), 0);
+    assert_eq!(e.admit(SeqId(5), 1, &prompt, &tenant).unwrap(), 8);
+    assert_eq!(e.admit(SeqId(6), 2, &prompt, &lora).unwrap(), 8);
+    e.check();
+}
+
+#[test]
+fn colliding_hashes_never_return_another_prompts_kv() {
+    let kv = manager_with(32, |p| p.hasher = Box::new(CollidingHasher));
+    let mut e = Engine::new(kv);
+    // [0,1,2,3] and [3,2,1,0] collide (same sum); so do many others.
+    e.admit(SeqId(1), 0, &[0, 1, 2, 3, 9], &NONE).unwrap();
+    e.free(SeqId(1));
+    assert_eq!(e.admit(SeqId(2), 0, &[3, 2, 1, 0, 9], &NONE).unwrap(), 0);
+    assert_eq!(e.kv.prefix_stats().rejected_collisions, 1);
+    // Same content under another namespace collides too (seed is constant): rejected.
+    let other = AdmitOptions {
+        cache_salt: b"x",
+        ..NONE
+    };
+    assert_eq!(e.admit(SeqId(3), 7, &[0, 1, 2, 3, 9], &other).unwrap(), 0);
+    // The real owner still hits.
+    assert_eq!(e.admit(SeqId(4), 0, &[0, 1, 2, 3, 9], &NONE).unwrap(), 4);
+    e.check();
+}
+
+// ---- eviction ---------------------------------------------------------------------
+
+#[test]
+fn eviction_is_lru_leaves_first_and_never_cuts_a_chain() {
+    let mut kv = manager_with(6, |p| p.record_events = true);
+    let mut slots = Vec::new();
+    kv.admit_tokens(SeqId(1), &toks(0, 13), &NONE, &mut slots)
+        .unwrap(); // 3 full + 1
+    kv.admit_tokens(SeqId(2), &toks(100, 8), &NONE, &mut slots)
+        .unwrap(); // 2 full
+    let a = kv.block_table(SeqId(1)).unwrap().to_vec();
+    let b = kv.block_table(SeqId(2)).unwrap().to_vec();
+    kv.free(SeqId(1)).unwrap(); // older
+    kv.free(SeqId(2)).unwrap();
+    assert_eq!(kv.stats().cached_blocks, 5);
+    assert_eq!(kv.stats().free_blocks, 1);
+    let mut events = Vec::new();
+    kv.drain_prefix_events(&mut events);
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| matches!(e, PrefixEvent::BlockStored { .. }))
+            .count(),
+        5
+    );
+    events.clear();
+    // Need 4 blocks: 1 free, then 3 evictions from the older chain, tail first.
+    kv.admit(SeqId(3), 16, &mut slots).unwrap();
+    kv.drain_prefix_events(&mut events);
+    let removed: Vec<_> = events
+        .iter()
+        .map(|e| match e {
+            PrefixEvent::BlockRemoved { block, .. } => *block,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    assert_eq!(removed, vec![a[2], a[1], a[0]]);
+    assert_eq!(kv.prefix_stats().evicted_blocks, 3);
+    kv.check_invariants().unwrap();
+    // The younger chain is whole and still hits.
+    assert_eq!(kv.cached_prefix_len(&toks(100, 9), &NONE).unwrap(), 8);
+    // Evicting one more takes its tail; the head alone still hits.
+    assert_eq!(kv.evict_cached(1), 1);
+    assert_eq!(kv.pool().state(b[0]).unwrap(), pagedkv::BlockState::Cached);
+    assert_eq!(kv.cached_prefix_len(&toks(100, 9), &NONE).unwrap(), 4);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn cached_blocks_count_as_available_exactly_once() {
+    let mut kv = manager(8);
+    let mut slots = Vec::new();
+    kv.admit_tokens(SeqId(1), &toks(0, 16), &NONE, &mut slots)
+        .unwrap();
+    kv.free(SeqId(1)).unwrap();
+    let s = kv.stats();
+    assert_eq!((s.free_blocks, s.cached_blocks, s.used_blocks), (4, 4, 0));
+    assert_eq!(kv.num_available_blocks(), 8);
+    kv.admit(SeqId(9), 4, &mut slots).unwrap();
+    assert_eq!(kv.num_available_blocks(), 7);
+    assert!(kv.can_admit(28));
+    assert!(!kv.can_admit(29));
+    // A prompt that hits 3 cached blocks needs 4 more plus the 3 it revives: 7.
+    let hit = [toks(0, 12), toks(200, 16)].concat();
+    assert!(kv.can_admit_tokens(&hit, &NONE));
+    let too_big = [toks(0, 12), toks(200, 17)].concat();
+    assert!(!kv.can_admit_tokens(&too_big, &NONE));
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.admit_tokens(SeqId(2), &too_big, &NONE, &mut slots),
+        Err(Error::OutOfBlocks { needed: 8, free: 7 })
+    ));
+    assert_eq!(snapshot(&kv), before);
+    let a = kv.admit_tokens(SeqId(2), &hit, &NONE, &mut slots).unwrap();
+    assert_eq!((a.cached_blocks, a.new_blocks), (3, 4));
+    assert_eq!(kv.num_available_blocks(), 0);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn low_priority_blocks_go_first() {
+    let mut kv = manager(4);
+    let mut slots = Vec::new();
+    let vip = AdmitOptions {
+        priority: 5,
+        ..NONE
+    };
+    kv.admit_tokens(SeqId(1), &toks(0, 4), &vip, &mut slots)
+        .unwrap();
+    kv.admit_tokens(SeqId(2), &toks(50, 4), &NONE, &mut slots)
+        .unwrap();
+    kv.free(SeqId(1)).unwrap(); // older, but high priority
+    kv.free(SeqId(2)).unwrap();
+    kv.admit(SeqId(3), 12, &mut slots).unwrap(); // 2 free + 1 eviction
+    assert_eq!(kv.cached_prefix_len(&toks(0, 5), &NONE).unwrap(), 4);
+    assert_eq!(kv.cached_prefix_len(&toks(50, 5), &NONE).unwrap(), 0);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn the_cost_aware_policy_keeps_deep_and_hot_prefixes() {
+    let policy: Box<dyn EvictionPolicy> = Box::new(CostAwarePolicy::default());
+    assert_eq!(policy.name(), "cost-aware");
+    let mut kv = manager_with(8, |p| p.policy = policy);
+    let mut slots = Vec::new();
+    // A hot 2-block prefix, hit three times, freed first.
+    for s in 0..4 {
+        kv.admit_tokens(SeqId(s), &toks(0, 9), &NONE, &mut slots)
+            .unwrap();
+        kv.free(SeqId(s)).unwrap();
+    }
+    // A cold 1-block prompt freed later: LRU would keep it, cost-aware does not.
+    kv.admit_tokens(SeqId(10), &toks(50, 4), &NONE, &mut slots)
+        .unwrap();
+    kv.free(SeqId(10)).unwrap();
+    kv.admit(SeqId(11), 24, &mut slots).unwrap(); // 5 free + 1 eviction
+    assert_eq!(kv.cached_prefix_len(&toks(0, 9), &NONE).unwrap(), 8);
+    assert_eq!(kv.cached_prefix_len(&toks(50, 5), &NONE).unwrap(), 0);
+    kv.check_invariants().unwrap();
+    // Under LRU the same trace keeps the cold prompt.
+    let mut kv = manager_with(8, |p| p.policy = Box::new(LruPolicy));
+    for s in 0..4 {
+        kv.admit_tokens(SeqId(s), &toks(0, 9), &NONE, &mut slots)
+            .unwrap();
+        kv.free(SeqId(s)).unwrap();
+    }
+    kv.admit_tokens(SeqId(10), &toks(50, 4), &NONE, &mut slots)
+        .unwrap();
+    kv.free(SeqId(10)).unwrap();
+    kv.admit(SeqId(11), 24, &mut slots).unwrap();
+    assert_eq!(kv.cached_prefix_len(&toks(50, 5), &NONE).unwrap(), 4);
+}
+
+// ---- pins -------------------------------------------------------------------------
+
+#[test]
+fn a_pinned_prefix_survives_pressure_until_unpinned() {
+    let mut kv = manager_with(6, |p| p.max_pinned_blocks = 4);
+    let mut slots = Vec::new();
+    let system = toks(0, 8);
+    kv.admit_tokens(SeqId(1), &system, &NONE, &mut slots)
+        .unwrap();
+    let pin = kv.pin_prefix(&toks(0, 10), &NONE).unwrap();
+    assert_eq!((pin.tokens, pin.blocks), (8, 2));
+    kv.free(SeqId(1)).unwrap();
+    assert_eq!(
+        kv.num_available_blocks(),
+        4,
+        "pinned cached blocks are not available"
+    );
+    assert_eq!(kv.prefix_stats().pinned_blocks, 2);
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.admit(SeqId(2), 17, &mut slots),
+        Err(Error::OutOfBlocks { needed: 5, free: 4 })
+    ));
+    assert_eq!(snapshot(&kv), before);
+    kv.admit(SeqId(2), 16, &mut slots).unwrap();
+    assert_eq!(kv.evict_cached(usize::MAX), 0);
+    // A pinned cached block revived by a hit stays pinned.
+    kv.free(SeqId(2)).unwrap();
+    kv.admit_tokens(SeqId(3), &toks(0, 9), &NONE, &mut slots)
+        .unwrap();
+    kv.free(SeqId(3)).unwrap();
+    kv.check_invariants().unwrap();
+    kv.unpin_prefix(pin.id).unwrap();
+    assert_eq!(kv.num_available_blocks(), 6);
+    let before = snapshot(&kv);
+    assert_eq!(kv.unpin_prefix(pin.id), Err(Error::UnknownPin(pin.id)));
+    assert_eq!(snapshot(&kv), before);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn pinning_is_limited_and_unknown_prefixes_are_errors() {
+    let mut kv = manager_with(8, |p| p.max_pinned_blocks = 2);
+    let mut slots = Vec::new();
+    kv.admit_tokens(SeqId(1), &toks(0, 12), &NONE, &mut slots)
+        .unwrap();
+    let before = snapshot(&kv);
+    assert_eq!(
+        kv.pin_prefix(&toks(0, 12), &NONE),
+        Err(Error::PinLimit {
+            requested: 3,
+            pinned: 0,
+            limit: 2
+        })
+    );
+    assert_eq!(
+        kv.pin_prefix(&toks(1, 8), &NONE),
+        Err(Error::PrefixNotCached {
+            requested_tokens: 8,
+            cached_tokens: 0
+        })
+    );
+    assert_eq!(
+        kv.pin_prefix(&[toks(0, 4), toks(90, 4)].concat(), &NONE),
+        Err(Error::PrefixNotCached {
+            requested_tokens: 8,
+            cached_tokens: 4
+        })
+    );
+    assert!(matches!(
+        kv.pin_prefix(&toks(0, 3), &NONE),
+        Err(Error::PrefixNotCached { .. })
+    ));
+    let tenant = AdmitOptions {
+        cache_salt: b"t",
+        ..NONE
+    };
+    assert!(matches!(
+        kv.pin_prefix(&toks(0, 8), &tenant),
+        Err(Error::PrefixNotCached { .. })
+    ));
+    assert_eq!(
+        kv.unpin_prefix(PinId(42)),
+        Err(Error::UnknownPin(PinId(42)))
+    );
+    assert_eq!(snapshot(&kv), before);
+    // Two pins over the same blocks count the blocks once.
+    let p1 = kv.pin_prefix(&toks(0, 8), &NONE).unwrap();
+    let p2 = kv.pin_prefix(&toks(0, 4), &NONE).unwrap();
+    assert_eq!(kv.prefix_stats().pinned_blocks, 2);
+    kv.unpin_prefix(p1.id).unwrap();
+    assert_eq!(kv.prefix_stats().pinned_blocks, 1);
+    kv.unpin_prefix(p2.id).unwrap();
+    kv.check_invariants().unwrap();
+    assert!(matches!(
+        KvCacheManager::with_prefix_config(layout(), cfg(8), {
+            let mut p = PrefixConfig::for_arena(8);
+            p.max_pinned_blocks = 9;
+            p
+        }),
+        Err(Error::InvalidConfig {
+            field: "max_pinned_blocks",
+            ..
+        })
+    ));
+}
+
+// ---- bad input --------------------------------------------------------------------
+
+#[test]
+fn bad_input_is_a_typed_error_and_changes_nothing() {
+    let mut kv = manager_with(8, |p| p.max_key_bytes = 4);
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+    kv.admit_tokens(SeqId(1), &toks(0, 6), &NONE, &mut slots)
+        .unwrap();
+    kv.admit(SeqId(5), 4, &mut slots).unwrap();
+    let before = snapshot(&kv);
+    let long_salt = AdmitOptions {
+        cache_salt: b"12345",
+        ..NONE
+    };
+    let long_key = AdmitOptions {
+        extra_key: b"123456",
+        ..NONE
+    };
+    assert_eq!(
+        kv.admit_tokens(SeqId(2), &toks(0, 6), &long_salt, &mut slots),
+        Err(Error::PrefixKeyTooLong {
+            what: "cache salt",
+            len: 5,
+            limit: 4
+        })
+    );
+    assert_eq!(
+        kv.pin_prefix(&toks(0, 4), &long_key),
+        Err(Error::PrefixKeyTooLong {
+            what: "extra key",
+            len: 6,
+            limit: 4
+        })
+    );
+    assert!(kv.cached_prefix_len(&toks(0, 6), &long_key).is_err());
+    assert!(!kv.can_admit_tokens(&toks(0, 6), &long_key));
+    assert_eq!(
+        kv.admit_tokens(SeqId(1), &toks(0, 6), &NONE, &mut slots),
+        Err(Error::DuplicateSequence(SeqId(1)))
+    );
+    assert_eq!(
+        kv.append_tokens(SeqId(9), &[1], &mut slots, &mut copies),
+        Err(Error::UnknownSequence(SeqId(9)))
+    );
+    assert!(matches!(
+        kv.admit_tokens(SeqId(3), &toks(0, 33), &NONE, &mut slots),
+        Err(Error::TooLong { tokens: 33, .. })
+    ));
+    assert!(matches!(
+        kv.append_tokens(SeqId(1), &toks(0, 27), &mut slots, &mut copies),
+        Err(Error::TooLong { .. })
+    ));
+    assert!(matches!(
+        kv.append_tokens(SeqId(1), &toks(0, 26), &mut slots, &mut copies),
+        Err(Error::OutOfBlocks { .. })
+    ));
+    assert!(copies.is_empty());
+    assert_eq!(snapshot(&kv), before);
+    kv.check_invariants().unwrap();
+}
+
+// ---- the model ----------------------------------------------------------------------
+
+const MODEL_BLOCKS: usize = 24;
+
+#[derive(Debug, Clone)]
+enum Action {
+    /// Prompt = a cut of a base prompt, then extra tokens, in namespace `ns`.
+    Admit {
+        base: usize,
+        cut: usize,
+        ext: Vec<u32>,
+        ns: u8,
+        priority: i32,
+    },
+    AdmitPlain(usize),
+    Append(usize, Vec<u32>),
+    AppendPlain(usize, usize),
+    Fork(usize),
+    Free(usize),
+    Truncate(usize, usize),
+    Pin {
+        base: usize,
+        cut: usize,
+        ns: u8,
+    },
+    Unpin(usize),
+    Evict(usize),
+}
+
+fn small_tokens(max: usize) -> impl Strategy<Value = Vec<u32>> {
+    proptest::collection::vec(0u32..3, 0..max)
+}
+
+/// Mostly the default namespace, so that prompts meet often.
+fn namespace() -> impl Strategy<Value = u8> {
+    prop_oneof![3 => Just(0u8), 1 => 1u8..4]
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        6 => (any::<usize>(), any::<usize>(), small_tokens(7), namespace(), 0i32..3).prop_map(
+            |(base, cut, ext, ns, priority)| Action::Admit { base, cut, ext, ns, priority }
+        ),
+        1 => (0usize..12).prop_map(Action::AdmitPlain),
+        4 => (any::<usize>(), proptest::collection::vec(0u32..3, 1..6))
+            .prop_map(|(i, t)| Action::Append(i, t)),
+        1 => (any::<usize>(), 1usize..4).prop_map(|(i, n)| Action::AppendPlain(i, n)),
+        2 => any::<usize>().prop_map(Action::Fork),
+        3 => any::<usize>().prop_map(Action::Free),
+        1 => (any::<usize>(), any::<usize>()).prop_map(|(i, n)| Action::Truncate(i, n)),
+        2 => (any::<usize>(), any::<usize>(), namespace())
+            .prop_map(|(base, cut, ns)| Action::Pin { base, cut, ns }),
+        1 => any::<usize>().prop_map(Action::Unpin),
+        1 => (0usize..4).prop_map(Action::Evict),
+    ]
+}
+
+fn ns_opts(ns: u8, priority: i32) -> AdmitOptions<'static> {
+    let (salt, extra): (&'static [u8], &'static [u8]) = match ns {
+        0 => (b"", b""),
+        1 => (b"a", b""),
+        2 => (b"", b"a"),
+        _ => (b"a", b"a"),
+    };
+    AdmitOptions {
+        cache_salt: salt,
+        extra_key: extra,
+        priority,
+    }
+}
+
+struct Model {
+    e: Engine,
+    bases: Vec<Vec<u32>>,
+    pins: Vec<PinId>,
+    next_seq: u64,
+    next_plain: u32,
+}
+
+impl Model {
+    fn new(kv: KvCacheManager, bases: Vec<Vec<u32>>) -> Self {
+        Model {
+            e: Engine::new(kv),
+            bases,
+            pins: Vec::new(),
+            next_seq: 0,
+            next_plain: 1000,
+        }
+    }
+
+    fn pick(&self, i: usize) -> Option<SeqId> {
+        let n = self.e.shadow.len();
+        (n > 0).then(|| *self.e.shadow.keys().nth(i % n).unwrap())
+    }
+
+    fn prompt(&self, base: usize, cut: usize) -> Vec<u32> {
+        let b = &self.bases[base % self.bases.len()];
+        b[..cut % (b.len() + 1)].to_vec()
+    }
+
+    fn plain_tokens(&mut self, n: usize) -> Vec<u32> {
+        // Ids no cached prompt uses, so plain sequences never look shareable.
+        let t = toks(self.next_plain, n);
+        self.next_plain += n as u32;
+        t
+    }
+
+    fn step(&mut self, a: &Action) {
+        let before = snapshot(&self.e.kv);
+        match a {
+            Action::Admit {
+                base,
+                cut,
+                ext,
+                ns,
+                priority,
+            } => {
+                let mut prompt = self.prompt(*base, *cut);
+                prompt.extend_from_slice(ext);
+                let seq = SeqId(self.next_seq);
+                self.next_seq += 1;
+                let opts = ns_opts(*ns, *priority);
+                let fits = self.e.kv.can_admit_tokens(&prompt, &opts);
+                let expect_hit = self.e.kv.cached_prefix_len(&prompt, &opts).unwrap();
+                match self.e.admit(seq, u64::from(*ns), &prompt, &opts) {
+                    Ok(hit) => assert_eq!(hit, expect_hit),
+                    Err(err) => {
+                        assert!(!fits, "{err}");
+                        assert!(matches!(err, Error::OutOfBlocks { .. }), "{err}");
+                        assert_eq!(snapshot(&self.e.kv), before);
+                    }
+                }
+            }
+            Action::AdmitPlain(n) => {
+                let seq = SeqId(self.next_seq);
+                self.next_seq += 1;
+                let tokens = self.plain_tokens(*n);
+                match self.e.kv.admit(seq, *n, &mut self.e.slots) {
+                    Ok(()) => {
+                        self.e.shadow.insert(seq, (99, tokens));
+                        self.e.write(seq, 0);
+                    }
+                    Err(err) => {
+                        assert!(matches!(err, Error::OutOfBlocks { .. }), "{err}");
+                        assert_eq!(snapshot(&self.e.kv), before);
+                    }
+                }
+            }
+            Action::Append(i, t) => {
+                let Some(seq) = self.pick(*i) else { return };
+                if let Err(err) = self.e.append(seq, t) {
+                    assert!(matches!(err, Error::OutOfBlocks { .. }), "{err}");
+                    assert_eq!(snapshot(&self.e.kv), before);
+                }
+            }
+            Action::AppendPlain(i, n) => {
+                let Some(seq) = self.pick(*i) else { return };
+                let t = self.plain_tokens(*n);
+                self.e.copies.clear();
+                match self
+                    .e
+                    .kv
+                    .append(seq, *n, &mut self.e.slots, &mut self.e.copies)
+                {
+                    Ok(()) => {
+                        self.e.store.copy_blocks(&self.e.copies).unwrap();
+                        let from = self.e.shadow[&seq].1.len();
+                        self.e.shadow.get_mut(&seq).unwrap().1.extend(t);
+                        self.e.write(seq, from);
+                    }
+                    Err(err) => {
+                        assert!(matches!(err, Error::OutOfBlocks { .. }), "{err}");
+                        assert_eq!(snapshot(&self.e.kv), before);
+                    }
+                }
+            }
+            Action::Fork(i) => {
+                let Some(parent) = self.pick(*i) else { return };
+                let child = SeqId(self.next_seq);
+                self.next_seq += 1;
+                self.e.kv.fork(parent, child).unwrap();
+                let content = self.e.shadow[&parent].clone();
+                self.e.shadow.insert(child, content);
+            }
+            Action::Free(i) => {
+                let Some(seq) = self.pick(*i) else { return };
+                self.e.free(seq);
+                assert_eq!(self.e.kv.free(seq), Err(Error::UnknownSequence(seq)));
+            }
+            Action::Truncate(i, n) => {
+                let Some(seq) = self.pick(*i) else { return };
+                let len = self.e.shadow[&seq].1.len();
+                let new_len = n % (len + 1);
+                self.e.kv.truncate(seq, new_len).unwrap();
+                self.e.shadow.get_mut(&seq).unwrap().1.truncate(new_len);
+            }
+            Action::Pin { base, cut, ns } => {
+                let prompt = self.prompt(*base, *cut);
+                match self.e.kv.pin_prefix(&prompt, &ns_opts(*ns, 0)) {
+                    Ok(p) => self.pins.push(p.id),
+                    Err(err) => {
+                        assert!(
+                            matches!(err, Error::PrefixNotCached { .. } | Error::PinLimit { .. }),
+                            "{err}"
+                        );
+                        assert_eq!(snapshot(&self.e.kv), before);
+                    }
+                }
+            }
+            Action::Unpin(i) => {
+                if self.pins.is_empty() {
+                    return;
+                }
+                let id = self.pins.remove(i % self.pins.len());
+                self.e.kv.unpin_prefix(id).unwrap();
+                assert_eq!(self.e.kv.unpin_prefix(id), Err(Error::UnknownPin(id)));
+            }
+            Action::Evict(n) => {
+                let evictable = self.e.kv.prefix_stats().evictable_blocks;
+                assert_eq!(self.e.kv.evict_cached(*n), (*n).min(evictable));
+            }
+        }
+        self.e.check();
+    }
+
+    /// Everything freed: no block live, every cached block evictable or pinned; then
+    /// with the pins released, every block available and evictable to the free list.
+    fn finish(&mut self) {
+        for seq in self.e.shadow.keys().copied().collect::<Vec<_>>() {
+            self.e.free(seq);
+        }
+        self.e.check();
+        let s = self.e.kv.stats();
+        let p = self.e.kv.prefix_stats();
+        assert_eq!((s.used_blocks, s.live_token_slots), (0, 0), "leak");
+        assert_eq!(s.free_blocks + s.cached_blocks, MODEL_BLOCKS);
+        assert!(s.cached_blocks - p.evictable_blocks <= p.pinned_blocks);
+        for id in std::mem::take(&mut self.pins) {
+            self.e.kv.unpin_prefix(id).unwrap();
+        }
+        assert_eq!(self.e.kv.num_available_blocks(), MODEL_BLOCKS);
+        let cached = self.e.kv.stats().cached_blocks;
+        assert_eq!(self.e.kv.evict_cached(usize::MAX), cached);
+        assert_eq!(self.e.kv.stats().free_blocks, MODEL_BLOCKS);
+        assert_eq!(self.e.kv.prefix_stats().registered_blocks, 0);
+        self.e.kv.check_invariants().unwrap();
+    }
+}
+
+fn model_manager(hasher: Box<dyn PrefixHasher>, cost_aware: bool) -> KvCacheManager {
+    let mut p = PrefixConfig::for_arena(MODEL_BLOCKS);
+    p.hasher = hasher;
+    p.max_pinned_blocks = 8;
+    p.record_events = true;
+    if cost_aware {
+        p.policy = Box::new(CostAwarePolicy::default());
+    }
+    let c = CacheConfig {
+        num_blocks: MODEL_BLOCKS,
+        watermark_blocks: 2,
+        max_seq_len_tokens: 0,
+        ..CacheConfig::new(0)
+    };
+    KvCacheManager::with_prefix_config(layout(), c, p).unwrap()
+}
+
+fn bases() -> impl Strategy<Value = Vec<Vec<u32>>> {
+    proptest::collection::vec(proptest::collection::vec(0u32..3, 4..24), 1..4)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn shared_prefixes_hold_exactly_what_unshared_runs_would(
+        bases in bases(),
+        actions in proptest::collection::vec(action(), 20..100),
+        cost_aware in any::<bool>(),
+    ) {
+        let mut m = Model::new(model_manager(Box::new(ChainHasher), cost_aware), bases);
+        for a in &actions {
+            m.step(a);
+        }
+        m.finish();
+    }
+
+    #[test]
+    fn colliding_hashers_never_share_wrong_content(
+        bases in bases(),
+        actions in proptest::collection::vec(action(), 20..100),
+    ) {
+        let mut m = Model::new(model_manager(Box::new(CollidingHasher), false), bases);
+        for a in &actions {
+            m.step(a);
+        }
+        m.finish();
+    }
+}
+
+#[test]
+fn events_follow_the_index() {
+    let mut m = Model::new(
+        model_manager(Box::new(ChainHasher), false),
+        vec![toks(0, 12)],
+    );
+    for i in 0..30 {
+        m.step(&Action::Admit {
+            base: 0,
+            cut: i % 13,
+            ext: vec![(i % 3) as u32; i % 6],
+            ns: (i % 2) as u8,
+            priority: 0,
+        });
+        if i % 3 == 2 {
+            m.step(&Action::Free(i));
+        }
+    }
+    m.finish();
+    let mut events = Vec::new();
+    m.e.kv.drain_prefix_events(&mut events);
+    let mut live = std::collections::HashMap::new();
+    for e in &events {
+        match *e {
+            PrefixEvent::BlockStored { hash, block, .. } => {
+                assert!(live.insert(hash, block).is_none(), "stored twice");
+            }
+            PrefixEvent::BlockRemoved { hash, block } => {
+                assert_eq!(live.remove(&hash), Some(block));
+            }
+        }
+    }
+    assert!(
+        live.is_empty(),
+        "everything evicted, every store matched by a removal"
+    );
+    // The same stream reaches a channel, and a full one drops without blocking.
+    let (tx, rx) = crossbeam_channel::bounded(3);
+    let mut kv = manager_with(8, |p| p.event_channel = Some(tx));
+    let mut slots = Vec::new();
+    kv.admit_tokens(SeqId(1), &toks(0, 17), &NONE, &mut slots)
+        .unwrap();
+    let got: Vec<_> = rx.try_iter().collect();
+    assert_eq!(got.len(), 3);
+    assert!(matches!(
+        got[0],
+        PrefixEvent::BlockStored { parent: None, .. }
+    ));
+    assert_eq!(kv.prefix_stats().dropped_events, 1);
+    let mut again = Vec::new();
+    m.e.kv.drain_prefix_events(&mut again);
+    assert!(again.is_empty());
+}
