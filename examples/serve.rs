@@ -17,12 +17,13 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use pagedkv::attention::model::TinyModel;
 use pagedkv::chart::{EventKind, MemoryChart, Timeline};
 use pagedkv::manager::FragStats;
 use pagedkv::prefix::AdmitOptions;
 use pagedkv::{
-    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, HostStorage, KvCacheManager, KvLayout,
-    ModelConfig, SeqId, Slot, Storage,
+    BlockId, CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, HostStorage, KvCacheManager,
+    KvLayout, ModelConfig, PaddedTables, SeqId, Slot, Storage, SwapPlan,
 };
 
 #[derive(Parser, Debug, Clone)]
@@ -64,6 +65,10 @@ struct Args {
     /// Fraction of the arena kept while shrunk.
     #[arg(long, default_value_t = 0.5)]
     elastic_fraction: f64,
+    /// Skip the attention model (by default a small random-weight attention stack of the
+    /// configured shape, scaled down, runs over the same block tables every step).
+    #[arg(long)]
+    no_attend: bool,
     /// Trace seed.
     #[arg(long, default_value_t = 7)]
     seed: u64,
@@ -252,6 +257,8 @@ struct Running {
     generated: usize,
     /// Chain hash of every token so far.
     hash: u64,
+    /// Hash of the attention model's outputs for this sequence so far.
+    model_hash: u64,
 }
 
 /// Tokens to write this step: the K/V word of each and its slot.
@@ -271,7 +278,7 @@ fn fill_token(out: &mut Vec<u8>, word: u64, layer: usize, len: usize) {
 
 impl WriteBatch {
     /// Writes every layer's K/V of the batch through the slot mapping.
-    fn flush(&mut self, store: &mut HostStorage) -> pagedkv::Result<()> {
+    fn flush(&mut self, store: &mut Mirror) -> pagedkv::Result<()> {
         let layout = *store.layout();
         let per_token =
             layout.shape().num_kv_heads * layout.shape().head_dim * layout.dtype().size_bytes();
@@ -287,6 +294,57 @@ impl WriteBatch {
         self.words.clear();
         self.slots.clear();
         Ok(())
+    }
+}
+
+/// The arena (the real model shape, where every token's K/V bytes are written and
+/// checked) and, when the attention model runs, its own cache (the scaled-down shape,
+/// same blocks). Every plan runs on both, so one set of block tables serves both.
+struct Mirror {
+    main: HostStorage,
+    model: Option<HostStorage>,
+}
+
+impl Storage for Mirror {
+    fn layout(&self) -> &KvLayout {
+        self.main.layout()
+    }
+    fn num_blocks(&self) -> usize {
+        self.main.num_blocks()
+    }
+    fn copy_blocks(&mut self, plan: &CopyPlan) -> pagedkv::Result<()> {
+        self.main.copy_blocks(plan)?;
+        self.model.as_mut().map_or(Ok(()), |m| m.copy_blocks(plan))
+    }
+    fn write_slots(
+        &mut self,
+        layer: usize,
+        slots: &[Slot],
+        k: &[u8],
+        v: &[u8],
+    ) -> pagedkv::Result<()> {
+        self.main.write_slots(layer, slots, k, v)
+    }
+    fn read_tokens(
+        &self,
+        layer: usize,
+        table: &[BlockId],
+        num_tokens: usize,
+        k: &mut [u8],
+        v: &mut [u8],
+    ) -> pagedkv::Result<()> {
+        self.main.read_tokens(layer, table, num_tokens, k, v)
+    }
+    fn num_host_blocks(&self) -> usize {
+        self.main.num_host_blocks()
+    }
+    fn swap(&mut self, plan: &SwapPlan) -> pagedkv::Result<()> {
+        self.main.swap(plan)?;
+        self.model.as_mut().map_or(Ok(()), |m| m.swap(plan))
+    }
+    fn resize(&mut self, num_blocks: usize) -> pagedkv::Result<()> {
+        self.main.resize(num_blocks)?;
+        self.model.as_mut().map_or(Ok(()), |m| m.resize(num_blocks))
     }
 }
 
@@ -324,6 +382,10 @@ struct Summary {
     alloc_seconds: f64,
     wall_seconds: f64,
     kv_checksum: u64,
+    /// Hash of every sequence's attention-model outputs (next-token ids and final
+    /// hidden state bits), or 0 without the model.
+    model_checksum: u64,
+    model_seconds: f64,
     elastic: Option<Elastic>,
 }
 
@@ -352,6 +414,8 @@ impl Summary {
             "wall_seconds": self.wall_seconds,
             "tokens_per_second": self.tokens_generated as f64 / self.wall_seconds.max(1e-9),
             "kv_checksum": self.kv_checksum,
+            "model_checksum": self.model_checksum,
+            "model_seconds": self.model_seconds,
         });
         if let Some(e) = &self.elastic {
             v["elastic"] = serde_json::json!({
@@ -385,7 +449,10 @@ struct ElasticPlan {
 /// One run of the trace on one allocator and one arena.
 struct Sim<'a> {
     backend: Backend<'a>,
-    store: &'a mut HostStorage,
+    store: &'a mut Mirror,
+    model: Option<&'a TinyModel>,
+    tables: PaddedTables,
+    hidden: Vec<f32>,
     trace: &'a [Request],
     waiting: VecDeque<usize>,
     running: Vec<Running>,
@@ -394,6 +461,7 @@ struct Sim<'a> {
     copies: CopyPlan,
     batch: WriteBatch,
     alloc_time: Duration,
+    model_time: Duration,
     sum: Summary,
     timeline: Timeline,
     step: u64,
@@ -402,13 +470,17 @@ struct Sim<'a> {
 impl<'a> Sim<'a> {
     fn new(
         backend: Backend<'a>,
-        store: &'a mut HostStorage,
+        store: &'a mut Mirror,
+        model: Option<&'a TinyModel>,
         trace: &'a [Request],
         name: &str,
     ) -> Self {
         Sim {
             backend,
             store,
+            model,
+            tables: PaddedTables::default(),
+            hidden: Vec::new(),
             trace,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -417,6 +489,7 @@ impl<'a> Sim<'a> {
             copies: CopyPlan::new(),
             batch: WriteBatch::default(),
             alloc_time: Duration::ZERO,
+            model_time: Duration::ZERO,
             sum: Summary::default(),
             timeline: Timeline::new(name),
             step: 0,
@@ -494,6 +567,7 @@ impl<'a> Sim<'a> {
         s.admissions_delayed = delayed.iter().filter(|d| **d).count();
         s.alloc_seconds = self.alloc_time.as_secs_f64();
         s.wall_seconds = start.elapsed().as_secs_f64();
+        s.model_seconds = self.model_time.as_secs_f64();
         if let Some(kv) = self.backend.paged() {
             kv.check_invariants()
                 .map_err(pagedkv::Error::CorruptBlockTable)?;
@@ -544,6 +618,28 @@ impl<'a> Sim<'a> {
         }
         self.batch.slots.extend_from_slice(&self.slots);
         self.batch.flush(self.store)?;
+        if let Some(model) = self.model {
+            // The model computes K/V of the uncached tail over the whole context (the
+            // cached prefix's K/V was written by an earlier request with the same tokens).
+            let t = Instant::now();
+            let vocab = model.vocab_size() as u32;
+            let tail: Vec<u32> = req.prompt[cached..].iter().map(|t| t % vocab).collect();
+            fill_tables(self.backend.alloc(), &[first], &mut self.tables)?;
+            self.hidden.resize(tail.len() * model.hidden_size(), 0.0);
+            let store = self
+                .store
+                .model
+                .as_mut()
+                .ok_or(pagedkv::Error::Unsupported("no model cache".into()))?;
+            model.prefill_tokens(
+                store,
+                &self.tables,
+                &[0, tail.len()],
+                &tail,
+                &mut self.hidden,
+            )?;
+            self.model_time += t.elapsed();
+        }
         self.store.copy_blocks(&self.copies)?;
         self.sum.cow_copies += self.copies.len();
         self.copies.clear();
@@ -556,6 +652,7 @@ impl<'a> Sim<'a> {
                 sample,
                 generated: 0,
                 hash,
+                model_hash: 0,
             }));
         Ok(true)
     }
@@ -591,7 +688,48 @@ impl<'a> Sim<'a> {
                 Err(e) => return Err(e),
             }
         }
-        self.batch.flush(self.store)
+        self.batch.flush(self.store)?;
+        self.model_decode()
+    }
+
+    /// One decode step of the attention model for every running sequence: the token
+    /// just appended goes in, its K/V is written through the tables, attention runs over
+    /// the whole context, and the outputs are folded into each sequence's hash.
+    fn model_decode(&mut self) -> pagedkv::Result<()> {
+        let Some(model) = self.model else {
+            return Ok(());
+        };
+        if self.running.is_empty() {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let seqs: Vec<SeqId> = self.running.iter().map(|r| r.seq).collect();
+        let tokens: Vec<u32> = self
+            .running
+            .iter()
+            .map(|r| {
+                generated_token(self.trace[r.req].id, r.sample, r.generated - 1)
+                    % model.vocab_size() as u32
+            })
+            .collect();
+        fill_tables(self.backend.alloc(), &seqs, &mut self.tables)?;
+        self.hidden.resize(seqs.len() * model.hidden_size(), 0.0);
+        let store = self
+            .store
+            .model
+            .as_mut()
+            .ok_or(pagedkv::Error::Unsupported("no model cache".into()))?;
+        let next = model.decode_tokens(store, &self.tables, &tokens, &mut self.hidden)?;
+        let h = model.hidden_size();
+        for (i, run) in self.running.iter_mut().enumerate() {
+            let mut x = run.model_hash ^ u64::from(next[i]);
+            for v in &self.hidden[i * h..(i + 1) * h] {
+                x = mix(x ^ u64::from(v.to_bits()));
+            }
+            run.model_hash = x;
+        }
+        self.model_time += t.elapsed();
+        Ok(())
     }
 
     fn youngest_request(&self) -> Option<usize> {
@@ -642,6 +780,8 @@ impl<'a> Sim<'a> {
                 continue;
             }
             let (seq, r, sample) = (s.seq, s.req, s.sample);
+            self.sum.model_checksum ^=
+                mix(s.model_hash ^ req.id.wrapping_mul(0x9e37) ^ sample as u64);
             self.sum.kv_checksum ^= self.check_sequence(seq, req, sample)?;
             self.timed(|b, _, _| b.alloc_mut().free(seq))?;
             self.sum.sequences_served += 1;
@@ -803,32 +943,45 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         &[("paged", true), ("paged_prefix_off", false)]
     };
+    let model = if args.no_attend {
+        None
+    } else {
+        Some(TinyModel::new(
+            TinyModel::scaled_shape(layout.shape()),
+            args.seed,
+        )?)
+    };
+    let mirror = |num_blocks| -> pagedkv::Result<Mirror> {
+        let model_cache = match &model {
+            Some(m) => Some(HostStorage::new(
+                KvLayout::new(*m.shape(), args.block_size)?,
+                num_blocks,
+            )?),
+            None => None,
+        };
+        Ok(Mirror {
+            main: HostStorage::new(layout, num_blocks)?,
+            model: model_cache,
+        })
+    };
     for &(name, prefix_cache) in paged_runs {
         let mut kv = KvCacheManager::new(layout, cfg)?;
-        let mut store = HostStorage::new(layout, num_blocks)?;
+        let mut store = mirror(num_blocks)?;
         bar.set_prefix(name);
-        let sim = Sim::new(
-            Backend::Paged {
-                kv: &mut kv,
-                prefix_cache,
-            },
-            &mut store,
-            &trace,
-            "paged",
-        );
+        let backend = Backend::Paged {
+            kv: &mut kv,
+            prefix_cache,
+        };
+        let sim = Sim::new(backend, &mut store, model.as_ref(), &trace, "paged");
         let (sum, tl) = sim.run(&bar, elastic)?;
         runs.push((name, sum, tl));
     }
     let mut contiguous = ContiguousCache::new(layout, num_blocks, args.max_len)?;
-    let mut store = HostStorage::new(layout, num_blocks)?;
+    let mut store = mirror(num_blocks)?;
     bar.set_prefix("contiguous");
-    let (c, ctl) = Sim::new(
-        Backend::Contiguous(&mut contiguous),
-        &mut store,
-        &trace,
-        "contiguous",
-    )
-    .run(&bar, None)?;
+    let backend = Backend::Contiguous(&mut contiguous);
+    let (c, ctl) =
+        Sim::new(backend, &mut store, model.as_ref(), &trace, "contiguous").run(&bar, None)?;
     runs.push(("contiguous", c, ctl));
     bar.finish_and_clear();
 
@@ -837,6 +990,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .any(|r| r.1.kv_checksum != runs[0].1.kv_checksum)
     {
         return Err("the runs left different K/V bytes".into());
+    }
+    if runs
+        .iter()
+        .any(|r| r.1.model_checksum != runs[0].1.model_checksum)
+    {
+        return Err("the attention model's outputs differ between runs".into());
     }
     if let Some(path) = &args.svg {
         let title = format!(
@@ -937,6 +1096,10 @@ fn print_table(
             Box::new(|s| format!("{:.1} ms", 1e3 * s.alloc_seconds)),
         ),
         (
+            "time in the attention model",
+            Box::new(|s| format!("{:.2} s", s.model_seconds)),
+        ),
+        (
             "wall time",
             Box::new(|s| format!("{:.2} s", s.wall_seconds)),
         ),
@@ -986,4 +1149,37 @@ fn print_table(
         p.peak_concurrent_seqs as f64 / c.peak_concurrent_seqs.max(1) as f64,
         p.kv_checksum
     );
+    if !args.no_attend {
+        println!(
+            "the attention model's outputs (next tokens and hidden states, every step of every sequence) are identical across runs (checksum {:016x}).",
+            p.model_checksum
+        );
+    }
+}
+
+/// Padded block tables of `seqs` from any allocator (both implement `block_table`).
+fn fill_tables(
+    alloc: &dyn CacheAllocator,
+    seqs: &[SeqId],
+    out: &mut PaddedTables,
+) -> pagedkv::Result<()> {
+    let mut max_blocks = 0;
+    for &s in seqs {
+        max_blocks = max_blocks.max(alloc.block_table(s)?.len());
+    }
+    out.tables.clear();
+    out.tables.resize(seqs.len() * max_blocks, 0);
+    out.context_lens.clear();
+    out.batch = seqs.len();
+    out.max_blocks = max_blocks;
+    for (i, &s) in seqs.iter().enumerate() {
+        for (d, b) in out.tables[i * max_blocks..]
+            .iter_mut()
+            .zip(alloc.block_table(s)?)
+        {
+            *d = b.0;
+        }
+        out.context_lens.push(alloc.num_tokens(s)? as u32);
+    }
+    Ok(())
 }

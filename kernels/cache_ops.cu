@@ -30,7 +30,8 @@ extern "C" __global__ void copy_blocks(
 
 // Scatters new K/V, `[tokens, kv_heads, head_dim]` of dtype IN, into their slots of
 // one layer region with cache dtype CACHE (converting, and quantising to fp8 as
-// x * inv_scale with round-to-nearest-even and saturation). CTA = one token.
+// x / scale, the correctly rounded f32 quotient as pagedkv::convert::encode computes it,
+// then round-to-nearest-even and saturation). CTA = one token.
 //
 // Bounds: a slot at or past `num_slots` (= blocks * block_size of the region) is
 // skipped, so a padding slot or a stale mapping never writes outside the region; the
@@ -43,7 +44,7 @@ __device__ __forceinline__ void reshape_and_cache_impl(
     const u64* __restrict__ slots,
     u32 num_kv_heads, u32 head_dim, u32 block_size,
     u64 stride_block, u64 stride_kv, u64 stride_head, u64 stride_token,
-    u64 num_slots, float inv_k_scale, float inv_v_scale) {
+    u64 num_slots, float k_scale, float v_scale) {
     const u32 token = blockIdx.x;
     const u64 slot = slots[token];
     if (slot >= num_slots) {
@@ -65,8 +66,8 @@ __device__ __forceinline__ void reshape_and_cache_impl(
             float kf = to_f32<IN>(key[src]);
             float vf = to_f32<IN>(value[src]);
             if (quantise) {
-                kf *= inv_k_scale;
-                vf *= inv_v_scale;
+                kf = kf / k_scale;
+                vf = vf / v_scale;
             }
             cache[dst] = from_f32<CACHE>(kf);
             cache[dst + stride_kv] = from_f32<CACHE>(vf);
@@ -81,10 +82,10 @@ __device__ __forceinline__ void reshape_and_cache_impl(
         const typename DTypeOf<IN>::T* __restrict__ value,                             \
         const u64* __restrict__ slots, u32 num_kv_heads, u32 head_dim, u32 block_size, \
         u64 stride_block, u64 stride_kv, u64 stride_head, u64 stride_token,            \
-        u64 num_slots, float inv_k_scale, float inv_v_scale) {                         \
+        u64 num_slots, float k_scale, float v_scale) {                                 \
         reshape_and_cache_impl<IN, CACHE>(cache, key, value, slots, num_kv_heads,      \
             head_dim, block_size, stride_block, stride_kv, stride_head, stride_token,  \
-            num_slots, inv_k_scale, inv_v_scale);                                      \
+            num_slots, k_scale, v_scale);                                              \
     }
 
 PKV_RESHAPE(reshape_and_cache_f32_f32, PKV_F32, PKV_F32)

@@ -253,7 +253,7 @@ impl CacheAllocator for ContiguousCache {
         slots.clear();
         let max_len = self.max_len;
         let r = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
-        let new_len = r.num_tokens + n;
+        let new_len = r.num_tokens.saturating_add(n);
         if new_len > max_len {
             return Err(Error::TooLong {
                 tokens: new_len,

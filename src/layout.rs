@@ -181,7 +181,15 @@ impl KvLayout {
     #[inline]
     pub const fn split_slot(&self, slot: Slot) -> (BlockId, usize) {
         let bs = self.block_size as u64;
-        (BlockId((slot.0 / bs) as u32), (slot.0 % bs) as usize)
+        // A block index past the u32 id space cannot be in any arena: saturate so the
+        // caller's range check rejects it instead of seeing a wrapped, valid-looking id.
+        let q = slot.0 / bs;
+        let block = if q > u32::MAX as u64 {
+            u32::MAX
+        } else {
+            q as u32
+        };
+        (BlockId(block), (slot.0 % bs) as usize)
     }
 }
 

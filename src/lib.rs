@@ -6,6 +6,7 @@ pub mod attention;
 pub mod baseline;
 pub mod chart;
 pub mod concurrent;
+pub mod convert;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;

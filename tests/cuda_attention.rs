@@ -4,17 +4,17 @@
 //! sequences, padded and CSR tables, and split counts 1, 2, 3, 5, 8, 64 plus the
 //! planner's choice (which exercises the log-sum-exp merge).
 //!
-//! The reference here reads K/V back through `HostStorage::read_tokens` and decodes
-//! them with encoders written independently of the crate (tests/cuda_common). When
-//! `pagedkv::attention::reference::paged_decode_reference` lands on main, the same
-//! cases compare against it as well (see tests/cuda_attention.rs.pending).
+//! The reference is the crate's `attention::reference::paged_decode_reference`, itself
+//! cross-checked against an independent f64 loop in this file (which reads K/V back
+//! through `HostStorage::read_tokens` and decodes them with tests/cuda_common).
 //! Each test prints a skip line and returns on a machine without a GPU.
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
 
-use cuda_common::{decode, encode, nan_bytes, storage_or_skip, Rng};
+use cuda_common::{decode, nan_bytes, storage_or_skip, Rng};
 use pagedkv::attention::cuda::{CudaAttention, Tables};
+use pagedkv::attention::reference::paged_decode_reference;
 use pagedkv::attention::{plan_splits, split_plan_with, AttentionParams, SplitPlan};
 use pagedkv::storage::{CudaStorage, CudaStorageConfig};
 use pagedkv::{
@@ -94,10 +94,11 @@ fn setup(test: &str, case: &Case, seed: u64, want_gpu: bool) -> Option<Setup> {
             .collect();
         let k: Vec<f32> = (0..ctx * per_token).map(|_| rng.f32()).collect();
         let v: Vec<f32> = (0..ctx * per_token).map(|_| rng.f32()).collect();
-        let (kb, vb) = (
-            encode(case.dtype, &k, k_scale),
-            encode(case.dtype, &v, v_scale),
-        );
+        // The cache is written with the crate's own encoder (fp8 stores x / scale).
+        let mut kb = vec![0u8; k.len() * case.dtype.size_bytes()];
+        let mut vb = vec![0u8; v.len() * case.dtype.size_bytes()];
+        pagedkv::convert::encode(case.dtype, &k, k_scale, &mut kb).unwrap();
+        pagedkv::convert::encode(case.dtype, &v, v_scale, &mut vb).unwrap();
         if let Some(g) = gpu.as_mut() {
             g.write_slots(LAYER, &slots, &kb, &vb).unwrap();
         }
@@ -152,8 +153,30 @@ fn setup(test: &str, case: &Case, seed: u64, want_gpu: bool) -> Option<Setup> {
     })
 }
 
-/// f64 attention for every (sequence, query head): `(out, lse)`.
+/// The crate's f64 reference (`attention::reference::paged_decode_reference`), checked
+/// against this file's independent f64 loop, so the semantics the kernel is held to
+/// (window, ALiBi, fp8 scales, empty sequences) are the crate's and are pinned twice.
 fn reference(s: &Setup, contexts: &[usize]) -> (Vec<f64>, Vec<f64>) {
+    let want = paged_decode_reference(&s.host, LAYER, &s.q, &s.padded, &s.params).unwrap();
+    let (out, lse) = independent_reference(s, contexts);
+    for (i, (a, b)) in want.out.iter().zip(&out).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-9 * (1.0 + a.abs()),
+            "references differ at out[{i}]: {a} vs {b}"
+        );
+    }
+    for (i, (a, b)) in want.lse.iter().zip(&lse).enumerate() {
+        assert!(
+            a == b || (a - b).abs() <= 1e-9 * (1.0 + a.abs()),
+            "references differ at lse[{i}]: {a} vs {b}"
+        );
+    }
+    (want.out, want.lse)
+}
+
+/// f64 attention for every (sequence, query head), written here from the formulas:
+/// `(out, lse)`.
+fn independent_reference(s: &Setup, contexts: &[usize]) -> (Vec<f64>, Vec<f64>) {
     let shape = s.layout.shape();
     let (d, qh, g) = (shape.head_dim, shape.num_q_heads, shape.group_size());
     let eb = shape.kv_dtype.size_bytes();

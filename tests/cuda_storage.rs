@@ -230,9 +230,10 @@ fn reshape_and_cache_quantises_like_the_cpu() {
         // Wide range, with values past fp8's 448 (saturation) and exact ties.
         let mut k: Vec<f32> = (0..n).map(|_| rng.f32() * 600.0).collect();
         let v: Vec<f32> = (0..n).map(|_| rng.f32() * 3.0).collect();
-        k[0] = 1.0625 * 2.0; // a tie under scale 2 for fp8
+        k[0] = 1.0625 * 2.0;
         k[1] = f32::NAN;
-        let (ks, vs) = (2.0, 0.5);
+        // Scales that are not powers of two: the kernel must divide exactly as the CPU.
+        let (ks, vs) = (1.7, 0.37);
         let slots: Vec<Slot> = (0..tokens as u64)
             .map(|t| Slot(t * 7 % (BLOCKS as u64 * 16)))
             .collect();
@@ -246,8 +247,8 @@ fn reshape_and_cache_quantises_like_the_cpu() {
             vs,
         )
         .unwrap();
-        host.write_slots(0, &slots, &encode(cache, &k, ks), &encode(cache, &v, vs))
-            .unwrap();
+        // The CPU's reshape_and_cache (fp8: x / scale through pagedkv::convert).
+        pagedkv::attention::cpu::reshape_and_cache(&mut host, 0, &slots, &k, &v, ks, vs).unwrap();
         for blk in 0..BLOCKS as u32 {
             let g = gpu.block_bytes(0, BlockId(blk)).unwrap();
             let h = host.block_bytes(0, BlockId(blk)).unwrap();

@@ -179,44 +179,18 @@ pub fn validate_csr(layout: &KvLayout, num_blocks: usize, tables: &CsrTables) ->
     Ok(longest)
 }
 
-/// Checks attention parameters against the model: ALiBi slopes, one per query head,
-/// finite; finite scale; positive finite fp8 scales; a non-zero window.
+/// Checks attention parameters against the model ([`AttentionParams::validate`]) and
+/// the kernels' own limit: a window that fits `u32`.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] for a slope count, [`Error::InvalidConfig`] otherwise.
 pub fn validate_params(layout: &KvLayout, params: &AttentionParams) -> Result<()> {
-    let q_heads = layout.shape().num_q_heads;
-    if let Some(s) = &params.alibi_slopes {
-        if s.len() != q_heads {
-            return Err(Error::ShapeMismatch {
-                what: "ALiBi slopes (one per query head)",
-                expected: q_heads,
-                got: s.len(),
-            });
-        }
-        if s.iter().any(|x| !x.is_finite()) {
-            return Err(Error::config("alibi_slopes", "must be finite"));
-        }
-    }
-    if !params.scale.is_finite() {
-        return Err(Error::config(
-            "scale",
-            format!("{} is not finite", params.scale),
-        ));
-    }
-    for (field, v) in [("k_scale", params.k_scale), ("v_scale", params.v_scale)] {
-        if !(v.is_finite() && v > 0.0) {
-            return Err(Error::config(
-                field,
-                format!("{v} must be positive and finite"),
-            ));
-        }
-    }
+    params.validate(layout.shape().num_q_heads)?;
     if let Some(w) = params.sliding_window {
-        if w == 0 || w > u32::MAX as usize {
+        if w > u32::MAX as usize {
             return Err(Error::config(
                 "sliding_window",
-                format!("{w}; must be in 1..=u32::MAX"),
+                format!("{w}; the GPU kernels take at most u32::MAX"),
             ));
         }
     }

@@ -93,4 +93,92 @@ impl KvCacheManager {
         }
         Ok(())
     }
+
+    /// Checks block tables that came from outside (an engine's own buffers, a remote
+    /// peer) before a kernel reads through them: every entry a context covers must name
+    /// a live block of this arena, and every context must fit its row. Catches tables that
+    /// point outside the arena or at freed (or merely cached) blocks.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for inconsistent dimensions, [`Error::CorruptBlockTable`]
+    /// for a context longer than its row covers, [`Error::BlockOutOfRange`] and
+    /// [`Error::CorruptBlockTable`] naming the first bad entry.
+    pub fn check_padded(&self, tables: &PaddedTables) -> Result<()> {
+        let (batch, width) = (tables.batch, tables.max_blocks);
+        let cells = batch.checked_mul(width).ok_or(Error::ShapeMismatch {
+            what: "batch * max_blocks",
+            expected: usize::MAX,
+            got: batch,
+        })?;
+        if tables.tables.len() != cells {
+            return Err(Error::ShapeMismatch {
+                what: "padded table cells",
+                expected: cells,
+                got: tables.tables.len(),
+            });
+        }
+        if tables.context_lens.len() != batch {
+            return Err(Error::ShapeMismatch {
+                what: "context lengths",
+                expected: batch,
+                got: tables.context_lens.len(),
+            });
+        }
+        for (row, &ctx) in tables.context_lens.iter().enumerate() {
+            let used = self.layout.blocks_for_tokens(ctx as usize);
+            if used > width {
+                return Err(Error::CorruptBlockTable(format!(
+                    "row {row}: {ctx} tokens need {used} blocks, the row has {width}"
+                )));
+            }
+            for &b in &tables.tables[row * width..row * width + used] {
+                self.check_live(crate::BlockId(b))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::check_padded`] for CSR tables.
+    ///
+    /// # Errors
+    /// As [`Self::check_padded`]; also a non-monotonic `indptr` or a last-page length
+    /// outside `1..=block_size` for a non-empty row.
+    pub fn check_csr(&self, tables: &CsrTables) -> Result<()> {
+        let batch = tables.last_page_len.len();
+        if tables.indptr.len() != batch + 1 || tables.indptr.first() != Some(&0) {
+            return Err(Error::ShapeMismatch {
+                what: "indptr entries",
+                expected: batch + 1,
+                got: tables.indptr.len(),
+            });
+        }
+        for (row, w) in tables.indptr.windows(2).enumerate() {
+            let (lo, hi) = (w[0] as usize, w[1] as usize);
+            if lo > hi || hi > tables.indices.len() {
+                return Err(Error::CorruptBlockTable(format!(
+                    "row {row}: indptr {lo}..{hi} outside 0..{}",
+                    tables.indices.len()
+                )));
+            }
+            let last = tables.last_page_len[row] as usize;
+            if (hi > lo && !(1..=self.block_size()).contains(&last)) || (hi == lo && last != 0) {
+                return Err(Error::CorruptBlockTable(format!(
+                    "row {row}: last page length {last}"
+                )));
+            }
+            for &b in &tables.indices[lo..hi] {
+                self.check_live(crate::BlockId(b))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn check_live(&self, b: crate::BlockId) -> Result<()> {
+        match self.pool.state(b)? {
+            crate::pool::BlockState::Live => Ok(()),
+            state => Err(Error::CorruptBlockTable(format!(
+                "table names block {b}, which is {state:?}"
+            ))),
+        }
+    }
 }

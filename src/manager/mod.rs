@@ -245,10 +245,14 @@ impl KvCacheManager {
     /// Whether `n` more tokens fit on `seq` without preemption (the watermark is not
     /// applied: running sequences may dip into it).
     pub fn can_append(&self, seq: SeqId, n: usize) -> bool {
-        self.seq(seq)
-            .is_ok_and(|s| self.blocks_needed_for_append(s, n) <= self.num_available_blocks())
+        self.seq(seq).is_ok_and(|s| {
+            s.num_tokens.saturating_add(n) <= self.max_seq_len()
+                && self.blocks_needed_for_append(s, n) <= self.num_available_blocks()
+        })
     }
 
+    /// Blocks an append of `n` tokens takes; callers have checked that
+    /// `num_tokens + n` is within `max_seq_len`.
     fn blocks_needed_for_append(&self, s: &Sequence, n: usize) -> usize {
         let new_len = s.num_tokens + n;
         let new_blocks = self.layout.blocks_for_tokens(new_len) - s.table.len();
@@ -328,7 +332,7 @@ impl KvCacheManager {
     ) -> Result<()> {
         slots.clear();
         let s = self.seq(seq)?;
-        let new_len = s.num_tokens + n;
+        let new_len = s.num_tokens.saturating_add(n);
         if new_len > self.max_seq_len() {
             return Err(Error::TooLong {
                 tokens: new_len,

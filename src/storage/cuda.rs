@@ -563,7 +563,7 @@ impl CudaStorage {
 
     /// Writes K/V of `slots.len()` tokens for one layer, converting from `input` dtype
     /// to the cache dtype (quantising to fp8 as `x / scale`, round-to-nearest-even,
-    /// saturating). `k` and `v` are `[tokens, kv_heads, head_dim]` elements of `input`,
+    /// saturating, exactly as [`crate::convert::encode`]). `k` and `v` are `[tokens, kv_heads, head_dim]` elements of `input`,
     /// as bytes, on the host. Tokens run in parallel: when two tokens name the same
     /// slot, which one lands is unspecified (the manager never hands out a slot twice).
     ///
@@ -696,7 +696,9 @@ impl CudaStorage {
         );
         let (sb, skv, sh, st) = (s.block as u64, s.kv as u64, s.head as u64, s.token as u64);
         let num_slots = (self.num_blocks * self.layout.block_size()) as u64;
-        let (ik, iv) = (1.0f32 / k_scale, 1.0f32 / v_scale);
+        // The kernel divides (x / scale) rather than multiplying by a reciprocal, so its
+        // fp8 codes are those of pagedkv::convert::encode bit for bit.
+        let (ks, vs) = (k_scale, v_scale);
         let cfg = LaunchConfig {
             grid_dim: (num_tokens as u32, 1, 1),
             block_dim: (128, 1, 1),
@@ -715,8 +717,8 @@ impl CudaStorage {
             .arg(&sh)
             .arg(&st)
             .arg(&num_slots)
-            .arg(&ik)
-            .arg(&iv);
+            .arg(&ks)
+            .arg(&vs);
         // SAFETY: the argument list matches `reshape_and_cache_<in>_<cache>` in
         // kernels/cache_ops.cu. Bounds: the grid has one CTA per token and `slots`,
         // `k`, `v` hold at least `num_tokens` tokens (checked by the callers); the
