@@ -7,6 +7,8 @@ pub mod baseline;
 pub mod chart;
 pub mod concurrent;
 pub mod convert;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod export;
 pub mod layout;

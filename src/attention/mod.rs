@@ -25,11 +25,21 @@
 //! | [`reference`](mod@reference) | `f64` decode and prefill over the stored values, for tests |
 //! | [`cpu`] | rayon decode (split-KV) and chunked prefill, `reshape_and_cache` |
 //! | [`model`] | [`model::TinyModel`], a seeded random attention stack |
+//! | [`validate_tables`], [`validate_csr`], [`plan_splits`] | launch checks and the split planner of the GPU kernels (pure, no GPU needed) |
+//! | `cuda` (feature `cuda`) | the paged decode kernel over a `CudaStorage` |
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod kernel_plan;
 mod kernels;
 pub mod model;
 pub mod reference;
+
+pub use kernel_plan::{
+    plan_splits, split_plan_with, validate_csr, validate_params, validate_tables, SplitPlan,
+    MAX_CONTEXT_TOKENS, MAX_SPLITS, MIN_TOKENS_PER_SPLIT,
+};
 
 use crate::convert::check_scale;
 use crate::error::{Error, Result};

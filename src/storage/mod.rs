@@ -6,8 +6,12 @@
 //! | [`HostStorage`] | aligned host memory, one region per layer | always |
 //! | `CudaStorage` (feature `cuda`) | one VRAM region per layer + pinned host tier | when a driver and a GPU are found |
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod host;
 
+#[cfg(feature = "cuda")]
+pub use cuda::{ArenaSize, CudaStorage, CudaStorageConfig};
 pub use host::HostStorage;
 
 use crate::error::{Error, Result};
@@ -102,6 +106,72 @@ pub trait Storage {
     /// # Errors
     /// [`Error::InvalidConfig`] when the size is impossible; nothing changed.
     fn resize(&mut self, num_blocks: usize) -> Result<()>;
+}
+
+/// The storage [`auto`] picked.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Backend {
+    /// A `CudaStorage` on this device ordinal.
+    Cuda(usize),
+    /// [`HostStorage`], with the reason the GPU path was not taken.
+    Host(String),
+}
+
+/// A `CudaStorage` of `num_blocks` blocks (plus `host_blocks` pinned host blocks) on
+/// device 0 when a driver and a GPU are there, otherwise a [`HostStorage`] of the same
+/// size. The reason for a fallback is returned, not hidden.
+///
+/// ```
+/// use pagedkv::storage::{auto, Backend};
+/// use pagedkv::{DType, KvLayout, ModelShape};
+///
+/// let shape = ModelShape {
+///     num_layers: 2,
+///     num_q_heads: 8,
+///     num_kv_heads: 2,
+///     head_dim: 64,
+///     kv_dtype: DType::BF16,
+/// };
+/// let (storage, backend) = auto(KvLayout::new(shape, 16)?, 64, 8)?;
+/// assert_eq!((storage.num_blocks(), storage.num_host_blocks()), (64, 8));
+/// if let Backend::Host(why) = backend {
+///     println!("host fallback: {why}");
+/// }
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+///
+/// # Errors
+/// Only errors that are not "CUDA unavailable": an invalid size, or a CUDA failure on
+/// a machine that has a GPU (that is a bug or an out-of-memory, not a reason to fall
+/// back silently).
+pub fn auto(
+    layout: KvLayout,
+    num_blocks: usize,
+    host_blocks: usize,
+) -> Result<(Box<dyn Storage + Send>, Backend)> {
+    #[cfg(feature = "cuda")]
+    {
+        let config = CudaStorageConfig {
+            host_blocks,
+            ..CudaStorageConfig::blocks(num_blocks)
+        };
+        match CudaStorage::new(layout, config) {
+            Ok(s) => Ok((Box::new(s), Backend::Cuda(0))),
+            Err(Error::CudaUnavailable(why)) => {
+                let host = HostStorage::with_host_tier(layout, num_blocks, host_blocks)?;
+                Ok((Box::new(host), Backend::Host(why)))
+            }
+            Err(e) => Err(e),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let host = HostStorage::with_host_tier(layout, num_blocks, host_blocks)?;
+        Ok((
+            Box::new(host),
+            Backend::Host("built without the `cuda` feature".into()),
+        ))
+    }
 }
 
 /// Checks a swap plan against the sizes of both tiers: ids in range, no destination

@@ -1,0 +1,437 @@
+//! Paged-attention decode on the GPU: `kernels/paged_attention.cu` over a
+//! [`CudaStorage`] arena.
+//!
+//! One launch of `paged_attention_decode` per layer and step: a CTA per (sequence, KV
+//! head, split) serves every query head of the GQA group from one load of K/V. When
+//! the [split planner](super::plan_splits) cuts contexts into several splits, a second
+//! launch (`paged_attention_merge`) combines the partial results by log-sum-exp.
+//!
+//! Queries and outputs are `f32` (`[batch, q_heads, head_dim]`); the log-sum-exp of
+//! each row is returned in natural-log units, as the CPU reference does. (An engine
+//! whose activations are bf16 converts `q` before the call: f16/bf16 query and output
+//! dtypes are not specialised yet.)
+//!
+//! ```no_run
+//! # fn main() -> pagedkv::Result<()> {
+//! use pagedkv::attention::cuda::{CudaAttention, Tables};
+//! use pagedkv::attention::AttentionParams;
+//! use pagedkv::storage::{CudaStorage, CudaStorageConfig};
+//! use pagedkv::{DType, KvLayout, ModelShape, PaddedTables};
+//!
+//! let shape = ModelShape { num_layers: 1, num_q_heads: 8, num_kv_heads: 2, head_dim: 128, kv_dtype: DType::BF16 };
+//! let storage = CudaStorage::new(KvLayout::new(shape, 16)?, CudaStorageConfig::blocks(1024))?;
+//! let mut attn = CudaAttention::new(&storage)?;
+//! // One sequence of 20 tokens in blocks 7 and 3.
+//! let tables = PaddedTables { tables: vec![7, 3], context_lens: vec![20], batch: 1, max_blocks: 2 };
+//! let q = vec![0.1f32; 8 * 128];
+//! let (out, lse) = attn.decode_host(&storage, 0, &q, Tables::Padded(&tables), &AttentionParams::new(128), None)?;
+//! assert_eq!((out.len(), lse.len()), (8 * 128, 8));
+//! # Ok(())
+//! # }
+//! ```
+
+use super::{
+    plan_splits, split_plan_with, validate_csr, validate_params, validate_tables, AttentionParams,
+    SplitPlan,
+};
+use crate::cuda::{compile, driver_err, AttentionSpec, KernelSpec, ATTENTION_THREADS};
+use crate::error::{Error, Result};
+use crate::manager::{CsrTables, PaddedTables};
+use crate::shape::DType;
+use crate::storage::{CudaStorage, Storage};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Block tables of a batch, in either form the manager exports.
+#[derive(Debug, Clone, Copy)]
+pub enum Tables<'a> {
+    /// `[batch, max_blocks]` plus context lengths (vLLM's form).
+    Padded(&'a PaddedTables),
+    /// `indptr` / `indices` / `last_page_len` (FlashInfer's form).
+    Csr(&'a CsrTables),
+}
+
+/// Block tables validated against an arena and uploaded to the device, ready for any
+/// number of launches (every layer of a step uses the same tables).
+#[derive(Debug)]
+pub struct DeviceTables {
+    ids: CudaSlice<u32>,
+    indptr: Option<CudaSlice<u32>>,
+    lens: CudaSlice<u32>,
+    batch: usize,
+    row_stride: u32,
+    max_context: usize,
+    /// One past the largest block id the kernel may read.
+    blocks_needed: usize,
+}
+
+impl DeviceTables {
+    /// Sequences in the batch.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Longest context of the batch.
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+}
+
+/// The decode kernels for one storage's layout, compiled and loaded.
+#[derive(Debug)]
+pub struct CudaAttention {
+    spec: AttentionSpec,
+    decode: CudaFunction,
+    merge: CudaFunction,
+    part_out: Option<CudaSlice<f32>>,
+    part_lse: Option<CudaSlice<f32>>,
+}
+
+fn largest_read(ids: &[u32], rows: impl Iterator<Item = (usize, usize)>) -> usize {
+    rows.flat_map(|(start, n)| ids[start..start + n].iter())
+        .map(|&b| b as usize + 1)
+        .max()
+        .unwrap_or(0)
+}
+
+impl CudaAttention {
+    /// Compiles (or fetches from the process cache) the specialisation for `storage`'s
+    /// layout and loads it into its context.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a head size the kernel cannot take;
+    /// [`Error::CudaUnavailable`] without NVRTC; [`Error::Cuda`].
+    pub fn new(storage: &CudaStorage) -> Result<Self> {
+        Self::with_spec(storage, AttentionSpec::for_layout(storage.layout()))
+    }
+
+    /// Like [`Self::new`] with a hand-tuned specialisation (another `unroll` or
+    /// `vec_bytes`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when `spec` does not describe the storage's layout;
+    /// otherwise as [`Self::new`].
+    pub fn with_spec(storage: &CudaStorage, spec: AttentionSpec) -> Result<Self> {
+        let want = AttentionSpec {
+            unroll: spec.unroll,
+            vec_bytes: spec.vec_bytes,
+            ..AttentionSpec::for_layout(storage.layout())
+        };
+        if spec != want {
+            return Err(Error::config(
+                "spec",
+                format!("{spec:?} does not match the storage's layout, which needs {want:?}"),
+            ));
+        }
+        let module = compile(&KernelSpec::Attention(spec), storage.device().arch)?;
+        let loaded = storage
+            .context()
+            .load_module(cudarc::nvrtc::Ptx::from_binary(module.cubin.clone()))
+            .map_err(driver_err("cuModuleLoadData(paged_attention)"))?;
+        let f = |n: &str| {
+            loaded
+                .load_function(n)
+                .map_err(driver_err("cuModuleGetFunction"))
+        };
+        Ok(CudaAttention {
+            spec,
+            decode: f("paged_attention_decode")?,
+            merge: f("paged_attention_merge")?,
+            part_out: None,
+            part_lse: None,
+        })
+    }
+
+    /// The compiled specialisation.
+    pub fn spec(&self) -> AttentionSpec {
+        self.spec
+    }
+
+    /// Validates `tables` against `storage`'s arena (see
+    /// [`super::validate_tables`]) and uploads them.
+    ///
+    /// # Errors
+    /// The validation errors; [`Error::ShapeMismatch`] for a batch over 65535 (the grid's
+    /// y limit); [`Error::Cuda`].
+    pub fn upload_tables(&self, storage: &CudaStorage, tables: Tables<'_>) -> Result<DeviceTables> {
+        let layout = storage.layout();
+        let stream = storage.compute_stream();
+        let up = |v: &[u32]| {
+            stream
+                .clone_htod(v)
+                .map_err(driver_err("cuMemcpyHtoDAsync(tables)"))
+        };
+        let bs = layout.block_size();
+        let t = match tables {
+            Tables::Padded(p) => {
+                let max_context = validate_tables(layout, storage.num_blocks(), p)?;
+                let rows = p
+                    .context_lens
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &l)| (i * p.max_blocks, (l as usize).div_ceil(bs)));
+                DeviceTables {
+                    ids: up(if p.tables.is_empty() { &[0] } else { &p.tables })?,
+                    indptr: None,
+                    lens: up(if p.context_lens.is_empty() {
+                        &[0]
+                    } else {
+                        &p.context_lens
+                    })?,
+                    batch: p.batch,
+                    row_stride: p.max_blocks as u32,
+                    max_context,
+                    blocks_needed: largest_read(&p.tables, rows),
+                }
+            }
+            Tables::Csr(c) => {
+                let max_context = validate_csr(layout, storage.num_blocks(), c)?;
+                DeviceTables {
+                    ids: up(if c.indices.is_empty() {
+                        &[0]
+                    } else {
+                        &c.indices
+                    })?,
+                    indptr: Some(up(&c.indptr)?),
+                    lens: up(if c.last_page_len.is_empty() {
+                        &[0]
+                    } else {
+                        &c.last_page_len
+                    })?,
+                    batch: c.last_page_len.len(),
+                    row_stride: 0,
+                    max_context,
+                    blocks_needed: c.indices.iter().map(|&b| b as usize + 1).max().unwrap_or(0),
+                }
+            }
+        };
+        if t.batch > 65535 {
+            return Err(Error::ShapeMismatch {
+                what: "sequences per launch (grid y limit)",
+                expected: 65535,
+                got: t.batch,
+            });
+        }
+        Ok(t)
+    }
+
+    /// The split plan the planner picks for these tables on this device.
+    pub fn plan(&self, storage: &CudaStorage, tables: &DeviceTables) -> SplitPlan {
+        plan_splits(
+            tables.batch,
+            storage.layout().shape().num_kv_heads,
+            tables.max_context,
+            storage.layout().block_size(),
+            storage.device().num_sms,
+        )
+    }
+
+    /// Enqueues decode attention for one layer on the storage's compute stream:
+    /// `out[b, h, :]` = softmax over the context of `q[b, h, :] . k` (scaled, plus
+    /// ALiBi, inside the sliding window) times `v`, and `lse[b, h]` its log-sum-exp.
+    /// `splits`: `None` lets the planner choose; `Some(n)` forces `n` splits.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for short buffers or a bad layer; parameter and table
+    /// errors; [`Error::BlockOutOfRange`] when the arena shrank below the tables since
+    /// they were uploaded; [`Error::Cuda`]. Nothing is enqueued on error.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode(
+        &mut self,
+        storage: &CudaStorage,
+        layer: usize,
+        q: &CudaSlice<f32>,
+        tables: &DeviceTables,
+        params: &AttentionParams,
+        splits: Option<u32>,
+        out: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<SplitPlan> {
+        let layout = *storage.layout();
+        let shape = layout.shape();
+        validate_params(&layout, params)?;
+        let region = storage.region_ptr(layer)?;
+        if tables.blocks_needed > storage.num_blocks() {
+            return Err(Error::BlockOutOfRange {
+                block: crate::BlockId(tables.blocks_needed as u32 - 1),
+                num_blocks: storage.num_blocks(),
+            });
+        }
+        let rows = tables.batch * shape.num_q_heads;
+        let elems = rows * shape.head_dim;
+        for (what, expected, got) in [
+            ("query elements", elems, q.len()),
+            ("output elements", elems, out.len()),
+            ("log-sum-exp entries", rows, lse.len()),
+        ] {
+            if got < expected {
+                return Err(Error::ShapeMismatch {
+                    what,
+                    expected,
+                    got,
+                });
+            }
+        }
+        let plan = match splits {
+            Some(n) => split_plan_with(tables.max_context, layout.block_size(), n)?,
+            None => self.plan(storage, tables),
+        };
+        if tables.batch == 0 {
+            return Ok(plan);
+        }
+        let stream = storage.compute_stream();
+        let fp8 = shape.kv_dtype == DType::Fp8E4M3;
+        let scale_log2 =
+            params.scale * if fp8 { params.k_scale } else { 1.0 } * std::f32::consts::LOG2_E;
+        let v_scale = if fp8 { params.v_scale } else { 1.0 };
+        let window = params.sliding_window.unwrap_or(0) as u32;
+        let alibi = match &params.alibi_slopes {
+            Some(s) => Some(
+                stream
+                    .clone_htod(s)
+                    .map_err(driver_err("cuMemcpyHtoDAsync(alibi)"))?,
+            ),
+            None => None,
+        };
+        if plan.num_splits > 1 {
+            let need_out = elems * plan.num_splits as usize;
+            let need_lse = rows * plan.num_splits as usize;
+            if self.part_out.as_ref().map_or(true, |b| b.len() < need_out) {
+                self.part_out = Some(
+                    stream
+                        .alloc_zeros(need_out)
+                        .map_err(driver_err("cuMemAlloc"))?,
+                );
+            }
+            if self.part_lse.as_ref().map_or(true, |b| b.len() < need_lse) {
+                self.part_lse = Some(
+                    stream
+                        .alloc_zeros(need_lse)
+                        .map_err(driver_err("cuMemAlloc"))?,
+                );
+            }
+        }
+        storage.wait_layer(layer)?;
+        let s = layout.strides();
+        let (sb, skv, sh, st) = (s.block as u64, s.kv as u64, s.head as u64, s.token as u64);
+        let null = 0u64;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                shape.num_kv_heads as u32,
+                tables.batch as u32,
+                plan.num_splits,
+            ),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&self.decode);
+        match (plan.num_splits, &mut self.part_out, &mut self.part_lse) {
+            (1, _, _) => b.arg(&mut *out).arg(&mut *lse),
+            (_, Some(po), Some(pl)) => b.arg(po).arg(pl),
+            _ => return Err(Error::Cuda("split scratch missing".into())),
+        };
+        b.arg(q).arg(&region).arg(&tables.ids);
+        match &tables.indptr {
+            Some(p) => b.arg(p),
+            None => b.arg(&null),
+        };
+        b.arg(&tables.lens)
+            .arg(&tables.row_stride)
+            .arg(&sb)
+            .arg(&skv)
+            .arg(&sh)
+            .arg(&st);
+        match &alibi {
+            Some(a) => b.arg(a),
+            None => b.arg(&null),
+        };
+        b.arg(&scale_log2)
+            .arg(&v_scale)
+            .arg(&window)
+            .arg(&plan.tokens_per_split)
+            .arg(&plan.num_splits);
+        // SAFETY: arguments match `paged_attention_decode` (kernels/paged_attention.cu)
+        // compiled for this layout's head dim, block size, group and dtype. Bounds:
+        // the grid is (KV heads, batch, splits); `q`, `out`, `lse` (or the split
+        // scratch, sized batch * q_heads * splits rows) hold every row the grid
+        // writes (checked above); the tables were validated at upload so that every
+        // entry read (the first ceil(len / block_size) of each row) is below the
+        // arena's block count, which is still at least `blocks_needed` (checked
+        // above), and the kernel reads only tokens below each context length; cache
+        // offsets use the layout's strides, so reads stay inside the mapped region.
+        unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel(paged_attention_decode)"))?;
+        if plan.num_splits > 1 {
+            let (Some(po), Some(pl)) = (&self.part_out, &self.part_lse) else {
+                return Err(Error::Cuda("split scratch missing".into()));
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (shape.num_q_heads as u32, tables.batch as u32, 1),
+                block_dim: (ATTENTION_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut m = stream.launch_builder(&self.merge);
+            m.arg(&mut *out)
+                .arg(&mut *lse)
+                .arg(po)
+                .arg(pl)
+                .arg(&plan.num_splits);
+            // SAFETY: arguments match `paged_attention_merge`. Bounds: the grid is
+            // (q_heads, batch); it reads `num_splits` partial rows per output row from
+            // the scratch written above (sized for them) and writes one row of `out`
+            // and one `lse` entry, both checked above to hold batch * q_heads rows.
+            unsafe { m.launch(cfg) }
+                .map_err(driver_err("cuLaunchKernel(paged_attention_merge)"))?;
+        }
+        Ok(plan)
+    }
+
+    /// [`Self::decode`] from and to host memory, waiting for the result: uploads `q`
+    /// and the tables, runs, and returns `(out, lse)`. For tests and tools; an engine
+    /// keeps its buffers on the device.
+    ///
+    /// # Errors
+    /// As [`Self::decode`] and [`Self::upload_tables`].
+    pub fn decode_host(
+        &mut self,
+        storage: &CudaStorage,
+        layer: usize,
+        q: &[f32],
+        tables: Tables<'_>,
+        params: &AttentionParams,
+        splits: Option<u32>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let t = self.upload_tables(storage, tables)?;
+        let shape = storage.layout().shape();
+        let rows = t.batch * shape.num_q_heads;
+        let stream = storage.compute_stream();
+        if q.len() != rows * shape.head_dim {
+            return Err(Error::ShapeMismatch {
+                what: "query elements",
+                expected: rows * shape.head_dim,
+                got: q.len(),
+            });
+        }
+        let q_or_pad: &[f32] = if q.is_empty() { &[0.0] } else { q };
+        let d_q = stream
+            .clone_htod(q_or_pad)
+            .map_err(driver_err("cuMemcpyHtoDAsync(q)"))?;
+        let mut out = stream
+            .alloc_zeros::<f32>((rows * shape.head_dim).max(1))
+            .map_err(driver_err("cuMemAlloc"))?;
+        let mut lse = stream
+            .alloc_zeros::<f32>(rows.max(1))
+            .map_err(driver_err("cuMemAlloc"))?;
+        self.decode(storage, layer, &d_q, &t, params, splits, &mut out, &mut lse)?;
+        let mut o = stream
+            .clone_dtoh(&out)
+            .map_err(driver_err("cuMemcpyDtoH"))?;
+        let mut l = stream
+            .clone_dtoh(&lse)
+            .map_err(driver_err("cuMemcpyDtoH"))?;
+        stream
+            .synchronize()
+            .map_err(driver_err("cuStreamSynchronize"))?;
+        o.truncate(rows * shape.head_dim);
+        l.truncate(rows);
+        Ok((o, l))
+    }
+}

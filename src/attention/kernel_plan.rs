@@ -1,0 +1,504 @@
+//! Checks that run on the host before every attention launch, and the planner that
+//! splits long contexts across CTAs. Pure functions: usable and tested without a GPU.
+//!
+//! The kernels trust these checks for memory safety: a table entry the kernel reads
+//! must name a block inside the arena, and each row must cover its context length.
+
+use super::AttentionParams;
+use crate::error::{Error, Result};
+use crate::layout::KvLayout;
+use crate::manager::{CsrTables, PaddedTables};
+use crate::BlockId;
+
+/// Longest context the kernels accept: keeps every token index and
+/// `split_begin + tokens_per_split` inside `u32`. (ALiBi distances are computed in
+/// `f32`, exact up to 2^24 tokens.)
+pub const MAX_CONTEXT_TOKENS: usize = 1 << 30;
+
+/// Most splits of one sequence's context.
+pub const MAX_SPLITS: u32 = 64;
+
+/// The planner does not split a context into pieces shorter than this.
+pub const MIN_TOKENS_PER_SPLIT: usize = 256;
+
+fn check_row(
+    layout: &KvLayout,
+    num_blocks: usize,
+    row: usize,
+    entries: &[u32],
+    context: usize,
+) -> Result<()> {
+    if context > MAX_CONTEXT_TOKENS {
+        return Err(Error::TooLong {
+            tokens: context,
+            limit: MAX_CONTEXT_TOKENS,
+        });
+    }
+    let needed = layout.blocks_for_tokens(context);
+    if needed > entries.len() {
+        return Err(Error::CorruptBlockTable(format!(
+            "sequence {row}: {context} tokens need {needed} blocks, the table has {}",
+            entries.len()
+        )));
+    }
+    if let Some(&b) = entries[..needed]
+        .iter()
+        .find(|&&b| b as usize >= num_blocks)
+    {
+        return Err(Error::BlockOutOfRange {
+            block: BlockId(b),
+            num_blocks,
+        });
+    }
+    Ok(())
+}
+
+/// Checks padded tables before a launch over an arena of `num_blocks` blocks: the
+/// buffer is `batch * max_blocks` long, there is one context length per row, each row
+/// covers its context, and every entry a kernel will read (the first
+/// `ceil(len / block_size)` of each row) names a block inside the arena. Padding past
+/// that is never read and not checked.
+///
+/// Returns the longest context of the batch.
+///
+/// ```
+/// use pagedkv::attention::validate_tables;
+/// use pagedkv::{DType, Error, KvLayout, ModelShape, PaddedTables};
+///
+/// let shape = ModelShape { num_layers: 1, num_q_heads: 8, num_kv_heads: 2, head_dim: 64, kv_dtype: DType::F16 };
+/// let layout = KvLayout::new(shape, 16)?;
+/// // Two sequences over an arena of 10 blocks: 17 tokens in blocks 3, 4; 5 tokens in 9.
+/// let mut t = PaddedTables { tables: vec![3, 4, 9, 0], context_lens: vec![17, 5], batch: 2, max_blocks: 2 };
+/// assert_eq!(validate_tables(&layout, 10, &t)?, 17);
+/// t.tables[2] = 10; // outside the arena: rejected before any launch
+/// assert!(matches!(validate_tables(&layout, 10, &t), Err(Error::BlockOutOfRange { .. })));
+/// # Ok::<(), Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::ShapeMismatch`], [`Error::CorruptBlockTable`], [`Error::BlockOutOfRange`],
+/// [`Error::TooLong`] for a context over [`MAX_CONTEXT_TOKENS`].
+pub fn validate_tables(
+    layout: &KvLayout,
+    num_blocks: usize,
+    tables: &PaddedTables,
+) -> Result<usize> {
+    let cells = tables
+        .batch
+        .checked_mul(tables.max_blocks)
+        .ok_or(Error::ShapeMismatch {
+            what: "padded table cells (batch * max_blocks overflows)",
+            expected: usize::MAX,
+            got: tables.tables.len(),
+        })?;
+    if tables.tables.len() != cells {
+        return Err(Error::ShapeMismatch {
+            what: "padded table cells (batch * max_blocks)",
+            expected: cells,
+            got: tables.tables.len(),
+        });
+    }
+    if tables.context_lens.len() != tables.batch {
+        return Err(Error::ShapeMismatch {
+            what: "context lengths (one per sequence)",
+            expected: tables.batch,
+            got: tables.context_lens.len(),
+        });
+    }
+    if tables.max_blocks > u32::MAX as usize {
+        return Err(Error::ShapeMismatch {
+            what: "padded table width (must fit u32)",
+            expected: u32::MAX as usize,
+            got: tables.max_blocks,
+        });
+    }
+    let mut longest = 0;
+    for (i, &len) in tables.context_lens.iter().enumerate() {
+        let row = &tables.tables[i * tables.max_blocks..(i + 1) * tables.max_blocks];
+        check_row(layout, num_blocks, i, row, len as usize)?;
+        longest = longest.max(len as usize);
+    }
+    Ok(longest)
+}
+
+/// Checks CSR tables before a launch over an arena of `num_blocks` blocks: `indptr`
+/// has `batch + 1` non-decreasing offsets from 0 to `indices.len()`, each
+/// `last_page_len` is `1..=block_size` for a non-empty row and 0 for an empty one, and
+/// every index names a block inside the arena.
+///
+/// Returns the longest context of the batch.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`], [`Error::CorruptBlockTable`], [`Error::BlockOutOfRange`],
+/// [`Error::TooLong`].
+pub fn validate_csr(layout: &KvLayout, num_blocks: usize, tables: &CsrTables) -> Result<usize> {
+    let batch = tables.last_page_len.len();
+    if tables.indptr.len() != batch + 1 {
+        return Err(Error::ShapeMismatch {
+            what: "CSR indptr (batch + 1 offsets)",
+            expected: batch + 1,
+            got: tables.indptr.len(),
+        });
+    }
+    if tables.indptr[0] != 0 || tables.indptr[batch] as usize != tables.indices.len() {
+        return Err(Error::CorruptBlockTable(format!(
+            "CSR indptr must run from 0 to {} (the indices), runs from {} to {}",
+            tables.indices.len(),
+            tables.indptr[0],
+            tables.indptr[batch]
+        )));
+    }
+    let bs = layout.block_size();
+    let mut longest = 0;
+    for i in 0..batch {
+        let (start, end) = (tables.indptr[i] as usize, tables.indptr[i + 1] as usize);
+        if end < start {
+            return Err(Error::CorruptBlockTable(format!(
+                "CSR indptr decreases at sequence {i}: {start} then {end}"
+            )));
+        }
+        let nb = end - start;
+        let last = tables.last_page_len[i] as usize;
+        let context = match (nb, last) {
+            (0, 0) => 0,
+            (0, _) => {
+                return Err(Error::CorruptBlockTable(format!(
+                    "sequence {i} has no blocks but last_page_len {last}"
+                )))
+            }
+            (_, l) if l == 0 || l > bs => {
+                return Err(Error::CorruptBlockTable(format!(
+                    "sequence {i}: last_page_len {l} outside 1..={bs}"
+                )))
+            }
+            (n, l) => (n - 1).saturating_mul(bs).saturating_add(l),
+        };
+        check_row(layout, num_blocks, i, &tables.indices[start..end], context)?;
+        longest = longest.max(context);
+    }
+    Ok(longest)
+}
+
+/// Checks attention parameters against the model ([`AttentionParams::validate`]) and
+/// the kernels' own limit: a window that fits `u32`.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] for a slope count, [`Error::InvalidConfig`] otherwise.
+pub fn validate_params(layout: &KvLayout, params: &AttentionParams) -> Result<()> {
+    params.validate(layout.shape().num_q_heads)?;
+    if let Some(w) = params.sliding_window {
+        if w > u32::MAX as usize {
+            return Err(Error::config(
+                "sliding_window",
+                format!("{w}; the GPU kernels take at most u32::MAX"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// How a decode launch cuts each sequence's context: split `s` covers tokens
+/// `[s * tokens_per_split, (s + 1) * tokens_per_split)`. With one split the kernel
+/// writes the output directly; with more, a merge kernel combines the partial results
+/// by their log-sum-exp.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitPlan {
+    /// Splits per sequence (the grid's z dimension).
+    pub num_splits: u32,
+    /// Tokens per split, a multiple of the block size.
+    pub tokens_per_split: u32,
+}
+
+/// Chooses the split count for a batch: enough CTAs to give every SM two, but no
+/// split shorter than [`MIN_TOKENS_PER_SPLIT`] tokens and at most [`MAX_SPLITS`].
+/// A batch that already fills the GPU (64 sequences x 8 KV heads on 132 SMs) gets one
+/// split; one sequence of 32k tokens with 8 KV heads gets 33 splits of 1008 tokens.
+pub fn plan_splits(
+    batch: usize,
+    num_kv_heads: usize,
+    max_context: usize,
+    block_size: usize,
+    num_sms: usize,
+) -> SplitPlan {
+    let bs = block_size.max(1);
+    let ctas = batch.saturating_mul(num_kv_heads).max(1);
+    let target = num_sms.max(1) * 2;
+    let by_len = (max_context / MIN_TOKENS_PER_SPLIT).max(1);
+    let wanted = if ctas >= target {
+        1
+    } else {
+        target.div_ceil(ctas)
+    };
+    let splits = wanted.min(by_len).min(MAX_SPLITS as usize).max(1);
+    even_splits(max_context, bs, splits)
+}
+
+fn even_splits(max_context: usize, bs: usize, splits: usize) -> SplitPlan {
+    let per = max_context.div_ceil(splits).max(1).next_multiple_of(bs);
+    let used = max_context.div_ceil(per).max(1);
+    SplitPlan {
+        num_splits: used as u32,
+        tokens_per_split: per as u32,
+    }
+}
+
+/// A plan with exactly `num_splits` splits (some may be empty for short sequences),
+/// for tests that exercise every split count and for callers that tune by hand.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for 0 or more than [`MAX_SPLITS`] splits, or a context
+/// over [`MAX_CONTEXT_TOKENS`].
+pub fn split_plan_with(
+    max_context: usize,
+    block_size: usize,
+    num_splits: u32,
+) -> Result<SplitPlan> {
+    if num_splits == 0 || num_splits > MAX_SPLITS {
+        return Err(Error::config(
+            "num_splits",
+            format!("{num_splits}; must be in 1..={MAX_SPLITS}"),
+        ));
+    }
+    if max_context > MAX_CONTEXT_TOKENS {
+        return Err(Error::TooLong {
+            tokens: max_context,
+            limit: MAX_CONTEXT_TOKENS,
+        });
+    }
+    let per = max_context
+        .div_ceil(num_splits as usize)
+        .max(1)
+        .next_multiple_of(block_size.max(1));
+    Ok(SplitPlan {
+        num_splits,
+        tokens_per_split: per as u32,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shape::{DType, ModelShape};
+
+    fn layout() -> KvLayout {
+        KvLayout::new(
+            ModelShape {
+                num_layers: 2,
+                num_q_heads: 8,
+                num_kv_heads: 2,
+                head_dim: 64,
+                kv_dtype: DType::BF16,
+            },
+            16,
+        )
+        .unwrap()
+    }
+
+    fn padded(rows: &[&[u32]], lens: &[u32], max_blocks: usize) -> PaddedTables {
+        let mut tables = vec![0; rows.len() * max_blocks];
+        for (i, r) in rows.iter().enumerate() {
+            tables[i * max_blocks..i * max_blocks + r.len()].copy_from_slice(r);
+        }
+        PaddedTables {
+            tables,
+            context_lens: lens.to_vec(),
+            batch: rows.len(),
+            max_blocks,
+        }
+    }
+
+    #[test]
+    fn good_padded_tables_pass_and_report_the_longest_context() {
+        let t = padded(&[&[3, 4], &[9]], &[17, 16], 2);
+        assert_eq!(validate_tables(&layout(), 10, &t).unwrap(), 17);
+        // Padding past the context is never read, so it may hold anything.
+        let mut t = padded(&[&[3, u32::MAX], &[9, 7]], &[16, 1], 2);
+        assert_eq!(validate_tables(&layout(), 10, &t).unwrap(), 16);
+        t.context_lens = vec![0, 0];
+        assert_eq!(validate_tables(&layout(), 10, &t).unwrap(), 0);
+    }
+
+    #[test]
+    fn hostile_padded_tables_are_rejected() {
+        let l = layout();
+        // Block id past the arena, in the part the kernel reads.
+        let t = padded(&[&[3, 10]], &[17], 2);
+        assert_eq!(
+            validate_tables(&l, 10, &t),
+            Err(Error::BlockOutOfRange {
+                block: BlockId(10),
+                num_blocks: 10
+            })
+        );
+        let t = padded(&[&[u32::MAX]], &[1], 1);
+        assert!(matches!(
+            validate_tables(&l, 10, &t),
+            Err(Error::BlockOutOfRange { .. })
+        ));
+        // Context longer than the row covers.
+        let t = padded(&[&[1, 2]], &[33], 2);
+        assert!(matches!(
+            validate_tables(&l, 10, &t),
+            Err(Error::CorruptBlockTable(_))
+        ));
+        // Lengths near u32::MAX: over the kernel limit, whatever the table.
+        for len in [u32::MAX, u32::MAX - 15, (MAX_CONTEXT_TOKENS + 1) as u32] {
+            let t = padded(&[&[1]], &[len], 1);
+            assert!(matches!(
+                validate_tables(&l, 10, &t),
+                Err(Error::TooLong { .. })
+            ));
+        }
+        // Short buffer, missing or extra lengths.
+        let mut t = padded(&[&[1, 2]], &[17], 2);
+        t.tables.pop();
+        assert!(matches!(
+            validate_tables(&l, 10, &t),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        let mut t = padded(&[&[1, 2]], &[17], 2);
+        t.context_lens.push(1);
+        assert!(matches!(
+            validate_tables(&l, 10, &t),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        let t = PaddedTables {
+            tables: vec![],
+            context_lens: vec![],
+            batch: usize::MAX,
+            max_blocks: 2,
+        };
+        assert!(matches!(
+            validate_tables(&l, 10, &t),
+            Err(Error::ShapeMismatch { .. })
+        ));
+    }
+
+    fn csr(rows: &[&[u32]], last: &[u32]) -> CsrTables {
+        let mut t = CsrTables::default();
+        t.indptr.push(0);
+        for r in rows {
+            t.indices.extend_from_slice(r);
+            t.indptr.push(t.indices.len() as u32);
+        }
+        t.last_page_len = last.to_vec();
+        t
+    }
+
+    #[test]
+    fn good_csr_tables_pass() {
+        let t = csr(&[&[3, 4], &[], &[9]], &[1, 0, 16]);
+        assert_eq!(validate_csr(&layout(), 10, &t).unwrap(), 17);
+    }
+
+    #[test]
+    fn hostile_csr_tables_are_rejected() {
+        let l = layout();
+        let bad = [
+            csr(&[&[3, 10]], &[1]), // id out of range
+            csr(&[&[3]], &[17]),    // last page longer than a block
+            csr(&[&[3]], &[0]),     // non-empty row with an empty last page
+            csr(&[&[]], &[5]),      // empty row claiming tokens
+        ];
+        for t in &bad {
+            assert!(validate_csr(&l, 10, t).is_err(), "{t:?}");
+        }
+        let mut t = csr(&[&[1], &[2]], &[1, 1]);
+        t.indptr = vec![0, 2, 1];
+        assert!(matches!(
+            validate_csr(&l, 10, &t),
+            Err(Error::CorruptBlockTable(_))
+        ));
+        let mut t = csr(&[&[1]], &[1]);
+        t.indptr = vec![0, 5];
+        assert!(matches!(
+            validate_csr(&l, 10, &t),
+            Err(Error::CorruptBlockTable(_))
+        ));
+        let mut t = csr(&[&[1]], &[1]);
+        t.indptr.pop();
+        assert!(matches!(
+            validate_csr(&l, 10, &t),
+            Err(Error::ShapeMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn params_are_checked() {
+        let l = layout();
+        let mut p = AttentionParams::new(64);
+        assert!(validate_params(&l, &p).is_ok());
+        p.alibi_slopes = Some(vec![0.5; 7]);
+        assert!(matches!(
+            validate_params(&l, &p),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        p.alibi_slopes = Some(vec![0.5; 8]);
+        assert!(validate_params(&l, &p).is_ok());
+        for bad in [
+            AttentionParams {
+                k_scale: 0.0,
+                ..AttentionParams::new(64)
+            },
+            AttentionParams {
+                v_scale: f32::NAN,
+                ..AttentionParams::new(64)
+            },
+            AttentionParams {
+                sliding_window: Some(0),
+                ..AttentionParams::new(64)
+            },
+            AttentionParams {
+                scale: f32::INFINITY,
+                ..AttentionParams::new(64)
+            },
+        ] {
+            assert!(validate_params(&l, &bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn planner_fills_the_gpu_without_tiny_splits() {
+        // A batch that fills 132 SMs twice over is not split.
+        let p = plan_splits(64, 8, 4096, 16, 132);
+        assert_eq!(p.num_splits, 1);
+        assert!(p.tokens_per_split as usize >= 4096);
+        // One long sequence is split to fill the GPU.
+        let p = plan_splits(1, 8, 32768, 16, 132);
+        assert_eq!(p.num_splits, 33);
+        assert_eq!(p.tokens_per_split % 16, 0);
+        assert!(p.num_splits as usize * p.tokens_per_split as usize >= 32768);
+        // A short context is never cut below the minimum.
+        let p = plan_splits(1, 1, 300, 16, 132);
+        assert_eq!(p.num_splits, 1);
+        // Every plan covers its context, with splits that are whole blocks.
+        for batch in [1, 3, 17, 200] {
+            for ctx in [0, 1, 15, 16, 17, 255, 256, 4097, 100_000] {
+                for bs in [1, 8, 16, 32] {
+                    let p = plan_splits(batch, 4, ctx, bs, 108);
+                    assert!((1..=MAX_SPLITS).contains(&p.num_splits));
+                    assert_eq!(p.tokens_per_split as usize % bs, 0);
+                    assert!(p.num_splits as usize * p.tokens_per_split as usize >= ctx);
+                    // No split is wholly past the context.
+                    assert!(
+                        ((p.num_splits - 1) as usize * (p.tokens_per_split as usize)) < ctx.max(1)
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn forced_split_counts_cover_the_context() {
+        for n in 1..=MAX_SPLITS {
+            for ctx in [0, 1, 16, 100, 4096] {
+                let p = split_plan_with(ctx, 16, n).unwrap();
+                assert_eq!(p.num_splits, n);
+                assert!(n as usize * p.tokens_per_split as usize >= ctx);
+            }
+        }
+        assert!(split_plan_with(10, 16, 0).is_err());
+        assert!(split_plan_with(10, 16, MAX_SPLITS + 1).is_err());
+        assert!(split_plan_with(MAX_CONTEXT_TOKENS + 1, 16, 1).is_err());
+    }
+}

@@ -1,0 +1,593 @@
+//! Compiling `kernels/*.cu` with NVRTC, once per process per specialisation.
+
+use crate::error::{Error, Result};
+use crate::shape::DType;
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::ffi::{c_char, CString};
+use std::sync::{Arc, OnceLock};
+
+const COMMON_SRC: &str = include_str!("../../kernels/common.cuh");
+const ATTENTION_SRC: &str = include_str!("../../kernels/paged_attention.cu");
+const CACHE_OPS_SRC: &str = include_str!("../../kernels/cache_ops.cu");
+
+/// Threads per CTA of the attention kernels (the `NUM_THREADS` define).
+pub const ATTENTION_THREADS: u32 = 128;
+
+/// A compute capability, e.g. `Arch { major: 9, minor: 0 }` for sm_90.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Arch {
+    /// Major version.
+    pub major: u32,
+    /// Minor version.
+    pub minor: u32,
+}
+
+impl Arch {
+    /// sm_80 (A100), the oldest target pagedkv compiles for.
+    pub const SM80: Arch = Arch { major: 8, minor: 0 };
+    /// sm_90 (H100, H200).
+    pub const SM90: Arch = Arch { major: 9, minor: 0 };
+
+    /// `sm_XY`.
+    pub fn sm(&self) -> String {
+        format!("sm_{}{}", self.major, self.minor)
+    }
+}
+
+/// One specialisation of the attention kernels (`paged_attention_decode` and
+/// `paged_attention_merge`), fixed at compile time by `-D` defines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttentionSpec {
+    /// Elements per head; `head_dim * dtype bytes` must be a multiple of 16.
+    pub head_dim: usize,
+    /// Tokens per page.
+    pub block_size: usize,
+    /// Query heads per KV head.
+    pub gqa_group: usize,
+    /// Cache dtype.
+    pub dtype: DType,
+    /// Tokens each token group keeps in flight per iteration (the `UNROLL` define);
+    /// 0 leaves the kernel's default (2, or 1 when the accumulators are large).
+    pub unroll: u32,
+    /// Bytes per vector load (the `VEC_BYTES` define), 8 or 16; 0 leaves the kernel's
+    /// default (16, or 8 for fp8 when 16 elements per lane times the group would fill
+    /// the register file with accumulators).
+    pub vec_bytes: u32,
+}
+
+impl AttentionSpec {
+    /// The specialisation for `layout`, with the default unroll.
+    pub fn for_layout(layout: &crate::layout::KvLayout) -> Self {
+        let shape = layout.shape();
+        AttentionSpec {
+            head_dim: shape.head_dim,
+            block_size: layout.block_size(),
+            gqa_group: shape.group_size(),
+            dtype: shape.kv_dtype,
+            unroll: 0,
+            vec_bytes: 0,
+        }
+    }
+
+    /// Checks what the kernel's `static_assert`s would reject, before compiling.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] naming the field.
+    pub fn check(&self) -> Result<()> {
+        let head_bytes = self.head_dim * self.dtype.size_bytes();
+        let vec_elems = 16 / self.dtype.size_bytes();
+        let vecs = self.head_dim / vec_elems.max(1);
+        if head_bytes % 16 != 0 || vecs == 0 || !(vecs.is_power_of_two() || vecs % 32 == 0) {
+            return Err(Error::Unsupported(format!(
+                "CUDA attention needs head_dim * dtype bytes a power-of-two number of 16-byte \
+                 vectors (or a multiple of 32 of them); head_dim {} in {} is {head_bytes} bytes",
+                self.head_dim, self.dtype
+            )));
+        }
+        if self.gqa_group == 0 || self.gqa_group > 64 {
+            return Err(Error::Unsupported(format!(
+                "CUDA attention supports GQA groups of 1..=64 query heads, not {}",
+                self.gqa_group
+            )));
+        }
+        // q and the output accumulators live in static shared memory (2 x group x
+        // head_dim floats), which the 48 KiB static limit bounds.
+        if 8 * self.gqa_group * self.head_dim > 40 * 1024 {
+            return Err(Error::Unsupported(format!(
+                "GQA group {} x head_dim {} needs {} bytes of shared memory; the kernel takes at most 40 KiB",
+                self.gqa_group,
+                self.head_dim,
+                8 * self.gqa_group * self.head_dim
+            )));
+        }
+        if !matches!(self.vec_bytes, 0 | 8 | 16) {
+            return Err(Error::Unsupported(format!(
+                "vector loads of {} bytes (0 = default, 8 or 16)",
+                self.vec_bytes
+            )));
+        }
+        if self.unroll > 4 {
+            return Err(Error::Unsupported(format!(
+                "unroll {} (0 = default, at most 4)",
+                self.unroll
+            )));
+        }
+        if self.block_size == 0 || self.block_size > crate::layout::MAX_BLOCK_SIZE {
+            return Err(Error::Unsupported(format!(
+                "block size {} out of range",
+                self.block_size
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A kernel module: which source and which specialisation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelSpec {
+    /// `kernels/paged_attention.cu` with its defines.
+    Attention(AttentionSpec),
+    /// `kernels/cache_ops.cu`: `copy_blocks` and every `reshape_and_cache_<in>_<cache>`.
+    CacheOps,
+}
+
+/// The dtype code the kernels use (see `kernels/common.cuh`).
+pub(crate) const fn dtype_code(d: DType) -> u32 {
+    match d {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        DType::Fp8E4M3 => 3,
+    }
+}
+
+impl KernelSpec {
+    /// The full source handed to NVRTC (`common.cuh` prepended).
+    pub fn source(&self) -> String {
+        let body = match self {
+            KernelSpec::Attention(_) => ATTENTION_SRC,
+            KernelSpec::CacheOps => CACHE_OPS_SRC,
+        };
+        format!("{COMMON_SRC}\n{body}")
+    }
+
+    /// File name shown in compiler messages.
+    pub fn file_name(&self) -> &'static str {
+        match self {
+            KernelSpec::Attention(_) => "paged_attention.cu",
+            KernelSpec::CacheOps => "cache_ops.cu",
+        }
+    }
+
+    /// The `-D` options of this specialisation.
+    pub fn defines(&self) -> Vec<String> {
+        match self {
+            KernelSpec::Attention(a) => {
+                let mut d = vec![
+                    format!("-DHEAD_DIM={}", a.head_dim),
+                    format!("-DBLOCK_SIZE={}", a.block_size),
+                    format!("-DGQA_GROUP={}", a.gqa_group),
+                    format!("-DKV_DTYPE={}", dtype_code(a.dtype)),
+                    format!("-DNUM_THREADS={ATTENTION_THREADS}"),
+                ];
+                if a.unroll > 0 {
+                    d.push(format!("-DUNROLL={}", a.unroll));
+                }
+                if a.vec_bytes > 0 {
+                    d.push(format!("-DVEC_BYTES={}", a.vec_bytes));
+                }
+                d
+            }
+            KernelSpec::CacheOps => Vec::new(),
+        }
+    }
+
+    /// The `extern "C"` kernels the module must export.
+    pub fn entry_points(&self) -> Vec<&'static str> {
+        match self {
+            KernelSpec::Attention(_) => vec!["paged_attention_decode", "paged_attention_merge"],
+            KernelSpec::CacheOps => vec![
+                "copy_blocks",
+                "reshape_and_cache_f32_f32",
+                "reshape_and_cache_f32_f16",
+                "reshape_and_cache_f32_bf16",
+                "reshape_and_cache_f32_fp8",
+                "reshape_and_cache_f16_f16",
+                "reshape_and_cache_f16_fp8",
+                "reshape_and_cache_bf16_bf16",
+                "reshape_and_cache_bf16_fp8",
+                "reshape_and_cache_fp8_fp8",
+            ],
+        }
+    }
+}
+
+/// Every specialisation the crate's tests, bench and example use; CI compiles each
+/// for sm_80 and sm_90. Engines may compile others: any [`AttentionSpec`] that passes
+/// [`AttentionSpec::check`] is valid.
+pub fn catalog() -> Vec<KernelSpec> {
+    let mut out = vec![KernelSpec::CacheOps];
+    for dtype in [DType::F16, DType::BF16, DType::Fp8E4M3] {
+        for head_dim in [64, 128] {
+            for gqa_group in [1, 4, 8] {
+                out.push(KernelSpec::Attention(AttentionSpec {
+                    head_dim,
+                    block_size: 16,
+                    gqa_group,
+                    dtype,
+                    unroll: 0,
+                    vec_bytes: 0,
+                }));
+            }
+        }
+    }
+    out.push(KernelSpec::Attention(AttentionSpec {
+        head_dim: 128,
+        block_size: 16,
+        gqa_group: 8,
+        dtype: DType::F32,
+        unroll: 0,
+        vec_bytes: 0,
+    }));
+    // The bench compares explicit unrolls on its main case (bf16, d128, GQA 8).
+    for unroll in [1, 2] {
+        out.push(KernelSpec::Attention(AttentionSpec {
+            head_dim: 128,
+            block_size: 16,
+            gqa_group: 8,
+            dtype: DType::BF16,
+            unroll,
+            vec_bytes: 0,
+        }));
+    }
+    // ...and 8- against 16-byte loads for fp8 at GQA 8.
+    for vec_bytes in [8, 16] {
+        out.push(KernelSpec::Attention(AttentionSpec {
+            head_dim: 128,
+            block_size: 16,
+            gqa_group: 8,
+            dtype: DType::Fp8E4M3,
+            unroll: 0,
+            vec_bytes,
+        }));
+    }
+    out
+}
+
+/// Register and spill figures of one kernel, from ptxas' verbose log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelResources {
+    /// Kernel name.
+    pub name: String,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Bytes of spill stores.
+    pub spill_stores: u32,
+    /// Bytes of spill loads.
+    pub spill_loads: u32,
+    /// Bytes of static shared memory.
+    pub shared_bytes: u32,
+}
+
+/// A compiled module: PTX, cubin for the target, and the compiler's log.
+#[derive(Debug, Clone)]
+pub struct CompiledModule {
+    /// What was compiled.
+    pub spec: KernelSpec,
+    /// For which device architecture.
+    pub arch: Arch,
+    /// PTX text.
+    pub ptx: String,
+    /// Device code for `arch` (what gets loaded: no PTX JIT at run time).
+    pub cubin: Vec<u8>,
+    /// NVRTC's log, including ptxas' `-v` resource lines.
+    pub log: String,
+}
+
+impl CompiledModule {
+    /// Registers, spills and shared memory per kernel, from the log.
+    pub fn resources(&self) -> Vec<KernelResources> {
+        parse_ptxas_log(&self.log)
+    }
+}
+
+/// Parses ptxas `-v` output (`Function properties for NAME`, `N bytes spill stores,
+/// M bytes spill loads`, `Used R registers ... S bytes smem`).
+pub fn parse_ptxas_log(log: &str) -> Vec<KernelResources> {
+    fn number_before(line: &str, word: &str) -> Option<u32> {
+        let at = line.find(word)?;
+        line[..at].split_whitespace().last()?.parse().ok()
+    }
+    let mut out: Vec<KernelResources> = Vec::new();
+    for line in log.lines() {
+        if let Some(at) = line.find("Function properties for ") {
+            out.push(KernelResources {
+                name: line[at + "Function properties for ".len()..]
+                    .trim()
+                    .to_string(),
+                registers: 0,
+                spill_stores: 0,
+                spill_loads: 0,
+                shared_bytes: 0,
+            });
+        } else if let Some(k) = out.last_mut() {
+            if let Some(n) = number_before(line, "bytes spill stores") {
+                k.spill_stores = n;
+            }
+            if let Some(n) = number_before(line, "bytes spill loads") {
+                k.spill_loads = n;
+            }
+            if let Some(n) = number_before(line, "registers") {
+                k.registers = n;
+            }
+            if let Some(n) = number_before(line, "bytes smem") {
+                k.shared_bytes = n;
+            }
+        }
+    }
+    out
+}
+
+type Cache = Mutex<HashMap<(KernelSpec, Arch), Arc<CompiledModule>>>;
+
+fn cache() -> &'static Cache {
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Environment variable naming a folder of prebuilt cubins (written by
+/// [`write_cubin`]); [`compile`] loads from it before calling NVRTC, so a machine
+/// without NVRTC (the GPU test machine) runs kernels built elsewhere.
+pub const CUBIN_DIR_ENV: &str = "PAGEDKV_CUBIN_DIR";
+
+impl KernelSpec {
+    /// File name of this specialisation's cubin for `arch`. It carries a hash of the
+    /// source and defines, so a cubin built from other sources is never picked up.
+    pub fn cubin_file_name(&self, arch: Arch) -> String {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in self
+            .source()
+            .bytes()
+            .chain(self.defines().join(" ").bytes())
+        {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+        let tag = match self {
+            KernelSpec::Attention(a) => format!(
+                "attention-d{}-bs{}-g{}-{}-u{}-v{}",
+                a.head_dim, a.block_size, a.gqa_group, a.dtype, a.unroll, a.vec_bytes
+            ),
+            KernelSpec::CacheOps => "cache_ops".to_string(),
+        };
+        format!("{tag}-{}-{h:016x}.cubin", arch.sm())
+    }
+}
+
+/// Writes `module`'s cubin into `dir` under [`KernelSpec::cubin_file_name`].
+///
+/// # Errors
+/// [`Error::Io`].
+pub fn write_cubin(module: &CompiledModule, dir: &std::path::Path) -> Result<std::path::PathBuf> {
+    let path = dir.join(module.spec.cubin_file_name(module.arch));
+    std::fs::create_dir_all(dir).map_err(|e| Error::Io(format!("{}: {e}", dir.display())))?;
+    std::fs::write(&path, &module.cubin)
+        .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+    Ok(path)
+}
+
+fn prebuilt(spec: &KernelSpec, arch: Arch) -> Option<CompiledModule> {
+    let dir = std::env::var_os(CUBIN_DIR_ENV)?;
+    let path = std::path::Path::new(&dir).join(spec.cubin_file_name(arch));
+    let cubin = std::fs::read(path).ok()?;
+    Some(CompiledModule {
+        spec: *spec,
+        arch,
+        ptx: String::new(),
+        cubin,
+        log: format!(
+            "prebuilt cubin from {}",
+            std::path::Path::new(&dir).display()
+        ),
+    })
+}
+
+/// Compiles `spec` for `arch`, or returns the module compiled earlier in this process
+/// (or prebuilt, see [`CUBIN_DIR_ENV`]).
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] without NVRTC; [`Error::Unsupported`] for a
+/// specialisation the kernel cannot take; [`Error::Cuda`] with the compiler log when
+/// compilation fails.
+pub fn compile(spec: &KernelSpec, arch: Arch) -> Result<Arc<CompiledModule>> {
+    if let Some(m) = cache().lock().get(&(*spec, arch)) {
+        return Ok(m.clone());
+    }
+    // Compile outside the lock: NVRTC is thread-safe and a compile takes a while.
+    let module = match prebuilt(spec, arch) {
+        Some(m) => Arc::new(m),
+        None => Arc::new(compile_uncached(spec, arch)?),
+    };
+    Ok(cache()
+        .lock()
+        .entry((*spec, arch))
+        .or_insert(module)
+        .clone())
+}
+
+/// Compiles `spec` for `arch` without the process-wide cache.
+///
+/// # Errors
+/// As [`compile`].
+pub fn compile_uncached(spec: &KernelSpec, arch: Arch) -> Result<CompiledModule> {
+    if let KernelSpec::Attention(a) = spec {
+        a.check()?;
+    }
+    if !super::nvrtc_present() {
+        return Err(Error::CudaUnavailable(
+            "NVRTC (libnvrtc.so) not found on the loader path; source .ci/nvrtc-env or add \
+             the CUDA lib directory to LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let src = CString::new(spec.source())
+        .map_err(|_| Error::Cuda("kernel source holds a NUL byte".into()))?;
+    let name = CString::new(spec.file_name())
+        .map_err(|_| Error::Cuda("kernel file name holds a NUL byte".into()))?;
+    let nv = |call: &'static str| move |e: nvrtc::NvrtcError| Error::Cuda(format!("{call}: {e:?}"));
+    let prog = nvrtc::create_program(&src, Some(&name)).map_err(nv("nvrtcCreateProgram"))?;
+    let mut options = vec![
+        format!("--gpu-architecture={}", arch.sm()),
+        "-std=c++17".to_string(),
+        "--ptxas-options=-v".to_string(),
+    ];
+    options.extend(spec.defines());
+    // The kernels need no CUDA headers; an include path is passed on when set (by
+    // .ci/nvrtc-env) so local experiments with `#include <cuda_fp16.h>` work too.
+    if let Some(dir) = std::env::var_os("PAGEDKV_CUDA_INCLUDE") {
+        if let Some(dir) = dir.to_str().filter(|d| std::path::Path::new(d).is_dir()) {
+            options.push(format!("--include-path={dir}"));
+        }
+    }
+    // SAFETY: `prog` comes from `create_program` above and is destroyed once, at the
+    // end; `src` and `name`, which it may reference, outlive it. The same holds for
+    // every call on `prog` below.
+    let compiled = unsafe { nvrtc::compile_program(prog, &options) };
+    // SAFETY: as above.
+    let log = unsafe { nvrtc::get_program_log(prog) }
+        .map(|l| c_chars_to_string(&l))
+        .unwrap_or_default();
+    let result = compiled
+        .map_err(|e| {
+            Error::Cuda(format!(
+                "NVRTC failed on {} {:?} for {}: {e:?}\n{log}",
+                spec.file_name(),
+                spec.defines(),
+                arch.sm()
+            ))
+        })
+        .and_then(|()| {
+            // SAFETY: as above; compilation succeeded, so PTX and cubin exist.
+            let ptx = unsafe { nvrtc::get_ptx(prog) }.map_err(nv("nvrtcGetPTX"))?;
+            // SAFETY: as above.
+            let cubin = unsafe { get_cubin(prog) }.map_err(nv("nvrtcGetCUBIN"))?;
+            Ok(CompiledModule {
+                spec: *spec,
+                arch,
+                ptx: c_chars_to_string(&ptx),
+                cubin,
+                log: log.clone(),
+            })
+        });
+    // SAFETY: as above; `prog` is not used after this.
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    result
+}
+
+/// # Safety
+/// `prog` must be a live program that compiled successfully.
+unsafe fn get_cubin(
+    prog: nvrtc_sys::nvrtcProgram,
+) -> std::result::Result<Vec<u8>, nvrtc::NvrtcError> {
+    let mut size = 0usize;
+    // SAFETY: the caller guarantees `prog`; `size` is a valid out-pointer.
+    unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) }.result()?;
+    let mut buf = vec![0u8; size];
+    // SAFETY: `buf` holds the `size` bytes NVRTC said it would write.
+    unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast::<c_char>()) }.result()?;
+    Ok(buf)
+}
+
+fn c_chars_to_string(chars: &[c_char]) -> String {
+    let bytes: Vec<u8> = chars
+        .iter()
+        .map(|&c| c as u8)
+        .take_while(|&b| b != 0)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ptxas_log_is_parsed_per_kernel() {
+        let log = "ptxas info    : Compiling entry function 'k' for 'sm_90'\n\
+ptxas info    : Function properties for paged_attention_merge\n\
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+ptxas info    : Used 32 registers, used 0 barriers\n\
+ptxas info    : Function properties for paged_attention_decode\n\
+ptxas         .     0 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n\
+ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
+        let r = parse_ptxas_log(log);
+        assert_eq!(r.len(), 2);
+        assert_eq!(r[0].name, "paged_attention_merge");
+        assert_eq!((r[0].registers, r[0].shared_bytes), (32, 0));
+        assert_eq!(r[1].name, "paged_attention_decode");
+        assert_eq!(
+            (
+                r[1].registers,
+                r[1].spill_stores,
+                r[1].spill_loads,
+                r[1].shared_bytes
+            ),
+            (137, 8, 12, 8768)
+        );
+    }
+
+    #[test]
+    fn specs_the_kernel_cannot_take_are_rejected_before_compiling() {
+        let ok = AttentionSpec {
+            head_dim: 128,
+            block_size: 16,
+            gqa_group: 8,
+            dtype: DType::BF16,
+            unroll: 0,
+            vec_bytes: 0,
+        };
+        assert!(ok.check().is_ok());
+        for bad in [
+            AttentionSpec { head_dim: 4, ..ok },
+            AttentionSpec {
+                head_dim: 96 + 4,
+                ..ok
+            },
+            AttentionSpec { gqa_group: 0, ..ok },
+            AttentionSpec { unroll: 5, ..ok },
+            AttentionSpec {
+                gqa_group: 64,
+                head_dim: 128,
+                ..ok
+            },
+            AttentionSpec { vec_bytes: 4, ..ok },
+            AttentionSpec {
+                block_size: 0,
+                ..ok
+            },
+        ] {
+            assert!(matches!(bad.check(), Err(Error::Unsupported(_))), "{bad:?}");
+        }
+        // 96 bf16 = 12 vectors: neither a power of two nor a multiple of 32.
+        assert!(AttentionSpec { head_dim: 96, ..ok }.check().is_err());
+        // 256 f32 = 64 vectors: two per lane.
+        assert!(AttentionSpec {
+            head_dim: 256,
+            dtype: DType::F32,
+            ..ok
+        }
+        .check()
+        .is_ok());
+    }
+
+    #[test]
+    fn every_catalog_spec_passes_its_checks() {
+        for spec in catalog() {
+            if let KernelSpec::Attention(a) = spec {
+                a.check().unwrap();
+            }
+            assert!(!spec.entry_points().is_empty());
+        }
+    }
+}
