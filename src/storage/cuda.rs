@@ -739,8 +739,7 @@ impl CudaStorage {
 
     /// Enqueues one layer of a swap plan on the transfer stream, so a transfer engine
     /// can hand layers over as they land; running every layer once is [`Storage::swap`].
-    /// (The `swap_layer` of the `Storage` trait on the `swap` branch; this is what its
-    /// implementation for `CudaStorage` calls.)
+    /// ([`Storage::swap_layer`] for `CudaStorage` calls this.)
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] for a bad layer; as [`Storage::swap`].
@@ -1081,6 +1080,18 @@ impl Storage for CudaStorage {
     fn swap(&mut self, plan: &SwapPlan) -> Result<()> {
         validate_swap_plan(plan, self.num_blocks, self.num_host_blocks)?;
         self.enqueue_swap(plan, 0..self.layout.num_layers())
+    }
+
+    fn swap_layer(&mut self, layer: usize, plan: &SwapPlan) -> Result<()> {
+        CudaStorage::swap_layer(self, layer, plan)
+    }
+
+    fn read_host_block(&self, block: BlockId, out: &mut [u8]) -> Result<()> {
+        CudaStorage::read_host_block(self, block, out)
+    }
+
+    fn write_host_block(&mut self, block: BlockId, data: &[u8]) -> Result<()> {
+        CudaStorage::write_host_block(self, block, data)
     }
 
     fn resize(&mut self, num_blocks: usize) -> Result<()> {
