@@ -11,10 +11,11 @@
 //! # What is published
 //!
 //! Every name, its type and meaning is in [`METRICS`]; names are constants in
-//! [`names`]. The ones marked `wired` come from [`CacheStats`] today. The others are
-//! reserved for counters other parts of the crate are adding (prefix cache, preemption,
-//! swap, defragmentation): they are published from [`ExtraCounters`] whenever the field
-//! is `Some`, and left out when it is `None`, so a dashboard never shows a fake zero.
+//! [`names`]. The ones marked `wired` come from the manager: [`CacheStats`], and
+//! [`ExtraCounters::from_manager`] (prefix cache, tiers and preemption, defragmentation).
+//! Swap time is not wired: the engine executes swap plans and can fill it. Extra
+//! counters are published whenever the field is `Some`, and left out when it is `None`,
+//! so a dashboard never shows a fake zero.
 //!
 //! # Peaks
 //!
@@ -199,33 +200,33 @@ pub const METRICS: [MetricDef; 19] = {
             BLOCKS_SWAPPED,
             Gauge,
             "Blocks swapped out to the host tier.",
-            false,
+            true,
         ),
         def(
             PREFIX_QUERY_TOKENS,
             Counter,
             "Prompt tokens looked up in the prefix cache.",
-            false,
+            true,
         ),
         def(
             PREFIX_HIT_TOKENS,
             Counter,
             "Prompt tokens found in the prefix cache.",
-            false,
+            true,
         ),
         MetricDef {
             name: PREEMPTIONS,
             kind: Counter,
             label: Some(("kind", &PREEMPTION_KINDS)),
             help: "Sequences preempted, by kind (swap to host, or drop and recompute).",
-            wired: false,
+            wired: true,
         },
         MetricDef {
             name: SWAP_BYTES,
             kind: Counter,
             label: Some(("direction", &SWAP_DIRECTIONS)),
             help: "Bytes swapped between device and host, by direction.",
-            wired: false,
+            wired: true,
         },
         def(
             SWAP_TIME_US,
@@ -233,18 +234,18 @@ pub const METRICS: [MetricDef; 19] = {
             "Time spent executing swap plans, in microseconds.",
             false,
         ),
-        def(DEFRAG_RUNS, Counter, "Defragmentation passes.", false),
+        def(DEFRAG_RUNS, Counter, "Defragmentation passes.", true),
         def(
             DEFRAG_MOVED_BYTES,
             Counter,
             "Bytes moved by defragmentation.",
-            false,
+            true,
         ),
         def(
             DEFRAG_TIME_US,
             Counter,
-            "Time spent executing defragmentation moves, in microseconds.",
-            false,
+            "Time spent planning and executing defragmentation and shrink moves, in microseconds.",
+            true,
         ),
     ]
 };
@@ -277,6 +278,30 @@ pub struct ExtraCounters {
     pub defrag_time_us: Option<u64>,
 }
 
+impl ExtraCounters {
+    /// Everything the manager counts beyond [`CacheStats`]: prefix-cache queries and
+    /// hits, swapped blocks, preemptions by kind, swap bytes, defragmentation moves.
+    /// Swap time stays `None`: the engine executes swap plans and times them.
+    pub fn from_manager(kv: &KvCacheManager) -> Self {
+        let prefix = kv.prefix_stats();
+        let tiers = kv.tier_stats();
+        let defrag = kv.defrag_counters();
+        ExtraCounters {
+            swapped_blocks: Some(tiers.host_used_blocks as u64),
+            prefix_query_tokens: Some(prefix.query_tokens),
+            prefix_hit_tokens: Some(prefix.hit_tokens),
+            preemptions_swap: Some(tiers.preempt_swaps),
+            preemptions_recompute: Some(tiers.preempt_recomputes),
+            swap_out_bytes: Some(tiers.bytes_swapped_out),
+            swap_in_bytes: Some(tiers.bytes_swapped_in),
+            swap_time_us: None,
+            defrag_runs: Some(defrag.runs),
+            defrag_moved_bytes: Some(defrag.moved_blocks * kv.layout().block_bytes() as u64),
+            defrag_time_us: Some(defrag.time_us),
+        }
+    }
+}
+
 /// What one publish sends: the manager's counters, the arena's geometry, the extras.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MetricsSnapshot {
@@ -302,7 +327,7 @@ impl MetricsSnapshot {
             block_size: kv.block_size(),
             block_bytes: kv.layout().block_bytes(),
             peak_used_blocks: kv.take_peak_used_blocks(),
-            extra: ExtraCounters::default(),
+            extra: ExtraCounters::from_manager(kv),
         }
     }
 }

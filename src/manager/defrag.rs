@@ -101,6 +101,18 @@ impl Default for DefragOptions {
     }
 }
 
+/// Cumulative counters of the moves defragmentation and shrinking made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DefragCounters {
+    /// Committed move plans (defragmentation passes and shrinks that moved blocks).
+    pub runs: u64,
+    /// Blocks moved, over all passes.
+    pub moved_blocks: u64,
+    /// Microseconds spent planning and copying in [`KvCacheManager::defragment_with`]
+    /// and [`KvCacheManager::shrink_to`] (the two-phase API is timed by the engine).
+    pub time_us: u64,
+}
+
 /// How scattered the arena and the block tables are; see
 /// [`KvCacheManager::fragmentation`].
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -313,11 +325,19 @@ impl KvCacheManager {
         opts: DefragOptions,
     ) -> Result<MovePlan> {
         self.check_storage(storage)?;
+        let start = std::time::Instant::now();
         let pending = self.plan_defragment(opts)?;
         if !pending.plan().is_empty() {
             storage.copy_blocks(&pending.plan().to_copy_plan())?;
         }
-        pending.commit()
+        let plan = pending.commit()?;
+        self.defrag_counters.time_us += start.elapsed().as_micros() as u64;
+        Ok(plan)
+    }
+
+    /// Cumulative defragmentation counters (for metrics).
+    pub fn defrag_counters(&self) -> DefragCounters {
+        self.defrag_counters
     }
 
     /// Shrinks the arena to `num_blocks`: resident blocks at or above it move into the
@@ -360,10 +380,12 @@ impl KvCacheManager {
         if num_blocks == old {
             return Ok(MovePlan::new());
         }
+        let start = std::time::Instant::now();
         let plan = self.plan_moves(num_blocks, usize::MAX);
         if !plan.is_empty() {
             storage.copy_blocks(&plan.to_copy_plan())?;
         }
+        self.defrag_counters.time_us += start.elapsed().as_micros() as u64;
         storage.resize(num_blocks)?;
         // Nothing below can fail: the plan was made from this state and, once it is
         // applied, every block at or above `num_blocks` is free.
@@ -515,6 +537,8 @@ impl KvCacheManager {
         let (Some(first), Some(last)) = (moves.first(), moves.last()) else {
             return Ok(());
         };
+        self.defrag_counters.runs += 1;
+        self.defrag_counters.moved_blocks += moves.len() as u64;
         // The planner's shape: strictly ascending sources and destinations, every
         // destination below every source. It makes sources and destinations distinct
         // without a set.

@@ -10,7 +10,7 @@ mod shared;
 mod swap;
 
 pub use batch::{CsrTables, PaddedTables};
-pub use defrag::{DefragOptions, FragStats, PendingDefrag};
+pub use defrag::{DefragCounters, DefragOptions, FragStats, PendingDefrag};
 pub use shared::SharedKvCacheManager;
 pub use swap::{SwapJob, SwapTicket, TierBlock, TierConfig, TierStats};
 
@@ -159,6 +159,8 @@ pub struct KvCacheManager {
     pub(crate) prefix: PrefixIndex,
     /// Host and disk tiers, swapped sequences and in-flight transfers.
     pub(crate) tiers: swap::Tiers,
+    /// Cumulative defragmentation counters.
+    pub(crate) defrag_counters: defrag::DefragCounters,
 }
 
 impl KvCacheManager {
@@ -206,6 +208,7 @@ impl KvCacheManager {
                 PrefixConfig::for_arena(config.num_blocks),
             )?,
             tiers: swap::Tiers::new(TierConfig::default())?,
+            defrag_counters: defrag::DefragCounters::default(),
         })
     }
 
