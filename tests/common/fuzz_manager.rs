@@ -2,7 +2,7 @@
 //! and `tests/fuzz_replay.rs` (corpus replay and seeded random inputs under `cargo test`).
 //!
 //! Input bytes decode into actions (admit, prefix admit, append, fork, free, truncate,
-//! pin/unpin, evict, defragment, shrink, grow). Every token written gets K/V bytes that
+//! pin/unpin, evict, defragment, shrink, grow, swap out (completed or aborted), swap in). Every token written gets K/V bytes that
 //! are a function of its whole token prefix (as in a real model, so shared prefixes
 //! hold identical bytes). After every action the harness checks the manager's
 //! invariants and every sequence's bytes on `HostStorage`; a failed call must leave a
@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use pagedkv::manager::DefragOptions;
+use pagedkv::manager::{DefragOptions, TierConfig};
 use pagedkv::prefix::{AdmitOptions, PinId};
 use pagedkv::{
     CacheConfig, CopyPlan, DType, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId, Slot,
@@ -21,6 +21,7 @@ const BLOCK: usize = 4;
 const START_BLOCKS: usize = 48;
 const MAX_BLOCKS: usize = 96;
 const HEAD_DIM: usize = 2;
+const HOST_BLOCKS: usize = 32;
 const TOKEN_BYTES: usize = 4 * HEAD_DIM;
 
 fn chain(prev: u64, token: u32) -> u64 {
@@ -54,6 +55,8 @@ struct Harness {
     kv: KvCacheManager,
     store: HostStorage,
     seqs: BTreeMap<SeqId, Seq>,
+    /// Swapped out to the host tier (their bytes are checked again after swap-in).
+    swapped: BTreeMap<SeqId, Seq>,
     pins: Vec<PinId>,
     next_seq: u64,
     next_unique: u32,
@@ -94,9 +97,18 @@ impl Harness {
             ..CacheConfig::new(START_BLOCKS)
         };
         Harness {
-            kv: KvCacheManager::new(layout, cfg).expect("manager"),
-            store: HostStorage::new(layout, START_BLOCKS).expect("storage"),
+            kv: KvCacheManager::with_tiers(
+                layout,
+                cfg,
+                TierConfig {
+                    num_host_blocks: HOST_BLOCKS,
+                    num_disk_slots: 0,
+                },
+            )
+            .expect("manager"),
+            store: HostStorage::with_host_tier(layout, START_BLOCKS, HOST_BLOCKS).expect("storage"),
             seqs: BTreeMap::new(),
+            swapped: BTreeMap::new(),
             pins: Vec::new(),
             next_seq: 0,
             next_unique: 1_000_000,
@@ -137,7 +149,7 @@ impl Harness {
     }
 
     fn step(&mut self, input: &mut Input<'_>) -> Option<()> {
-        let op = input.byte()? % 12;
+        let op = input.byte()? % 14;
         let (a, b) = (input.byte()?, input.byte()?);
         let before = snapshot(&self.kv);
         let ok = match op {
@@ -277,9 +289,44 @@ impl Harness {
                 );
                 true
             }
-            _ => {
+            11 => {
                 self.kv.evict_cached(a as usize);
                 true
+            }
+            12 => {
+                let seq = self.pick(a)?;
+                match self.kv.swap_out(seq) {
+                    Ok(job) => {
+                        if b % 4 == 0 {
+                            // The transfer failed: abort, and the sequence stays resident.
+                            self.kv.abort_swap(job.ticket).expect("abort");
+                        } else {
+                            self.store.swap(&job.plan).expect("swap plan");
+                            self.kv.complete_swap(job.ticket).expect("complete");
+                            let s = self.seqs.remove(&seq)?;
+                            self.swapped.insert(seq, s);
+                        }
+                        true
+                    }
+                    Err(_) => false,
+                }
+            }
+            _ => {
+                let n = self.swapped.len();
+                if n == 0 {
+                    return Some(());
+                }
+                let seq = *self.swapped.keys().nth(a as usize % n)?;
+                match self.kv.swap_in(seq) {
+                    Ok(job) => {
+                        self.store.swap(&job.plan).expect("swap plan");
+                        self.kv.complete_swap(job.ticket).expect("complete");
+                        let s = self.swapped.remove(&seq)?;
+                        self.seqs.insert(seq, s);
+                        true
+                    }
+                    Err(_) => false,
+                }
             }
         };
         if !ok {
@@ -319,9 +366,16 @@ impl Harness {
         for p in std::mem::take(&mut self.pins) {
             self.kv.unpin_prefix(p).expect("unpin");
         }
-        for seq in self.seqs.keys().copied().collect::<Vec<_>>() {
+        for seq in self
+            .seqs
+            .keys()
+            .chain(self.swapped.keys())
+            .copied()
+            .collect::<Vec<_>>()
+        {
             self.kv.free(seq).expect("free");
         }
+        assert_eq!(self.kv.tier_stats().host_used_blocks, 0, "host tier leak");
         self.kv.evict_cached(usize::MAX);
         self.kv
             .check_invariants()
