@@ -20,18 +20,27 @@ use std::sync::Arc;
 use crossbeam_utils::CachePadded;
 
 use crate::error::{Error, Result};
-use crate::sync::{AtomicU8, AtomicUsize, Mutex, Ordering};
+use crate::sync::{AtomicU8, Mutex, Ordering};
 use crate::BlockId;
 
 const FREE: u8 = 0;
 const TAKEN: u8 = 1;
 
+/// One scheduler's cache of free blocks, and the net count of blocks its handle took
+/// (allocations minus frees through it; may go negative when blocks are freed through
+/// another shard). Kept under the shard's own lock, so the hot path touches no shared
+/// cache line.
+#[derive(Debug, Default)]
+struct Shard {
+    free: Vec<BlockId>,
+    taken: isize,
+}
+
 #[derive(Debug)]
 struct Inner {
     global: Mutex<Vec<BlockId>>,
-    shards: Box<[CachePadded<Mutex<Vec<BlockId>>>]>,
+    shards: Box<[CachePadded<Mutex<Shard>>]>,
     owner: Box<[AtomicU8]>,
-    taken: AtomicUsize,
     batch: usize,
 }
 
@@ -65,10 +74,14 @@ impl ShardedPool {
             inner: Arc::new(Inner {
                 global: Mutex::new(global),
                 shards: (0..num_shards)
-                    .map(|_| CachePadded::new(Mutex::new(Vec::with_capacity(2 * batch))))
+                    .map(|_| {
+                        CachePadded::new(Mutex::new(Shard {
+                            free: Vec::with_capacity(2 * batch + 1),
+                            taken: 0,
+                        }))
+                    })
                     .collect(),
                 owner: (0..num_blocks).map(|_| AtomicU8::new(FREE)).collect(),
-                taken: AtomicUsize::new(0),
                 batch,
             }),
         })
@@ -98,7 +111,8 @@ impl ShardedPool {
 
     /// Blocks allocated now (exact when no call is in flight).
     pub fn num_taken(&self) -> usize {
-        self.inner.taken.load(Ordering::Acquire)
+        let net: isize = self.inner.shards.iter().map(|s| s.lock().taken).sum();
+        net.max(0) as usize
     }
 
     /// Checks that every block is either taken or in exactly one free list. Call it when
@@ -109,7 +123,7 @@ impl ShardedPool {
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let mut seen = vec![false; self.num_blocks()];
         let lists = std::iter::once(self.inner.global.lock().clone())
-            .chain(self.inner.shards.iter().map(|s| s.lock().clone()));
+            .chain(self.inner.shards.iter().map(|s| s.lock().free.clone()));
         let mut free = 0;
         for list in lists {
             for b in list {
@@ -150,8 +164,13 @@ impl ShardHandle {
     /// block that another thread is moving between lists at that instant is not seen.
     pub fn allocate(&self) -> Result<BlockId> {
         let inner = &self.pool.inner;
-        let own = inner.shards[self.shard].lock().pop();
-        let b = match own {
+        let b = {
+            let mut shard = inner.shards[self.shard].lock();
+            let b = shard.free.pop();
+            shard.taken += isize::from(b.is_some());
+            b
+        };
+        let b = match b {
             Some(b) => b,
             None => self.refill()?,
         };
@@ -163,7 +182,6 @@ impl ShardHandle {
             Ordering::Acquire,
         );
         debug_assert!(marked.is_ok(), "free list held a taken block");
-        inner.taken.fetch_add(1, Ordering::AcqRel);
         Ok(b)
     }
 
@@ -180,8 +198,8 @@ impl ShardHandle {
             for (i, other) in inner.shards.iter().enumerate() {
                 if i != self.shard {
                     let mut o = other.lock();
-                    let from = o.len() - o.len().div_ceil(2);
-                    got.extend(o.drain(from..));
+                    let from = o.free.len() - o.free.len().div_ceil(2);
+                    got.extend(o.free.drain(from..));
                     if !got.is_empty() {
                         break;
                     }
@@ -189,9 +207,9 @@ impl ShardHandle {
             }
         }
         let b = got.pop().ok_or(Error::OutOfBlocks { needed: 1, free: 0 })?;
-        if !got.is_empty() {
-            inner.shards[self.shard].lock().append(&mut got);
-        }
+        let mut shard = inner.shards[self.shard].lock();
+        shard.free.append(&mut got);
+        shard.taken += 1;
         Ok(b)
     }
 
@@ -211,12 +229,12 @@ impl ShardHandle {
         owner
             .compare_exchange(TAKEN, FREE, Ordering::AcqRel, Ordering::Acquire)
             .map_err(|_| Error::DoubleFree(block))?;
-        inner.taken.fetch_sub(1, Ordering::AcqRel);
-        let mut cache = inner.shards[self.shard].lock();
-        cache.push(block);
-        if cache.len() > 2 * inner.batch {
-            let from = cache.len() - inner.batch;
-            inner.global.lock().extend(cache.drain(from..));
+        let mut shard = inner.shards[self.shard].lock();
+        shard.free.push(block);
+        shard.taken -= 1;
+        if shard.free.len() > 2 * inner.batch {
+            let from = shard.free.len() - inner.batch;
+            inner.global.lock().extend(shard.free.drain(from..));
         }
         Ok(())
     }
@@ -224,8 +242,8 @@ impl ShardHandle {
     /// Returns this shard's cached free blocks to the global list.
     pub fn flush(&self) {
         let inner = &self.pool.inner;
-        let mut cache = inner.shards[self.shard].lock();
-        inner.global.lock().append(&mut cache);
+        let mut shard = inner.shards[self.shard].lock();
+        inner.global.lock().append(&mut shard.free);
     }
 
     /// The shard index.

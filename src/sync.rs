@@ -2,10 +2,10 @@
 //! `--cfg loom` (crossbeam's pattern), so the same code is what loom explores.
 
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{AtomicU8, Ordering};
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicU8, Ordering};
 
 /// A mutex with parking_lot's non-poisoning `lock()` signature in both builds.
 #[derive(Debug, Default)]
