@@ -4,6 +4,8 @@
 
 #[path = "common/fuzz_manager.rs"]
 mod fuzz_manager;
+#[path = "common/fuzz_tables.rs"]
+mod fuzz_tables;
 
 use std::path::Path;
 
@@ -72,5 +74,14 @@ fn config_json_corpus_never_panics() {
                     .expect("an accepted config has a valid shape");
             }
         }
+    }
+}
+
+#[test]
+fn block_tables_corpus_and_random_inputs() {
+    let inputs = corpus("block_tables");
+    println!("replaying {} block_tables corpus inputs", inputs.len());
+    for input in inputs.iter().chain(&random_inputs(4, 2_000, 96)) {
+        fuzz_tables::run(input);
     }
 }
