@@ -844,6 +844,62 @@ impl<'a> ExportView<'a> {
                 .then(|| self.token_ids().collect()),
         })
     }
+
+    /// [`Self::import_into`] through the receiver's prefix cache: the exported token ids
+    /// are admitted with [`KvCacheManager::admit_tokens`], so a prefix the receiver
+    /// already caches is shared instead of written again, and the imported full blocks
+    /// are registered for later requests (a decode instance can serve the next turn of a
+    /// conversation from them). Only the uncached tokens' K/V is written.
+    ///
+    /// # Errors
+    /// [`Error::ExportFormat`] when the export carries no token ids; otherwise as
+    /// [`Self::import_into`] and [`KvCacheManager::admit_tokens`]. If the storage fails
+    /// a write, the sequence is freed and every evictable cached block is evicted, so a
+    /// block registered by this call but never written cannot be hit later.
+    pub fn import_into_cache<S: Storage + ?Sized>(
+        &self,
+        manager: &mut KvCacheManager,
+        storage: &mut S,
+        seq: SeqId,
+        opts: &crate::prefix::AdmitOptions<'_>,
+    ) -> Result<(ImportedSequence, usize)> {
+        if !self.header.has_token_ids {
+            return Err(Error::ExportFormat {
+                what: "token ids (needed to use the prefix cache)",
+                expected: 1,
+                got: 0,
+            });
+        }
+        self.header.check_compatible(manager.layout())?;
+        check_storage(manager, storage)?;
+        let n = self.header.num_tokens;
+        let tokens: Vec<u32> = self.token_ids().collect();
+        let mut slots = Vec::with_capacity(n);
+        let cached = manager
+            .admit_tokens(seq, &tokens, opts, &mut slots)?
+            .cached_tokens;
+        let row = row_bytes(&self.header.layout);
+        for layer in 0..self.header.layout.num_layers() {
+            let written = match self.layer(layer) {
+                Some((k, v)) => {
+                    storage.write_slots(layer, &slots, &k[cached * row..], &v[cached * row..])
+                }
+                None => Ok(()),
+            };
+            if let Err(e) = written {
+                let _ = manager.free(seq);
+                manager.evict_cached(usize::MAX);
+                return Err(e);
+            }
+        }
+        let imported = ImportedSequence {
+            seq,
+            num_tokens: n,
+            table: manager.block_table(seq)?.to_vec(),
+            token_ids: Some(tokens),
+        };
+        Ok((imported, cached))
+    }
 }
 
 /// A sequence created by an import.

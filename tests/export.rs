@@ -653,3 +653,52 @@ fn a_storage_fault_during_import_frees_the_new_sequence() {
     before.peak_used_blocks = 0;
     assert_eq!(now, before);
 }
+
+#[test]
+fn imports_go_through_the_receivers_prefix_cache() {
+    // The sender holds one conversation of 5 blocks + 3 tokens.
+    let (mut sender, mut receiver) = (host_cache(4, 32), host_cache(4, 32));
+    sender.prefill(SeqId(1), 23, 42);
+    let ids = ids_for(23, 9);
+    let buf = sender.export(SeqId(1), Some(&ids));
+    let want = sender.read_seq(SeqId(1));
+    let view = ExportView::parse(&buf).unwrap();
+    let opts = pagedkv::AdmitOptions::default();
+
+    // First import: nothing cached yet; its 5 full blocks get registered.
+    let (a, cached) = view
+        .import_into_cache(&mut receiver.mgr, &mut receiver.kv, SeqId(10), &opts)
+        .unwrap();
+    assert_eq!((a.num_tokens, cached), (23, 0));
+    assert_eq!(receiver.read_seq(SeqId(10)), want);
+    // Second import of the same conversation: the full blocks are shared, only the
+    // tail is written, and the bytes are the same.
+    let (b, cached) = view
+        .import_into_cache(&mut receiver.mgr, &mut receiver.kv, SeqId(11), &opts)
+        .unwrap();
+    assert_eq!(cached, 20);
+    assert_eq!(&a.table[..5], &b.table[..5]);
+    assert_ne!(a.table[5], b.table[5]);
+    assert_eq!(receiver.read_seq(SeqId(11)), want);
+    // After the first sequence is freed, its blocks still serve a third import.
+    receiver.mgr.free(SeqId(10)).unwrap();
+    receiver.mgr.free(SeqId(11)).unwrap();
+    let (_, cached) = view
+        .import_into_cache(&mut receiver.mgr, &mut receiver.kv, SeqId(12), &opts)
+        .unwrap();
+    assert_eq!(cached, 20);
+    assert_eq!(receiver.read_seq(SeqId(12)), want);
+    receiver.mgr.check_invariants().unwrap();
+
+    // An export without token ids cannot use the cache: a typed error, nothing allocated.
+    let plain = sender.export(SeqId(1), None);
+    let before = receiver.mgr.stats();
+    let err = ExportView::parse(&plain).unwrap().import_into_cache(
+        &mut receiver.mgr,
+        &mut receiver.kv,
+        SeqId(13),
+        &opts,
+    );
+    assert!(matches!(err, Err(Error::ExportFormat { .. })));
+    assert_eq!(receiver.mgr.stats(), before);
+}
