@@ -696,14 +696,14 @@ fn decode_driver<S: KvSource>(
     let mut first = Vec::with_capacity(context_lens.len());
     for (seq, &ctx) in context_lens.iter().enumerate() {
         let ctx = ctx as usize;
-        first.push((jobs.len(), 0usize));
         if ctx == 0 {
+            first.push((jobs.len(), 0usize));
             continue;
         }
         let pos = ctx - 1;
         let start = cx.params.window_start(pos);
         let n = num_splits(start, ctx, cx.split_tokens);
-        first.last_mut().expect("pushed").1 = n;
+        first.push((jobs.len(), n));
         for kv_head in 0..cx.kv_heads {
             let mut lo = start;
             while lo < ctx {

@@ -157,6 +157,12 @@ pub fn validate_csr(layout: &KvLayout, num_blocks: usize, tables: &CsrTables) ->
                 "CSR indptr decreases at sequence {i}: {start} then {end}"
             )));
         }
+        if end > tables.indices.len() {
+            return Err(Error::CorruptBlockTable(format!(
+                "CSR indptr of sequence {i} ends at {end}, past the {} indices",
+                tables.indices.len()
+            )));
+        }
         let nb = end - start;
         let last = tables.last_page_len[i] as usize;
         let context = match (nb, last) {

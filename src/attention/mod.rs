@@ -192,40 +192,9 @@ pub(crate) fn check_paged(
         });
     }
     params.validate(layout.shape().num_q_heads)?;
-    let batch = tables.batch;
-    if tables.context_lens.len() != batch {
-        return Err(Error::ShapeMismatch {
-            what: "context lengths (one per sequence)",
-            expected: batch,
-            got: tables.context_lens.len(),
-        });
-    }
-    if Some(tables.tables.len()) != batch.checked_mul(tables.max_blocks) {
-        return Err(Error::ShapeMismatch {
-            what: "padded table entries (batch * max_blocks)",
-            expected: batch.saturating_mul(tables.max_blocks),
-            got: tables.tables.len(),
-        });
-    }
-    for (i, &ctx) in tables.context_lens.iter().enumerate() {
-        let need = layout.blocks_for_tokens(ctx as usize);
-        if need > tables.max_blocks {
-            return Err(Error::CorruptBlockTable(format!(
-                "sequence {i} of the batch has {ctx} tokens, which need {need} blocks, but the table has {}",
-                tables.max_blocks
-            )));
-        }
-        if let Some(&b) = tables.row(i)[..need]
-            .iter()
-            .find(|&&b| b as usize >= num_blocks)
-        {
-            return Err(Error::BlockOutOfRange {
-                block: crate::BlockId(b),
-                num_blocks,
-            });
-        }
-    }
-    Ok(batch)
+    // The same table checks that guard kernel launches.
+    kernel_plan::validate_tables(layout, num_blocks, tables)?;
+    Ok(tables.batch)
 }
 
 /// Checks decode queries: `[batch, q_heads, head_dim]`.

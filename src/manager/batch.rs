@@ -102,38 +102,15 @@ impl KvCacheManager {
     /// point outside the arena or at freed (or merely cached) blocks.
     ///
     /// # Errors
-    /// [`Error::ShapeMismatch`] for inconsistent dimensions, [`Error::CorruptBlockTable`]
-    /// for a context longer than its row covers, [`Error::BlockOutOfRange`] and
-    /// [`Error::CorruptBlockTable`] naming the first bad entry.
+    /// As [`crate::attention::validate_tables`] (inconsistent dimensions, a context its
+    /// row does not cover, an entry outside the arena), and [`Error::CorruptBlockTable`]
+    /// for an entry naming a block that is not live.
     pub fn check_padded(&self, tables: &PaddedTables) -> Result<()> {
-        let (batch, width) = (tables.batch, tables.max_blocks);
-        let cells = batch.checked_mul(width).ok_or(Error::ShapeMismatch {
-            what: "batch * max_blocks",
-            expected: usize::MAX,
-            got: batch,
-        })?;
-        if tables.tables.len() != cells {
-            return Err(Error::ShapeMismatch {
-                what: "padded table cells",
-                expected: cells,
-                got: tables.tables.len(),
-            });
-        }
-        if tables.context_lens.len() != batch {
-            return Err(Error::ShapeMismatch {
-                what: "context lengths",
-                expected: batch,
-                got: tables.context_lens.len(),
-            });
-        }
+        // Shapes, coverage and arena bounds: the checks that guard kernel launches.
+        crate::attention::validate_tables(&self.layout, self.num_blocks(), tables)?;
         for (row, &ctx) in tables.context_lens.iter().enumerate() {
             let used = self.layout.blocks_for_tokens(ctx as usize);
-            if used > width {
-                return Err(Error::CorruptBlockTable(format!(
-                    "row {row}: {ctx} tokens need {used} blocks, the row has {width}"
-                )));
-            }
-            for &b in &tables.tables[row * width..row * width + used] {
+            for &b in &tables.row(row)[..used] {
                 self.check_live(crate::BlockId(b))?;
             }
         }
@@ -143,34 +120,12 @@ impl KvCacheManager {
     /// [`Self::check_padded`] for CSR tables.
     ///
     /// # Errors
-    /// As [`Self::check_padded`]; also a non-monotonic `indptr` or a last-page length
-    /// outside `1..=block_size` for a non-empty row.
+    /// As [`crate::attention::validate_csr`], and [`Error::CorruptBlockTable`] for an
+    /// index naming a block that is not live.
     pub fn check_csr(&self, tables: &CsrTables) -> Result<()> {
-        let batch = tables.last_page_len.len();
-        if tables.indptr.len() != batch + 1 || tables.indptr.first() != Some(&0) {
-            return Err(Error::ShapeMismatch {
-                what: "indptr entries",
-                expected: batch + 1,
-                got: tables.indptr.len(),
-            });
-        }
-        for (row, w) in tables.indptr.windows(2).enumerate() {
-            let (lo, hi) = (w[0] as usize, w[1] as usize);
-            if lo > hi || hi > tables.indices.len() {
-                return Err(Error::CorruptBlockTable(format!(
-                    "row {row}: indptr {lo}..{hi} outside 0..{}",
-                    tables.indices.len()
-                )));
-            }
-            let last = tables.last_page_len[row] as usize;
-            if (hi > lo && !(1..=self.block_size()).contains(&last)) || (hi == lo && last != 0) {
-                return Err(Error::CorruptBlockTable(format!(
-                    "row {row}: last page length {last}"
-                )));
-            }
-            for &b in &tables.indices[lo..hi] {
-                self.check_live(crate::BlockId(b))?;
-            }
+        crate::attention::validate_csr(&self.layout, self.num_blocks(), tables)?;
+        for &b in &tables.indices {
+            self.check_live(crate::BlockId(b))?;
         }
         Ok(())
     }

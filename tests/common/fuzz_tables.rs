@@ -106,6 +106,11 @@ pub fn run(mut data: &[u8]) {
     if word(d) % 5 == 0 {
         indptr.push(word(d));
     }
+    // Sometimes an arbitrary (even decreasing or huge) interior offset.
+    if indptr.len() > 2 && word(d) % 3 == 0 {
+        let i = 1 + (word(d) as usize % (indptr.len() - 2));
+        indptr[i] = word(d);
+    }
     let indices_len = indptr.last().copied().unwrap_or(0).min(64) as usize + (word(d) % 2) as usize;
     let csr = CsrTables {
         indices: (0..indices_len)
