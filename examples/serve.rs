@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use pagedkv::attention::model::TinyModel;
+use pagedkv::attention::model::{SplitMix64, TinyModel};
 use pagedkv::chart::{EventKind, MemoryChart, Timeline};
 use pagedkv::manager::FragStats;
 use pagedkv::prefix::AdmitOptions;
@@ -95,13 +95,12 @@ struct Args {
     quiet: bool,
 }
 
-/// splitmix64: a small, seeded generator, so the trace is the same on every machine.
-struct Rng(u64);
+/// The crate's seeded generator, so the trace is the same on every machine.
+struct Rng(SplitMix64);
 
 impl Rng {
     fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        mix(self.0)
+        self.0.next_u64()
     }
     fn unit(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
@@ -145,7 +144,7 @@ struct Request {
 }
 
 fn make_trace(args: &Args) -> Vec<Request> {
-    let mut rng = Rng(args.seed);
+    let mut rng = Rng(SplitMix64::new(args.seed));
     let system: Vec<Vec<u32>> = (0..4)
         .map(|_| {
             let n = (rng.lognormal(300.0, 0.5) as usize).clamp(64, args.max_len / 4);

@@ -4,8 +4,8 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use super::checksum::checksum64;
 use crate::error::{Error, Result};
+use crate::export::xxh64;
 use crate::layout::KvLayout;
 
 /// Slots start at multiples of this many bytes (a page, and a multiple of every
@@ -140,7 +140,7 @@ impl DiskTier {
         self.file
             .write_all_at(data, self.slot_offset(slot))
             .map_err(|e| Error::Io(format!("write disk {slot}: {e}")))?;
-        self.checksums[slot.0 as usize] = Some(checksum64(data));
+        self.checksums[slot.0 as usize] = Some(xxh64(data));
         Ok(())
     }
 
@@ -158,7 +158,7 @@ impl DiskTier {
         self.file
             .read_exact_at(out, self.slot_offset(slot))
             .map_err(|e| Error::Io(format!("read disk {slot}: {e}")))?;
-        let got = checksum64(out);
+        let got = xxh64(out);
         if got != expected {
             return Err(Error::Checksum {
                 what: format!("disk {slot}"),

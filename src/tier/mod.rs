@@ -9,7 +9,6 @@
 //! The manager keeps the bookkeeping of every tier (which block of which tier holds
 //! what, refcounts); this module holds the parts that touch memory or files.
 
-pub mod checksum;
 mod disk;
 mod engine;
 
