@@ -40,7 +40,7 @@ fn fill(bytes: &mut [u8], dtype: DType, rng: &mut SplitMix64) {
     let n = (1 << 20) / dtype.size_bytes();
     let vals: Vec<f32> = (0..n).map(|_| rng.uniform(1.0)).collect();
     let mut pattern = vec![0u8; n * dtype.size_bytes()];
-    pagedkv::convert::encode(dtype, &vals, 1.0, &mut pattern).unwrap();
+    pagedkv::layout::convert::encode(dtype, &vals, 1.0, &mut pattern).unwrap();
     for c in bytes.chunks_mut(pattern.len()) {
         let l = c.len();
         c.copy_from_slice(&pattern[..l]);

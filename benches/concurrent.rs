@@ -7,7 +7,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pagedkv::concurrent::ShardedPool;
+use pagedkv::pool::sharded::ShardedPool;
 use pagedkv::BlockPool;
 
 const BLOCKS: usize = 65_536;

@@ -128,7 +128,7 @@ fn defrag(c: &mut Criterion) {
         plan.len(),
         layout.block_bytes() / 1024,
         bytes >> 20,
-        pagedkv::transfer::merge_runs(plan.copies().iter().map(|c| (c.src.0, c.dst.0))).len()
+        pagedkv::layout::plans::merge_runs(plan.copies().iter().map(|c| (c.src.0, c.dst.0))).len()
     );
     g.throughput(Throughput::Bytes(bytes as u64));
     g.bench_function("execute/pagedkv_copy_blocks", |b| {

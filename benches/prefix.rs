@@ -7,7 +7,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use pagedkv::prefix::{ChainHasher, PrefixHasher};
+use pagedkv::pool::prefix::{ChainHasher, PrefixHasher};
 use pagedkv::{
     AdmitOptions, CacheAllocator, CacheConfig, ContiguousCache, DType, KvCacheManager, KvLayout,
     ModelShape, SeqId,

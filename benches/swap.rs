@@ -6,7 +6,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pagedkv::transfer::SwapDirection;
+use pagedkv::layout::plans::SwapDirection;
 use pagedkv::{BlockId, DType, HostStorage, KvLayout, ModelShape, Storage, SwapPlan};
 
 const BLOCKS: usize = 1024;

@@ -16,8 +16,8 @@ mod gpu {
     use cudarc::driver::sys;
     use pagedkv::attention::cuda::{CudaAttention, Tables};
     use pagedkv::attention::AttentionParams;
-    use pagedkv::cuda::AttentionSpec;
-    use pagedkv::storage::{CudaStorage, CudaStorageConfig};
+    use pagedkv::executor::cuda::AttentionSpec;
+    use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
     use pagedkv::{
         BlockId, CopyPlan, DType, Error, KvLayout, ModelShape, PaddedTables, Result, Storage,
         SwapDirection, SwapPlan,
@@ -212,11 +212,11 @@ mod gpu {
         }))
     }
 
-    pub fn write_cubins(dir: &str, arch: pagedkv::cuda::Arch) -> Result<usize> {
-        let specs = pagedkv::cuda::catalog();
+    pub fn write_cubins(dir: &str, arch: pagedkv::executor::cuda::Arch) -> Result<usize> {
+        let specs = pagedkv::executor::cuda::catalog();
         for spec in &specs {
-            let m = pagedkv::cuda::compile_uncached(spec, arch)?;
-            pagedkv::cuda::write_cubin(&m, std::path::Path::new(dir))?;
+            let m = pagedkv::executor::cuda::compile_uncached(spec, arch)?;
+            pagedkv::executor::cuda::write_cubin(&m, std::path::Path::new(dir))?;
         }
         Ok(specs.len())
     }
@@ -236,11 +236,11 @@ fn main() {
                 .position(|a| a == "--arch")
                 .and_then(|j| args.get(j + 1))
                 .and_then(|s| s.parse::<u32>().ok())
-                .map(|v| pagedkv::cuda::Arch {
+                .map(|v| pagedkv::executor::cuda::Arch {
                     major: v / 10,
                     minor: v % 10,
                 })
-                .unwrap_or(pagedkv::cuda::Arch::SM90);
+                .unwrap_or(pagedkv::executor::cuda::Arch::SM90);
             match gpu::write_cubins(dir, arch) {
                 Ok(n) => println!("wrote {n} cubins for {} to {dir}", arch.sm()),
                 Err(e) => {

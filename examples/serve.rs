@@ -20,12 +20,12 @@ use indicatif::{ProgressBar, ProgressStyle};
 use pagedkv::attention::model::{SplitMix64, TinyModel};
 use pagedkv::chart::{EventKind, MemoryChart, Timeline};
 use pagedkv::manager::FragStats;
-use pagedkv::prefix::AdmitOptions;
+use pagedkv::pool::prefix::AdmitOptions;
 use pagedkv::{
     BlockId, CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, HostStorage, KvCacheManager,
     KvLayout, ModelConfig, PaddedTables, SeqId, Slot, Storage, SwapPlan,
 };
-use pagedkv::{CostModel, PreemptAction, PreemptPolicy, TierConfig};
+use pagedkv::{PreemptAction, PreemptPolicy, TierConfig};
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Continuous-batching simulation: paged vs contiguous KV allocation on one arena")]
@@ -1061,7 +1061,7 @@ impl<'a> Sim<'a> {
                 .ok_or(pagedkv::Error::Unsupported("elastic needs paging".into()))?;
             // Preempted requests' blocks went to the prefix cache; the memory is leaving.
             kv.evict_cached(usize::MAX);
-            let moves = kv.shrink_to(plan.shrunk_blocks, &mut *self.store)?;
+            let moves = pagedkv::executor::shrink_to(kv, plan.shrunk_blocks, &mut *self.store)?;
             let frag: FragStats = kv.fragmentation();
             e.fragmentation_after = frag.fragmentation;
             e.moves += moves.len();
@@ -1074,7 +1074,7 @@ impl<'a> Sim<'a> {
                 .backend
                 .paged()
                 .ok_or(pagedkv::Error::Unsupported("elastic needs paging".into()))?;
-            kv.grow_to(target, &mut *self.store)?;
+            pagedkv::executor::grow_to(kv, target, &mut *self.store)?;
             e.grows += 1;
         }
         e.seconds += t.elapsed().as_secs_f64();
@@ -1089,7 +1089,7 @@ type Row = Box<dyn Fn(&Summary) -> String>;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let config = match pagedkv::shape::builtin::by_name(&args.model) {
+    let config = match pagedkv::layout::shape::builtin::by_name(&args.model) {
         Some(text) => ModelConfig::from_json_str(text)?,
         None => ModelConfig::from_file(&args.model)?,
     };
@@ -1189,7 +1189,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             (None, None) => 5_000.0,
         };
         // The probe swaps real blocks of this storage out and back before any data lands.
-        let policy = PreemptPolicy::cost_based(CostModel::probe(&mut store, 16, prefill)?);
+        let policy = PreemptPolicy::cost_based(pagedkv::executor::probe_cost_model(
+            &mut store, 16, prefill,
+        )?);
         bar.set_prefix("paged_overload");
         let backend = Backend::Paged {
             kv: &mut kv,

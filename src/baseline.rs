@@ -9,10 +9,10 @@
 use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
+use crate::ids::{BlockId, SeqId};
+use crate::layout::plans::CopyPlan;
 use crate::layout::{KvLayout, Slot};
 use crate::manager::{CacheStats, KvCacheManager, SeqMap};
-use crate::transfer::CopyPlan;
-use crate::{BlockId, SeqId};
 
 /// The calls the serve simulation and the benches make, so paged and contiguous
 /// allocation run the same code side by side.
@@ -322,7 +322,7 @@ impl CacheAllocator for ContiguousCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shape::{DType, ModelShape};
+    use crate::layout::shape::{DType, ModelShape};
 
     fn layout() -> KvLayout {
         let s = ModelShape {

@@ -3,8 +3,7 @@
 //! Every variant carries the numbers a caller needs to act on it. A call that returns
 //! an error has left every structure it touched as it was before the call.
 
-use crate::shape::DType;
-use crate::{BlockId, SeqId};
+use crate::ids::{BlockId, SeqId};
 
 /// Result alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -158,7 +157,7 @@ pub enum Error {
     },
     /// No pin with this id is held (never taken, or already released).
     #[error("unknown {0}")]
-    UnknownPin(crate::prefix::PinId),
+    UnknownPin(crate::ids::PinId),
     /// The operation is not supported by this backend or configuration.
     #[error("unsupported: {0}")]
     Unsupported(String),
@@ -202,10 +201,10 @@ pub enum Error {
     /// A KV export holds another element type than the receiver's cache.
     #[error("KV export dtype: sender {sender}, receiver {receiver}")]
     ExportDType {
-        /// The sender's KV dtype.
-        sender: DType,
-        /// The receiver's KV dtype.
-        receiver: DType,
+        /// The sender's KV dtype (`DType::name`).
+        sender: &'static str,
+        /// The receiver's KV dtype (`DType::name`).
+        receiver: &'static str,
     },
     /// A number is outside the range its parameter allows (a memory size of zero, a
     /// utilisation fraction above 1...).
@@ -239,7 +238,7 @@ pub enum Error {
     /// No swap transfer with this ticket is in flight (completed, aborted or never
     /// issued by this manager).
     #[error("no swap transfer in flight with ticket {0}")]
-    UnknownTicket(crate::manager::SwapTicket),
+    UnknownTicket(crate::ids::SwapTicket),
 }
 
 impl Error {

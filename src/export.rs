@@ -95,11 +95,11 @@
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::executor::storage::Storage;
+use crate::ids::{BlockId, SeqId};
+use crate::layout::shape::{DType, ModelShape};
 use crate::layout::{KvLayout, Strides};
 use crate::manager::KvCacheManager;
-use crate::shape::{DType, ModelShape};
-use crate::storage::Storage;
-use crate::{BlockId, SeqId};
 
 /// First 8 bytes of every export.
 pub const EXPORT_MAGIC: [u8; 8] = *b"PAGEDKV\0";
@@ -146,13 +146,7 @@ fn dtype_from_code(c: u32) -> Option<DType> {
     DType::ALL.into_iter().find(|&d| dtype_code(d) == c)
 }
 
-// ---- XXH64 -------------------------------------------------------------------------
-
-const P1: u64 = 0x9E37_79B1_85EB_CA87;
-const P2: u64 = 0xC2B2_AE3D_27D4_EB4F;
-const P3: u64 = 0x1656_67B1_9E37_79F9;
-const P4: u64 = 0x85EB_CA77_C2B2_AE63;
-const P5: u64 = 0x27D4_EB2F_1656_67C5;
+// ---- bytes, XXH64 ----------------------------------------------------------------------
 
 fn read_u64(b: &[u8]) -> u64 {
     let mut a = [0u8; 8];
@@ -166,111 +160,10 @@ fn read_u32(b: &[u8]) -> u32 {
     u32::from_le_bytes(a)
 }
 
-#[inline(always)]
-fn round(acc: u64, input: u64) -> u64 {
-    acc.wrapping_add(input.wrapping_mul(P2))
-        .rotate_left(31)
-        .wrapping_mul(P1)
-}
-
-fn merge(acc: u64, v: u64) -> u64 {
-    (acc ^ round(0, v)).wrapping_mul(P1).wrapping_add(P4)
-}
-
-/// Streaming XXH64 (seed 0), the checksum of the export format: fast (four independent
-/// lanes), specified, and available in every language a receiver might be written in.
-#[derive(Debug, Clone)]
-pub(crate) struct Xxh64 {
-    acc: [u64; 4],
-    buf: [u8; 32],
-    buf_len: usize,
-    total: u64,
-}
-
-impl Xxh64 {
-    pub(crate) fn new() -> Self {
-        Xxh64 {
-            acc: [P1.wrapping_add(P2), P2, 0, 0u64.wrapping_sub(P1)],
-            buf: [0; 32],
-            buf_len: 0,
-            total: 0,
-        }
-    }
-
-    fn stripe(acc: &mut [u64; 4], s: &[u8]) {
-        for (i, a) in acc.iter_mut().enumerate() {
-            *a = round(*a, read_u64(&s[8 * i..]));
-        }
-    }
-
-    pub(crate) fn update(&mut self, mut data: &[u8]) {
-        self.total = self.total.wrapping_add(data.len() as u64);
-        if self.buf_len > 0 {
-            let take = (32 - self.buf_len).min(data.len());
-            self.buf[self.buf_len..self.buf_len + take].copy_from_slice(&data[..take]);
-            self.buf_len += take;
-            data = &data[take..];
-            if self.buf_len < 32 {
-                return;
-            }
-            let buf = self.buf;
-            Self::stripe(&mut self.acc, &buf);
-            self.buf_len = 0;
-        }
-        let mut stripes = data.chunks_exact(32);
-        for s in &mut stripes {
-            Self::stripe(&mut self.acc, s);
-        }
-        let rest = stripes.remainder();
-        self.buf[..rest.len()].copy_from_slice(rest);
-        self.buf_len = rest.len();
-    }
-
-    pub(crate) fn finish(&self) -> u64 {
-        let mut h = if self.total >= 32 {
-            let [v1, v2, v3, v4] = self.acc;
-            let mut h = v1
-                .rotate_left(1)
-                .wrapping_add(v2.rotate_left(7))
-                .wrapping_add(v3.rotate_left(12))
-                .wrapping_add(v4.rotate_left(18));
-            for v in self.acc {
-                h = merge(h, v);
-            }
-            h
-        } else {
-            P5
-        };
-        h = h.wrapping_add(self.total);
-        let mut rest = &self.buf[..self.buf_len];
-        while rest.len() >= 8 {
-            h ^= round(0, read_u64(rest));
-            h = h.rotate_left(27).wrapping_mul(P1).wrapping_add(P4);
-            rest = &rest[8..];
-        }
-        if rest.len() >= 4 {
-            h ^= u64::from(read_u32(rest)).wrapping_mul(P1);
-            h = h.rotate_left(23).wrapping_mul(P2).wrapping_add(P3);
-            rest = &rest[4..];
-        }
-        for &b in rest {
-            h ^= u64::from(b).wrapping_mul(P5);
-            h = h.rotate_left(11).wrapping_mul(P1);
-        }
-        h ^= h >> 33;
-        h = h.wrapping_mul(P2);
-        h ^= h >> 29;
-        h = h.wrapping_mul(P3);
-        h ^ (h >> 32)
-    }
-}
-
 /// XXH64 with seed 0 of `data`: the checksum the export format uses, public so that
 /// tools (and tests) can build or patch headers.
 pub fn xxh64(data: &[u8]) -> u64 {
-    let mut h = Xxh64::new();
-    h.update(data);
-    h.finish()
+    xxhash_rust::xxh64::xxh64(data, 0)
 }
 
 // ---- sizes -------------------------------------------------------------------------
@@ -336,12 +229,12 @@ fn block_hashes(layout: &KvLayout, num_tokens: usize, payload: &[u8]) -> Vec<u64
         .with_min_len(4)
         .map(|b| {
             let (t0, t1) = (b * bs, ((b + 1) * bs).min(num_tokens));
-            let mut h = Xxh64::new();
+            let mut h = xxhash_rust::xxh64::Xxh64::new(0);
             for half in 0..halves {
                 let base = half * num_tokens * row;
                 h.update(&payload[base + t0 * row..base + t1 * row]);
             }
-            h.finish()
+            h.digest()
         })
         .collect()
 }
@@ -367,11 +260,11 @@ fn format_err(what: &'static str, expected: u64, got: u64) -> Error {
 
 /// XXH64 of a fixed header with its checksum field taken as zero.
 fn fixed_checksum(fixed: &[u8]) -> u64 {
-    let mut h = Xxh64::new();
+    let mut h = xxhash_rust::xxh64::Xxh64::new(0);
     h.update(&fixed[..off::HEADER_CHECKSUM]);
     h.update(&[0; 8]);
     h.update(&fixed[off::HEADER_CHECKSUM + 8..HEADER_FIXED_BYTES]);
-    h.finish()
+    h.digest()
 }
 
 impl ExportHeader {
@@ -540,8 +433,8 @@ impl ExportHeader {
         }
         if s.kv_dtype != r.kv_dtype {
             return Err(Error::ExportDType {
-                sender: s.kv_dtype,
-                receiver: r.kv_dtype,
+                sender: s.kv_dtype.name(),
+                receiver: r.kv_dtype.name(),
             });
         }
         Ok(())
@@ -861,7 +754,7 @@ impl<'a> ExportView<'a> {
         manager: &mut KvCacheManager,
         storage: &mut S,
         seq: SeqId,
-        opts: &crate::prefix::AdmitOptions<'_>,
+        opts: &crate::pool::prefix::AdmitOptions<'_>,
     ) -> Result<(ImportedSequence, usize)> {
         if !self.header.has_token_ids {
             return Err(Error::ExportFormat {
@@ -949,11 +842,11 @@ mod tests {
         assert_eq!(xxh64(&long), 0x8e03_c838_c596_036f);
         // Streaming in uneven pieces gives the one-shot hash.
         for step in [1, 3, 7, 31, 32, 33, 100] {
-            let mut h = Xxh64::new();
+            let mut h = xxhash_rust::xxh64::Xxh64::new(0);
             for piece in long.chunks(step) {
                 h.update(piece);
             }
-            assert_eq!(h.finish(), 0x8e03_c838_c596_036f, "step {step}");
+            assert_eq!(h.digest(), 0x8e03_c838_c596_036f, "step {step}");
         }
     }
 

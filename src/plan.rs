@@ -72,8 +72,8 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
+use crate::layout::shape::{builtin, DType, ModelConfig};
 use crate::layout::KvLayout;
-use crate::shape::{builtin, DType, ModelConfig};
 
 /// Bytes in one GiB.
 pub const GIB: u64 = 1 << 30;

@@ -524,8 +524,10 @@ fn contiguous_baselines_match_paged_bit_for_bit() {
             }
             let at = i * max_len * kv * d * dtype.size_bytes();
             let n = c * kv * d * dtype.size_bytes();
-            pagedkv::convert::encode(dtype, &k, params.k_scale, &mut tensor_k[at..at + n]).unwrap();
-            pagedkv::convert::encode(dtype, &v, params.v_scale, &mut tensor_v[at..at + n]).unwrap();
+            pagedkv::layout::convert::encode(dtype, &k, params.k_scale, &mut tensor_k[at..at + n])
+                .unwrap();
+            pagedkv::layout::convert::encode(dtype, &v, params.v_scale, &mut tensor_v[at..at + n])
+                .unwrap();
         }
         let seqs: Vec<SeqId> = (0..ctxs.len() as u64).map(SeqId).collect();
         let mut tp = PaddedTables::default();

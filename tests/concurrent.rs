@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use pagedkv::concurrent::ShardedPool;
+use pagedkv::pool::sharded::ShardedPool;
 use pagedkv::{
     CacheConfig, CopyPlan, DType, Error, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId,
     SharedKvCacheManager, Storage,

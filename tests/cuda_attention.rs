@@ -16,7 +16,7 @@ use cuda_common::{decode, nan_bytes, storage_or_skip, Rng};
 use pagedkv::attention::cuda::{CudaAttention, Tables};
 use pagedkv::attention::reference::paged_decode_reference;
 use pagedkv::attention::{plan_splits, split_plan_with, AttentionParams, SplitPlan};
-use pagedkv::storage::{CudaStorage, CudaStorageConfig};
+use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
 use pagedkv::{
     BlockId, CsrTables, DType, HostStorage, KvLayout, ModelShape, PaddedTables, Slot, Storage,
 };
@@ -97,8 +97,8 @@ fn setup(test: &str, case: &Case, seed: u64, want_gpu: bool) -> Option<Setup> {
         // The cache is written with the crate's own encoder (fp8 stores x / scale).
         let mut kb = vec![0u8; k.len() * case.dtype.size_bytes()];
         let mut vb = vec![0u8; v.len() * case.dtype.size_bytes()];
-        pagedkv::convert::encode(case.dtype, &k, k_scale, &mut kb).unwrap();
-        pagedkv::convert::encode(case.dtype, &v, v_scale, &mut vb).unwrap();
+        pagedkv::layout::convert::encode(case.dtype, &k, k_scale, &mut kb).unwrap();
+        pagedkv::layout::convert::encode(case.dtype, &v, v_scale, &mut vb).unwrap();
         if let Some(g) = gpu.as_mut() {
             g.write_slots(LAYER, &slots, &kb, &vb).unwrap();
         }

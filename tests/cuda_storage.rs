@@ -7,7 +7,7 @@
 mod cuda_common;
 
 use cuda_common::{encode, skip, storage_or_skip, Rng};
-use pagedkv::storage::{auto, Backend, CudaStorage, CudaStorageConfig};
+use pagedkv::executor::storage::{auto, Backend, CudaStorage, CudaStorageConfig};
 use pagedkv::{
     BlockId, CopyPlan, DType, Error, HostStorage, KvLayout, ModelShape, Slot, Storage,
     SwapDirection, SwapPlan,
@@ -247,7 +247,7 @@ fn reshape_and_cache_quantises_like_the_cpu() {
             vs,
         )
         .unwrap();
-        // The CPU's reshape_and_cache (fp8: x / scale through pagedkv::convert).
+        // The CPU's reshape_and_cache (fp8: x / scale through pagedkv::layout::convert).
         pagedkv::attention::cpu::reshape_and_cache(&mut host, 0, &slots, &k, &v, ks, vs).unwrap();
         for blk in 0..BLOCKS as u32 {
             let g = gpu.block_bytes(0, BlockId(blk)).unwrap();

@@ -226,7 +226,8 @@ impl<S: Storage> Harness<S> {
             .filter(|s| **s != BlockState::Free)
             .count();
         assert_eq!(before.moves_to_compact, above);
-        let plan = self.kv.defragment_with(&mut self.storage, opts).unwrap();
+        let plan =
+            pagedkv::executor::defragment_with(&mut self.kv, &mut self.storage, opts).unwrap();
         check_plan_shape(&plan);
         for m in plan.moves() {
             assert_eq!(
@@ -398,7 +399,8 @@ fn run(actions: Vec<Action>) {
                 let n = h.kv.num_blocks();
                 if pick % 5 == 0 && resident > 0 {
                     let before = h.snapshot();
-                    let err = h.kv.shrink_to(resident - 1, &mut h.storage).unwrap_err();
+                    let err = pagedkv::executor::shrink_to(&mut h.kv, resident - 1, &mut h.storage)
+                        .unwrap_err();
                     assert_eq!(
                         err,
                         Error::ShrinkBelowResident {
@@ -420,7 +422,8 @@ fn run(actions: Vec<Action>) {
                         .iter()
                         .filter(|s| **s != BlockState::Free)
                         .count();
-                    let plan = h.kv.shrink_to(target, &mut h.storage).unwrap();
+                    let plan =
+                        pagedkv::executor::shrink_to(&mut h.kv, target, &mut h.storage).unwrap();
                     check_plan_shape(&plan);
                     assert_eq!(plan.len(), above, "shrink moves only the blocks above");
                     assert_eq!(h.kv.num_blocks(), target);
@@ -433,7 +436,7 @@ fn run(actions: Vec<Action>) {
                 if target > MAX_BLOCKS {
                     let before = h.snapshot();
                     assert_eq!(
-                        h.kv.grow_to(target, &mut h.storage),
+                        pagedkv::executor::grow_to(&mut h.kv, target, &mut h.storage),
                         Err(Error::ArenaLimit {
                             requested: target,
                             max: MAX_BLOCKS
@@ -442,7 +445,7 @@ fn run(actions: Vec<Action>) {
                     assert_eq!(h.snapshot(), before);
                 } else {
                     let tables = h.snapshot().tables;
-                    h.kv.grow_to(target, &mut h.storage).unwrap();
+                    pagedkv::executor::grow_to(&mut h.kv, target, &mut h.storage).unwrap();
                     assert_eq!(h.snapshot().tables, tables, "growing moves nothing");
                     assert_eq!(h.kv.num_blocks(), target);
                 }
@@ -454,7 +457,7 @@ fn run(actions: Vec<Action>) {
     h.defragment(DefragOptions::FULL);
     let frag = h.kv.fragmentation();
     let resident = (frag.live_blocks + frag.cached_blocks).max(1);
-    let plan = h.kv.shrink_to(resident, &mut h.storage).unwrap();
+    let plan = pagedkv::executor::shrink_to(&mut h.kv, resident, &mut h.storage).unwrap();
     assert!(plan.is_empty(), "a compacted arena shrinks without moves");
     h.verify();
 }
@@ -539,12 +542,14 @@ fn long_lived_sequences_at_the_top() {
     assert_eq!((f.high_water_blocks, f.fragmentation), (16, 0.0));
     assert!(h.defragment(DefragOptions::FULL).is_empty());
 
-    assert!(h.kv.shrink_to(16, &mut h.storage).unwrap().is_empty());
+    assert!(pagedkv::executor::shrink_to(&mut h.kv, 16, &mut h.storage)
+        .unwrap()
+        .is_empty());
     assert_eq!(h.storage.num_blocks(), 16);
     h.verify();
     // Decoding continues in the shrunk arena until it is full.
     assert_eq!(h.kv.num_available_blocks(), 0);
-    h.kv.grow_to(32, &mut h.storage).unwrap();
+    pagedkv::executor::grow_to(&mut h.kv, 32, &mut h.storage).unwrap();
     for &s in &long {
         h.append(s, BLOCK_SIZE);
     }
@@ -560,7 +565,7 @@ fn shrink_moves_only_the_tail() {
         h.free(*s);
     }
     // Live: 0..8 and 60..64. Shrinking to 40 moves the four at the top.
-    let plan = h.kv.shrink_to(40, &mut h.storage).unwrap();
+    let plan = pagedkv::executor::shrink_to(&mut h.kv, 40, &mut h.storage).unwrap();
     let moves: Vec<(u32, u32)> = plan.moves().iter().map(|m| (m.src.0, m.dst.0)).collect();
     assert_eq!(moves, vec![(60, 8), (61, 9), (62, 10), (63, 11)]);
     assert_eq!(plan.runs(), vec![(60, 8, 4)]);
@@ -616,7 +621,7 @@ fn shrink_below_live_and_grow_past_max_are_typed_errors() {
     h.free(seqs[3]);
     let before = h.snapshot();
     assert_eq!(
-        h.kv.shrink_to(17, &mut h.storage),
+        pagedkv::executor::shrink_to(&mut h.kv, 17, &mut h.storage),
         Err(Error::ShrinkBelowResident {
             requested: 17,
             live: 18,
@@ -624,31 +629,31 @@ fn shrink_below_live_and_grow_past_max_are_typed_errors() {
         })
     );
     assert_eq!(
-        h.kv.grow_to(49, &mut h.storage),
+        pagedkv::executor::grow_to(&mut h.kv, 49, &mut h.storage),
         Err(Error::ArenaLimit {
             requested: 49,
             max: 48
         })
     );
     assert!(matches!(
-        h.kv.shrink_to(33, &mut h.storage),
+        pagedkv::executor::shrink_to(&mut h.kv, 33, &mut h.storage),
         Err(Error::InvalidConfig { .. })
     ));
     assert!(matches!(
-        h.kv.grow_to(31, &mut h.storage),
+        pagedkv::executor::grow_to(&mut h.kv, 31, &mut h.storage),
         Err(Error::InvalidConfig { .. })
     ));
     let mut other = HostStorage::new(layout(), 33).unwrap();
     assert!(matches!(
-        h.kv.shrink_to(20, &mut other),
+        pagedkv::executor::shrink_to(&mut h.kv, 20, &mut other),
         Err(Error::ShapeMismatch { .. })
     ));
     assert_eq!(h.snapshot(), before);
     h.verify();
     // Exactly the live size works.
-    h.kv.shrink_to(18, &mut h.storage).unwrap();
+    pagedkv::executor::shrink_to(&mut h.kv, 18, &mut h.storage).unwrap();
     h.verify();
-    h.kv.grow_to(48, &mut h.storage).unwrap();
+    pagedkv::executor::grow_to(&mut h.kv, 48, &mut h.storage).unwrap();
     h.verify();
 }
 
@@ -660,13 +665,13 @@ fn shrink_respects_the_watermark() {
     let mut kv = KvCacheManager::new(layout, config).unwrap();
     let mut storage = HostStorage::new(layout, 32).unwrap();
     assert!(matches!(
-        kv.shrink_to(4, &mut storage),
+        pagedkv::executor::shrink_to(&mut kv, 4, &mut storage),
         Err(Error::InvalidConfig {
             field: "num_blocks",
             ..
         })
     ));
-    kv.shrink_to(5, &mut storage).unwrap();
+    pagedkv::executor::shrink_to(&mut kv, 5, &mut storage).unwrap();
     assert_eq!(kv.config().num_blocks, 5);
 }
 
@@ -744,23 +749,22 @@ fn failing_storage_leaves_everything_unchanged() {
     let before = h.snapshot();
 
     h.storage.fail_copy = true;
-    assert!(h
-        .kv
-        .defragment_with(&mut h.storage, DefragOptions::FULL)
-        .is_err());
-    assert!(h.kv.shrink_to(40, &mut h.storage).is_err());
+    assert!(
+        pagedkv::executor::defragment_with(&mut h.kv, &mut h.storage, DefragOptions::FULL).is_err()
+    );
+    assert!(pagedkv::executor::shrink_to(&mut h.kv, 40, &mut h.storage).is_err());
     assert_eq!(h.snapshot(), before);
     h.verify();
 
     h.storage.fail_copy = false;
     h.storage.fail_resize = true;
-    assert!(h.kv.shrink_to(40, &mut h.storage).is_err());
-    assert!(h.kv.grow_to(100, &mut h.storage).is_err());
+    assert!(pagedkv::executor::shrink_to(&mut h.kv, 40, &mut h.storage).is_err());
+    assert!(pagedkv::executor::grow_to(&mut h.kv, 100, &mut h.storage).is_err());
     assert_eq!(h.snapshot(), before);
     h.verify();
 
     h.storage.fail_resize = false;
-    h.kv.shrink_to(40, &mut h.storage).unwrap();
+    pagedkv::executor::shrink_to(&mut h.kv, 40, &mut h.storage).unwrap();
     h.verify();
 }
 

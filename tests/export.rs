@@ -533,8 +533,8 @@ fn other_shapes_and_dtypes_are_rejected() {
         (
             shape().with_dtype(DType::BF16),
             Error::ExportDType {
-                sender: DType::BF16,
-                receiver: DType::F16,
+                sender: DType::BF16.name(),
+                receiver: DType::F16.name(),
             },
         ),
     ];

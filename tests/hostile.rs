@@ -6,7 +6,7 @@
 use pagedkv::attention::cpu::{paged_decode, reshape_and_cache};
 use pagedkv::attention::reference::paged_decode_reference;
 use pagedkv::attention::AttentionParams;
-use pagedkv::concurrent::ShardedPool;
+use pagedkv::pool::sharded::ShardedPool;
 use pagedkv::{
     BlockId, BlockPool, CacheConfig, CopyPlan, CsrTables, DType, Error, HostStorage,
     KvCacheManager, KvLayout, ModelShape, PaddedTables, SeqId, Slot, Storage, SwapDirection,
@@ -255,7 +255,9 @@ fn attention_rejects_bad_tables_scales_and_shapes_before_reading() {
                 .is_err()
         );
         let mut bytes = vec![0u8; 4];
-        assert!(pagedkv::convert::encode(DType::Fp8E4M3, &[1.0; 4], s, &mut bytes).is_err());
+        assert!(
+            pagedkv::layout::convert::encode(DType::Fp8E4M3, &[1.0; 4], s, &mut bytes).is_err()
+        );
     }
     // Wrong ALiBi slope count.
     let p = AttentionParams {

@@ -8,7 +8,7 @@
 
 use std::io::Write;
 
-use pagedkv::cuda::{catalog, compile_uncached, nvrtc_present, Arch, KernelSpec};
+use pagedkv::executor::cuda::{catalog, compile_uncached, nvrtc_present, Arch, KernelSpec};
 
 fn nvrtc_or_skip(test: &str) -> bool {
     if nvrtc_present() {
@@ -88,7 +88,7 @@ fn a_specialisation_the_kernel_rejects_fails_to_compile_with_the_log() {
         return;
     }
     // head_dim 48 in f16 is 96 bytes: 6 vectors, which the host check rejects first.
-    let bad = pagedkv::cuda::AttentionSpec {
+    let bad = pagedkv::executor::cuda::AttentionSpec {
         head_dim: 48,
         block_size: 16,
         gqa_group: 4,
@@ -106,7 +106,7 @@ fn prebuilt_cubins_are_loaded_before_nvrtc() {
     // are not a real cubin; loading them into a context is the GPU tests' business.
     let dir = std::env::temp_dir().join(format!("pagedkv-cubins-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let spec = KernelSpec::Attention(pagedkv::cuda::AttentionSpec {
+    let spec = KernelSpec::Attention(pagedkv::executor::cuda::AttentionSpec {
         head_dim: 256,
         block_size: 32,
         gqa_group: 2,
@@ -116,12 +116,12 @@ fn prebuilt_cubins_are_loaded_before_nvrtc() {
     });
     let arch = Arch { major: 8, minor: 9 };
     std::fs::write(dir.join(spec.cubin_file_name(arch)), b"fake cubin").unwrap();
-    std::env::set_var(pagedkv::cuda::CUBIN_DIR_ENV, &dir);
-    let m = pagedkv::cuda::compile(&spec, arch).unwrap();
+    std::env::set_var(pagedkv::executor::cuda::CUBIN_DIR_ENV, &dir);
+    let m = pagedkv::executor::cuda::compile(&spec, arch).unwrap();
     assert_eq!(m.cubin, b"fake cubin");
     assert!(m.log.contains("prebuilt"));
     // Another specialisation has another name: no stale cubin is ever picked up.
-    let other = KernelSpec::Attention(pagedkv::cuda::AttentionSpec {
+    let other = KernelSpec::Attention(pagedkv::executor::cuda::AttentionSpec {
         head_dim: 128,
         block_size: 32,
         gqa_group: 2,
@@ -139,7 +139,7 @@ fn edge_specialisations_the_host_check_accepts_compile() {
     if !nvrtc_or_skip("edge_specialisations_the_host_check_accepts_compile") {
         return;
     }
-    use pagedkv::cuda::AttentionSpec;
+    use pagedkv::executor::cuda::AttentionSpec;
     use pagedkv::DType;
     let base = AttentionSpec {
         head_dim: 128,

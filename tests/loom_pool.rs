@@ -4,7 +4,7 @@
 //! `RUSTFLAGS="--cfg loom" cargo test --release --test loom_pool`
 #![cfg(loom)]
 
-use pagedkv::concurrent::ShardedPool;
+use pagedkv::pool::sharded::ShardedPool;
 
 #[test]
 fn two_shards_never_share_or_lose_a_block() {

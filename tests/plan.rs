@@ -430,7 +430,7 @@ fn precision_names_parse() {
 
 #[test]
 fn model_specs_from_configs() {
-    let text = pagedkv::shape::builtin::LLAMA3_8B;
+    let text = pagedkv::layout::shape::builtin::LLAMA3_8B;
     assert!(!ModelSpec::from_json_str(text).unwrap().attention_bias);
     assert!(ModelSpec::resolve("qwen2.5-7b").unwrap().attention_bias);
     // Tied embeddings drop the lm_head.

@@ -4,7 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use pagedkv::prefix::{ChainHasher, CostAwarePolicy, EvictionPolicy, LruPolicy, PrefixHasher};
+use pagedkv::pool::prefix::{
+    ChainHasher, CostAwarePolicy, EvictionPolicy, LruPolicy, PrefixHasher,
+};
 use pagedkv::{
     AdmitOptions, BlockHash, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCacheManager,
     KvLayout, ModelShape, PinId, PrefixConfig, PrefixEvent, SeqId, Slot, Storage,

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crossbeam_channel::{unbounded, Receiver};
-use pagedkv::transfer::SwapDirection;
+use pagedkv::layout::plans::SwapDirection;
 use pagedkv::{
     BlockId, CacheConfig, CopyPlan, CostModel, DType, DiskTier, Error, HostStorage, KvCacheManager,
     KvLayout, ModelShape, PreemptAction, PreemptPolicy, PreemptReason, SeqId, Slot, Storage,
@@ -674,7 +674,7 @@ fn disk_round_trip_through_the_host_tier() {
     r.swap_out(&[SeqId(1), SeqId(2)]).unwrap();
     assert_eq!(r.kv.tier_stats().host_used_blocks, 4);
     let written =
-        r.kv.spill_to_disk(&[SeqId(1), SeqId(2)], &r.storage, &mut disk)
+        pagedkv::executor::spill_to_disk(&mut r.kv, &[SeqId(1), SeqId(2)], &r.storage, &mut disk)
             .unwrap();
     assert_eq!(written, 4);
     let t = r.kv.tier_stats();
@@ -694,9 +694,13 @@ fn disk_round_trip_through_the_host_tier() {
     r.swap_in(&[SeqId(3)]).unwrap();
     r.free(SeqId(3)).unwrap();
 
-    let read =
-        r.kv.restore_from_disk(&[SeqId(1), SeqId(2)], &mut r.storage, &disk)
-            .unwrap();
+    let read = pagedkv::executor::restore_from_disk(
+        &mut r.kv,
+        &[SeqId(1), SeqId(2)],
+        &mut r.storage,
+        &disk,
+    )
+    .unwrap();
     assert_eq!(read, 4);
     r.swap_in(&[SeqId(1), SeqId(2)]).unwrap();
     r.verify(SeqId(1));
@@ -716,7 +720,7 @@ fn disk_full_is_a_typed_error_and_changes_nothing() {
     r.swap_out(&[SeqId(1)]).unwrap();
     let before = snapshot(&r.kv);
     assert_eq!(
-        r.kv.spill_to_disk(&[SeqId(1)], &r.storage, &mut disk),
+        pagedkv::executor::spill_to_disk(&mut r.kv, &[SeqId(1)], &r.storage, &mut disk),
         Err(Error::TierFull {
             tier: "disk",
             needed: 3,
@@ -746,7 +750,7 @@ fn a_failed_disk_write_changes_nothing() {
     r.swap_out(&[SeqId(1)]).unwrap();
     let before = snapshot(&r.kv);
     assert!(matches!(
-        r.kv.spill_to_disk(&[SeqId(1)], &r.storage, &mut disk),
+        pagedkv::executor::spill_to_disk(&mut r.kv, &[SeqId(1)], &r.storage, &mut disk),
         Err(Error::Io(_))
     ));
     assert_eq!(snapshot(&r.kv), before);
@@ -763,8 +767,7 @@ fn a_corrupt_disk_block_fails_its_checksum_and_changes_nothing() {
     r.admit(SeqId(1), 10).unwrap();
     r.admit(SeqId(2), 6).unwrap();
     r.swap_out(&[SeqId(1)]).unwrap();
-    r.kv.spill_to_disk(&[SeqId(1)], &r.storage, &mut disk)
-        .unwrap();
+    pagedkv::executor::spill_to_disk(&mut r.kv, &[SeqId(1)], &r.storage, &mut disk).unwrap();
     let TierBlock::Disk(slot) = r.kv.swapped_table(SeqId(1)).unwrap()[1] else {
         panic!("not on disk");
     };
@@ -780,7 +783,7 @@ fn a_corrupt_disk_block_fails_its_checksum_and_changes_nothing() {
     raw.write_all_at(&[b[0] ^ 0x10], at).unwrap();
     let before = snapshot(&r.kv);
     assert!(matches!(
-        r.kv.restore_from_disk(&[SeqId(1)], &mut r.storage, &disk),
+        pagedkv::executor::restore_from_disk(&mut r.kv, &[SeqId(1)], &mut r.storage, &disk),
         Err(Error::Checksum { .. })
     ));
     assert_eq!(snapshot(&r.kv), before);
@@ -788,8 +791,7 @@ fn a_corrupt_disk_block_fails_its_checksum_and_changes_nothing() {
     r.check();
     // Repair the byte: the same data now restores.
     raw.write_all_at(&b, at).unwrap();
-    r.kv.restore_from_disk(&[SeqId(1)], &mut r.storage, &disk)
-        .unwrap();
+    pagedkv::executor::restore_from_disk(&mut r.kv, &[SeqId(1)], &mut r.storage, &disk).unwrap();
     r.swap_in(&[SeqId(1)]).unwrap();
     r.verify(SeqId(1));
 }
@@ -802,7 +804,7 @@ fn a_mismatched_disk_tier_is_rejected() {
     r.admit(SeqId(1), 4).unwrap();
     r.swap_out(&[SeqId(1)]).unwrap();
     assert!(matches!(
-        r.kv.spill_to_disk(&[SeqId(1)], &r.storage, &mut wrong),
+        pagedkv::executor::spill_to_disk(&mut r.kv, &[SeqId(1)], &r.storage, &mut wrong),
         Err(Error::InvalidConfig { .. })
     ));
 }
@@ -934,11 +936,11 @@ fn preemption_that_cannot_free_enough_changes_nothing() {
 fn the_probe_measures_a_positive_bandwidth_without_changing_device_data() {
     let mut r = rig(8, 8, 0);
     r.admit(SeqId(1), 20).unwrap();
-    let cost = CostModel::probe(&mut r.storage, 8, 5000.0).unwrap();
+    let cost = pagedkv::executor::probe_cost_model(&mut r.storage, 8, 5000.0).unwrap();
     assert!(cost.swap_bytes_per_s > 0.0);
     assert_eq!(cost.prefill_tokens_per_s, 5000.0);
     r.verify(SeqId(1));
-    assert!(CostModel::probe(&mut r.storage, 9, 1.0).is_err());
+    assert!(pagedkv::executor::probe_cost_model(&mut r.storage, 9, 1.0).is_err());
     assert!(CostModel::new(0.0, 1.0).is_err());
     assert!(CostModel::new(1.0, f64::NAN).is_err());
 }
@@ -1105,17 +1107,23 @@ mod properties {
                 Action::Spill(p) => {
                     if let Some(id) = self.pick(p) {
                         let seqs = self.group(id);
-                        self.r
-                            .kv
-                            .spill_to_disk(&seqs, &self.r.storage, &mut self.disk)?;
+                        pagedkv::executor::spill_to_disk(
+                            &mut self.r.kv,
+                            &seqs,
+                            &self.r.storage,
+                            &mut self.disk,
+                        )?;
                     }
                 }
                 Action::Restore(p) => {
                     if let Some(id) = self.pick(p) {
                         let seqs = self.group(id);
-                        self.r
-                            .kv
-                            .restore_from_disk(&seqs, &mut self.r.storage, &self.disk)?;
+                        pagedkv::executor::restore_from_disk(
+                            &mut self.r.kv,
+                            &seqs,
+                            &mut self.r.storage,
+                            &self.disk,
+                        )?;
                     }
                 }
                 Action::Preempt {
@@ -1186,7 +1194,7 @@ mod properties {
             for id in w.ids() {
                 if w.r.kv.is_swapped(id) {
                     let g: Vec<SeqId> = w.group(id).into_iter().filter(|s| w.r.kv.is_swapped(*s)).collect();
-                    let _ = w.r.kv.restore_from_disk(&g, &mut w.r.storage, &w.disk);
+                    let _ = pagedkv::executor::restore_from_disk(&mut w.r.kv, &g, &mut w.r.storage, &w.disk);
                     if w.r.kv.swap_in_group(&g).map(|j| w.finish(j, false)).is_ok() {
                         for s in g {
                             w.r.verify(s);

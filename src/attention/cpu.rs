@@ -31,13 +31,13 @@ use rayon::prelude::*;
 use super::kernels::Avx2;
 use super::kernels::{Kern, Portable};
 use super::{check_decode_q, check_paged, check_prefill_q, AttentionParams};
-use crate::convert::{check_scale, encode_unchecked, fp8_e4m3_table};
 use crate::error::{Error, Result};
+use crate::executor::storage::{HostStorage, Storage};
+use crate::ids::BlockId;
+use crate::layout::convert::{check_scale, encode_unchecked, fp8_e4m3_table};
+use crate::layout::shape::DType;
 use crate::layout::{Kv, KvLayout, Slot};
-use crate::manager::PaddedTables;
-use crate::shape::DType;
-use crate::storage::{HostStorage, Storage};
-use crate::BlockId;
+use crate::tables::PaddedTables;
 
 /// The planner never cuts splits shorter than this many tokens.
 pub const MIN_SPLIT_TOKENS: usize = 256;
@@ -1090,7 +1090,7 @@ mod tests {
     use super::*;
 
     use crate::attention::reference::{paged_decode_reference, paged_prefill_reference};
-    use crate::shape::ModelShape;
+    use crate::layout::shape::ModelShape;
 
     /// Both kernel copies against the reference (the integration tests only reach the
     /// one this machine picks).

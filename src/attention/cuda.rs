@@ -15,7 +15,7 @@
 //! # fn main() -> pagedkv::Result<()> {
 //! use pagedkv::attention::cuda::{CudaAttention, Tables};
 //! use pagedkv::attention::AttentionParams;
-//! use pagedkv::storage::{CudaStorage, CudaStorageConfig};
+//! use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
 //! use pagedkv::{DType, KvLayout, ModelShape, PaddedTables};
 //!
 //! let shape = ModelShape { num_layers: 1, num_q_heads: 8, num_kv_heads: 2, head_dim: 128, kv_dtype: DType::BF16 };
@@ -30,15 +30,13 @@
 //! # }
 //! ```
 
-use super::{
-    plan_splits, split_plan_with, validate_csr, validate_params, validate_tables, AttentionParams,
-    SplitPlan,
-};
-use crate::cuda::{compile, driver_err, AttentionSpec, KernelSpec, ATTENTION_THREADS};
+use super::{plan_splits, split_plan_with, validate_params, AttentionParams, SplitPlan};
 use crate::error::{Error, Result};
-use crate::manager::{CsrTables, PaddedTables};
-use crate::shape::DType;
-use crate::storage::{CudaStorage, Storage};
+use crate::executor::cuda::{compile, driver_err, AttentionSpec, KernelSpec, ATTENTION_THREADS};
+use crate::executor::storage::{CudaStorage, Storage};
+use crate::layout::shape::DType;
+use crate::tables::{validate_csr, validate_tables};
+use crate::tables::{CsrTables, PaddedTables};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Block tables of a batch, in either form the manager exports.
@@ -147,7 +145,7 @@ impl CudaAttention {
     }
 
     /// Validates `tables` against `storage`'s arena (see
-    /// [`super::validate_tables`]) and uploads them.
+    /// [`crate::tables::validate_tables`]) and uploads them.
     ///
     /// # Errors
     /// The validation errors; [`Error::ShapeMismatch`] for a batch over 65535 (the grid's
@@ -252,7 +250,7 @@ impl CudaAttention {
         let region = storage.region_ptr(layer)?;
         if tables.blocks_needed > storage.num_blocks() {
             return Err(Error::BlockOutOfRange {
-                block: crate::BlockId(tables.blocks_needed as u32 - 1),
+                block: crate::ids::BlockId(tables.blocks_needed as u32 - 1),
                 num_blocks: storage.num_blocks(),
             });
         }

@@ -5,8 +5,8 @@
 
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
-use crate::convert::{decode_fp8_with, decode_unchecked};
-use crate::shape::DType;
+use crate::layout::convert::{decode_fp8_with, decode_unchecked};
+use crate::layout::shape::DType;
 
 pub(crate) fn cast_u16(b: &[u8]) -> Option<&[u16]> {
     if cfg!(target_endian = "big") {
@@ -200,7 +200,7 @@ mod x86 {
         check_pv, check_qk, decode_portable, exp_approx, Kern, EXP_HI, EXP_LO, LN2_HI, LN2_LO,
         LOG2E, P,
     };
-    use crate::shape::DType;
+    use crate::layout::shape::DType;
 
     /// AVX2 + FMA + F16C intrinsics. Only used after the three features were detected at
     /// run time (see `cpu::isa`), from functions compiled with them enabled.
@@ -717,7 +717,7 @@ mod tests {
     }
 
     fn check_decode<K: Kern>() {
-        use crate::convert::fp8_e4m3_table;
+        use crate::layout::convert::fp8_e4m3_table;
         let bytes: Vec<u8> = (0..=255u8).chain(0..=255u8).chain(0..7).collect();
         for scale in [1.0f32, 0.037, 3.5, 1e-3] {
             let lut = fp8_e4m3_table(scale);

@@ -25,7 +25,7 @@
 //! | [`reference`](mod@reference) | `f64` decode and prefill over the stored values, for tests |
 //! | [`cpu`] | rayon decode (split-KV) and chunked prefill, `reshape_and_cache` |
 //! | [`model`] | [`model::TinyModel`], a seeded random attention stack |
-//! | [`validate_tables`], [`validate_csr`], [`plan_splits`] | launch checks and the split planner of the GPU kernels (pure, no GPU needed) |
+//! | [`plan_splits`] | the split planner of the GPU kernels (pure, no GPU needed) |
 //! | `cuda` (feature `cuda`) | the paged decode kernel over a `CudaStorage` |
 
 pub mod cpu;
@@ -37,14 +37,13 @@ pub mod model;
 pub mod reference;
 
 pub use kernel_plan::{
-    plan_splits, split_plan_with, validate_csr, validate_params, validate_tables, SplitPlan,
-    MAX_CONTEXT_TOKENS, MAX_SPLITS, MIN_TOKENS_PER_SPLIT,
+    plan_splits, split_plan_with, validate_params, SplitPlan, MAX_SPLITS, MIN_TOKENS_PER_SPLIT,
 };
 
-use crate::convert::check_scale;
 use crate::error::{Error, Result};
+use crate::layout::convert::check_scale;
 use crate::layout::KvLayout;
-use crate::manager::PaddedTables;
+use crate::tables::PaddedTables;
 
 /// Parameters of one attention call.
 #[derive(Debug, Clone, PartialEq)]
@@ -193,7 +192,7 @@ pub(crate) fn check_paged(
     }
     params.validate(layout.shape().num_q_heads)?;
     // The same table checks that guard kernel launches.
-    kernel_plan::validate_tables(layout, num_blocks, tables)?;
+    crate::tables::validate_tables(layout, num_blocks, tables)?;
     Ok(tables.batch)
 }
 

@@ -18,11 +18,11 @@ use rayon::prelude::*;
 use super::cpu::{paged_decode_split, paged_prefill, reshape_and_cache};
 use super::{alibi_slopes, check_paged, AttentionParams};
 use crate::error::{Error, Result};
+use crate::executor::storage::{HostStorage, Storage};
+use crate::ids::BlockId;
+use crate::layout::shape::ModelShape;
 use crate::layout::Slot;
-use crate::manager::PaddedTables;
-use crate::shape::ModelShape;
-use crate::storage::{HostStorage, Storage};
-use crate::BlockId;
+use crate::tables::PaddedTables;
 
 /// Hidden size of [`TinyModel::new`].
 pub const DEFAULT_HIDDEN: usize = 128;
@@ -571,7 +571,7 @@ mod tests {
             num_q_heads: 32,
             num_kv_heads: 8,
             head_dim: 128,
-            kv_dtype: crate::DType::BF16,
+            kv_dtype: crate::layout::shape::DType::BF16,
         };
         let t = TinyModel::scaled_shape(&s);
         assert_eq!(

@@ -3,12 +3,12 @@
 //! path and the CUDA kernels are tested against it.
 
 use super::{check_decode_q, check_paged, check_prefill_q, AttentionParams, DecodeOutput};
-use crate::convert::decode_one_f64;
 use crate::error::Result;
+use crate::executor::storage::{HostStorage, Storage};
+use crate::ids::BlockId;
+use crate::layout::convert::decode_one_f64;
 use crate::layout::Kv;
-use crate::manager::PaddedTables;
-use crate::storage::{HostStorage, Storage};
-use crate::BlockId;
+use crate::tables::PaddedTables;
 
 /// Paged decode attention in `f64`: one query token per sequence, at position
 /// `context_len - 1`, over the sequence's whole (or windowed) context.
@@ -171,8 +171,8 @@ pub(crate) fn attend(
 mod tests {
     use super::*;
     use crate::attention::merge_lse;
+    use crate::layout::shape::{DType, ModelShape};
     use crate::layout::KvLayout;
-    use crate::shape::{DType, ModelShape};
 
     #[test]
     fn two_ranges_merge_into_the_whole() {

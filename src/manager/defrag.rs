@@ -17,7 +17,7 @@
 //!
 //! # Two ways to run it
 //!
-//! - [`KvCacheManager::defragment_with`] plans, executes on a [`Storage`] and commits
+//! - [`crate::executor::defragment_with`] plans, executes on a [`Storage`] and commits
 //!   in one call.
 //! - [`KvCacheManager::plan_defragment`] returns a [`PendingDefrag`]: the engine
 //!   executes [`PendingDefrag::plan`] itself (on its own stream, say) and then calls
@@ -30,19 +30,18 @@
 //!
 //! # Elastic arena
 //!
-//! [`KvCacheManager::shrink_to`] moves only the resident blocks above the new size
+//! [`crate::executor::shrink_to`] moves only the resident blocks above the new size
 //! into holes below it, then releases the tail in the storage and the manager.
-//! [`KvCacheManager::grow_to`] adds free blocks at the tail; since a block's address
+//! [`crate::executor::grow_to`] adds free blocks at the tail; since a block's address
 //! does not depend on the arena size (see [`crate::layout`]), no live data moves.
 
 use super::KvCacheManager;
 use crate::error::{Error, Result};
+use crate::ids::BlockId;
+use crate::layout::plans::MovePlan;
 use crate::pool::BlockState;
-use crate::storage::Storage;
-use crate::transfer::MovePlan;
-use crate::BlockId;
 
-/// How much one [`KvCacheManager::defragment_with`] or
+/// How much one [`crate::executor::defragment_with`] or
 /// [`KvCacheManager::plan_defragment`] call may do.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DefragOptions {
@@ -108,8 +107,8 @@ pub struct DefragCounters {
     pub runs: u64,
     /// Blocks moved, over all passes.
     pub moved_blocks: u64,
-    /// Microseconds spent planning and copying in [`KvCacheManager::defragment_with`]
-    /// and [`KvCacheManager::shrink_to`] (the two-phase API is timed by the engine).
+    /// Microseconds spent planning and copying in [`crate::executor::defragment_with`]
+    /// and [`crate::executor::shrink_to`] (the two-phase API is timed by the engine).
     pub time_us: u64,
 }
 
@@ -201,6 +200,40 @@ impl PendingDefrag<'_> {
     }
 }
 
+/// A resize planned by [`KvCacheManager::plan_shrink`] or
+/// [`KvCacheManager::plan_grow`] and not yet committed. Like [`PendingDefrag`], it
+/// holds the manager's `&mut` borrow; dropping it aborts and changes nothing.
+#[derive(Debug)]
+#[must_use = "dropping a pending resize aborts it"]
+pub struct PendingResize<'a> {
+    manager: &'a mut KvCacheManager,
+    num_blocks: usize,
+    plan: MovePlan,
+}
+
+impl PendingResize<'_> {
+    /// The moves to execute before the storage shrinks (empty for a grow).
+    pub fn plan(&self) -> &MovePlan {
+        &self.plan
+    }
+
+    /// The arena size after the commit, in blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Records that the moves were executed and the storage resized: tables point at
+    /// the destinations and the arena has [`Self::num_blocks`] blocks. Returns the plan.
+    ///
+    /// # Errors
+    /// [`Error::CorruptBlockTable`] when the manager's own state contradicts the plan
+    /// (it cannot, since the plan was made under the same borrow).
+    pub fn commit(self) -> Result<MovePlan> {
+        self.manager.commit_resize(self.num_blocks, &self.plan)?;
+        Ok(self.plan)
+    }
+}
+
 impl KvCacheManager {
     /// Fragmentation metrics, from one pass over the block states and one over the
     /// tables: O(blocks + table entries), so a monitoring call rather than a per-token
@@ -284,65 +317,21 @@ impl KvCacheManager {
         })
     }
 
-    /// Compacts resident blocks toward block 0: plans, executes the moves on `storage`,
-    /// and updates the tables. Returns the executed plan (empty when there was nothing
-    /// to do or the fragmentation was below `opts.min_fragmentation`).
-    ///
-    /// ```
-    /// use pagedkv::{CacheConfig, DType, DefragOptions, HostStorage, KvCacheManager,
-    ///               KvLayout, ModelShape, SeqId};
-    ///
-    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1,
-    ///                          head_dim: 8, kv_dtype: DType::F16 };
-    /// let layout = KvLayout::new(shape, 16)?;
-    /// let mut kv = KvCacheManager::new(layout, CacheConfig::new(64))?;
-    /// let mut storage = HostStorage::new(layout, 64)?;
-    /// let mut slots = Vec::new();
-    /// for i in 0..64 {
-    ///     kv.admit(SeqId(i), 16, &mut slots)?;          // one block each
-    /// }
-    /// for i in (1..64).step_by(2) {
-    ///     kv.free(SeqId(i))?;                           // a checkerboard
-    /// }
-    /// assert!(kv.fragmentation().fragmentation > 0.49);
-    ///
-    /// let plan = kv.defragment_with(&mut storage, DefragOptions::FULL)?;
-    /// assert_eq!(plan.len(), 16);                       // live blocks above 32 move down
-    /// assert_eq!(kv.fragmentation().high_water_blocks, 32);
-    /// kv.shrink_to(32, &mut storage)?;                  // give the tail back
-    /// kv.grow_to(48, &mut storage)?;                    // and take some again
-    /// # Ok::<(), pagedkv::Error>(())
-    /// ```
-    ///
-    /// # Errors
-    /// [`Error::InvalidConfig`] for options out of range or a storage with another
-    /// layout, [`Error::ShapeMismatch`] for a storage of another size, and whatever
-    /// [`Storage::copy_blocks`] returns. On error the manager is unchanged and the
-    /// tables still read the same bytes (a failed copy only wrote into free blocks).
-    pub fn defragment_with<S: Storage + ?Sized>(
-        &mut self,
-        storage: &mut S,
-        opts: DefragOptions,
-    ) -> Result<MovePlan> {
-        self.check_storage(storage)?;
-        let start = std::time::Instant::now();
-        let pending = self.plan_defragment(opts)?;
-        if !pending.plan().is_empty() {
-            storage.copy_blocks(&pending.plan().to_copy_plan())?;
-        }
-        let plan = pending.commit()?;
-        self.defrag_counters.time_us += start.elapsed().as_micros() as u64;
-        Ok(plan)
-    }
-
     /// Cumulative defragmentation counters (for metrics).
     pub fn defrag_counters(&self) -> DefragCounters {
         self.defrag_counters
     }
 
-    /// Shrinks the arena to `num_blocks`: resident blocks at or above it move into the
-    /// lowest holes (the fewest moves; no full compaction), then the tail is released
-    /// in `storage` and in the manager. Returns the executed moves.
+    /// Adds `elapsed` to [`DefragCounters::time_us`]: the executor that ran a plan
+    /// reports how long it took.
+    pub fn record_defrag_time(&mut self, elapsed: std::time::Duration) {
+        self.defrag_counters.time_us += elapsed.as_micros() as u64;
+    }
+
+    /// Plans shrinking the arena to `num_blocks`: resident blocks at or above it move
+    /// into the lowest holes (the fewest moves; no full compaction). Execute
+    /// [`PendingResize::plan`], shrink the storage, then [`PendingResize::commit`]
+    /// ([`crate::executor::shrink_to`] does all three).
     ///
     /// Cached (prefix-cache) blocks count as resident: evict them first to shrink
     /// further.
@@ -350,16 +339,9 @@ impl KvCacheManager {
     /// # Errors
     /// [`Error::ShrinkBelowResident`] when the live and cached blocks need more than
     /// `num_blocks`; [`Error::InvalidConfig`] when `num_blocks` is above the arena, is
-    /// 0, is not above the watermark, or `storage` has another layout;
-    /// [`Error::ShapeMismatch`] for a storage of another size; whatever
-    /// [`Storage::copy_blocks`] or [`Storage::resize`] returns. On error the manager
-    /// is unchanged and its tables read the same bytes.
-    pub fn shrink_to<S: Storage + ?Sized>(
-        &mut self,
-        num_blocks: usize,
-        storage: &mut S,
-    ) -> Result<MovePlan> {
-        self.check_storage(storage)?;
+    /// 0, or is not above the watermark; [`Error::SequenceState`] while swaps are in
+    /// flight. Nothing changed.
+    pub fn plan_shrink(&mut self, num_blocks: usize) -> Result<PendingResize<'_>> {
         self.check_no_transfers()?;
         let old = self.num_blocks();
         if num_blocks > old {
@@ -377,43 +359,28 @@ impl KvCacheManager {
             });
         }
         self.check_new_size(num_blocks)?;
-        if num_blocks == old {
-            return Ok(MovePlan::new());
-        }
-        let start = std::time::Instant::now();
-        let plan = self.plan_moves(num_blocks, usize::MAX);
-        if !plan.is_empty() {
-            storage.copy_blocks(&plan.to_copy_plan())?;
-        }
-        self.defrag_counters.time_us += start.elapsed().as_micros() as u64;
-        storage.resize(num_blocks)?;
-        // Nothing below can fail: the plan was made from this state and, once it is
-        // applied, every block at or above `num_blocks` is free.
-        self.commit_moves(&plan)?;
-        self.pool.resize(num_blocks)?;
-        self.prefix.resize(num_blocks)?;
-        self.block_fill.truncate(num_blocks);
-        self.block_fill.shrink_to_fit();
-        self.config.num_blocks = num_blocks;
-        self.pool.reorder_free_low_first();
-        Ok(plan)
+        let plan = if num_blocks == old {
+            MovePlan::new()
+        } else {
+            self.plan_moves(num_blocks, usize::MAX)
+        };
+        Ok(PendingResize {
+            manager: self,
+            num_blocks,
+            plan,
+        })
     }
 
-    /// Grows the arena to `num_blocks` by adding free blocks at the tail of `storage`
-    /// and the manager; no live data moves. The lowest free blocks are still handed out
-    /// first.
+    /// Plans growing the arena to `num_blocks` by adding free blocks at the tail; no
+    /// live data moves (the plan is empty). Grow the storage, then
+    /// [`PendingResize::commit`] ([`crate::executor::grow_to`] does both). The lowest
+    /// free blocks are still handed out first.
     ///
     /// # Errors
     /// [`Error::ArenaLimit`] above `CacheConfig::max_num_blocks` (or the `u32` id
-    /// space); [`Error::InvalidConfig`] when `num_blocks` is below the arena or
-    /// `storage` has another layout; [`Error::ShapeMismatch`] for a storage of another
-    /// size; whatever [`Storage::resize`] returns. On error nothing changed.
-    pub fn grow_to<S: Storage + ?Sized>(
-        &mut self,
-        num_blocks: usize,
-        storage: &mut S,
-    ) -> Result<()> {
-        self.check_storage(storage)?;
+    /// space); [`Error::InvalidConfig`] when `num_blocks` is below the arena. Nothing
+    /// changed.
+    pub fn plan_grow(&mut self, num_blocks: usize) -> Result<PendingResize<'_>> {
         let old = self.num_blocks();
         if num_blocks < old {
             return Err(Error::config(
@@ -428,19 +395,32 @@ impl KvCacheManager {
                 max,
             });
         }
-        if num_blocks == old {
+        Ok(PendingResize {
+            manager: self,
+            num_blocks,
+            plan: MovePlan::new(),
+        })
+    }
+
+    /// Sets the arena to `num_blocks` after `plan`'s moves were executed (shrink) or
+    /// nothing moved (grow).
+    fn commit_resize(&mut self, num_blocks: usize, plan: &MovePlan) -> Result<()> {
+        if num_blocks == self.num_blocks() {
             return Ok(());
         }
-        storage.resize(num_blocks)?;
+        // Nothing below can fail: the plan was made from this state and, once it is
+        // applied, every block at or above `num_blocks` is free.
+        self.commit_moves(plan)?;
         self.pool.resize(num_blocks)?;
         self.prefix.resize(num_blocks)?;
         self.block_fill.resize(num_blocks, 0);
+        self.block_fill.shrink_to_fit();
         self.config.num_blocks = num_blocks;
         self.pool.reorder_free_low_first();
         Ok(())
     }
 
-    /// The largest arena [`Self::grow_to`] accepts.
+    /// The largest arena [`Self::plan_grow`] accepts.
     pub fn max_num_blocks(&self) -> usize {
         // The pool needs ids strictly below u32::MAX.
         let id_space = u32::MAX as usize - 1;
@@ -473,23 +453,6 @@ impl KvCacheManager {
                     self.config.watermark_blocks
                 ),
             ));
-        }
-        Ok(())
-    }
-
-    fn check_storage<S: Storage + ?Sized>(&self, storage: &S) -> Result<()> {
-        if storage.layout() != self.layout() {
-            return Err(Error::config(
-                "storage",
-                "the storage's layout differs from the manager's",
-            ));
-        }
-        if storage.num_blocks() != self.num_blocks() {
-            return Err(Error::ShapeMismatch {
-                what: "storage blocks",
-                expected: self.num_blocks(),
-                got: storage.num_blocks(),
-            });
         }
         Ok(())
     }
@@ -613,7 +576,10 @@ impl KvCacheManager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{CacheConfig, DType, HostStorage, KvLayout, ModelShape, SeqId};
+    use crate::ids::SeqId;
+    use crate::layout::shape::{DType, ModelShape};
+    use crate::layout::KvLayout;
+    use crate::manager::CacheConfig;
 
     fn manager(num_blocks: usize) -> KvCacheManager {
         let shape = ModelShape {
@@ -685,7 +651,7 @@ mod tests {
             kv.admit(SeqId(i), 2, &mut slots).unwrap();
         }
         // Block 7 is registered in the prefix cache and stays there, cached, once freed.
-        let opts = crate::prefix::AdmitOptions::default();
+        let opts = crate::pool::prefix::AdmitOptions::default();
         kv.admit_tokens(SeqId(7), &[5, 6], &opts, &mut slots)
             .unwrap();
         let cached = kv.block_table(SeqId(7)).unwrap()[0];
@@ -700,9 +666,11 @@ mod tests {
             (f.live_blocks, f.cached_blocks, f.moves_to_compact),
             (1, 1, 2)
         );
-        let mut storage = HostStorage::new(*kv.layout(), 8).unwrap();
+        // Bookkeeping only: the bytes are the executor's (tests/defrag.rs checks them).
         let plan = kv
-            .defragment_with(&mut storage, DefragOptions::FULL)
+            .plan_defragment(DefragOptions::FULL)
+            .unwrap()
+            .commit()
             .unwrap();
         assert_eq!(plan.runs(), vec![(6, 0, 2)]);
         assert_eq!(kv.pool.state(BlockId(1)).unwrap(), BlockState::Cached);
@@ -712,14 +680,16 @@ mod tests {
         let hit = kv.cached_prefix_len(&[5, 6, 7], &opts).unwrap();
         assert_eq!(hit, 2);
         assert_eq!(
-            kv.shrink_to(1, &mut storage),
+            kv.plan_shrink(1).map(|p| p.num_blocks()),
             Err(Error::ShrinkBelowResident {
                 requested: 1,
                 live: 1,
                 cached: 1
             })
         );
-        kv.shrink_to(2, &mut storage).unwrap();
+        assert!(kv.plan_shrink(2).unwrap().plan().is_empty());
+        kv.plan_shrink(2).unwrap().commit().unwrap();
+        assert_eq!(kv.num_blocks(), 2);
         kv.check_invariants().unwrap();
     }
 
@@ -736,15 +706,5 @@ mod tests {
                 Err(Error::InvalidConfig { .. })
             ));
         }
-    }
-
-    #[test]
-    fn storage_of_another_size_is_rejected() {
-        let mut kv = manager(4);
-        let mut storage = HostStorage::new(*kv.layout(), 5).unwrap();
-        assert!(matches!(
-            kv.defragment_with(&mut storage, DefragOptions::FULL),
-            Err(Error::ShapeMismatch { .. })
-        ));
     }
 }

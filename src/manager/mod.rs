@@ -1,29 +1,29 @@
 //! Sequences, block tables and the [`KvCacheManager`].
 //!
 //! The manager is pure bookkeeping: it never touches KV memory. Whenever data must
-//! move (copy-on-write), it returns a plan that a [`crate::storage::Storage`] executes.
+//! move (copy-on-write), it returns a plan that a [`crate::executor::storage::Storage`] executes.
 
-mod batch;
 mod defrag;
+pub mod preempt;
 mod prefix;
 mod shared;
 mod swap;
 
-pub use batch::{CsrTables, PaddedTables};
-pub use defrag::{DefragCounters, DefragOptions, FragStats, PendingDefrag};
+pub use defrag::{DefragCounters, DefragOptions, FragStats, PendingDefrag, PendingResize};
+pub use preempt::CostModel;
 pub use shared::SharedKvCacheManager;
-pub use swap::{SwapJob, SwapTicket, TierBlock, TierConfig, TierStats};
+pub use swap::{PendingTierMove, SwapJob, TierBlock, TierConfig, TierStats};
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::error::{Error, Result};
+use crate::ids::{BlockId, SeqId};
+use crate::layout::plans::CopyPlan;
 use crate::layout::{KvLayout, Slot};
+use crate::pool::prefix::index::PrefixIndex;
+use crate::pool::prefix::PrefixConfig;
 use crate::pool::{BlockPool, BlockState};
-use crate::prefix::index::PrefixIndex;
-use crate::prefix::PrefixConfig;
-use crate::transfer::CopyPlan;
-use crate::{BlockId, SeqId};
 
 /// Tuning of a [`KvCacheManager`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,7 +35,7 @@ pub struct CacheConfig {
     pub watermark_blocks: usize,
     /// Longest sequence, in tokens, the manager accepts (0: whatever the arena holds).
     pub max_seq_len_tokens: usize,
-    /// Largest arena [`KvCacheManager::grow_to`] accepts, in blocks (0: the `u32` id
+    /// Largest arena [`crate::executor::grow_to`] accepts, in blocks (0: the `u32` id
     /// space is the only limit).
     pub max_num_blocks: usize,
 }
@@ -246,7 +246,7 @@ impl KvCacheManager {
         }
     }
 
-    fn seq(&self, seq: SeqId) -> Result<&Sequence> {
+    pub(crate) fn seq(&self, seq: SeqId) -> Result<&Sequence> {
         self.seqs.get(&seq).ok_or_else(|| self.absent_error(seq))
     }
 

@@ -1,4 +1,4 @@
-//! The manager's prefix-cache entry points; the index itself is [`crate::prefix`].
+//! The manager's prefix-cache entry points; the index itself is [`crate::pool::prefix`].
 //!
 //! Contract with the engine:
 //! - A block is registered (findable by other requests) as soon as the call that fills
@@ -19,14 +19,14 @@
 
 use super::{KvCacheManager, Sequence};
 use crate::error::{Error, Result};
+use crate::ids::{BlockId, PinId, SeqId};
+use crate::layout::plans::CopyPlan;
 use crate::layout::Slot;
-use crate::pool::BlockState;
-use crate::prefix::index::{Namespace, PrefixIndex};
-use crate::prefix::{
-    Admission, AdmitOptions, BlockHash, PinId, PinnedPrefix, PrefixConfig, PrefixEvent, PrefixStats,
+use crate::pool::prefix::index::{Namespace, PrefixIndex};
+use crate::pool::prefix::{
+    Admission, AdmitOptions, BlockHash, PinnedPrefix, PrefixConfig, PrefixEvent, PrefixStats,
 };
-use crate::transfer::CopyPlan;
-use crate::{BlockId, SeqId};
+use crate::pool::BlockState;
 
 /// A sequence's progress through the prefix cache: its leading `chain` blocks are
 /// registered (by it or before it), `last` is the hash of the last of them, and
@@ -455,8 +455,11 @@ impl KvCacheManager {
 
 #[cfg(test)]
 mod tests {
-    use crate::prefix::AdmitOptions;
-    use crate::{BlockId, CacheConfig, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    use crate::ids::{BlockId, SeqId};
+    use crate::layout::shape::{DType, ModelShape};
+    use crate::layout::KvLayout;
+    use crate::manager::{CacheConfig, KvCacheManager};
+    use crate::pool::prefix::AdmitOptions;
 
     fn kv(num_blocks: usize) -> KvCacheManager {
         let shape = ModelShape {

@@ -6,9 +6,9 @@ use parking_lot::{Mutex, MutexGuard};
 
 use super::{CacheStats, KvCacheManager};
 use crate::error::Result;
+use crate::ids::SeqId;
+use crate::layout::plans::CopyPlan;
 use crate::layout::Slot;
-use crate::transfer::CopyPlan;
-use crate::SeqId;
 
 /// A cloneable, thread-safe handle to one [`KvCacheManager`].
 ///

@@ -45,36 +45,25 @@ use std::hash::Hash;
 
 use super::{KvCacheManager, Sequence};
 use crate::error::{Error, Result};
+use crate::manager::preempt::PreemptEvent;
 use crate::pool::BlockPool;
-use crate::preempt::PreemptEvent;
-use crate::storage::Storage;
-use crate::tier::{pick_free_run, DiskSlot, DiskTier};
-use crate::transfer::{SwapDirection, SwapPlan};
-use crate::{BlockId, SeqId};
+
+use crate::ids::{BlockId, DiskSlot, SeqId, SwapTicket};
+use crate::layout::plans::{SwapDirection, SwapPlan};
+use crate::pool::pick_free_run;
 
 /// Sizes of the tiers below the device arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct TierConfig {
     /// Blocks in the host tier (0: no swapping; swap-outs fail with
-    /// [`Error::TierFull`]). Must match the storage's [`Storage::num_host_blocks`].
+    /// [`Error::TierFull`]). Must match the storage's [`crate::Storage::num_host_blocks`].
     pub num_host_blocks: usize,
-    /// Slots in the disk tier (0: no disk tier). Must match the [`DiskTier`] passed to
-    /// [`KvCacheManager::spill_to_disk`].
+    /// Slots in the disk tier (0: no disk tier). Must match the [`crate::DiskTier`] passed to
+    /// [`crate::executor::spill_to_disk`].
     pub num_disk_slots: usize,
 }
 
-/// Names one swap transfer from its plan to [`KvCacheManager::complete_swap`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-#[repr(transparent)]
-pub struct SwapTicket(pub u64);
-
-impl std::fmt::Display for SwapTicket {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "ticket {}", self.0)
-    }
-}
-
-/// A swap the manager has planned: execute `plan` (one [`Storage::swap`] or a
+/// A swap the manager has planned: execute `plan` (one [`crate::Storage::swap`] or a
 /// [`crate::TransferEngine`]), then call [`KvCacheManager::complete_swap`] with
 /// `ticket`, or [`KvCacheManager::abort_swap`] when the transfer failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -240,6 +229,94 @@ impl Tiers {
             .sum()
     }
 }
+/// Copies between the host tier and the disk tier planned by
+/// [`KvCacheManager::plan_spill`] or [`KvCacheManager::plan_restore`] and not yet
+/// committed. It holds the manager's `&mut` borrow, so nothing can take the
+/// destinations meanwhile; dropping it aborts and leaves the manager as it was (the
+/// destinations were free, so whatever was written there is never read).
+#[derive(Debug)]
+#[must_use = "dropping a pending tier move aborts it"]
+pub struct PendingTierMove<'a> {
+    manager: &'a mut KvCacheManager,
+    to_disk: bool,
+    seqs: Vec<SeqId>,
+    /// `(host block, disk slot, references from the group)`.
+    moves: Vec<(BlockId, DiskSlot, u32)>,
+}
+
+impl PendingTierMove<'_> {
+    /// Whether the copies go from the host tier to the disk tier (a spill) rather than
+    /// back (a restore).
+    pub fn to_disk(&self) -> bool {
+        self.to_disk
+    }
+
+    /// The copies: `(host block, disk slot)`, the source first for a spill, the
+    /// destination first for a restore.
+    pub fn moves(&self) -> impl ExactSizeIterator<Item = (BlockId, DiskSlot)> + '_ {
+        self.moves.iter().map(|&(h, d, _)| (h, d))
+    }
+
+    /// Records that every copy landed: the group's tables now name the destinations and
+    /// the sources are released. Returns the blocks moved.
+    ///
+    /// # Errors
+    /// A refcount error means the manager's own state was corrupt (the plan was made
+    /// under the same borrow, so it cannot happen otherwise).
+    pub fn commit(self) -> Result<usize> {
+        let t = &mut self.manager.tiers;
+        let mut host_of = HashMap::with_capacity(self.moves.len());
+        let mut slot_of = HashMap::with_capacity(self.moves.len());
+        for &(host, slot, refs) in &self.moves {
+            let disk = BlockId(slot.0);
+            if self.to_disk {
+                take_with_refs(&mut t.disk, disk, refs)?;
+                t.disk_fill[disk.index()] = t.host_fill[host.index()];
+                drop_refs(&mut t.host, host, refs)?;
+            } else {
+                take_with_refs(&mut t.host, host, refs)?;
+                t.host_fill[host.index()] = t.disk_fill[disk.index()];
+                drop_refs(&mut t.disk, disk, refs)?;
+            }
+            slot_of.insert(host, slot);
+            host_of.insert(slot, host);
+        }
+        if let Some(&(host, slot, _)) = self.moves.last() {
+            if self.to_disk {
+                t.disk_cursor = slot.0 as usize + 1;
+            } else {
+                t.host_cursor = host.index() + 1;
+            }
+        }
+        for id in &self.seqs {
+            let Some(s) = t.swapped.get_mut(id) else {
+                continue;
+            };
+            for e in &mut s.table {
+                match *e {
+                    TierBlock::Host(h) if self.to_disk => {
+                        if let Some(&d) = slot_of.get(&h) {
+                            *e = TierBlock::Disk(d);
+                        }
+                    }
+                    TierBlock::Disk(d) if !self.to_disk => {
+                        if let Some(&h) = host_of.get(&d) {
+                            *e = TierBlock::Host(h);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let n = self.moves.len() as u64;
+        if self.to_disk {
+            t.stats.blocks_spilled += n;
+        } else {
+            t.stats.blocks_restored += n;
+        }
+        Ok(self.moves.len())
+    }
+}
 
 /// The distinct items of `items` in first-seen order with how often each occurs, and
 /// each item's index in that list.
@@ -298,7 +375,7 @@ impl KvCacheManager {
     /// As [`KvCacheManager::new`]; [`Error::InvalidConfig`] when a tier does not fit
     /// `u32` ids.
     pub fn with_tiers(
-        layout: crate::KvLayout,
+        layout: crate::layout::KvLayout,
         config: super::CacheConfig,
         tiers: TierConfig,
     ) -> Result<Self> {
@@ -490,7 +567,7 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when a sequence is not
-    /// swapped out, or has blocks on disk (call [`Self::restore_from_disk`] first);
+    /// swapped out, or has blocks on disk (call [`crate::executor::restore_from_disk`] first);
     /// [`Error::InvalidConfig`] for an empty group or a repeated id;
     /// [`Error::OutOfBlocks`] when the arena lacks room. Nothing changed on error.
     pub fn swap_in_group(&mut self, seqs: &[SeqId]) -> Result<SwapJob> {
@@ -697,46 +774,18 @@ impl KvCacheManager {
         self.release_tier_blocks(&s.table)
     }
 
-    fn check_disk(&self, disk: &DiskTier) -> Result<()> {
-        if disk.num_slots() != self.tiers.disk.num_blocks() {
-            return Err(Error::config(
-                "num_disk_slots",
-                format!(
-                    "the disk tier has {} slots, the manager was configured with {}",
-                    disk.num_slots(),
-                    self.tiers.disk.num_blocks()
-                ),
-            ));
-        }
-        if disk.block_bytes() != self.layout.block_bytes() {
-            return Err(Error::ShapeMismatch {
-                what: "bytes of one disk slot",
-                expected: self.layout.block_bytes(),
-                got: disk.block_bytes(),
-            });
-        }
-        Ok(())
-    }
-
-    /// Writes the host-tier blocks of swapped-out `seqs` to the disk tier and releases
-    /// them from the host tier (shared blocks inside the group are written once).
-    /// Returns the blocks written. Data moves synchronously: each block is read from
-    /// `storage`'s host tier and written to `disk` with its checksum.
+    /// Plans writing the host-tier blocks of swapped-out `seqs` to the disk tier
+    /// (shared blocks inside the group once). The returned [`PendingTierMove`] lists
+    /// `(host block, disk slot)` copies; execute them (read each host block, write it to
+    /// its slot) and [`PendingTierMove::commit`], or drop it to abort.
+    /// [`crate::executor::spill_to_disk`] does all three.
     ///
     /// # Errors
     /// [`Error::UnknownSequence`], [`Error::SequenceState`] (not swapped out);
     /// [`Error::TierFull`] (`"disk"`) when the disk tier lacks slots;
-    /// [`Error::Io`] from a failed write; [`Error::InvalidConfig`] /
-    /// [`Error::ShapeMismatch`] when `disk` does not match the manager. Nothing changed
-    /// on error: the sequences keep their host blocks, whose bytes are untouched.
-    pub fn spill_to_disk<S: Storage + ?Sized>(
-        &mut self,
-        seqs: &[SeqId],
-        storage: &S,
-        disk: &mut DiskTier,
-    ) -> Result<usize> {
+    /// [`Error::InvalidConfig`] for an empty or repeated group. Nothing changed.
+    pub fn plan_spill(&mut self, seqs: &[SeqId]) -> Result<PendingTierMove<'_>> {
         check_group(seqs)?;
-        self.check_disk(disk)?;
         let mut hosts = Vec::new();
         for &id in seqs {
             hosts.extend(self.swapped(id)?.table.iter().filter_map(|e| match e {
@@ -744,7 +793,7 @@ impl KvCacheManager {
                 TierBlock::Disk(_) => None,
             }));
         }
-        let (distinct, index) = distinct_with_counts(hosts);
+        let (distinct, _) = distinct_with_counts(hosts);
         let free = self.tiers.disk.num_free();
         if distinct.len() > free {
             return Err(Error::TierFull {
@@ -754,53 +803,31 @@ impl KvCacheManager {
             });
         }
         let slots = pick_free_run(&self.tiers.disk, distinct.len(), self.tiers.disk_cursor);
-        // Move the bytes first; the bookkeeping changes only once every write landed.
-        // A failed write leaves a free slot with no checksum, which nothing reads.
-        let mut buf = vec![0u8; self.layout.block_bytes()];
-        for (&(host, _), &slot) in distinct.iter().zip(&slots) {
-            storage.read_host_block(host, &mut buf)?;
-            disk.write_slot(DiskSlot(slot.0), &buf)?;
-        }
-        for (&(host, refs), &slot) in distinct.iter().zip(&slots) {
-            take_with_refs(&mut self.tiers.disk, slot, refs)?;
-            self.tiers.disk_fill[slot.index()] = self.tiers.host_fill[host.index()];
-            drop_refs(&mut self.tiers.host, host, refs)?;
-        }
-        if let Some(last) = slots.last() {
-            self.tiers.disk_cursor = last.index() + 1;
-        }
-        for &id in seqs {
-            if let Some(s) = self.tiers.swapped.get_mut(&id) {
-                for e in &mut s.table {
-                    if let TierBlock::Host(h) = *e {
-                        *e = TierBlock::Disk(DiskSlot(slots[index[&h]].0));
-                    }
-                }
-            }
-        }
-        self.tiers.stats.blocks_spilled += distinct.len() as u64;
-        Ok(distinct.len())
+        let moves = distinct
+            .iter()
+            .zip(&slots)
+            .map(|(&(host, refs), &slot)| (host, DiskSlot(slot.0), refs))
+            .collect();
+        Ok(PendingTierMove {
+            manager: self,
+            to_disk: true,
+            seqs: seqs.to_vec(),
+            moves,
+        })
     }
 
-    /// Reads the disk-tier blocks of swapped-out `seqs` back into the host tier (each
-    /// checked against its checksum) and releases their slots; afterwards
-    /// [`Self::swap_in_group`] can bring them to the device. Returns the blocks read.
+    /// Plans reading the disk-tier blocks of swapped-out `seqs` back into the host
+    /// tier. The returned [`PendingTierMove`] lists `(host block, disk slot)` copies
+    /// the other way; execute them (read each slot, check it, write the host block) and
+    /// [`PendingTierMove::commit`]; afterwards [`Self::swap_in_group`] can bring the
+    /// sequences to the device. [`crate::executor::restore_from_disk`] does all three.
     ///
     /// # Errors
     /// [`Error::UnknownSequence`], [`Error::SequenceState`] (not swapped out);
-    /// [`Error::TierFull`] (`"host"`) when the host tier lacks room; [`Error::Io`];
-    /// [`Error::Checksum`] when a block read back differs from what was written;
-    /// [`Error::InvalidConfig`] / [`Error::ShapeMismatch`] when `disk` does not match
-    /// the manager. Nothing changed on error: the sequences stay on disk, and only
-    /// free host blocks were written.
-    pub fn restore_from_disk<S: Storage + ?Sized>(
-        &mut self,
-        seqs: &[SeqId],
-        storage: &mut S,
-        disk: &DiskTier,
-    ) -> Result<usize> {
+    /// [`Error::TierFull`] (`"host"`) when the host tier lacks room;
+    /// [`Error::InvalidConfig`] for an empty or repeated group. Nothing changed.
+    pub fn plan_restore(&mut self, seqs: &[SeqId]) -> Result<PendingTierMove<'_>> {
         check_group(seqs)?;
-        self.check_disk(disk)?;
         let mut on_disk = Vec::new();
         for &id in seqs {
             on_disk.extend(self.swapped(id)?.table.iter().filter_map(|e| match e {
@@ -808,7 +835,7 @@ impl KvCacheManager {
                 TierBlock::Host(_) => None,
             }));
         }
-        let (distinct, index) = distinct_with_counts(on_disk);
+        let (distinct, _) = distinct_with_counts(on_disk);
         let free = self.tiers.host.num_free();
         if distinct.len() > free {
             return Err(Error::TierFull {
@@ -818,31 +845,23 @@ impl KvCacheManager {
             });
         }
         let hosts = pick_free_run(&self.tiers.host, distinct.len(), self.tiers.host_cursor);
-        let mut buf = vec![0u8; self.layout.block_bytes()];
-        for (&(slot, _), &host) in distinct.iter().zip(&hosts) {
-            disk.read_slot(slot, &mut buf)?;
-            storage.write_host_block(host, &buf)?;
-        }
-        for (&(slot, refs), &host) in distinct.iter().zip(&hosts) {
-            take_with_refs(&mut self.tiers.host, host, refs)?;
-            let slot = BlockId(slot.0);
-            self.tiers.host_fill[host.index()] = self.tiers.disk_fill[slot.index()];
-            drop_refs(&mut self.tiers.disk, slot, refs)?;
-        }
-        if let Some(last) = hosts.last() {
-            self.tiers.host_cursor = last.index() + 1;
-        }
-        for &id in seqs {
-            if let Some(s) = self.tiers.swapped.get_mut(&id) {
-                for e in &mut s.table {
-                    if let TierBlock::Disk(d) = *e {
-                        *e = TierBlock::Host(hosts[index[&d]]);
-                    }
-                }
-            }
-        }
-        self.tiers.stats.blocks_restored += distinct.len() as u64;
-        Ok(distinct.len())
+        let moves = distinct
+            .iter()
+            .zip(&hosts)
+            .map(|(&(slot, refs), &host)| (host, slot, refs))
+            .collect();
+        Ok(PendingTierMove {
+            manager: self,
+            to_disk: false,
+            seqs: seqs.to_vec(),
+            moves,
+        })
+    }
+
+    /// Slots of the disk tier the manager was configured with
+    /// ([`TierConfig::num_disk_slots`]).
+    pub fn num_disk_slots(&self) -> usize {
+        self.tiers.disk.num_blocks()
     }
 
     /// Checks the tiers: both pools' own invariants; every host and disk refcount

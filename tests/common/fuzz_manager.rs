@@ -11,7 +11,8 @@
 use std::collections::BTreeMap;
 
 use pagedkv::manager::{DefragOptions, TierConfig};
-use pagedkv::prefix::{AdmitOptions, PinId};
+use pagedkv::pool::prefix::AdmitOptions;
+use pagedkv::PinId;
 use pagedkv::{
     CacheConfig, CopyPlan, DType, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId, Slot,
     Storage,
@@ -257,15 +258,15 @@ impl Harness {
                     1 => DefragOptions::incremental(1 + b as usize % 5),
                     _ => DefragOptions::FULL.above(f64::from(b) / 255.0),
                 };
-                self.kv.defragment_with(&mut self.store, opts).is_ok()
+                pagedkv::executor::defragment_with(&mut self.kv, &mut self.store, opts).is_ok()
             }
             7 => {
                 let target = 2 + a as usize % self.kv.num_blocks();
-                self.kv.shrink_to(target, &mut self.store).is_ok()
+                pagedkv::executor::shrink_to(&mut self.kv, target, &mut self.store).is_ok()
             }
             8 => {
                 let target = self.kv.num_blocks() + a as usize % 24;
-                self.kv.grow_to(target, &mut self.store).is_ok()
+                pagedkv::executor::grow_to(&mut self.kv, target, &mut self.store).is_ok()
             }
             9 => {
                 let opts = AdmitOptions::default();

@@ -1,11 +1,12 @@
 //! The block-table validation that guards kernel launches, fuzzed: tables built from
-//! arbitrary bytes go through `attention::validate_tables` / `validate_csr`, the
+//! arbitrary bytes go through `tables::validate_tables` / `validate_csr`, the
 //! manager's `check_padded` / `check_csr`, and the CPU paged decode. Nothing may panic;
 //! whatever the validation accepts names only blocks inside the arena and covers its
 //! contexts, and the decode over it must succeed.
 
 use pagedkv::attention::cpu::paged_decode;
-use pagedkv::attention::{validate_csr, validate_tables, AttentionParams};
+use pagedkv::attention::AttentionParams;
+use pagedkv::tables::{validate_csr, validate_tables};
 use pagedkv::{
     CacheConfig, CsrTables, DType, HostStorage, KvCacheManager, KvLayout, ModelShape, PaddedTables,
     SeqId,

@@ -3,7 +3,7 @@
 //! fp8), so a kernel is checked against something it does not share code with.
 #![allow(dead_code)]
 
-use pagedkv::storage::{CudaStorage, CudaStorageConfig};
+use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
 use pagedkv::{DType, Error, KvLayout};
 use std::io::Write;
 

@@ -2,9 +2,9 @@
 
 use super::{check_token_io, head_bytes, validate_copy_plan, validate_swap_plan, Storage};
 use crate::error::{Error, Result};
+use crate::ids::BlockId;
+use crate::layout::plans::{CopyPlan, SwapDirection, SwapPlan};
 use crate::layout::{Kv, KvLayout, Slot};
-use crate::transfer::{CopyPlan, SwapDirection, SwapPlan};
-use crate::BlockId;
 
 /// Alignment of every region: a cache line, and a multiple of every vector width used.
 pub const REGION_ALIGN: usize = 64;

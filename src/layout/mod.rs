@@ -12,9 +12,13 @@
 //! Because a block's offset inside its region does not depend on how many blocks the
 //! region holds, an arena grows or shrinks at its tail without moving live data.
 
+pub mod convert;
+pub mod plans;
+pub mod shape;
+
 use crate::error::{Error, Result};
-use crate::shape::{DType, ModelShape};
-use crate::BlockId;
+use crate::ids::BlockId;
+use crate::layout::shape::{DType, ModelShape};
 
 /// Largest block size (tokens per page) the layout accepts.
 pub const MAX_BLOCK_SIZE: usize = 1024;

@@ -16,7 +16,7 @@
 //!
 //! and picks the cheaper, unless the host tier has no room (then recompute) or the
 //! policy forces one way. The transfer bandwidth is measured on the real storage by
-//! [`CostModel::probe`]; the prefill throughput is the engine's own figure. Both can be
+//! [`crate::executor::probe_cost_model`]; the prefill throughput is the engine's own figure. Both can be
 //! overridden.
 //!
 //! # Engine loop (overload)
@@ -31,7 +31,7 @@
 //! let mut storage = HostStorage::with_host_tier(layout, 8, 16)?;
 //! let tiers = TierConfig { num_host_blocks: 16, num_disk_slots: 0 };
 //! let mut kv = KvCacheManager::with_tiers(layout, CacheConfig::new(8), tiers)?;
-//! let policy = PreemptPolicy::cost_based(CostModel::probe(&mut storage, 4, 10_000.0)?);
+//! let policy = PreemptPolicy::cost_based(pagedkv::executor::probe_cost_model(&mut storage, 4, 10_000.0)?);
 //! let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
 //!
 //! kv.admit(SeqId(1), 64, &mut slots)?;   // 4 blocks
@@ -50,13 +50,10 @@
 //! # Ok::<(), pagedkv::Error>(())
 //! ```
 
-use std::time::Instant;
-
 use crate::error::{Error, Result};
 use crate::manager::{KvCacheManager, SwapJob};
-use crate::storage::Storage;
-use crate::transfer::{SwapDirection, SwapPlan};
-use crate::{BlockId, SeqId};
+
+use crate::ids::{BlockId, SeqId};
 
 /// Events kept by [`KvCacheManager::take_preempt_events`] before the oldest are
 /// dropped.
@@ -72,25 +69,6 @@ pub struct CostModel {
 }
 
 impl CostModel {
-    /// Measures the swap bandwidth of `storage` with one swap-out and one swap-in plan
-    /// of `num_blocks` blocks (device blocks `0..n` to host blocks `0..n` and back) and
-    /// pairs it with the engine's `prefill_tokens_per_s`.
-    ///
-    /// Run it at start-up: it overwrites host-tier blocks `0..n`. Device blocks are
-    /// copied out and back unchanged.
-    ///
-    /// # Errors
-    /// [`Error::InvalidConfig`] when `num_blocks` is 0 or exceeds either tier, or
-    /// `prefill_tokens_per_s` is not positive; the storage's swap errors.
-    pub fn probe<S: Storage + ?Sized>(
-        storage: &mut S,
-        num_blocks: usize,
-        prefill_tokens_per_s: f64,
-    ) -> Result<Self> {
-        let swap_bytes_per_s = measure_swap_bandwidth(storage, num_blocks)?;
-        Self::new(swap_bytes_per_s, prefill_tokens_per_s)
-    }
-
     /// A model from known figures (an override of the probe).
     ///
     /// # Errors
@@ -119,37 +97,6 @@ impl CostModel {
     pub fn recompute_seconds(&self, tokens: usize) -> f64 {
         tokens as f64 / self.prefill_tokens_per_s
     }
-}
-
-/// Times one swap-out and one swap-in of `num_blocks` blocks on `storage`; returns
-/// bytes per second over both. See [`CostModel::probe`] for what it overwrites.
-///
-/// # Errors
-/// [`Error::InvalidConfig`] when `num_blocks` is 0 or exceeds either tier; the
-/// storage's swap errors.
-pub fn measure_swap_bandwidth<S: Storage + ?Sized>(
-    storage: &mut S,
-    num_blocks: usize,
-) -> Result<f64> {
-    let limit = storage.num_blocks().min(storage.num_host_blocks());
-    if num_blocks == 0 || num_blocks > limit {
-        return Err(Error::config(
-            "num_blocks",
-            format!("probe of {num_blocks} blocks; must be in 1..={limit}"),
-        ));
-    }
-    let mut out = SwapPlan::new(SwapDirection::Out);
-    let mut back = SwapPlan::new(SwapDirection::In);
-    for b in 0..num_blocks as u32 {
-        out.push(BlockId(b), BlockId(b));
-        back.push(BlockId(b), BlockId(b));
-    }
-    let start = Instant::now();
-    storage.swap(&out)?;
-    storage.swap(&back)?;
-    let secs = start.elapsed().as_secs_f64().max(1e-9);
-    let bytes = 2.0 * (num_blocks * storage.layout().block_bytes()) as f64;
-    Ok(bytes / secs)
 }
 
 /// How [`KvCacheManager::preempt_for`] chooses between swapping and recomputing.
@@ -314,7 +261,7 @@ impl KvCacheManager {
     }
 
     /// Frees device blocks for an allocation of `needed_blocks` by preempting fork
-    /// groups (see the [module docs](crate::preempt) for the order and the decision).
+    /// groups (see the [module docs](crate::manager::preempt) for the order and the decision).
     /// Counts blocks already free or evictable and those in-flight swap-outs will
     /// free; returns nothing when they suffice.
     ///

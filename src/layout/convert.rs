@@ -25,7 +25,7 @@
 use half::{bf16, f16};
 
 use crate::error::{Error, Result};
-use crate::shape::DType;
+use crate::layout::shape::DType;
 
 /// Largest finite fp8 e4m3 value.
 pub const FP8_E4M3_MAX: f32 = 448.0;

@@ -1,16 +1,16 @@
 //! Compiling `kernels/*.cu` with NVRTC, once per process per specialisation.
 
 use crate::error::{Error, Result};
-use crate::shape::DType;
+use crate::layout::shape::DType;
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ffi::{c_char, CString};
 use std::sync::{Arc, OnceLock};
 
-const COMMON_SRC: &str = include_str!("../../kernels/common.cuh");
-const ATTENTION_SRC: &str = include_str!("../../kernels/paged_attention.cu");
-const CACHE_OPS_SRC: &str = include_str!("../../kernels/cache_ops.cu");
+const COMMON_SRC: &str = include_str!("../../../kernels/common.cuh");
+const ATTENTION_SRC: &str = include_str!("../../../kernels/paged_attention.cu");
+const CACHE_OPS_SRC: &str = include_str!("../../../kernels/cache_ops.cu");
 
 /// Threads per CTA of the attention kernels (the `NUM_THREADS` define).
 pub const ATTENTION_THREADS: u32 = 128;

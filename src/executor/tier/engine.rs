@@ -8,10 +8,11 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::manager::{SwapJob, SwapTicket};
-use crate::storage::Storage;
-use crate::transfer::SwapPlan;
-use crate::SeqId;
+use crate::executor::storage::Storage;
+use crate::ids::SeqId;
+use crate::ids::SwapTicket;
+use crate::layout::plans::SwapPlan;
+use crate::manager::SwapJob;
 
 /// What the worker reports, in order, for each submitted job.
 #[derive(Debug, Clone, PartialEq)]

@@ -15,9 +15,9 @@ pub use cuda::{ArenaSize, CudaStorage, CudaStorageConfig};
 pub use host::HostStorage;
 
 use crate::error::{Error, Result};
+use crate::ids::BlockId;
+use crate::layout::plans::{CopyPlan, SwapPlan};
 use crate::layout::{KvLayout, Slot};
-use crate::transfer::{CopyPlan, SwapPlan};
-use crate::BlockId;
 
 /// Executes plans on real memory laid out by a [`KvLayout`].
 pub trait Storage {
@@ -122,7 +122,7 @@ pub enum Backend {
 /// size. The reason for a fallback is returned, not hidden.
 ///
 /// ```
-/// use pagedkv::storage::{auto, Backend};
+/// use pagedkv::executor::storage::{auto, Backend};
 /// use pagedkv::{DType, KvLayout, ModelShape};
 ///
 /// let shape = ModelShape {
@@ -198,8 +198,8 @@ pub fn validate_swap_plan(plan: &SwapPlan, device_blocks: usize, host_blocks: us
         .pairs()
         .iter()
         .map(|p| match plan.direction() {
-            crate::transfer::SwapDirection::Out => p.host.0,
-            crate::transfer::SwapDirection::In => p.device.0,
+            crate::layout::plans::SwapDirection::Out => p.host.0,
+            crate::layout::plans::SwapDirection::In => p.device.0,
         })
         .collect();
     dsts.sort_unstable();

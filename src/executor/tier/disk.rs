@@ -5,29 +5,19 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use crate::error::{Error, Result};
-use crate::export::xxh64;
+use crate::ids::DiskSlot;
 use crate::layout::KvLayout;
+use xxhash_rust::xxh64::xxh64 as xxh64_seeded;
 
 /// Slots start at multiples of this many bytes (a page, and a multiple of every
 /// common filesystem block), so one slot never straddles two pages needlessly.
 pub const DISK_SLOT_ALIGN: u64 = 4096;
 
-/// A slot of the disk tier: one whole block (every layer, K and V).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-#[repr(transparent)]
-pub struct DiskSlot(pub u32);
-
-impl std::fmt::Display for DiskSlot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "slot {}", self.0)
-    }
-}
-
 /// One preallocated file cut into block-aligned slots, written and read with
 /// positional I/O (`pwrite`/`pread`), every slot checksummed.
 ///
 /// It only moves bytes; which slot holds what is the manager's bookkeeping
-/// ([`crate::KvCacheManager::spill_to_disk`]). The checksum of each written slot is
+/// ([`crate::KvCacheManager::plan_spill`]). The checksum of each written slot is
 /// kept in memory and checked on every read, so a torn write, a bad sector or a file
 /// changed behind the tier's back is an [`Error::Checksum`], never wrong K/V.
 #[derive(Debug)]
@@ -113,7 +103,7 @@ impl DiskTier {
     fn check(&self, slot: DiskSlot, len: usize) -> Result<()> {
         if slot.0 as usize >= self.checksums.len() {
             return Err(Error::BlockOutOfRange {
-                block: crate::BlockId(slot.0),
+                block: crate::ids::BlockId(slot.0),
                 num_blocks: self.checksums.len(),
             });
         }
@@ -140,7 +130,7 @@ impl DiskTier {
         self.file
             .write_all_at(data, self.slot_offset(slot))
             .map_err(|e| Error::Io(format!("write disk {slot}: {e}")))?;
-        self.checksums[slot.0 as usize] = Some(xxh64(data));
+        self.checksums[slot.0 as usize] = Some(xxh64_seeded(data, 0));
         Ok(())
     }
 
@@ -158,7 +148,7 @@ impl DiskTier {
         self.file
             .read_exact_at(out, self.slot_offset(slot))
             .map_err(|e| Error::Io(format!("read disk {slot}: {e}")))?;
-        let got = xxh64(out);
+        let got = xxh64_seeded(out, 0);
         if got != expected {
             return Err(Error::Checksum {
                 what: format!("disk {slot}"),

@@ -31,10 +31,10 @@
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::executor::storage::{validate_copy_plan, validate_swap_plan, HostStorage, Storage};
+use crate::ids::BlockId;
+use crate::layout::plans::{CopyPlan, SwapPlan};
 use crate::layout::{KvLayout, Slot};
-use crate::storage::{validate_copy_plan, validate_swap_plan, HostStorage, Storage};
-use crate::transfer::{CopyPlan, SwapPlan};
-use crate::BlockId;
 
 /// The layout of one of `num_shards` tensor-parallel shards of `layout`: the same
 /// layers, head dim, dtype and block size, `num_kv_heads / num_shards` KV heads and
@@ -244,7 +244,13 @@ impl<S: Storage> Storage for ShardedStorage<S> {
     }
 
     fn write_slots(&mut self, layer: usize, slots: &[Slot], k: &[u8], v: &[u8]) -> Result<()> {
-        crate::storage::check_token_io(&self.layout, layer, slots.len(), k.len(), v.len())?;
+        crate::executor::storage::check_token_io(
+            &self.layout,
+            layer,
+            slots.len(),
+            k.len(),
+            v.len(),
+        )?;
         self.check_slots(slots)?;
         if let [only] = self.shards.as_mut_slice() {
             return only.write_slots(layer, slots, k, v);
@@ -270,7 +276,13 @@ impl<S: Storage> Storage for ShardedStorage<S> {
         k: &mut [u8],
         v: &mut [u8],
     ) -> Result<()> {
-        crate::storage::check_token_io(&self.layout, layer, num_tokens, k.len(), v.len())?;
+        crate::executor::storage::check_token_io(
+            &self.layout,
+            layer,
+            num_tokens,
+            k.len(),
+            v.len(),
+        )?;
         if let [only] = self.shards.as_slice() {
             return only.read_tokens(layer, table, num_tokens, k, v);
         }
@@ -338,7 +350,7 @@ impl<S: Storage> Storage for ShardedStorage<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shape::{DType, ModelShape};
+    use crate::layout::shape::{DType, ModelShape};
 
     fn layout(kv_heads: usize) -> KvLayout {
         let shape = ModelShape {

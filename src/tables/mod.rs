@@ -1,8 +1,15 @@
-//! Block tables of a batch, in the two forms kernels take.
+//! Block tables of a batch, in the two forms kernels take, and their validation.
+//!
+//! This layer sits above the manager (which it asks for tables) and below the
+//! executor and attention (which read the views); it never names either.
 
-use super::KvCacheManager;
+mod validate;
+
+pub use validate::{validate_csr, validate_tables, MAX_CONTEXT_TOKENS};
+
 use crate::error::{Error, Result};
-use crate::SeqId;
+use crate::ids::SeqId;
+use crate::manager::KvCacheManager;
 
 /// Padded block tables: `[batch, max_blocks]` row-major plus context lengths (the form
 /// vLLM's kernels take). Entries past a sequence's last block are 0 and never read.
@@ -102,16 +109,16 @@ impl KvCacheManager {
     /// point outside the arena or at freed (or merely cached) blocks.
     ///
     /// # Errors
-    /// As [`crate::attention::validate_tables`] (inconsistent dimensions, a context its
+    /// As [`validate_tables`] (inconsistent dimensions, a context its
     /// row does not cover, an entry outside the arena), and [`Error::CorruptBlockTable`]
     /// for an entry naming a block that is not live.
     pub fn check_padded(&self, tables: &PaddedTables) -> Result<()> {
         // Shapes, coverage and arena bounds: the checks that guard kernel launches.
-        crate::attention::validate_tables(&self.layout, self.num_blocks(), tables)?;
+        validate_tables(&self.layout, self.num_blocks(), tables)?;
         for (row, &ctx) in tables.context_lens.iter().enumerate() {
             let used = self.layout.blocks_for_tokens(ctx as usize);
             for &b in &tables.row(row)[..used] {
-                self.check_live(crate::BlockId(b))?;
+                self.check_live(crate::ids::BlockId(b))?;
             }
         }
         Ok(())
@@ -120,17 +127,17 @@ impl KvCacheManager {
     /// [`Self::check_padded`] for CSR tables.
     ///
     /// # Errors
-    /// As [`crate::attention::validate_csr`], and [`Error::CorruptBlockTable`] for an
+    /// As [`validate_csr`], and [`Error::CorruptBlockTable`] for an
     /// index naming a block that is not live.
     pub fn check_csr(&self, tables: &CsrTables) -> Result<()> {
-        crate::attention::validate_csr(&self.layout, self.num_blocks(), tables)?;
+        validate_csr(&self.layout, self.num_blocks(), tables)?;
         for &b in &tables.indices {
-            self.check_live(crate::BlockId(b))?;
+            self.check_live(crate::ids::BlockId(b))?;
         }
         Ok(())
     }
 
-    fn check_live(&self, b: crate::BlockId) -> Result<()> {
+    fn check_live(&self, b: crate::ids::BlockId) -> Result<()> {
         match self.pool.state(b)? {
             crate::pool::BlockState::Live => Ok(()),
             state => Err(Error::CorruptBlockTable(format!(

@@ -2,9 +2,9 @@
 //!
 //! Plans name whole blocks (every layer, K and V). Executing one is the only way KV
 //! bytes move between blocks, so each plan can be checked byte-for-byte on
-//! [`crate::storage::HostStorage`] and executed in one batch on a GPU.
+//! [`crate::executor::storage::HostStorage`] and executed in one batch on a GPU.
 
-use crate::BlockId;
+use crate::ids::BlockId;
 
 /// One whole-block copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -57,7 +57,7 @@ impl CopyPlan {
 ///
 /// Every destination is a free block and no destination is also a source, so the moves
 /// can run in any order or all at once. Executing a plan is
-/// [`crate::storage::Storage::copy_blocks`] on its [`CopyPlan`] ([`Self::to_copy_plan`]
+/// [`crate::executor::storage::Storage::copy_blocks`] on its [`CopyPlan`] ([`Self::to_copy_plan`]
 /// or `CopyPlan::from`), so a backend's one batched copy serves both.
 /// Plans made by the manager list moves with ascending sources and ascending
 /// destinations, so [`Self::runs`] merges neighbours into long transfers.
@@ -97,7 +97,7 @@ impl MovePlan {
         merge_runs(self.moves.iter().map(|m| (m.src.0, m.dst.0)))
     }
 
-    /// The same moves as a copy plan, for [`crate::storage::Storage::copy_blocks`].
+    /// The same moves as a copy plan, for [`crate::executor::storage::Storage::copy_blocks`].
     pub fn to_copy_plan(&self) -> CopyPlan {
         CopyPlan {
             copies: self.moves.clone(),

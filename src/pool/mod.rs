@@ -11,8 +11,14 @@
 //! All operations are O(1) and none allocates: the free list and its position index
 //! are sized once for the arena (and again only on [`BlockPool::resize`]).
 
+pub mod prefix;
+mod runs;
+pub mod sharded;
+
+pub(crate) use runs::pick_free_run;
+
 use crate::error::{Error, Result};
-use crate::BlockId;
+use crate::ids::BlockId;
 
 /// What a block is doing; see the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

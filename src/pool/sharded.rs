@@ -20,8 +20,8 @@ use std::sync::Arc;
 use crossbeam_utils::CachePadded;
 
 use crate::error::{Error, Result};
+use crate::ids::BlockId;
 use crate::sync::{AtomicU8, Mutex, Ordering};
-use crate::BlockId;
 
 const FREE: u8 = 0;
 const TAKEN: u8 = 1;

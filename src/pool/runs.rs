@@ -1,22 +1,7 @@
-//! The tiers below the device arena, and the machinery that moves blocks between them.
-//!
-//! | tier | holds | moved by |
-//! |---|---|---|
-//! | device arena | resident sequences | — |
-//! | host tier | swapped-out sequences (a second [`crate::BlockPool`] in the manager) | [`crate::SwapPlan`]s, executed by a [`crate::Storage`] directly or by a [`TransferEngine`] on a worker thread |
-//! | disk tier | host-tier blocks spilled to one preallocated file ([`DiskTier`]) | [`crate::KvCacheManager::spill_to_disk`] / [`crate::KvCacheManager::restore_from_disk`], checksummed |
-//!
-//! The manager keeps the bookkeeping of every tier (which block of which tier holds
-//! what, refcounts); this module holds the parts that touch memory or files.
+//! Choosing free blocks so that swap plans merge into few runs.
 
-mod disk;
-mod engine;
-
-pub use disk::{DiskSlot, DiskTier, DISK_SLOT_ALIGN};
-pub use engine::{TransferEngine, TransferEvent};
-
-use crate::pool::{BlockPool, BlockState};
-use crate::BlockId;
+use super::{BlockPool, BlockState};
+use crate::ids::BlockId;
 
 /// Chooses `n` free blocks of `pool` so that swap plans merge into few runs: the first
 /// run of `n` consecutive free blocks at or after `cursor` (wrapping), else the first

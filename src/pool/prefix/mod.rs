@@ -32,7 +32,7 @@ mod policy;
 pub use hash::{BlockHash, ChainHasher, PrefixHasher};
 pub use policy::{CostAwarePolicy, EvictionCandidate, EvictionPolicy, LruPolicy};
 
-use crate::BlockId;
+use crate::ids::{BlockId, PinId};
 
 /// Longest cache salt or extra key [`PrefixConfig::for_arena`] accepts, in bytes.
 pub const DEFAULT_MAX_KEY_BYTES: usize = 256;
@@ -101,17 +101,6 @@ pub struct Admission {
     pub new_blocks: usize,
     /// Blocks of the prompt newly registered in the cache.
     pub registered_blocks: usize,
-}
-
-/// Names one pin taken by [`crate::KvCacheManager::pin_prefix`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-#[repr(transparent)]
-pub struct PinId(pub u64);
-
-impl std::fmt::Display for PinId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "pin {}", self.0)
-    }
 }
 
 /// A pinned prefix.

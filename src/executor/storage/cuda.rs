@@ -19,12 +19,12 @@
 //!   save per-call overhead for plans of many short runs but needs a 12.8+ driver.
 
 use super::{check_token_io, head_bytes, validate_copy_plan, validate_swap_plan, Storage};
-use crate::cuda::{compile, driver_err, open_device, DeviceInfo, KernelSpec};
 use crate::error::{Error, Result};
+use crate::executor::cuda::{compile, driver_err, open_device, DeviceInfo, KernelSpec};
+use crate::ids::BlockId;
+use crate::layout::plans::{CopyPlan, SwapDirection, SwapPlan};
+use crate::layout::shape::DType;
 use crate::layout::{Kv, KvLayout, Slot};
-use crate::shape::DType;
-use crate::transfer::{CopyPlan, SwapDirection, SwapPlan};
-use crate::BlockId;
 use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig,
     PinnedHostSlice, PushKernelArg,
@@ -271,7 +271,7 @@ impl CudaStorage {
     ///
     /// # Errors
     /// [`Error::CudaUnavailable`] without a driver or device (fall back to
-    /// [`crate::HostStorage`], e.g. with [`crate::storage::auto`]); [`Error::InvalidConfig`]
+    /// [`crate::HostStorage`], e.g. with [`crate::executor::storage::auto`]); [`Error::InvalidConfig`]
     /// for an impossible size; [`Error::Cuda`] for driver or NVRTC failures. Everything
     /// allocated so far is released.
     pub fn new(layout: KvLayout, config: CudaStorageConfig) -> Result<Self> {
@@ -563,7 +563,7 @@ impl CudaStorage {
 
     /// Writes K/V of `slots.len()` tokens for one layer, converting from `input` dtype
     /// to the cache dtype (quantising to fp8 as `x / scale`, round-to-nearest-even,
-    /// saturating, exactly as [`crate::convert::encode`]). `k` and `v` are `[tokens, kv_heads, head_dim]` elements of `input`,
+    /// saturating, exactly as [`crate::layout::convert::encode`]). `k` and `v` are `[tokens, kv_heads, head_dim]` elements of `input`,
     /// as bytes, on the host. Tokens run in parallel: when two tokens name the same
     /// slot, which one lands is unspecified (the manager never hands out a slot twice).
     ///
@@ -697,7 +697,7 @@ impl CudaStorage {
         let (sb, skv, sh, st) = (s.block as u64, s.kv as u64, s.head as u64, s.token as u64);
         let num_slots = (self.num_blocks * self.layout.block_size()) as u64;
         // The kernel divides (x / scale) rather than multiplying by a reciprocal, so its
-        // fp8 codes are those of pagedkv::convert::encode bit for bit.
+        // fp8 codes are those of pagedkv::layout::convert::encode bit for bit.
         let (ks, vs) = (k_scale, v_scale);
         let cfg = LaunchConfig {
             grid_dim: (num_tokens as u32, 1, 1),

@@ -1,4 +1,4 @@
-//! CUDA support shared by [`crate::storage::CudaStorage`] and
+//! CUDA support shared by [`crate::executor::storage::CudaStorage`] and
 //! [`crate::attention::cuda`]: finding a driver and a device, compiling the kernels in
 //! `kernels/*.cu` with NVRTC (once per process and specialisation), and turning
 //! driver and compiler failures into [`Error`]s.

@@ -249,11 +249,11 @@ impl ModelConfig {
 /// Built-in model configs, written by hand from the models' public `config.json` values.
 pub mod builtin {
     /// Llama-3-8B: 32 layers, 32 query / 8 KV heads, head dim 128.
-    pub const LLAMA3_8B: &str = include_str!("../tests/data/llama-3-8b.json");
+    pub const LLAMA3_8B: &str = include_str!("../../tests/data/llama-3-8b.json");
     /// Qwen2.5-7B: 28 layers, 28 query / 4 KV heads, head dim 128.
-    pub const QWEN2_5_7B: &str = include_str!("../tests/data/qwen2.5-7b.json");
+    pub const QWEN2_5_7B: &str = include_str!("../../tests/data/qwen2.5-7b.json");
     /// Llama-3-70B: 80 layers, 64 query / 8 KV heads, head dim 128.
-    pub const LLAMA3_70B: &str = include_str!("../tests/data/llama-3-70b.json");
+    pub const LLAMA3_70B: &str = include_str!("../../tests/data/llama-3-70b.json");
 
     /// Looks a built-in config up by a short name (`llama3-8b`, `qwen2.5-7b`, `llama3-70b`).
     pub fn by_name(name: &str) -> Option<&'static str> {

@@ -21,12 +21,12 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use super::{
-    AdmitOptions, BlockHash, EvictionCandidate, PinId, PrefixConfig, PrefixEvent, PrefixHasher,
+    AdmitOptions, BlockHash, EvictionCandidate, PrefixConfig, PrefixEvent, PrefixHasher,
     PrefixStats,
 };
 use crate::error::{Error, Result};
+use crate::ids::{BlockId, PinId};
 use crate::pool::{BlockPool, BlockState};
-use crate::BlockId;
 
 /// `BlockHash` values are already mixed; hashing them again is wasted work.
 #[derive(Default)]

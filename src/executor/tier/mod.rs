@@ -1,0 +1,16 @@
+//! The tiers below the device arena, and the machinery that moves blocks between them.
+//!
+//! | tier | holds | moved by |
+//! |---|---|---|
+//! | device arena | resident sequences | — |
+//! | host tier | swapped-out sequences (a second [`crate::BlockPool`] in the manager) | [`crate::SwapPlan`]s, executed by a [`crate::Storage`] directly or by a [`TransferEngine`] on a worker thread |
+//! | disk tier | host-tier blocks spilled to one preallocated file ([`DiskTier`]) | [`crate::executor::spill_to_disk`] / [`crate::executor::restore_from_disk`] (plans of the manager, executed here), checksummed |
+//!
+//! The manager keeps the bookkeeping of every tier (which block of which tier holds
+//! what, refcounts); this module holds the parts that touch memory or files.
+
+mod disk;
+mod engine;
+
+pub use disk::{DiskTier, DISK_SLOT_ALIGN};
+pub use engine::{TransferEngine, TransferEvent};

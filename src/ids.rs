@@ -1,0 +1,58 @@
+//! The ids every layer names: the bottom of the crate, importing nothing from it.
+//!
+//! Each is a `#[repr(transparent)]` newtype so that a block index, a sequence id and
+//! a ticket can never be confused across an API.
+
+/// Defines one id newtype with its `Display` prefix.
+macro_rules! id_type {
+    ($(#[$doc:meta])* $name:ident($int:ty), $prefix:literal) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+        #[repr(transparent)]
+        pub struct $name(pub $int);
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, concat!($prefix, "{}"), self.0)
+            }
+        }
+    };
+}
+
+id_type!(
+    /// A physical block: an index into the arena.
+    BlockId(u32),
+    "#"
+);
+
+impl BlockId {
+    /// The id as an index.
+    #[inline]
+    pub const fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+id_type!(
+    /// A sequence (request, or one branch of a fork), named by the engine.
+    SeqId(u64),
+    "seq "
+);
+
+id_type!(
+    /// Names one pin taken by `KvCacheManager::pin_prefix`.
+    PinId(u64),
+    "pin "
+);
+
+id_type!(
+    /// Names one swap transfer from its plan to `KvCacheManager::complete_swap`.
+    SwapTicket(u64),
+    "ticket "
+);
+
+id_type!(
+    /// A slot of the disk tier: one whole block (every layer, K and V).
+    DiskSlot(u32),
+    "slot "
+);
