@@ -38,7 +38,13 @@ fn reserve_plus_weights_overflow_is_an_error() {
     input.context_tokens = 4096;
     input.reserve_bytes = Some(u64::MAX - 10);
     assert!(
-        matches!(input.plan(), Err(Error::OutOfRange { field: "reserve_bytes", .. })),
+        matches!(
+            input.plan(),
+            Err(Error::OutOfRange {
+                field: "reserve_bytes",
+                ..
+            })
+        ),
         "{:?}",
         input.plan()
     );
@@ -47,7 +53,13 @@ fn reserve_plus_weights_overflow_is_an_error() {
     input.context_tokens = 4096;
     input.max_batch_tokens = usize::MAX / 2;
     assert!(
-        matches!(input.plan(), Err(Error::OutOfRange { field: "max_batch_tokens", .. })),
+        matches!(
+            input.plan(),
+            Err(Error::OutOfRange {
+                field: "max_batch_tokens",
+                ..
+            })
+        ),
         "{:?}",
         input.plan()
     );
@@ -82,8 +94,8 @@ fn config_dimensions_that_overflow_parameter_counts_are_errors() {
         ("vocab_size", "18446744073709551615"),
         ("hidden_size", "18446744073709551615"),
     ] {
-        let mut v: serde_json::Value = serde_json::from_str(pagedkv::shape::builtin::LLAMA3_8B)
-            .unwrap();
+        let mut v: serde_json::Value =
+            serde_json::from_str(pagedkv::shape::builtin::LLAMA3_8B).unwrap();
         v[field] = serde_json::from_str(value).unwrap();
         let text = v.to_string();
         // hidden_size enters head_dim; with an explicit head_dim the shape stays valid.
@@ -114,7 +126,10 @@ fn contiguous_kv_size_overflow_is_an_error() {
     let mut out = [0f32; 1];
     let r = contiguous_decode(&kv, 1, &[0.0], &[1], &params, None, &mut out, None);
     assert!(
-        matches!(r, Err(Error::ShapeMismatch { .. } | Error::OutOfRange { .. })),
+        matches!(
+            r,
+            Err(Error::ShapeMismatch { .. } | Error::OutOfRange { .. })
+        ),
         "{r:?}"
     );
 }

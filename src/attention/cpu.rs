@@ -164,14 +164,19 @@ impl ContiguousKv<'_> {
     /// [`Error::OutOfRange`] (field `max_tokens`) when the product does not fit in a
     /// `usize`: a wrapped size would let short slices pass the length check.
     pub fn bytes(&self) -> Result<usize> {
-        [self.max_tokens, self.num_kv_heads, self.head_dim, self.dtype.size_bytes()]
-            .iter()
-            .try_fold(self.batch, |acc, &n| acc.checked_mul(n))
-            .ok_or(Error::OutOfRange {
-                field: "max_tokens",
-                value: self.max_tokens as f64,
-                allowed: "batch * max_tokens * num_kv_heads * head_dim * dtype bytes within usize",
-            })
+        [
+            self.max_tokens,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype.size_bytes(),
+        ]
+        .iter()
+        .try_fold(self.batch, |acc, &n| acc.checked_mul(n))
+        .ok_or(Error::OutOfRange {
+            field: "max_tokens",
+            value: self.max_tokens as f64,
+            allowed: "batch * max_tokens * num_kv_heads * head_dim * dtype bytes within usize",
+        })
     }
 
     /// Byte offset of `(seq, token, kv_head)`.
