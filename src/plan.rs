@@ -26,10 +26,31 @@
 //! lm_head     = V * h                           0 when tie_word_embeddings
 //! ```
 //!
-//! Bytes: the linear layers (attention + mlp) are stored in the chosen
-//! [`WeightPrecision`]; embedding, lm_head, biases and norms stay in 16 bits (32 with
-//! fp32 weights), as GPTQ/AWQ/fp8 checkpoints keep them. Per GPU every part is divided
-//! by `tp` (rounded up) except the norms, which every GPU holds whole.
+//! Mixture-of-experts configs (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, gpt-oss, Llama-4,
+//! read by [`crate::shape::ModelArch`]): with `E` routed experts of intermediate size
+//! `e`, `S` shared experts, `k` experts per token and `M` MoE layers (the others dense
+//! with their own intermediate size):
+//!
+//! ```text
+//! experts     = M * E * 3*h*e                   every expert: all are resident
+//! mlp         = (L - M) * 3*h*i_dense + M * S * 3*h*e_shared
+//! router      = M * (E*h [+ E bias] [+ h shared-expert gate])
+//! active      = total - experts + M * k * 3*h*e
+//! ```
+//!
+//! Latent attention (DeepSeek) counts its low-rank projections (`q_a`, `q_b`,
+//! `kv_a_proj_with_mqa`, `kv_b`, `o`) and their norms; its KV cache is *not* sized by
+//! this planner, which refuses such a model unless told to assume a dense one
+//! ([`PlanInput::assume_dense`]), and then says the KV figures are not right. A config
+//! with fields that change memory and that the reader does not understand is refused
+//! the same way. Every count is checked arithmetic: a config whose counts overflow 64
+//! bits is an [`Error::ModelConfig`], not a wrapped number.
+//!
+//! Bytes: the linear layers (attention, mlp, experts) are stored in the chosen
+//! [`WeightPrecision`] (by default the one the config's `quantization_config` states);
+//! embedding, lm_head, routers, biases and norms stay in 16 bits (32 with fp32
+//! weights), as GPTQ/AWQ/fp8 checkpoints keep them. Per GPU every part is divided by
+//! `tp` (rounded up) except the norms, which every GPU holds whole.
 //!
 //! Memory budget per GPU:
 //!
