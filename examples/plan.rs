@@ -5,6 +5,7 @@
 //! cargo run --release --example plan -- --model llama3-8b --gpu-gib 80 --context 8192 --concurrency 32
 //! cargo run --release --example plan -- --model path/to/config.json --weights int4 --tp 2 --json
 //! cargo run --release --example plan -- --model qwen2.5-7b --context 32768 --sweep
+//! cargo run --release --example plan -- --model tests/data/mixtral-8x7b.json --tp 2
 //! ```
 //!
 //! Exits with status 0 when the target fits (every line fits, for a sweep), 1 when it
@@ -22,9 +23,16 @@ struct Args {
     /// Built-in model (llama3-8b, qwen2.5-7b, llama3-70b) or a path to a config.json.
     #[arg(long, short)]
     model: String,
-    /// Weight precision: fp32, fp16, bf16, int8, fp8, int4 (group 128) or int4-gN.
-    #[arg(long, default_value = "bf16")]
-    weights: String,
+    /// Weight precision: fp32, fp16, bf16, int8, fp8, int4 (group 128), int4-gN,
+    /// int4zp-gN, fp8-bRxC, nf4, nf4-dq or mxfp4 (default: the config's
+    /// quantization_config, else 16-bit). Overrides the config for every linear layer.
+    #[arg(long)]
+    weights: Option<String>,
+    /// Plan a config with fields the planner does not understand (experts of an
+    /// unknown architecture, latent attention) as the dense model its other fields
+    /// describe, instead of refusing; the output says so.
+    #[arg(long)]
+    assume_dense: bool,
     /// KV-cache dtype: f32, f16, bf16, fp8.
     #[arg(long, default_value = "bf16")]
     kv_dtype: String,
@@ -64,7 +72,11 @@ fn input(args: &Args) -> pagedkv::Result<PlanInput> {
     let model = ModelSpec::resolve(&args.model)?;
     let mut input = PlanInput::new(model, 0);
     input.set_gpu_memory_gib(args.gpu_gib)?;
-    input.weight_precision = WeightPrecision::parse(&args.weights)?;
+    if let Some(weights) = &args.weights {
+        input.weight_precision = WeightPrecision::parse(weights)?;
+        input.attention_precision = None;
+    }
+    input.assume_dense = args.assume_dense;
     input.kv_dtype = DType::parse(&args.kv_dtype)?;
     input.gpu_memory_utilization = args.util;
     if let Some(gib) = args.reserve_gib {
@@ -112,6 +124,9 @@ fn run(args: &Args) -> pagedkv::Result<bool> {
             p.context_tokens,
             p.gpu_memory_utilization
         );
+        for note in &p.notes {
+            println!("note: {note}");
+        }
         println!("{}", Plan::SWEEP_HEADER);
         for p in &plans {
             println!("{}", p.sweep_line());

@@ -26,10 +26,31 @@
 //! lm_head     = V * h                           0 when tie_word_embeddings
 //! ```
 //!
-//! Bytes: the linear layers (attention + mlp) are stored in the chosen
-//! [`WeightPrecision`]; embedding, lm_head, biases and norms stay in 16 bits (32 with
-//! fp32 weights), as GPTQ/AWQ/fp8 checkpoints keep them. Per GPU every part is divided
-//! by `tp` (rounded up) except the norms, which every GPU holds whole.
+//! Mixture-of-experts configs (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, gpt-oss, Llama-4,
+//! read by [`crate::layout::shape::ModelArch`]): with `E` routed experts of intermediate size
+//! `e`, `S` shared experts, `k` experts per token and `M` MoE layers (the others dense
+//! with their own intermediate size):
+//!
+//! ```text
+//! experts     = M * E * 3*h*e                   every expert: all are resident
+//! mlp         = (L - M) * 3*h*i_dense + M * S * 3*h*e_shared
+//! router      = M * (E*h [+ E bias] [+ h shared-expert gate])
+//! active      = total - experts + M * k * 3*h*e
+//! ```
+//!
+//! Latent attention (DeepSeek) counts its low-rank projections (`q_a`, `q_b`,
+//! `kv_a_proj_with_mqa`, `kv_b`, `o`) and their norms; its KV cache is *not* sized by
+//! this planner, which refuses such a model unless told to assume a dense one
+//! ([`PlanInput::assume_dense`]), and then says the KV figures are not right. A config
+//! with fields that change memory and that the reader does not understand is refused
+//! the same way. Every count is checked arithmetic: a config whose counts overflow 64
+//! bits is an [`Error::ModelConfig`], not a wrapped number.
+//!
+//! Bytes: the linear layers (attention, mlp, experts) are stored in the chosen
+//! [`WeightPrecision`] (by default the one the config's `quantization_config` states);
+//! embedding, lm_head, routers, biases and norms stay in 16 bits (32 with fp32
+//! weights), as GPTQ/AWQ/fp8 checkpoints keep them. Per GPU every part is divided by
+//! `tp` (rounded up) except the norms, which every GPU holds whole.
 //!
 //! Memory budget per GPU:
 //!
@@ -72,7 +93,7 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
-use crate::layout::shape::{builtin, DType, ModelConfig};
+use crate::layout::shape::{builtin, DType, ModelConfig, QuantScheme, Quantization};
 use crate::layout::KvLayout;
 
 /// Bytes in one GiB.
@@ -104,12 +125,35 @@ pub enum WeightPrecision {
     /// 8-bit weights (int8 or fp8). Per-tensor or per-channel scales are under 0.1 % of
     /// the bytes and not counted.
     Int8,
-    /// 4-bit weights (GPTQ/AWQ style) with one f16 scale per `group_size` weights.
-    /// Zero points of asymmetric schemes are not counted.
+    /// 4-bit weights (GPTQ/AWQ style) with one f16 scale per `group_size` weights and no
+    /// zero points (symmetric).
     Int4 {
         /// Weights sharing one scale (128 is the common choice).
         group_size: usize,
     },
+    /// 4-bit weights with one f16 scale and one 4-bit zero point per `group_size`
+    /// weights (AWQ; GPTQ checkpoints store zero points even when symmetric). GPTQ's
+    /// per-input-row `g_idx` (4 bytes a row, about 0.1 %) is not counted.
+    Int4Zp {
+        /// Weights sharing one scale and zero point.
+        group_size: usize,
+    },
+    /// 8-bit floats with one f32 scale per `rows x cols` block (DeepSeek-V3's
+    /// `weight_block_size: [128, 128]`).
+    Fp8Block {
+        /// Block rows.
+        rows: usize,
+        /// Block columns.
+        cols: usize,
+    },
+    /// bitsandbytes 4-bit (NF4/FP4): blocks of 64 weights with an f32 absmax each, or
+    /// with `double_quant` an 8-bit absmax each plus one f32 per 256 blocks.
+    Nf4 {
+        /// `bnb_4bit_use_double_quant`.
+        double_quant: bool,
+    },
+    /// MXFP4: 4-bit floats with one 8-bit shared exponent per 32 weights.
+    Mxfp4,
 }
 
 impl WeightPrecision {
@@ -121,62 +165,154 @@ impl WeightPrecision {
         WeightPrecision::Int4 { group_size: 128 },
     ];
 
-    /// Parses `fp32`/`f32`, `fp16`/`f16`/`bf16`, `int8`/`fp8`, `int4` (group 128) or
-    /// `int4-gN` (group `N`).
+    /// Parses `fp32`/`f32`, `fp16`/`f16`/`bf16`, `int8`/`fp8`, `int4` (group 128),
+    /// `int4-gN` (group `N`), `int4zp-gN` (with zero points), `fp8-bRxC` (block-wise
+    /// fp8), `nf4`, `nf4-dq` or `mxfp4`.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for an unknown name or a group size of 0.
+    /// [`Error::InvalidConfig`] for an unknown name or a group or block size of 0.
     pub fn parse(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
-        match lower.as_str() {
-            "fp32" | "f32" | "float32" => Ok(WeightPrecision::F32),
-            "fp16" | "f16" | "bf16" | "float16" | "bfloat16" | "16-bit" => Ok(WeightPrecision::F16),
-            "int8" | "fp8" | "w8" => Ok(WeightPrecision::Int8),
-            "int4" | "w4" => Ok(WeightPrecision::Int4 { group_size: 128 }),
-            other => {
-                let group = other
-                    .strip_prefix("int4-g")
-                    .and_then(|g| g.parse::<usize>().ok())
-                    .filter(|&g| g > 0)
-                    .ok_or_else(|| {
-                        Error::config(
-                            "weight_precision",
-                            format!("unknown precision {name:?}; expected fp32, fp16, bf16, int8, fp8, int4 or int4-gN"),
-                        )
-                    })?;
-                Ok(WeightPrecision::Int4 { group_size: group })
+        let positive = |t: &str| t.parse::<usize>().ok().filter(|&g| g > 0);
+        let parsed = match lower.as_str() {
+            "fp32" | "f32" | "float32" => Some(WeightPrecision::F32),
+            "fp16" | "f16" | "bf16" | "float16" | "bfloat16" | "16-bit" => {
+                Some(WeightPrecision::F16)
             }
-        }
+            "int8" | "fp8" | "w8" => Some(WeightPrecision::Int8),
+            "int4" | "w4" => Some(WeightPrecision::Int4 { group_size: 128 }),
+            "nf4" => Some(WeightPrecision::Nf4 {
+                double_quant: false,
+            }),
+            "nf4-dq" => Some(WeightPrecision::Nf4 { double_quant: true }),
+            "mxfp4" => Some(WeightPrecision::Mxfp4),
+            other => {
+                if let Some(g) = other.strip_prefix("int4zp-g") {
+                    positive(g).map(|group_size| WeightPrecision::Int4Zp { group_size })
+                } else if let Some(g) = other.strip_prefix("int4-g") {
+                    positive(g).map(|group_size| WeightPrecision::Int4 { group_size })
+                } else if let Some(b) = other.strip_prefix("fp8-b") {
+                    b.split_once('x').and_then(|(r, c)| {
+                        Some(WeightPrecision::Fp8Block {
+                            rows: positive(r)?,
+                            cols: positive(c)?,
+                        })
+                    })
+                } else {
+                    None
+                }
+            }
+        };
+        parsed.ok_or_else(|| {
+            Error::config(
+                "weight_precision",
+                format!("unknown precision {name:?}; expected fp32, fp16, bf16, int8, fp8, int4, int4-gN, int4zp-gN, fp8-bRxC, nf4, nf4-dq or mxfp4"),
+            )
+        })
     }
 
-    /// Short name (`fp32`, `16-bit`, `int8`, `int4-g128`); [`Self::parse`] reads it back.
+    /// Short name (`fp32`, `16-bit`, `int8`, `int4-g128`, ...); [`Self::parse`] reads it
+    /// back.
     pub fn name(&self) -> String {
         match self {
             WeightPrecision::F32 => "fp32".into(),
             WeightPrecision::F16 => "16-bit".into(),
             WeightPrecision::Int8 => "int8".into(),
             WeightPrecision::Int4 { group_size } => format!("int4-g{group_size}"),
+            WeightPrecision::Int4Zp { group_size } => format!("int4zp-g{group_size}"),
+            WeightPrecision::Fp8Block { rows, cols } => format!("fp8-b{rows}x{cols}"),
+            WeightPrecision::Nf4 {
+                double_quant: false,
+            } => "nf4".into(),
+            WeightPrecision::Nf4 { double_quant: true } => "nf4-dq".into(),
+            WeightPrecision::Mxfp4 => "mxfp4".into(),
         }
     }
 
-    /// Bytes of `params` linear-layer weights: `4n`, `2n`, `n`, or `ceil(n/2) + 2 *
-    /// ceil(n / group_size)` for int4.
-    pub const fn linear_bytes(&self, params: u64) -> u64 {
-        match *self {
-            WeightPrecision::F32 => 4 * params,
-            WeightPrecision::F16 => 2 * params,
-            WeightPrecision::Int8 => params,
-            WeightPrecision::Int4 { group_size } => {
-                // A group size of 0 is rejected by `PlanInput::validate`; `max(1)` keeps
-                // this const fn total anyway.
-                let g = if group_size == 0 {
-                    1
+    /// The precision a checkpoint's `quantization_config` describes.
+    ///
+    /// GPTQ's per-column groups (`group_size: -1`) are counted as groups of `hidden_size`.
+    pub fn from_quantization(q: &Quantization, hidden_size: usize) -> Self {
+        match q.scheme {
+            QuantScheme::Fp8 { block: None } | QuantScheme::Int8 => WeightPrecision::Int8,
+            QuantScheme::Fp8 {
+                block: Some((rows, cols)),
+            } => WeightPrecision::Fp8Block { rows, cols },
+            QuantScheme::Int4 {
+                group_size,
+                zero_point,
+            } => {
+                let group_size = group_size.unwrap_or(hidden_size).max(1);
+                if zero_point {
+                    WeightPrecision::Int4Zp { group_size }
                 } else {
-                    group_size as u64
-                };
-                params.div_ceil(2) + 2 * params.div_ceil(g)
+                    WeightPrecision::Int4 { group_size }
+                }
             }
+            QuantScheme::Nf4 { double_quant } => WeightPrecision::Nf4 { double_quant },
+            QuantScheme::Mxfp4 => WeightPrecision::Mxfp4,
         }
+    }
+
+    /// Bytes of `params` linear-layer weights: `4n`, `2n`, `n`; `ceil(n/2) + 2 *
+    /// ceil(n / group_size)` for int4 (plus `ceil(groups / 2)` zero-point bytes for
+    /// int4zp); `n + 4 * ceil(n / (rows * cols))` for block-wise fp8; `ceil(n/2) +
+    /// 4 * ceil(n/64)` for nf4 (`ceil(n/64) + 4 * ceil(n/16384)` of absmax with double
+    /// quantization); `ceil(n/2) + ceil(n/32)` for mxfp4.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] when the bytes do not fit in a `u64`, or for a group or
+    /// block size of 0.
+    pub fn linear_bytes(&self, params: u64) -> Result<u64> {
+        let overflow = || Error::OutOfRange {
+            field: "weight parameters",
+            value: params as f64,
+            allowed: "few enough that their bytes fit in 64 bits",
+        };
+        let per = |size: usize| -> Result<u64> {
+            if size == 0 {
+                return Err(Error::OutOfRange {
+                    field: "group or block size",
+                    value: 0.0,
+                    allowed: "at least 1",
+                });
+            }
+            Ok(params.div_ceil(size as u64))
+        };
+        let half = params.div_ceil(2);
+        let bytes = match *self {
+            WeightPrecision::F32 => params.checked_mul(4),
+            WeightPrecision::F16 => params.checked_mul(2),
+            WeightPrecision::Int8 => Some(params),
+            WeightPrecision::Int4 { group_size } => {
+                let groups = per(group_size)?;
+                groups.checked_mul(2).and_then(|s| s.checked_add(half))
+            }
+            WeightPrecision::Int4Zp { group_size } => {
+                let groups = per(group_size)?;
+                groups
+                    .checked_mul(2)
+                    .and_then(|s| s.checked_add(half))
+                    .and_then(|s| s.checked_add(groups.div_ceil(2)))
+            }
+            WeightPrecision::Fp8Block { rows, cols } => {
+                let block = rows.checked_mul(cols).ok_or_else(overflow)?;
+                per(block)?
+                    .checked_mul(4)
+                    .and_then(|s| s.checked_add(params))
+            }
+            WeightPrecision::Nf4 { double_quant } => {
+                let blocks = per(64)?;
+                let absmax = if double_quant {
+                    blocks.checked_add(per(64 * 256)?.saturating_mul(4))
+                } else {
+                    blocks.checked_mul(4)
+                };
+                absmax.and_then(|a| a.checked_add(half))
+            }
+            WeightPrecision::Mxfp4 => per(32)?.checked_add(half),
+        };
+        bytes.ok_or_else(overflow)
     }
 
     /// Bytes per element of the parts kept unquantized (embedding, lm_head, norms,
@@ -205,6 +341,25 @@ pub struct ModelSpec {
     pub attention_bias: bool,
 }
 
+/// Checked product of named factors; the error names them and their values.
+fn product(what: &str, factors: &[(&str, u64)]) -> Result<u64> {
+    factors
+        .iter()
+        .try_fold(1u64, |acc, &(_, f)| acc.checked_mul(f))
+        .ok_or_else(|| {
+            let terms: Vec<String> = factors.iter().map(|(n, v)| format!("{n} {v}")).collect();
+            Error::ModelConfig(format!("{what} overflows 64 bits: {}", terms.join(" x ")))
+        })
+}
+
+/// Checked sum; the error names what was summed.
+fn sum(what: &str, parts: &[u64]) -> Result<u64> {
+    parts
+        .iter()
+        .try_fold(0u64, |acc, &p| acc.checked_add(p))
+        .ok_or_else(|| Error::ModelConfig(format!("{what} overflows 64 bits: {parts:?}")))
+}
+
 impl ModelSpec {
     /// Reads a `config.json` text.
     ///
@@ -219,19 +374,7 @@ impl ModelSpec {
                 config.name, config.intermediate_size, config.vocab_size
             )));
         }
-        let v: serde_json::Value = serde_json::from_str(text)
-            .map_err(|e| Error::ModelConfig(format!("not valid JSON: {e}")))?;
-        let obj = v
-            .get("text_config")
-            .filter(|_| v.get("num_hidden_layers").is_none());
-        let obj = obj.unwrap_or(&v);
-        let attention_bias = match obj.get("attention_bias").and_then(|b| b.as_bool()) {
-            Some(b) => b,
-            None => obj
-                .get("model_type")
-                .and_then(|t| t.as_str())
-                .is_some_and(|t| t == "qwen2" || t == "qwen2_moe"),
-        };
+        let attention_bias = config.arch.attention_bias;
         Ok(ModelSpec {
             config,
             attention_bias,
@@ -260,30 +403,328 @@ impl ModelSpec {
         }
     }
 
-    /// Parameter counts of the whole (unsharded) model, by part.
-    pub fn param_counts(&self) -> ParamCounts {
+    /// The precision of the linear layers the config states (`quantization_config`),
+    /// or `None` for an unquantized checkpoint.
+    pub fn config_precision(&self) -> Option<WeightPrecision> {
+        self.config
+            .arch
+            .quantization
+            .as_ref()
+            .map(|q| WeightPrecision::from_quantization(q, self.config.hidden_size))
+    }
+
+    /// Parameter counts of the whole (unsharded) model, by part. Every routed expert
+    /// is counted: all are resident.
+    ///
+    /// # Errors
+    /// [`Error::ModelConfig`] when the config has fields that change memory and that
+    /// the reader does not understand ([`crate::layout::shape::ModelArch::unrecognized`], named
+    /// in the message), or when a count overflows 64 bits.
+    pub fn param_counts(&self) -> Result<ParamCounts> {
+        self.refuse_unrecognized()?;
+        self.counts()
+    }
+
+    /// As [`Self::param_counts`], but counts a config with unrecognized fields as the
+    /// dense model its other fields describe (the `--assume-dense` override).
+    ///
+    /// # Errors
+    /// [`Error::ModelConfig`] when a count overflows 64 bits.
+    pub fn param_counts_assuming_dense(&self) -> Result<ParamCounts> {
+        self.counts()
+    }
+
+    /// [`Error::ModelConfig`] naming the fields this planner does not understand.
+    fn refuse_unrecognized(&self) -> Result<()> {
+        let arch = &self.config.arch;
+        if arch.unrecognized.is_empty() {
+            return Ok(());
+        }
+        Err(Error::ModelConfig(format!(
+            "{} (model_type {}): fields that change memory and that the planner does not understand: {}; refusing to guess (assume_dense / --assume-dense counts it as a dense model)",
+            self.config.name,
+            arch.model_type.as_deref().unwrap_or("absent"),
+            arch.unrecognized.join(", ")
+        )))
+    }
+
+    fn counts(&self) -> Result<ParamCounts> {
         let c = &self.config;
         let s = &c.shape;
-        let (h, i, v, l) = (
+        let a = &c.arch;
+        let (h, v, l) = (
             c.hidden_size as u64,
-            c.intermediate_size as u64,
             c.vocab_size as u64,
             s.num_layers as u64,
         );
-        let q = (s.num_q_heads * s.head_dim) as u64;
-        let kv = (s.num_kv_heads * s.head_dim) as u64;
-        ParamCounts {
-            embedding: v * h,
-            attention: l * (h * q + 2 * h * kv + q * h),
-            attention_bias: if self.attention_bias {
-                l * (q + 2 * kv)
-            } else {
-                0
-            },
-            mlp: l * 3 * h * i,
-            norms: (2 * l + 1) * h,
-            lm_head: if c.tie_word_embeddings { 0 } else { v * h },
+        let heads = s.num_q_heads as u64;
+        let q = product(
+            "query width",
+            &[
+                ("num_attention_heads", heads),
+                ("head_dim", s.head_dim as u64),
+            ],
+        )?;
+        let kv = product(
+            "key/value width",
+            &[
+                ("num_key_value_heads", s.num_kv_heads as u64),
+                ("head_dim", s.head_dim as u64),
+            ],
+        )?;
+        let hp = ("hidden_size", h);
+        let lp = ("num_hidden_layers", l);
+
+        // Attention projections of one layer, and the norms inside attention.
+        let (attn_layer, attn_norms_layer, qk_width) = match &a.mla {
+            Some(m) => {
+                let qk_head = sum(
+                    "qk head dim",
+                    &[m.qk_nope_head_dim as u64, m.qk_rope_head_dim as u64],
+                )?;
+                let q_out = product(
+                    "MLA query width",
+                    &[("num_attention_heads", heads), ("qk_nope+rope", qk_head)],
+                )?;
+                let (q_proj, q_norm) = match m.q_lora_rank {
+                    Some(r) => {
+                        let r = r as u64;
+                        (
+                            sum(
+                                "MLA query projections",
+                                &[
+                                    product("q_a_proj", &[hp, ("q_lora_rank", r)])?,
+                                    product(
+                                        "q_b_proj",
+                                        &[("q_lora_rank", r), ("heads x qk head", q_out)],
+                                    )?,
+                                ],
+                            )?,
+                            r,
+                        )
+                    }
+                    None => (product("q_proj", &[hp, ("heads x qk head", q_out)])?, 0),
+                };
+                let kvr = m.kv_lora_rank as u64;
+                let kv_a = product(
+                    "kv_a_proj_with_mqa",
+                    &[
+                        hp,
+                        (
+                            "kv_lora_rank+qk_rope_head_dim",
+                            sum("kv_a width", &[kvr, m.qk_rope_head_dim as u64])?,
+                        ),
+                    ],
+                )?;
+                let kv_b_out = product(
+                    "kv_b width",
+                    &[
+                        ("num_attention_heads", heads),
+                        (
+                            "qk_nope+v head dim",
+                            sum(
+                                "kv_b head",
+                                &[m.qk_nope_head_dim as u64, m.v_head_dim as u64],
+                            )?,
+                        ),
+                    ],
+                )?;
+                let kv_b = product(
+                    "kv_b_proj",
+                    &[("kv_lora_rank", kvr), ("heads x (nope+v)", kv_b_out)],
+                )?;
+                let o = product(
+                    "o_proj",
+                    &[
+                        ("num_attention_heads", heads),
+                        ("v_head_dim", m.v_head_dim as u64),
+                        hp,
+                    ],
+                )?;
+                (
+                    sum("MLA attention", &[q_proj, kv_a, kv_b, o])?,
+                    sum("MLA norms", &[q_norm, kvr])?,
+                    0,
+                )
+            }
+            None => {
+                let qkv_o = sum(
+                    "attention",
+                    &[
+                        product("q_proj", &[hp, ("q width", q)])?,
+                        product("k_proj + v_proj", &[hp, ("kv width", kv), ("k and v", 2)])?,
+                        product("o_proj", &[("q width", q), hp])?,
+                    ],
+                )?;
+                (
+                    qkv_o,
+                    0,
+                    if a.qk_norm {
+                        product(
+                            "q/k norms",
+                            &[("head_dim", s.head_dim as u64), ("q and k", 2)],
+                        )?
+                    } else {
+                        0
+                    },
+                )
+            }
+        };
+        let attention = product("attention", &[lp, ("per layer", attn_layer)])?;
+        let mut bias_layer = 0u64;
+        if self.attention_bias {
+            bias_layer = sum("q/k/v biases", &[q, kv, kv])?;
         }
+        if a.o_proj_bias {
+            bias_layer = sum("o bias", &[bias_layer, h])?;
+        }
+        if a.attention_sinks {
+            bias_layer = sum("attention sinks", &[bias_layer, heads])?;
+        }
+        let attention_bias = product("attention biases", &[lp, ("per layer", bias_layer)])?;
+
+        // Feed-forward: dense layers, shared experts, routed experts, routers.
+        let ffn = |what: &str, width: u64| {
+            product(what, &[("gate, up, down", 3), hp, ("intermediate", width)])
+        };
+        let (mlp, experts, active_experts, router) = match &a.moe {
+            None => (
+                product(
+                    "mlp",
+                    &[lp, ("per layer", ffn("mlp", c.intermediate_size as u64)?)],
+                )?,
+                0,
+                0,
+                0,
+            ),
+            Some(m) => {
+                let moe_layers = m.num_moe_layers as u64;
+                let dense_layers = l - moe_layers.min(l);
+                let dense = product(
+                    "dense mlp",
+                    &[
+                        ("dense layers", dense_layers),
+                        (
+                            "per layer",
+                            ffn("dense mlp", m.dense_intermediate_size as u64)?,
+                        ),
+                    ],
+                )?;
+                let mut expert = ffn("expert", m.expert_intermediate_size as u64)?;
+                if m.expert_bias {
+                    // gate+up bias (2 i) and down bias (h)
+                    expert = sum(
+                        "expert biases",
+                        &[
+                            expert,
+                            product(
+                                "gate/up bias",
+                                &[
+                                    ("2", 2),
+                                    ("intermediate", m.expert_intermediate_size as u64),
+                                ],
+                            )?,
+                            h,
+                        ],
+                    )?;
+                }
+                let shared = product(
+                    "shared experts",
+                    &[
+                        ("moe layers", moe_layers),
+                        ("n_shared_experts", m.num_shared_experts as u64),
+                        (
+                            "per expert",
+                            ffn("shared expert", m.shared_intermediate_size as u64)?,
+                        ),
+                    ],
+                )?;
+                let experts = product(
+                    "routed experts",
+                    &[
+                        ("moe layers", moe_layers),
+                        ("experts", m.num_experts as u64),
+                        ("per expert", expert),
+                    ],
+                )?;
+                let active = product(
+                    "active experts",
+                    &[
+                        ("moe layers", moe_layers),
+                        (
+                            "experts per token",
+                            m.experts_per_token.min(m.num_experts) as u64,
+                        ),
+                        ("per expert", expert),
+                    ],
+                )?;
+                let mut router_layer = product("router", &[hp, ("experts", m.num_experts as u64)])?;
+                if m.router_bias || m.router_score_bias {
+                    router_layer = sum("router bias", &[router_layer, m.num_experts as u64])?;
+                }
+                if m.shared_expert_gate {
+                    router_layer = sum("shared expert gate", &[router_layer, h])?;
+                }
+                let router = product(
+                    "routers",
+                    &[("moe layers", moe_layers), ("per layer", router_layer)],
+                )?;
+                (sum("mlp", &[dense, shared])?, experts, active, router)
+            }
+        };
+        let norm_vectors = sum(
+            "norms",
+            &[
+                product(
+                    "layer norms",
+                    &[lp, ("per layer", a.norms_per_layer as u64)],
+                )?,
+                1,
+            ],
+        )?;
+        let norms = sum(
+            "norms",
+            &[
+                product("hidden norms", &[("norm vectors", norm_vectors), hp])?,
+                product(
+                    "attention norms",
+                    &[
+                        lp,
+                        (
+                            "per layer",
+                            sum("attention norms", &[attn_norms_layer, qk_width])?,
+                        ),
+                    ],
+                )?,
+            ],
+        )?;
+        let embedding = product("embedding", &[("vocab_size", v), hp])?;
+        let counts = ParamCounts {
+            embedding,
+            attention,
+            attention_bias,
+            mlp,
+            norms,
+            lm_head: if c.tie_word_embeddings { 0 } else { embedding },
+            experts,
+            active_experts,
+            router,
+        };
+        // The total must fit too, so `total()` never saturates for counts made here.
+        sum(
+            "parameter count",
+            &[
+                counts.embedding,
+                counts.attention,
+                counts.attention_bias,
+                counts.mlp,
+                counts.norms,
+                counts.lm_head,
+                counts.experts,
+                counts.router,
+            ],
+        )?;
+        Ok(counts)
     }
 }
 
@@ -292,31 +733,114 @@ impl ModelSpec {
 pub struct ParamCounts {
     /// Token embedding.
     pub embedding: u64,
-    /// q, k, v and o projections of all layers.
+    /// Attention projections of all layers (q, k, v, o; MLA's low-rank projections).
     pub attention: u64,
-    /// q, k, v biases of all layers (0 for models without them).
+    /// Attention biases of all layers (0 for models without them), and gpt-oss's sinks.
     pub attention_bias: u64,
-    /// gate, up and down projections of all layers.
+    /// Dense feed-forward layers (gate, up, down) and shared experts.
     pub mlp: u64,
-    /// RMSNorm weights.
+    /// Norm weights.
     pub norms: u64,
     /// Output projection (0 when tied to the embedding).
     pub lm_head: u64,
+    /// Every routed expert of every MoE layer (all are resident), with their biases.
+    pub experts: u64,
+    /// The routed-expert parameters one token uses (`experts_per_token` per MoE layer).
+    pub active_experts: u64,
+    /// Routers (and shared-expert gates, score-correction biases), kept in 16 bits.
+    pub router: u64,
 }
 
 impl ParamCounts {
-    /// All parameters.
+    /// All parameters (saturating; counts from [`ModelSpec::param_counts`] are checked
+    /// to fit, and a saturated sum can only overstate memory).
     pub const fn total(&self) -> u64 {
-        self.embedding + self.attention + self.attention_bias + self.mlp + self.norms + self.lm_head
+        self.embedding
+            .saturating_add(self.attention)
+            .saturating_add(self.attention_bias)
+            .saturating_add(self.mlp)
+            .saturating_add(self.norms)
+            .saturating_add(self.lm_head)
+            .saturating_add(self.experts)
+            .saturating_add(self.router)
     }
 
-    /// Bytes one GPU holds with weights in `precision` split `tp` ways.
-    pub const fn bytes_per_gpu(&self, precision: WeightPrecision, tp: usize) -> u64 {
-        let tp = if tp == 0 { 1 } else { tp as u64 };
-        let dense = precision.dense_elem_bytes();
-        let linear = precision.linear_bytes((self.attention + self.mlp).div_ceil(tp));
-        let sharded_dense = (self.embedding + self.lm_head + self.attention_bias).div_ceil(tp);
-        linear + dense * sharded_dense + dense * self.norms
+    /// Parameters one token uses: everything but the routed experts it is not sent to.
+    /// Publications differ on whether the input embedding counts; see
+    /// [`Self::active_without_embedding`].
+    pub const fn active(&self) -> u64 {
+        self.total()
+            .saturating_sub(self.experts)
+            .saturating_add(self.active_experts)
+    }
+
+    /// [`Self::active`] less the input embedding (a lookup, not a matmul): the
+    /// convention of the gpt-oss and DeepSeek model cards.
+    pub const fn active_without_embedding(&self) -> u64 {
+        self.active().saturating_sub(self.embedding)
+    }
+
+    /// Bytes one GPU holds with the linear layers in `precision` split `tp` ways.
+    ///
+    /// # Errors
+    /// As [`Self::bytes_per_gpu_mixed`].
+    pub fn bytes_per_gpu(&self, precision: WeightPrecision, tp: usize) -> Result<u64> {
+        self.bytes_per_gpu_mixed(precision, precision, tp)
+    }
+
+    /// Bytes one GPU holds with the feed-forward layers and experts in `linear`, the
+    /// attention projections in `attention`, split `tp` ways (norms replicated).
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] when a byte count overflows 64 bits.
+    pub fn bytes_per_gpu_mixed(
+        &self,
+        linear: WeightPrecision,
+        attention: WeightPrecision,
+        tp: usize,
+    ) -> Result<u64> {
+        let tp = tp.max(1) as u64;
+        let overflow = || Error::OutOfRange {
+            field: "weight bytes",
+            value: self.total() as f64,
+            allowed: "a model whose bytes fit in 64 bits",
+        };
+        let dense = linear.dense_elem_bytes();
+        let (attn, ffn) = if linear == attention {
+            (
+                0,
+                linear.linear_bytes(
+                    self.attention
+                        .checked_add(self.mlp)
+                        .and_then(|n| n.checked_add(self.experts))
+                        .ok_or_else(overflow)?
+                        .div_ceil(tp),
+                )?,
+            )
+        } else {
+            (
+                attention.linear_bytes(self.attention.div_ceil(tp))?,
+                linear.linear_bytes(
+                    self.mlp
+                        .checked_add(self.experts)
+                        .ok_or_else(overflow)?
+                        .div_ceil(tp),
+                )?,
+            )
+        };
+        let sharded_dense = self
+            .embedding
+            .checked_add(self.lm_head)
+            .and_then(|n| n.checked_add(self.attention_bias))
+            .and_then(|n| n.checked_add(self.router))
+            .ok_or_else(overflow)?
+            .div_ceil(tp);
+        dense
+            .checked_mul(sharded_dense)
+            .and_then(|d| d.checked_add(dense.checked_mul(self.norms)?))
+            .and_then(|d| d.checked_add(attn))
+            .and_then(|d| d.checked_add(ffn))
+            .ok_or_else(overflow)
     }
 }
 
@@ -357,20 +881,38 @@ pub struct PlanInput {
     pub concurrency: usize,
     /// Tensor-parallel degree (GPUs one replica spans).
     pub tensor_parallel: usize,
+    /// Storage of the attention projections when it differs from `weight_precision`
+    /// (gpt-oss keeps attention in 16 bits and quantizes only the experts); `None`:
+    /// the same.
+    pub attention_precision: Option<WeightPrecision>,
+    /// Plan a model whose config has fields the planner does not understand (or
+    /// latent attention) as the dense model its other fields describe, instead of
+    /// refusing. The plan's notes say what was assumed.
+    pub assume_dense: bool,
 }
 
 impl PlanInput {
-    /// Defaults: weights in 16 bits, KV in bf16, utilisation 0.9, estimated reserve,
-    /// 8192 batch tokens, 16-token blocks, the model's whole context (4096 when the
-    /// config does not say), 1 request, no tensor parallelism.
+    /// Defaults: weights as the config's `quantization_config` says (16 bits when it
+    /// says nothing), KV in bf16, utilisation 0.9, estimated reserve, 8192 batch tokens,
+    /// 16-token blocks, the model's whole context (4096 when the config does not say),
+    /// 1 request, no tensor parallelism, no dense assumption.
     pub fn new(model: ModelSpec, gpu_memory_bytes: u64) -> Self {
         let context = match model.config.max_position_embeddings {
             0 => 4096,
             n => n,
         };
+        let weight_precision = model.config_precision().unwrap_or(WeightPrecision::F16);
+        let attention_precision = model
+            .config
+            .arch
+            .quantization
+            .filter(|q| q.attention_unquantized)
+            .map(|_| WeightPrecision::F16);
         PlanInput {
             model,
-            weight_precision: WeightPrecision::F16,
+            weight_precision,
+            attention_precision,
+            assume_dense: false,
             kv_dtype: DType::BF16,
             gpu_memory_bytes,
             gpu_memory_utilization: 0.9,
@@ -386,9 +928,10 @@ impl PlanInput {
     /// Sets the GPU memory from `gib` GiB.
     ///
     /// # Errors
-    /// [`Error::OutOfRange`] unless `gib` is finite and positive.
+    /// [`Error::OutOfRange`] unless `gib` is finite, positive and at most 2^64 bytes.
     pub fn set_gpu_memory_gib(&mut self, gib: f64) -> Result<()> {
-        if !(gib.is_finite() && gib > 0.0) {
+        // `as u64` would saturate silently above 2^64 bytes.
+        if !(gib.is_finite() && gib > 0.0 && gib * (GIB as f64) < u64::MAX as f64) {
             return Err(Error::OutOfRange {
                 field: "gpu_memory_gib",
                 value: gib,
@@ -415,7 +958,10 @@ impl PlanInput {
     /// context, concurrency, batch or tensor-parallel degree, or an int4 group of 0;
     /// [`Error::ContextTooLong`] past `max_position_embeddings`;
     /// [`Error::UnevenTensorParallel`] when `tp` does not divide the query or KV heads;
-    /// [`Error::InvalidConfig`] for a bad block size.
+    /// [`Error::InvalidConfig`] for a bad block size. Unless [`Self::assume_dense`]:
+    /// [`Error::ModelConfig`] naming the config's fields that change memory and that
+    /// the planner does not understand, and [`Error::Unsupported`] for latent attention
+    /// (MLA), whose KV cache the standard formula does not size.
     pub fn validate(&self) -> Result<()> {
         let positive = |field: &'static str, v: usize| {
             if v == 0 {
@@ -467,6 +1013,15 @@ impl PlanInput {
                 return Err(Error::UnevenTensorParallel { what, count, tp });
             }
         }
+        if !self.assume_dense {
+            self.model.refuse_unrecognized()?;
+            if let Some(m) = &self.model.config.arch.mla {
+                return Err(Error::Unsupported(format!(
+                    "{}: multi-head latent attention (kv_lora_rank {}, qk_rope_head_dim {}) caches a latent per token and layer, which this planner does not size; the standard K/V formula would be wrong (parameter counts: ModelSpec::param_counts; assume_dense plans with the standard formula, flagged)",
+                    self.model.config.name, m.kv_lora_rank, m.qk_rope_head_dim
+                )));
+            }
+        }
         self.layout().map(|_| ())
     }
 
@@ -479,18 +1034,43 @@ impl PlanInput {
     }
 
     /// The estimated reserve for activations and workspace of one GPU (module docs).
-    pub fn estimated_reserve_bytes(&self) -> u64 {
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] (field `max_batch_tokens`) when it overflows 64 bits.
+    pub fn estimated_reserve_bytes(&self) -> Result<u64> {
         let c = &self.model.config;
         let s = &c.shape;
         let tp = self.tensor_parallel.max(1) as u64;
         let act = self.weight_precision.dense_elem_bytes();
         let h = c.hidden_size as u64;
-        let qkv = ((s.num_q_heads + 2 * s.num_kv_heads) * s.head_dim) as u64;
-        let per_token = 2 * h + qkv / tp + 2 * c.intermediate_size as u64 / tp;
-        let logits_rows = self.concurrency.min(self.max_batch_tokens) as u64;
-        WORKSPACE_BYTES
-            + self.max_batch_tokens as u64 * act * per_token
-            + logits_rows * c.vocab_size as u64 * 4
+        let overflow = || Error::OutOfRange {
+            field: "max_batch_tokens",
+            value: self.max_batch_tokens as f64,
+            allowed: "few enough tokens that the activation estimate fits in 64 bits",
+        };
+        let reserve = (|| {
+            let qkv = (s.num_kv_heads as u64)
+                .checked_mul(2)?
+                .checked_add(s.num_q_heads as u64)?
+                .checked_mul(s.head_dim as u64)?;
+            let per_token = h
+                .checked_mul(2)?
+                .checked_add(qkv / tp)?
+                .checked_add((c.intermediate_size as u64).checked_mul(2)? / tp)?;
+            let logits_rows = self.concurrency.min(self.max_batch_tokens) as u64;
+            WORKSPACE_BYTES
+                .checked_add(
+                    (self.max_batch_tokens as u64)
+                        .checked_mul(act)?
+                        .checked_mul(per_token)?,
+                )?
+                .checked_add(
+                    logits_rows
+                        .checked_mul(c.vocab_size as u64)?
+                        .checked_mul(4)?,
+                )
+        })();
+        reserve.ok_or_else(overflow)
     }
 
     /// Runs the planner.
@@ -512,22 +1092,52 @@ impl PlanInput {
     fn plan_numbers(&self) -> Result<Plan> {
         self.validate()?;
         let layout = self.layout()?;
-        let params = self.model.param_counts();
-        let weights = params.bytes_per_gpu(self.weight_precision, self.tensor_parallel);
-        let reserve = self
-            .reserve_bytes
-            .unwrap_or_else(|| self.estimated_reserve_bytes());
+        let params = if self.assume_dense {
+            self.model.param_counts_assuming_dense()?
+        } else {
+            self.model.param_counts()?
+        };
+        let weights = params.bytes_per_gpu_mixed(
+            self.weight_precision,
+            self.attention_precision.unwrap_or(self.weight_precision),
+            self.tensor_parallel,
+        )?;
+        let reserve = match self.reserve_bytes {
+            Some(r) => r,
+            None => self.estimated_reserve_bytes()?,
+        };
+        let weights_and_reserve = weights.checked_add(reserve).ok_or(Error::OutOfRange {
+            field: "reserve_bytes",
+            value: reserve as f64,
+            allowed: "small enough that weights + reserve fit in 64 bits",
+        })?;
         let usable = (self.gpu_memory_bytes as f64 * self.gpu_memory_utilization).floor() as u64;
-        let kv_budget = usable.saturating_sub(weights).saturating_sub(reserve);
+        let kv_budget = usable.saturating_sub(weights_and_reserve);
         let block_bytes = layout.block_bytes() as u64;
         let num_blocks = kv_budget / block_bytes;
         let blocks_per_request = layout.blocks_for_tokens(self.context_tokens) as u64;
         let max_concurrency = num_blocks / blocks_per_request;
-        let needed_blocks = blocks_per_request * self.concurrency as u64;
-        let verdict = if weights + reserve > usable {
+        let needed_blocks = blocks_per_request
+            .checked_mul(self.concurrency as u64)
+            .ok_or(Error::OutOfRange {
+                field: "concurrency",
+                value: self.concurrency as f64,
+                allowed: "small enough that concurrency x blocks per request fits in 64 bits",
+            })?;
+        // num_blocks <= kv_budget / block_bytes and block_bytes >= block_size, so this
+        // cannot overflow; checked all the same.
+        let capacity_tokens =
+            num_blocks
+                .checked_mul(self.block_size as u64)
+                .ok_or(Error::OutOfRange {
+                    field: "block_size",
+                    value: self.block_size as f64,
+                    allowed: "blocks x block size within 64 bits",
+                })?;
+        let verdict = if weights_and_reserve > usable {
             Verdict::DoesNotFit {
                 shortfall: Shortfall::Weights {
-                    needed_bytes: weights + reserve,
+                    needed_bytes: weights_and_reserve,
                     usable_bytes: usable,
                 },
                 suggestions: Vec::new(),
@@ -554,6 +1164,8 @@ impl PlanInput {
             gpu_memory_bytes: self.gpu_memory_bytes,
             gpu_memory_utilization: self.gpu_memory_utilization,
             params: params.total(),
+            active_params: params.active(),
+            notes: self.notes(),
             weight_bytes: weights,
             reserve_bytes: reserve,
             usable_bytes: usable,
@@ -561,11 +1173,70 @@ impl PlanInput {
             kv_bytes_per_token: layout.token_bytes() as u64,
             block_bytes,
             num_blocks,
-            capacity_tokens: num_blocks * self.block_size as u64,
+            capacity_tokens,
             blocks_per_request,
             max_concurrency,
             verdict,
         })
+    }
+
+    /// What the plan assumed or left out, in words, for the output.
+    fn notes(&self) -> Vec<String> {
+        let spec = &self.model;
+        let arch = &spec.config.arch;
+        let mut notes = Vec::new();
+        if self.assume_dense {
+            if !arch.unrecognized.is_empty() {
+                notes.push(format!(
+                    "--assume-dense: ignored fields the planner does not understand: {}",
+                    arch.unrecognized.join(", ")
+                ));
+            }
+            if arch.mla.is_some() {
+                notes.push("--assume-dense: latent attention (MLA) sized with the standard K/V formula: the KV figures are NOT right for this model".into());
+            }
+        }
+        if !arch.known {
+            notes.push(format!(
+                "model_type {} is not one the planner knows: counted as a Llama-style dense decoder (gated MLP, 2 norms per layer)",
+                arch.model_type.as_deref().unwrap_or("(absent)")
+            ));
+        }
+        match spec.config_precision() {
+            Some(p) if p != self.weight_precision => notes.push(format!(
+                "the config's quantization_config says {p}; planned with {} as asked",
+                self.weight_precision
+            )),
+            Some(p) => notes.push(format!("weights in {p}, from quantization_config")),
+            None => {}
+        }
+        if let Some(p) = self.attention_precision {
+            if p != self.weight_precision {
+                notes.push(format!("attention projections in {p}"));
+            }
+        }
+        if let Some(w) = arch.sliding_window {
+            let windowed = arch
+                .layer_types
+                .iter()
+                .filter(|t| *t == "sliding_attention")
+                .count();
+            let layers = if arch.layer_types.is_empty() {
+                "every layer".to_string()
+            } else {
+                format!("{windowed} of {} layers", arch.layer_types.len())
+            };
+            notes.push(format!(
+                "sliding window of {w} tokens on {layers}: KV sized for the full context on every layer (an overestimate)"
+            ));
+        }
+        if arch.mtp_layers > 0 {
+            notes.push(format!(
+                "{} multi-token-prediction layer(s) not counted (loaded only for speculative decoding)",
+                arch.mtp_layers
+            ));
+        }
+        notes
     }
 
     /// Concrete changes that would make `plan` fit, each checked by planning again.
@@ -578,7 +1249,11 @@ impl PlanInput {
                 .filter(|p| p.verdict.fits())
                 .map(|p| p.max_concurrency)
         };
-        if plan.weight_bytes + plan.reserve_bytes <= plan.usable_bytes {
+        if plan
+            .weight_bytes
+            .checked_add(plan.reserve_bytes)
+            .is_some_and(|n| n <= plan.usable_bytes)
+        {
             // Blocks are short: the KV-side levers apply.
             for dtype in [DType::BF16, DType::Fp8E4M3] {
                 if dtype.size_bytes() < self.kv_dtype.size_bytes() {
@@ -619,11 +1294,12 @@ impl PlanInput {
                 }
             }
         }
-        let current = self.weight_precision.linear_bytes(1 << 20);
+        let current = self.weight_precision.linear_bytes(1 << 20).ok();
         for precision in WeightPrecision::LADDER {
-            if precision.linear_bytes(1 << 20) < current {
+            if precision.linear_bytes(1 << 20).ok() < current {
                 let mut alt = self.clone();
                 alt.weight_precision = precision;
+                alt.attention_precision = None;
                 if let Some(max_concurrency) = fits(&alt) {
                     out.push(Suggestion::WeightPrecision {
                         precision,
@@ -633,25 +1309,31 @@ impl PlanInput {
                 }
             }
         }
-        let needed = plan.weight_bytes
-            + plan.reserve_bytes
-            + plan.blocks_per_request * self.concurrency as u64 * plan.block_bytes;
+        // A GPU size only when the bytes needed fit in 64 bits and a GPU of that size
+        // is checked to fit.
+        let needed = plan
+            .blocks_per_request
+            .checked_mul(self.concurrency as u64)
+            .and_then(|b| b.checked_mul(plan.block_bytes))
+            .and_then(|kv| kv.checked_add(plan.weight_bytes))
+            .and_then(|n| n.checked_add(plan.reserve_bytes));
         // Rounded up to whole MiB, then checked: `usable` is floored, so the exact
         // quotient can fall a byte short.
         const MIB: u64 = 1 << 20;
-        let mut gpu = (needed as f64 / self.gpu_memory_utilization).ceil() as u64;
-        gpu = gpu.div_ceil(MIB) * MIB;
-        for _ in 0..4 {
-            let mut alt = self.clone();
-            alt.gpu_memory_bytes = gpu;
-            if fits(&alt).is_some() {
-                break;
-            }
-            gpu += MIB;
-        }
-        out.push(Suggestion::GpuMemory {
-            gpu_memory_bytes: gpu,
+        let first = needed.and_then(|n| {
+            let gpu = (n as f64 / self.gpu_memory_utilization).ceil();
+            (gpu < (u64::MAX - 8 * MIB) as f64).then(|| (gpu as u64).div_ceil(MIB) * MIB)
         });
+        if let Some(first) = first {
+            let found = (0..4).map(|k| first + k * MIB).find(|&gpu| {
+                let mut alt = self.clone();
+                alt.gpu_memory_bytes = gpu;
+                fits(&alt).is_some()
+            });
+            if let Some(gpu_memory_bytes) = found {
+                out.push(Suggestion::GpuMemory { gpu_memory_bytes });
+            }
+        }
         out
     }
 
@@ -850,8 +1532,14 @@ pub struct Plan {
     pub gpu_memory_bytes: u64,
     /// Utilisation fraction.
     pub gpu_memory_utilization: f64,
-    /// Parameters of the whole model.
+    /// Parameters of the whole model (every expert: all are resident).
     pub params: u64,
+    /// Parameters one token uses ([`ParamCounts::active`]); equals `params` for dense
+    /// models.
+    pub active_params: u64,
+    /// What the plan assumed or left out (dense assumption, sliding windows recorded,
+    /// precision from the config...).
+    pub notes: Vec<String>,
     /// Weight bytes on one GPU.
     pub weight_bytes: u64,
     /// Reserve for activations and workspace.
@@ -918,6 +1606,8 @@ impl Plan {
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "params": self.params,
+            "active_params": self.active_params,
+            "notes": self.notes,
             "weight_bytes": self.weight_bytes,
             "reserve_bytes": self.reserve_bytes,
             "usable_bytes": self.usable_bytes,
@@ -979,8 +1669,19 @@ impl fmt::Display for Plan {
         row(
             f,
             "parameters",
-            format!("{:.2} B", self.params as f64 / 1e9),
+            if self.active_params == self.params {
+                format!("{:.2} B", self.params as f64 / 1e9)
+            } else {
+                format!(
+                    "{:.2} B ({:.2} B active per token)",
+                    self.params as f64 / 1e9,
+                    self.active_params as f64 / 1e9
+                )
+            },
         )?;
+        for note in &self.notes {
+            row(f, "note", note.clone())?;
+        }
         row(
             f,
             "weights (per GPU)",

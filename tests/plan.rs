@@ -88,9 +88,9 @@ fn parameter_counts_match_the_published_sizes() {
             hand.name
         );
         let spec = ModelSpec::resolve(hand.name).unwrap();
-        assert_eq!(spec.param_counts().total(), total, "{}", hand.name);
+        assert_eq!(spec.param_counts().unwrap().total(), total, "{}", hand.name);
         assert_eq!(
-            spec.param_counts().attention + spec.param_counts().mlp,
+            spec.param_counts().unwrap().attention + spec.param_counts().unwrap().mlp,
             hand.linear
         );
     }
@@ -216,13 +216,13 @@ fn estimated_reserve_follows_the_documented_formula() {
     // + 32 rows * 128256 vocab * 4 B logits
     let expected = WORKSPACE_BYTES + 8192 * 2 * (2 * 4096 + 48 * 128 + 2 * 14336) + 32 * 128256 * 4;
     assert_eq!(expected, 1_794_801_664);
-    assert_eq!(i.estimated_reserve_bytes(), expected);
+    assert_eq!(i.estimated_reserve_bytes().unwrap(), expected);
     assert_eq!(i.plan().unwrap().reserve_bytes, expected);
     // Under tp 2 the sharded activations halve.
     i.tensor_parallel = 2;
     let expected_tp2 =
         WORKSPACE_BYTES + 8192 * 2 * (2 * 4096 + 48 * 128 / 2 + 14336) + 32 * 128256 * 4;
-    assert_eq!(i.estimated_reserve_bytes(), expected_tp2);
+    assert_eq!(i.estimated_reserve_bytes().unwrap(), expected_tp2);
     // An explicit reserve replaces the estimate.
     i.reserve_bytes = Some(123);
     assert_eq!(i.plan().unwrap().reserve_bytes, 123);
@@ -439,8 +439,11 @@ fn model_specs_from_configs() {
         "\"tie_word_embeddings\": true",
     );
     let spec = ModelSpec::from_json_str(&tied).unwrap();
-    assert_eq!(spec.param_counts().lm_head, 0);
-    assert_eq!(spec.param_counts().total(), 8_030_261_248 - 128256 * 4096);
+    assert_eq!(spec.param_counts().unwrap().lm_head, 0);
+    assert_eq!(
+        spec.param_counts().unwrap().total(),
+        8_030_261_248 - 128256 * 4096
+    );
     // The weight estimate needs intermediate_size.
     let partial = text.replace("\"intermediate_size\": 14336,", "");
     assert!(matches!(
@@ -494,4 +497,404 @@ fn json_carries_the_numbers() {
     let text = v.to_string();
     let back: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(back, v);
+}
+
+/// A public config shipped in `tests/data/` and the figures its publishers give.
+struct Published {
+    file: &'static str,
+    /// Total parameters as published.
+    total: f64,
+    /// Active parameters per token as published, and whether that figure leaves the
+    /// input embedding out (gpt-oss and DeepSeek cards do; Mistral and Qwen count it).
+    active: Option<(f64, bool)>,
+    /// The count written out by hand from the config.
+    exact: u64,
+}
+
+fn data(file: &str) -> ModelSpec {
+    ModelSpec::from_file(format!("{}/tests/data/{file}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+}
+
+fn published() -> Vec<Published> {
+    vec![
+        // Mistral-7B-v0.1: 7.24 B on the model page ("7.3B" in the announcement).
+        // embeddings + 32 x (q,o 4096^2; k,v 4096x1024; gate,up,down 4096x14336) + norms
+        Published {
+            file: "mistral-7b.json",
+            total: 7.24e9,
+            active: None,
+            exact: 2 * 32000 * 4096
+                + 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024)
+                + 32 * 3 * 4096 * 14336
+                + 65 * 4096,
+        },
+        // Gemma-2-9B: 9.24 B. Tied embedding, head_dim 256 (q is 4096 wide, not the
+        // hidden 3584), four norms per layer.
+        Published {
+            file: "gemma-2-9b.json",
+            total: 9.24e9,
+            active: None,
+            exact: 256000 * 3584
+                + 42 * (2 * 3584 * 4096 + 2 * 3584 * 2048)
+                + 42 * 3 * 3584 * 14336
+                + (4 * 42 + 1) * 3584,
+        },
+        // Phi-3-mini: 3.8 B (fused qkv and gate_up, same counts).
+        Published {
+            file: "phi-3-mini-4k.json",
+            total: 3.8e9,
+            active: None,
+            exact: 2 * 32064 * 3072 + 32 * 4 * 3072 * 3072 + 32 * 3 * 3072 * 8192 + 65 * 3072,
+        },
+        // Qwen2.5-7B-Instruct-AWQ: the 7.61 B of Qwen2.5-7B, stored in int4.
+        Published {
+            file: "qwen2.5-7b-instruct-awq.json",
+            total: 7.61e9,
+            active: None,
+            exact: 7_615_616_512,
+        },
+        // Mixtral-8x7B: 46.7 B total, 12.9 B per token (Mistral's announcement).
+        // 8 experts of 3 x 4096 x 14336 in each of 32 layers, routers 8 x 4096.
+        Published {
+            file: "mixtral-8x7b.json",
+            total: 46.7e9,
+            active: Some((12.9e9, false)),
+            exact: 2 * 32000 * 4096
+                + 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024)
+                + 32 * 8 * 3 * 4096 * 14336
+                + 32 * 8 * 4096
+                + 65 * 4096,
+        },
+        // Qwen3-30B-A3B: 30.5 B total, 3.3 B activated. 128 experts of 3 x 2048 x 768
+        // (moe_intermediate_size), q 32 x 128 = 4096 wide, q/k norms of 128.
+        Published {
+            file: "qwen3-30b-a3b.json",
+            total: 30.5e9,
+            active: Some((3.3e9, false)),
+            exact: 2 * 151936 * 2048
+                + 48 * (2 * 2048 * 4096 + 2 * 2048 * 512)
+                + 48 * 128 * 3 * 2048 * 768
+                + 48 * 128 * 2048
+                + 97 * 2048
+                + 48 * 2 * 128,
+        },
+        // DeepSeek-V3: 671 B total (main model; the 14 B MTP module apart), 37 B
+        // activated. MLA: q_a 7168x1536, q_b 1536 x 128x192, kv_a 7168x(512+64),
+        // kv_b 512 x 128x256, o 128x128 x 7168; 3 dense layers of 18432; 58 MoE layers
+        // of 256 routed + 1 shared experts of 2048, router 256x7168 + 256 bias.
+        Published {
+            file: "deepseek-v3.json",
+            total: 671e9,
+            active: Some((37e9, true)),
+            exact: 2 * 129280 * 7168
+                + 61 * (7168 * 1536
+                    + 1536 * 128 * 192
+                    + 7168 * 576
+                    + 512 * 128 * 256
+                    + 128 * 128 * 7168)
+                + 3 * 3 * 7168 * 18432
+                + 58 * 257 * 3 * 7168 * 2048
+                + 58 * (256 * 7168 + 256)
+                + 123 * 7168
+                + 61 * (1536 + 512),
+        },
+        // DeepSeek-V2-Lite: 15.7 B total, 2.4 B activated. No q_lora_rank: a full
+        // q projection 2048 x 16x192; 1 dense layer; 26 MoE layers of 64 routed + 2
+        // shared experts of 1408.
+        Published {
+            file: "deepseek-v2-lite.json",
+            total: 15.7e9,
+            active: Some((2.4e9, true)),
+            exact: 2 * 102400 * 2048
+                + 27 * (2048 * 16 * 192 + 2048 * 576 + 512 * 16 * 256 + 16 * 128 * 2048)
+                + 3 * 2048 * 10944
+                + 26 * 66 * 3 * 2048 * 1408
+                + 26 * 64 * 2048
+                + 55 * 2048
+                + 27 * 512,
+        },
+        // gpt-oss-20b: 20.91 B total, 3.61 B active (model card table). Biases on
+        // q, k, v, o and 64 sinks per layer; 32 experts with gate_up (2 x 2880) and down
+        // biases; router 2880 x 32 with bias.
+        Published {
+            file: "gpt-oss-20b.json",
+            total: 20.91e9,
+            active: Some((3.61e9, true)),
+            exact: 2 * 201088 * 2880
+                + 24 * (2 * 2880 * 4096 + 2 * 2880 * 512 + 4096 + 2 * 512 + 2880 + 64)
+                + 24 * 32 * (3 * 2880 * 2880 + 2 * 2880 + 2880)
+                + 24 * (2880 * 32 + 32)
+                + 49 * 2880,
+        },
+    ]
+}
+
+#[test]
+fn published_parameter_counts_within_one_percent() {
+    for p in published() {
+        let counts = data(p.file).param_counts().unwrap();
+        let total = counts.total();
+        assert_eq!(total, p.exact, "{}: against the hand count", p.file);
+        let err = (total as f64 - p.total).abs() / p.total;
+        assert!(
+            err < 0.01,
+            "{}: {total} vs published {} ({:.2} %)",
+            p.file,
+            p.total,
+            err * 100.0
+        );
+        match p.active {
+            None => assert_eq!(counts.active(), total, "{}: dense", p.file),
+            Some((published, without_embedding)) => {
+                let active = if without_embedding {
+                    counts.active_without_embedding()
+                } else {
+                    counts.active()
+                };
+                // Active figures are published to two significant digits ("3.3 B",
+                // "37 B"): 2.5 % allows that rounding and nothing like a missed expert.
+                let err = (active as f64 - published).abs() / published;
+                assert!(
+                    err < 0.025,
+                    "{}: active {active} vs {published} ({:.2} %)",
+                    p.file,
+                    err * 100.0
+                );
+                assert!(active < total / 3, "{}", p.file);
+            }
+        }
+    }
+}
+
+#[test]
+fn moe_memory_counts_every_expert() {
+    // Issue 26: Mixtral-8x7B was counted 7.24 B and "fit" on one 80 GiB GPU in bf16.
+    let spec = data("mixtral-8x7b.json");
+    let mut i = PlanInput::new(spec, 80 * GIB);
+    i.context_tokens = 4096;
+    let plan = i.plan().unwrap();
+    assert_eq!(plan.params, 46_702_792_704);
+    assert_eq!(plan.active_params, 12_879_925_248);
+    // 2 bytes per parameter: about 87 GiB.
+    assert_eq!(plan.weight_bytes, 2 * 46_702_792_704);
+    assert!(matches!(
+        plan.verdict,
+        Verdict::DoesNotFit {
+            shortfall: Shortfall::Weights { .. },
+            ..
+        }
+    ));
+    // tp 2 splits the experts too.
+    i.tensor_parallel = 2;
+    let plan = i.plan().unwrap();
+    assert!(plan.verdict.fits());
+    assert!(
+        plan.to_string().contains("12.88 B active per token"),
+        "{plan}"
+    );
+    // Qwen3-30B-A3B in bf16 is 61 GB of weights, not the 6.7 GB of its 3.34 B misread.
+    let plan = PlanInput::new(data("qwen3-30b-a3b.json"), 80 * GIB)
+        .plan()
+        .unwrap();
+    assert_eq!(plan.weight_bytes, 2 * 30_532_122_624);
+}
+
+#[test]
+fn precision_comes_from_the_config_and_the_caller_overrides_it() {
+    // AWQ: 4-bit weights, an f16 scale and a 4-bit zero per 128 weights; embedding,
+    // lm_head, biases and norms in 16 bits.
+    let awq = data("qwen2.5-7b-instruct-awq.json");
+    assert_eq!(
+        awq.config_precision(),
+        Some(WeightPrecision::Int4Zp { group_size: 128 })
+    );
+    let hand = qwen2_5_7b();
+    let mut i = PlanInput::new(awq, 80 * GIB);
+    i.context_tokens = 4096;
+    let plan = i.plan().unwrap();
+    let groups = hand.linear / 128;
+    assert_eq!(
+        plan.weight_bytes,
+        hand.linear / 2 + 2 * groups + groups / 2 + 2 * (hand.dense + hand.norms)
+    );
+    // About 5.57 GB, the size of the published checkpoint's safetensors.
+    assert!(
+        (5.5e9..5.65e9).contains(&(plan.weight_bytes as f64)),
+        "{}",
+        plan.weight_bytes
+    );
+    assert!(plan.notes.iter().any(|n| n.contains("quantization_config")));
+    // --weights overrides.
+    i.weight_precision = WeightPrecision::F16;
+    let plan = i.plan().unwrap();
+    assert_eq!(
+        plan.weight_bytes,
+        2 * (hand.linear + hand.dense + hand.norms)
+    );
+    assert!(
+        plan.notes.iter().any(|n| n.contains("as asked")),
+        "{:?}",
+        plan.notes
+    );
+
+    // DeepSeek-V3: fp8 with one f32 scale per 128 x 128 block.
+    let ds = data("deepseek-v3.json");
+    assert_eq!(
+        ds.config_precision(),
+        Some(WeightPrecision::Fp8Block {
+            rows: 128,
+            cols: 128
+        })
+    );
+    let c = ds.param_counts().unwrap();
+    let linear = c.attention + c.mlp + c.experts;
+    assert_eq!(
+        c.bytes_per_gpu(
+            WeightPrecision::Fp8Block {
+                rows: 128,
+                cols: 128
+            },
+            1
+        )
+        .unwrap(),
+        linear
+            + 4 * linear.div_ceil(128 * 128)
+            + 2 * (c.embedding + c.lm_head + c.router + c.norms)
+    );
+
+    // gpt-oss: MXFP4 experts, attention left in bf16 (modules_to_not_convert).
+    let oss = data("gpt-oss-20b.json");
+    assert_eq!(oss.config_precision(), Some(WeightPrecision::Mxfp4));
+    let c = oss.param_counts().unwrap();
+    let mut i = PlanInput::new(oss, 80 * GIB);
+    i.context_tokens = 4096;
+    assert_eq!(i.attention_precision, Some(WeightPrecision::F16));
+    let plan = i.plan().unwrap();
+    let experts = c.experts;
+    assert_eq!(
+        plan.weight_bytes,
+        experts.div_ceil(2)
+            + experts.div_ceil(32)
+            + 2 * c.attention
+            + 2 * (c.embedding + c.lm_head + c.attention_bias + c.router + c.norms)
+    );
+    // The published checkpoint is 12.8 GiB.
+    let gib = plan.weight_bytes as f64 / GIB as f64;
+    assert!((12.6..13.0).contains(&gib), "{gib}");
+    assert!(
+        plan.notes
+            .iter()
+            .any(|n| n.contains("sliding window of 128 tokens on 12 of 24 layers")),
+        "{:?}",
+        plan.notes
+    );
+
+    // bitsandbytes and GPTQ read from a config.
+    let base = pagedkv::layout::shape::builtin::LLAMA3_8B;
+    for (q, expected) in [
+        (
+            r#"{"quant_method": "bitsandbytes", "load_in_4bit": true, "bnb_4bit_use_double_quant": true}"#,
+            WeightPrecision::Nf4 { double_quant: true },
+        ),
+        (
+            r#"{"quant_method": "bitsandbytes", "load_in_8bit": true}"#,
+            WeightPrecision::Int8,
+        ),
+        (
+            r#"{"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": true}"#,
+            WeightPrecision::Int4Zp { group_size: 32 },
+        ),
+        (
+            r#"{"quant_method": "gptq", "bits": 4, "group_size": -1}"#,
+            WeightPrecision::Int4Zp { group_size: 4096 },
+        ),
+        (
+            r#"{"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": false}"#,
+            WeightPrecision::Int4 { group_size: 64 },
+        ),
+    ] {
+        let text = base.replacen('{', &format!("{{\"quantization_config\": {q},"), 1);
+        assert_eq!(
+            ModelSpec::from_json_str(&text).unwrap().config_precision(),
+            Some(expected),
+            "{q}"
+        );
+    }
+}
+
+#[test]
+fn unknown_memory_fields_are_refused_unless_assumed_dense() {
+    let base = pagedkv::layout::shape::builtin::LLAMA3_8B;
+    // An architecture the planner does not know, with experts.
+    let text = base
+        .replace(
+            "\"model_type\": \"llama\"",
+            "\"model_type\": \"mystery_moe\"",
+        )
+        .replacen(
+            '{',
+            "{\"num_experts\": 64, \"moe_intermediate_size\": 1024,",
+            1,
+        );
+    let spec = ModelSpec::from_json_str(&text).unwrap();
+    match spec.param_counts() {
+        Err(Error::ModelConfig(msg)) => {
+            assert!(
+                msg.contains("moe_intermediate_size") && msg.contains("num_experts"),
+                "{msg}"
+            );
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let mut i = PlanInput::new(spec, 80 * GIB);
+    i.context_tokens = 4096;
+    assert!(matches!(i.plan(), Err(Error::ModelConfig(_))));
+    i.assume_dense = true;
+    let plan = i.plan().unwrap();
+    assert_eq!(plan.params, 8_030_261_248);
+    let shown = plan.to_string();
+    assert!(
+        shown.contains("--assume-dense") && shown.contains("num_experts"),
+        "{shown}"
+    );
+    // A known dense type with expert fields is refused too: they would change memory.
+    let text = base.replacen('{', "{\"num_local_experts\": 8,", 1);
+    assert!(ModelSpec::from_json_str(&text)
+        .unwrap()
+        .param_counts()
+        .is_err());
+    // Unknown quantization, linear-attention layers.
+    for extra in [
+        r#""quantization_config": {"quant_method": "hqq"},"#,
+        r#""quantization_config": {"quant_method": "gptq", "bits": 3},"#,
+        r#""layer_types": ["linear_attention", "full_attention"],"#,
+        r#""linear_num_key_heads": 16,"#,
+    ] {
+        let text = base.replacen('{', &format!("{{{extra}"), 1);
+        let spec = ModelSpec::from_json_str(&text).unwrap();
+        assert!(
+            matches!(spec.param_counts(), Err(Error::ModelConfig(_))),
+            "{extra}"
+        );
+    }
+}
+
+#[test]
+fn latent_attention_kv_is_refused_not_guessed() {
+    let mut i = PlanInput::new(data("deepseek-v2-lite.json"), 80 * GIB);
+    i.context_tokens = 4096;
+    match i.plan() {
+        Err(Error::Unsupported(msg)) => assert!(msg.contains("kv_lora_rank 512"), "{msg}"),
+        other => panic!("expected MLA to be refused, got {other:?}"),
+    }
+    // The parameter count is still available, and --assume-dense plans with a flag.
+    assert!(i.model.param_counts().is_ok());
+    i.assume_dense = true;
+    let plan = i.plan().unwrap();
+    assert!(
+        plan.notes.iter().any(|n| n.contains("NOT right")),
+        "{:?}",
+        plan.notes
+    );
+    assert!(plan.to_json()["notes"].to_string().contains("NOT right"));
 }

@@ -159,8 +159,24 @@ pub struct ContiguousKv<'a> {
 
 impl ContiguousKv<'_> {
     /// Bytes of K (or V) for this shape.
-    pub fn bytes(&self) -> usize {
-        self.batch * self.max_tokens * self.num_kv_heads * self.head_dim * self.dtype.size_bytes()
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] (field `max_tokens`) when the product does not fit in a
+    /// `usize`: a wrapped size would let short slices pass the length check.
+    pub fn bytes(&self) -> Result<usize> {
+        [
+            self.max_tokens,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype.size_bytes(),
+        ]
+        .iter()
+        .try_fold(self.batch, |acc, &n| acc.checked_mul(n))
+        .ok_or(Error::OutOfRange {
+            field: "max_tokens",
+            value: self.max_tokens as f64,
+            allowed: "batch * max_tokens * num_kv_heads * head_dim * dtype bytes within usize",
+        })
     }
 
     /// Byte offset of `(seq, token, kv_head)`.
@@ -959,7 +975,8 @@ pub fn paged_prefill(
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] for buffers that do not match the shape or a context longer
-/// than `max_tokens`; [`Error::InvalidConfig`] for a bad head count or parameter.
+/// than `max_tokens`; [`Error::InvalidConfig`] for a bad head count or parameter;
+/// [`Error::OutOfRange`] when the shape's size does not fit in a `usize`.
 #[allow(clippy::too_many_arguments)]
 pub fn contiguous_decode(
     kv: &ContiguousKv<'_>,
@@ -981,8 +998,9 @@ pub fn contiguous_decode(
         ));
     }
     params.validate(num_q_heads)?;
-    check_out("K bytes", kv.bytes(), kv.k.len())?;
-    check_out("V bytes", kv.bytes(), kv.v.len())?;
+    let kv_bytes = kv.bytes()?;
+    check_out("K bytes", kv_bytes, kv.k.len())?;
+    check_out("V bytes", kv_bytes, kv.v.len())?;
     check_out("context lengths", kv.batch, context_lens.len())?;
     if let Some(&c) = context_lens.iter().find(|&&c| c as usize > kv.max_tokens) {
         return Err(Error::TooLong {
@@ -990,7 +1008,16 @@ pub fn contiguous_decode(
             limit: kv.max_tokens,
         });
     }
-    let want = kv.batch * num_q_heads * kv.head_dim;
+    // batch and head_dim are bounded by the checked K size above; the query heads are not.
+    let want = kv
+        .batch
+        .checked_mul(num_q_heads)
+        .and_then(|n| n.checked_mul(kv.head_dim))
+        .ok_or(Error::OutOfRange {
+            field: "num_q_heads",
+            value: num_q_heads as f64,
+            allowed: "batch * num_q_heads * head_dim within usize",
+        })?;
     check_out("q elements", want, q.len())?;
     check_out("out elements", want, out.len())?;
     if let Some(l) = &lse {

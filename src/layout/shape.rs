@@ -140,6 +140,9 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     /// `tie_word_embeddings` (false when absent).
     pub tie_word_embeddings: bool,
+    /// What else the config says that changes the weights: experts, latent attention,
+    /// quantization, biases and norms, and the fields this reader did not understand.
+    pub arch: ModelArch,
 }
 
 impl ModelConfig {
@@ -227,10 +230,16 @@ impl ModelConfig {
             intermediate_size: uint("intermediate_size")?.unwrap_or(0),
             vocab_size: uint("vocab_size")?.unwrap_or(0),
             max_position_embeddings: uint("max_position_embeddings")?.unwrap_or(0),
+            // transformers' default differs by family: Gemma ties, the others do not.
             tie_word_embeddings: obj
                 .get("tie_word_embeddings")
                 .and_then(|b| b.as_bool())
-                .unwrap_or(false),
+                .unwrap_or_else(|| {
+                    obj.get("model_type")
+                        .and_then(|t| t.as_str())
+                        .is_some_and(|t| t.starts_with("gemma"))
+                }),
+            arch: ModelArch::read(obj, &shape)?,
         })
     }
 
@@ -244,6 +253,562 @@ impl ModelConfig {
             .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
         Self::from_json_str(&text)
     }
+}
+
+/// Architectures whose weights the reader counts exactly. Anything else is read as a
+/// Llama-style dense decoder, and refused if it carries fields that change memory.
+pub const KNOWN_MODEL_TYPES: [&str; 17] = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_oss",
+    "llama4_text",
+    "phimoe",
+    "olmoe",
+];
+
+/// Substrings of config keys that can change the size of the weights or of the cache.
+/// A key containing one of them that the reader does not consume for the config's
+/// `model_type` is recorded in [`ModelArch::unrecognized`].
+const SIZE_KEY_PATTERNS: [&str; 16] = [
+    "expert",
+    "moe",
+    "lora_rank",
+    "head_dim",
+    "dense_replace",
+    "sparse_step",
+    "mlp_only",
+    "intermediate_size",
+    "nextn",
+    "linear_",
+    "mamba",
+    "ssm",
+    "conv_kernel",
+    "state_size",
+    "ffn",
+    "num_local",
+];
+
+/// Mixture-of-experts feed-forward layers, as a config describes them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoeConfig {
+    /// Routed experts per MoE layer (`num_local_experts`, `num_experts`,
+    /// `n_routed_experts`).
+    pub num_experts: usize,
+    /// Routed experts each token uses (`num_experts_per_tok`).
+    pub experts_per_token: usize,
+    /// Intermediate size of one routed expert (`moe_intermediate_size`, or
+    /// `intermediate_size` for Mixtral, gpt-oss and Llama-4).
+    pub expert_intermediate_size: usize,
+    /// Layers whose FFN is a mixture of experts; the others are dense.
+    pub num_moe_layers: usize,
+    /// Intermediate size of the dense FFN layers (`intermediate_size`, or
+    /// `intermediate_size_mlp` for Llama-4).
+    pub dense_intermediate_size: usize,
+    /// Always-active shared experts per MoE layer (`n_shared_experts`; one for
+    /// Qwen2-MoE and Llama-4).
+    pub num_shared_experts: usize,
+    /// Intermediate size of one shared expert.
+    pub shared_intermediate_size: usize,
+    /// A sigmoid gate `hidden -> 1` on the shared expert (Qwen2-MoE).
+    pub shared_expert_gate: bool,
+    /// The router has a bias (gpt-oss).
+    pub router_bias: bool,
+    /// The router keeps a per-expert score-correction bias (DeepSeek-V3 `noaux_tc`).
+    pub router_score_bias: bool,
+    /// The experts' projections have biases (gpt-oss).
+    pub expert_bias: bool,
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3): low-rank query and key/value
+/// projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaConfig {
+    /// `q_lora_rank` (`None`: a full query projection).
+    pub q_lora_rank: Option<usize>,
+    /// `kv_lora_rank`: the latent the cache would hold.
+    pub kv_lora_rank: usize,
+    /// `qk_nope_head_dim`.
+    pub qk_nope_head_dim: usize,
+    /// `qk_rope_head_dim`.
+    pub qk_rope_head_dim: usize,
+    /// `v_head_dim`.
+    pub v_head_dim: usize,
+}
+
+/// How a checkpoint's linear layers are quantized (`quantization_config`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantScheme {
+    /// 8-bit floats, with one f32 scale per `rows x cols` block when block-wise
+    /// (`quant_method: fp8`, `weight_block_size`).
+    Fp8 {
+        /// `weight_block_size`, when given.
+        block: Option<(usize, usize)>,
+    },
+    /// 4-bit integers with one f16 scale per group, and a 4-bit zero point per group
+    /// when `zero_point` (AWQ; GPTQ stores zero points either way).
+    Int4 {
+        /// Weights per group (`group_size`; GPTQ's -1, one group per column, is read
+        /// as `None`).
+        group_size: Option<usize>,
+        /// Whether zero points are stored.
+        zero_point: bool,
+    },
+    /// 8-bit integers (GPTQ 8-bit, bitsandbytes `load_in_8bit`).
+    Int8,
+    /// bitsandbytes NF4/FP4 (`load_in_4bit`): blocks of 64 with an absmax each.
+    Nf4 {
+        /// `bnb_4bit_use_double_quant`: the absmax values quantized to 8 bits.
+        double_quant: bool,
+    },
+    /// MXFP4 (gpt-oss): 4-bit floats with one 8-bit exponent per 32.
+    Mxfp4,
+}
+
+/// `quantization_config`, as far as it changes sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quantization {
+    /// The scheme.
+    pub scheme: QuantScheme,
+    /// `modules_to_not_convert` names the attention projections: they stay 16-bit
+    /// (gpt-oss quantizes only the experts).
+    pub attention_unquantized: bool,
+}
+
+/// What a config says about the weights beyond the dense Llama shape.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ModelArch {
+    /// `model_type` (of `text_config` for multimodal configs).
+    pub model_type: Option<String>,
+    /// Whether `model_type` is one of [`KNOWN_MODEL_TYPES`].
+    pub known: bool,
+    /// The q, k, v projections have biases (`attention_bias`; always for Qwen2).
+    pub attention_bias: bool,
+    /// The output projection has a bias too (Llama-style `attention_bias`, gpt-oss).
+    pub o_proj_bias: bool,
+    /// One learned attention-sink logit per head (gpt-oss).
+    pub attention_sinks: bool,
+    /// RMSNorms of `head_dim` on queries and keys (Qwen3, Gemma-3, OLMoE over the
+    /// whole q and k widths).
+    pub qk_norm: bool,
+    /// Norm vectors of `hidden_size` per layer (2; 4 for Gemma-2/3).
+    pub norms_per_layer: usize,
+    /// Mixture-of-experts layers.
+    pub moe: Option<MoeConfig>,
+    /// Latent attention.
+    pub mla: Option<MlaConfig>,
+    /// Quantized checkpoint.
+    pub quantization: Option<Quantization>,
+    /// `sliding_window` when sliding-window attention is in use (recorded only: the
+    /// planner sizes every layer's KV for the full context).
+    pub sliding_window: Option<usize>,
+    /// `layer_types` (`full_attention`, `sliding_attention` per layer).
+    pub layer_types: Vec<String>,
+    /// Multi-token-prediction layers (`num_nextn_predict_layers`), not counted: engines
+    /// load them only for speculative decoding.
+    pub mtp_layers: usize,
+    /// Fields that can change memory and that the reader did not understand for this
+    /// `model_type`, as `key` or `key = value`. Planning refuses a model with any
+    /// unless told to assume a dense model.
+    pub unrecognized: Vec<String>,
+}
+
+impl ModelArch {
+    /// Reads the architecture fields of a (text) config object.
+    fn read(obj: &serde_json::Map<String, serde_json::Value>, shape: &ModelShape) -> Result<Self> {
+        use serde_json::Value;
+        let uint = |key: &str| -> Result<Option<usize>> {
+            match obj.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(x) => x
+                    .as_u64()
+                    .and_then(|n| usize::try_from(n).ok())
+                    .map(Some)
+                    .ok_or_else(|| {
+                        Error::ModelConfig(format!("{key} must be a non-negative integer, got {x}"))
+                    }),
+            }
+        };
+        let flag = |key: &str| obj.get(key).and_then(Value::as_bool);
+        let model_type = obj
+            .get("model_type")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let mt = model_type.as_deref().unwrap_or("");
+        let known = KNOWN_MODEL_TYPES.contains(&mt);
+        let mut consumed: Vec<&str> = vec!["head_dim", "intermediate_size"];
+        let qwen2 = mt == "qwen2" || mt == "qwen2_moe";
+        let attention_bias = flag("attention_bias").unwrap_or(qwen2);
+        // Qwen2 hard-codes biases on q, k, v and none on o; Llama-style models put
+        // `attention_bias` on all four.
+        let o_proj_bias = attention_bias && !qwen2 && known;
+        let num_layers = shape.num_layers;
+
+        let moe = match mt {
+            "mixtral" | "phimoe" | "gpt_oss" | "olmoe" => {
+                let (experts_key, num_experts) = match uint("num_local_experts")? {
+                    Some(n) => ("num_local_experts", Some(n)),
+                    None => ("num_experts", uint("num_experts")?),
+                };
+                consumed.extend([experts_key, "num_experts_per_tok", "experts_per_token"]);
+                match num_experts {
+                    Some(n) if n > 0 => Some(MoeConfig {
+                        num_experts: n,
+                        experts_per_token: need_moe(
+                            uint("num_experts_per_tok")?.or(uint("experts_per_token")?),
+                            "num_experts_per_tok",
+                        )?,
+                        expert_intermediate_size: need_moe(
+                            uint("intermediate_size")?,
+                            "intermediate_size",
+                        )?,
+                        num_moe_layers: num_layers,
+                        dense_intermediate_size: 0,
+                        num_shared_experts: 0,
+                        shared_intermediate_size: 0,
+                        shared_expert_gate: false,
+                        router_bias: mt == "gpt_oss",
+                        router_score_bias: false,
+                        expert_bias: mt == "gpt_oss",
+                    }),
+                    _ => None,
+                }
+            }
+            "qwen2_moe" | "qwen3_moe" => {
+                consumed.extend([
+                    "num_experts",
+                    "num_experts_per_tok",
+                    "moe_intermediate_size",
+                    "shared_expert_intermediate_size",
+                    "decoder_sparse_step",
+                    "mlp_only_layers",
+                ]);
+                let mlp_only: Vec<u64> = match obj.get("mlp_only_layers") {
+                    None | Some(Value::Null) => Vec::new(),
+                    Some(Value::Array(a)) => a
+                        .iter()
+                        .map(|x| {
+                            x.as_u64().ok_or_else(|| {
+                                Error::ModelConfig(format!(
+                                    "mlp_only_layers must hold layer indices, got {x}"
+                                ))
+                            })
+                        })
+                        .collect::<Result<_>>()?,
+                    Some(x) => {
+                        return Err(Error::ModelConfig(format!(
+                            "mlp_only_layers must be a list, got {x}"
+                        )))
+                    }
+                };
+                let step = uint("decoder_sparse_step")?.unwrap_or(1);
+                match uint("num_experts")? {
+                    Some(n) if n > 0 && step > 0 => {
+                        let num_moe_layers = (0..num_layers)
+                            .filter(|&i| !mlp_only.contains(&(i as u64)) && (i + 1) % step == 0)
+                            .count();
+                        let shared = uint("shared_expert_intermediate_size")?.unwrap_or(0);
+                        Some(MoeConfig {
+                            num_experts: n,
+                            experts_per_token: need_moe(
+                                uint("num_experts_per_tok")?,
+                                "num_experts_per_tok",
+                            )?,
+                            expert_intermediate_size: need_moe(
+                                uint("moe_intermediate_size")?,
+                                "moe_intermediate_size",
+                            )?,
+                            num_moe_layers,
+                            dense_intermediate_size: uint("intermediate_size")?.unwrap_or(0),
+                            num_shared_experts: usize::from(shared > 0),
+                            shared_intermediate_size: shared,
+                            shared_expert_gate: shared > 0,
+                            router_bias: false,
+                            router_score_bias: false,
+                            expert_bias: false,
+                        })
+                    }
+                    _ => None,
+                }
+            }
+            "deepseek_v2" | "deepseek_v3" => {
+                consumed.extend([
+                    "n_routed_experts",
+                    "n_shared_experts",
+                    "num_experts_per_tok",
+                    "moe_intermediate_size",
+                    "first_k_dense_replace",
+                    "moe_layer_freq",
+                    "ep_size",
+                    "num_nextn_predict_layers",
+                ]);
+                let first_dense = uint("first_k_dense_replace")?.unwrap_or(0);
+                let freq = uint("moe_layer_freq")?.unwrap_or(1);
+                match uint("n_routed_experts")? {
+                    Some(n) if n > 0 && freq > 0 => {
+                        let num_moe_layers = (0..num_layers)
+                            .filter(|&i| i >= first_dense && i % freq == 0)
+                            .count();
+                        let expert =
+                            need_moe(uint("moe_intermediate_size")?, "moe_intermediate_size")?;
+                        Some(MoeConfig {
+                            num_experts: n,
+                            experts_per_token: need_moe(
+                                uint("num_experts_per_tok")?,
+                                "num_experts_per_tok",
+                            )?,
+                            expert_intermediate_size: expert,
+                            num_moe_layers,
+                            dense_intermediate_size: uint("intermediate_size")?.unwrap_or(0),
+                            num_shared_experts: uint("n_shared_experts")?.unwrap_or(0),
+                            shared_intermediate_size: expert,
+                            shared_expert_gate: false,
+                            router_bias: false,
+                            router_score_bias: obj.get("topk_method").and_then(Value::as_str)
+                                == Some("noaux_tc"),
+                            expert_bias: false,
+                        })
+                    }
+                    _ => None,
+                }
+            }
+            "llama4_text" => {
+                consumed.extend([
+                    "num_local_experts",
+                    "num_experts_per_tok",
+                    "intermediate_size_mlp",
+                    "interleave_moe_layer_step",
+                    "moe_layers",
+                ]);
+                let step = uint("interleave_moe_layer_step")?.unwrap_or(1);
+                match uint("num_local_experts")? {
+                    Some(n) if n > 0 && step > 0 => {
+                        let expert = need_moe(uint("intermediate_size")?, "intermediate_size")?;
+                        Some(MoeConfig {
+                            num_experts: n,
+                            experts_per_token: need_moe(
+                                uint("num_experts_per_tok")?,
+                                "num_experts_per_tok",
+                            )?,
+                            expert_intermediate_size: expert,
+                            num_moe_layers: (0..num_layers)
+                                .filter(|&i| (i + 1) % step == 0)
+                                .count(),
+                            dense_intermediate_size: uint("intermediate_size_mlp")?.unwrap_or(0),
+                            num_shared_experts: 1,
+                            shared_intermediate_size: expert,
+                            shared_expert_gate: false,
+                            router_bias: false,
+                            router_score_bias: false,
+                            expert_bias: false,
+                        })
+                    }
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+
+        let mla = if mt == "deepseek_v2" || mt == "deepseek_v3" {
+            consumed.extend([
+                "q_lora_rank",
+                "kv_lora_rank",
+                "qk_nope_head_dim",
+                "qk_rope_head_dim",
+                "v_head_dim",
+            ]);
+            match uint("kv_lora_rank")? {
+                Some(kv_lora_rank) => {
+                    let need = |k: &str| -> Result<usize> {
+                        uint(k)?.ok_or_else(|| {
+                            Error::ModelConfig(format!("latent attention (kv_lora_rank) needs {k}"))
+                        })
+                    };
+                    Some(MlaConfig {
+                        q_lora_rank: uint("q_lora_rank")?,
+                        kv_lora_rank,
+                        qk_nope_head_dim: need("qk_nope_head_dim")?,
+                        qk_rope_head_dim: need("qk_rope_head_dim")?,
+                        v_head_dim: need("v_head_dim")?,
+                    })
+                }
+                None => None,
+            }
+        } else {
+            None
+        };
+
+        let mut unrecognized: Vec<String> = obj
+            .keys()
+            .filter(|k| {
+                let lower = k.to_ascii_lowercase();
+                SIZE_KEY_PATTERNS.iter().any(|p| lower.contains(p))
+                    && !consumed.contains(&k.as_str())
+                    && !matches!(obj.get(k.as_str()), Some(serde_json::Value::Null))
+            })
+            .cloned()
+            .collect();
+
+        let sliding_window = match flag("use_sliding_window") {
+            Some(false) => None,
+            _ => uint("sliding_window").ok().flatten(),
+        };
+        let layer_types: Vec<String> = obj
+            .get("layer_types")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .map(|t| t.as_str().unwrap_or("?").to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let Some(odd) = layer_types
+            .iter()
+            .find(|t| *t != "full_attention" && *t != "sliding_attention")
+        {
+            unrecognized.push(format!("layer_types = {odd:?}"));
+        }
+
+        let quantization = match obj.get("quantization_config") {
+            None | Some(Value::Null) => None,
+            Some(q) => match read_quantization(q) {
+                Ok(q) => Some(q),
+                Err(what) => {
+                    unrecognized.push(format!("quantization_config: {what}"));
+                    None
+                }
+            },
+        };
+        unrecognized.sort();
+
+        let mtp_layers = if mla.is_some() || moe.is_some() {
+            uint("num_nextn_predict_layers")?.unwrap_or(0)
+        } else {
+            0
+        };
+        Ok(ModelArch {
+            known,
+            attention_bias,
+            o_proj_bias,
+            attention_sinks: mt == "gpt_oss",
+            qk_norm: matches!(mt, "qwen3" | "qwen3_moe" | "gemma3_text" | "olmoe"),
+            norms_per_layer: if matches!(mt, "gemma2" | "gemma3_text") {
+                4
+            } else {
+                2
+            },
+            moe,
+            mla,
+            quantization,
+            sliding_window,
+            layer_types,
+            mtp_layers,
+            unrecognized,
+            model_type,
+        })
+    }
+}
+
+fn need_moe(v: Option<usize>, key: &str) -> Result<usize> {
+    match v {
+        Some(n) if n > 0 => Ok(n),
+        _ => Err(Error::ModelConfig(format!(
+            "a mixture-of-experts config needs a positive {key}"
+        ))),
+    }
+}
+
+/// Reads `quantization_config`; `Err` says what was not understood.
+fn read_quantization(q: &serde_json::Value) -> std::result::Result<Quantization, String> {
+    use serde_json::Value;
+    let method = q
+        .get("quant_method")
+        .and_then(Value::as_str)
+        .ok_or("no quant_method")?
+        .to_ascii_lowercase();
+    let uint = |k: &str| {
+        q.get(k)
+            .and_then(Value::as_u64)
+            .and_then(|n| usize::try_from(n).ok())
+    };
+    let scheme = match method.as_str() {
+        "fp8" => {
+            let block = match q.get("weight_block_size") {
+                None | Some(Value::Null) => None,
+                Some(Value::Array(a)) if a.len() == 2 => {
+                    let side = |i: usize| {
+                        a[i].as_u64()
+                            .and_then(|n| usize::try_from(n).ok())
+                            .filter(|&n| n > 0)
+                            .ok_or(format!("weight_block_size = {}", Value::Array(a.clone())))
+                    };
+                    Some((side(0)?, side(1)?))
+                }
+                Some(x) => return Err(format!("weight_block_size = {x}")),
+            };
+            QuantScheme::Fp8 { block }
+        }
+        "awq" | "gptq" => {
+            let bits = uint("bits")
+                .or(uint("w_bit"))
+                .ok_or(format!("{method} without bits"))?;
+            let group = match q.get("group_size").or(q.get("q_group_size")) {
+                Some(g) if g.as_i64() == Some(-1) => None,
+                Some(g) => Some(
+                    g.as_u64()
+                        .and_then(|n| usize::try_from(n).ok())
+                        .filter(|&n| n > 0)
+                        .ok_or(format!("group_size = {g}"))?,
+                ),
+                None => Some(128),
+            };
+            match bits {
+                4 => QuantScheme::Int4 {
+                    group_size: group,
+                    zero_point: method == "gptq"
+                        || q.get("zero_point").and_then(Value::as_bool).unwrap_or(true),
+                },
+                8 => QuantScheme::Int8,
+                other => return Err(format!("{method} with bits = {other}")),
+            }
+        }
+        "bitsandbytes" => {
+            let on = |k: &str| q.get(k).and_then(Value::as_bool).unwrap_or(false);
+            if on("load_in_4bit") {
+                QuantScheme::Nf4 {
+                    double_quant: on("bnb_4bit_use_double_quant"),
+                }
+            } else if on("load_in_8bit") {
+                QuantScheme::Int8
+            } else {
+                return Err("bitsandbytes with neither load_in_4bit nor load_in_8bit".into());
+            }
+        }
+        "mxfp4" => QuantScheme::Mxfp4,
+        other => return Err(format!("quant_method = {other:?}")),
+    };
+    let attention_unquantized = q
+        .get("modules_to_not_convert")
+        .and_then(Value::as_array)
+        .is_some_and(|m| {
+            m.iter()
+                .filter_map(Value::as_str)
+                .any(|s| s.contains("self_attn"))
+        });
+    Ok(Quantization {
+        scheme,
+        attention_unquantized,
+    })
 }
 
 /// Built-in model configs, written by hand from the models' public `config.json` values.
