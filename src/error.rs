@@ -81,6 +81,27 @@ pub enum Error {
         /// What the caller passed.
         got: usize,
     },
+    /// A call named token positions past the end of a sequence (truncating to a longer
+    /// length, asking for slots that were never allocated).
+    #[error("positions up to {end} asked of {seq}, which holds {len}")]
+    PastEnd {
+        /// The sequence.
+        seq: SeqId,
+        /// The end position the call asked for.
+        end: usize,
+        /// The sequence's length (allocated slots).
+        len: usize,
+    },
+    /// A commit named more tokens than the sequence's reservation holds.
+    #[error("{seq}: commit of {committed} tokens, but only {reserved} are reserved")]
+    CommitPastReservation {
+        /// The sequence.
+        seq: SeqId,
+        /// Tokens the call committed.
+        committed: usize,
+        /// Tokens reserved by the last `reserve`.
+        reserved: usize,
+    },
     /// A request is larger than anything this cache could ever hold.
     #[error("request of {tokens} tokens exceeds the limit of {limit}")]
     TooLong {

@@ -48,7 +48,7 @@ pub use manager::{
     CacheConfig, CacheStats, DefragOptions, FragStats, KvCacheManager, PendingDefrag,
     PendingResize, PendingTierMove, SharedKvCacheManager,
 };
-pub use manager::{SwapJob, TierBlock, TierConfig, TierStats};
+pub use manager::{PrefixHit, SwapJob, TierBlock, TierConfig, TierStats};
 pub use pool::prefix::{
     Admission, AdmitOptions, BlockHash, PinnedPrefix, PrefixConfig, PrefixEvent, PrefixStats,
 };

@@ -11,6 +11,7 @@ mod swap;
 
 pub use defrag::{DefragCounters, DefragOptions, FragStats, PendingDefrag, PendingResize};
 pub use preempt::CostModel;
+pub use prefix::PrefixHit;
 pub use shared::SharedKvCacheManager;
 pub use swap::{PendingTierMove, SwapJob, TierBlock, TierConfig, TierStats};
 
@@ -74,11 +75,23 @@ impl Hasher for SeqIdHasher {
 /// The map from sequence ids to their tables.
 pub(crate) type SeqMap<V> = HashMap<SeqId, V, BuildHasherDefault<SeqIdHasher>>;
 
-/// One sequence's block table and length.
+/// One sequence's block table and lengths.
+///
+/// `computed <= computed + scheduled <= num_tokens`: tokens whose K/V is written,
+/// then the tokens of this step (slots handed out, not yet committed), then lookahead
+/// slots (allocated, never context). The table covers exactly `num_tokens`.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Sequence {
     pub(crate) table: Vec<BlockId>,
+    /// Allocated token slots.
     pub(crate) num_tokens: usize,
+    /// Tokens whose K/V the engine reported written ([`KvCacheManager::commit`]).
+    pub(crate) computed: usize,
+    /// Tokens reserved by [`KvCacheManager::reserve`] and not yet committed.
+    pub(crate) scheduled: usize,
+    /// Registration stopped for good (a duplicate block, a swap-in): token ids that
+    /// arrive later are not recorded.
+    pub(crate) registration_stopped: bool,
     /// Prefix-cache progress; `None` when the token ids are unknown.
     pub(crate) prefix: Option<Box<prefix::SeqPrefix>>,
     /// The admission this sequence descends from (forks inherit it): its fork group
@@ -258,30 +271,10 @@ impl KvCacheManager {
     }
 
     /// Whether `n` more tokens fit on `seq` without preemption (the watermark is not
-    /// applied: running sequences may dip into it).
+    /// applied: running sequences may dip into it). See [`Self::blocks_needed`].
     pub fn can_append(&self, seq: SeqId, n: usize) -> bool {
-        self.seq(seq).is_ok_and(|s| {
-            s.num_tokens.saturating_add(n) <= self.max_seq_len()
-                && self.blocks_needed_for_append(s, n) <= self.num_available_blocks()
-        })
-    }
-
-    /// Blocks an append of `n` tokens takes; callers have checked that
-    /// `num_tokens + n` is within `max_seq_len`.
-    fn blocks_needed_for_append(&self, s: &Sequence, n: usize) -> usize {
-        let new_len = s.num_tokens + n;
-        let new_blocks = self.layout.blocks_for_tokens(new_len) - s.table.len();
-        new_blocks + usize::from(self.needs_cow(s, n))
-    }
-
-    /// Appending `n` tokens writes into the current last block and that block is shared
-    /// or registered in the prefix cache (registered blocks are immutable).
-    fn needs_cow(&self, s: &Sequence, n: usize) -> bool {
-        n > 0
-            && s.num_tokens % self.block_size() != 0
-            && s.table.last().is_some_and(|b| {
-                self.pool.refcount(*b).unwrap_or(0) > 1 || self.prefix.is_registered(*b)
-            })
+        self.blocks_needed(seq, n, 0)
+            .is_ok_and(|needed| needed <= self.num_available_blocks())
     }
 
     /// Admits sequence `seq` with a prompt of `num_tokens` tokens and writes the slots of
@@ -313,20 +306,24 @@ impl KvCacheManager {
             s.table.push(b);
         }
         self.fill_tokens(&mut s, num_tokens, slots);
+        s.computed = num_tokens;
         self.seqs.insert(seq, s);
         self.note_usage();
         Ok(())
     }
 
-    /// Appends `n` tokens to `seq` (one for decode, several for speculative or chunked
-    /// steps) and writes their slots into `slots` (cleared first). When the write lands in
-    /// a shared block, the block is copied first and the copy is added to `copies`, which
-    /// the engine executes before writing K/V.
+    /// Appends `n` tokens to `seq` and commits them at once: the decode fast path of
+    /// an engine that writes the K/V of every slot it was given in this step before
+    /// anything reads them (one for decode, several for speculative or chunked steps).
+    /// Equivalent to [`Self::reserve`]`(seq, n, 0, ..)` then [`Self::commit`]`(seq, n)`.
+    /// Writes their slots into `slots` (cleared first). When a write lands in a shared
+    /// block, the block is copied first and the copy is added to `copies`, which the
+    /// engine executes before writing K/V.
     ///
     /// # Errors
     /// [`Error::UnknownSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`];
-    /// [`Error::SequenceState`] when `seq` is swapped out or has a swap in flight. On
-    /// error nothing changed.
+    /// [`Error::SequenceState`] when `seq` is swapped out, has a swap in flight, or
+    /// has uncommitted reserved tokens. On error nothing changed.
     pub fn append(
         &mut self,
         seq: SeqId,
@@ -334,67 +331,246 @@ impl KvCacheManager {
         slots: &mut Vec<Slot>,
         copies: &mut CopyPlan,
     ) -> Result<()> {
-        self.append_inner(seq, n, None, slots, copies)
+        self.reserve_inner(seq, n, 0, true, None, slots, copies)
+            .map(|_| ())
     }
 
-    /// [`Self::append`], with the token ids when known (`append_tokens`).
-    pub(crate) fn append_inner(
+    /// Reserves slots for the next `n` tokens of `seq` plus `lookahead` slots after
+    /// them, for one step (vLLM's `allocate_slots(num_new, num_lookahead)`). `slots`
+    /// (cleared first) gets `n + lookahead` slots for token positions
+    /// `computed..computed + n + lookahead`.
+    ///
+    /// The `n` tokens are this step's: the batch views count them as context
+    /// ([`Self::fill_padded`] reports `computed + n`) and [`Self::commit`] marks how
+    /// many of them were computed. Lookahead slots (a drafter's next proposals) are
+    /// allocated but never context and never registered. Blocks with no computed token
+    /// are rewritten freely: a draft rejected by [`Self::commit`] costs no copy when
+    /// its slots are reserved again. A block that holds computed tokens and is shared
+    /// (fork) or registered in the prefix cache is copied first (`copies`).
+    ///
+    /// ```
+    /// use pagedkv::{CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::F16 };
+    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
+    /// kv.admit(SeqId(1), 10, &mut slots)?;
+    /// // Speculative step: 1 verified token + 3 drafts this step, 2 lookahead slots.
+    /// kv.reserve(SeqId(1), 4, 2, &mut slots, &mut copies)?;
+    /// assert_eq!(slots.len(), 6);
+    /// assert_eq!(kv.context_len(SeqId(1))?, 14);      // computed + this step
+    /// kv.commit(SeqId(1), 2)?;                          // 2 accepted, 2 drafts rejected
+    /// assert_eq!(kv.num_computed_tokens(SeqId(1))?, 12);
+    /// assert_eq!(kv.context_len(SeqId(1))?, 12);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`];
+    /// [`Error::SequenceState`] when `seq` is swapped out, has a swap in flight, or
+    /// already has an uncommitted reservation. On error nothing changed.
+    pub fn reserve(
         &mut self,
         seq: SeqId,
         n: usize,
-        tokens: Option<&[u32]>,
+        lookahead: usize,
         slots: &mut Vec<Slot>,
         copies: &mut CopyPlan,
     ) -> Result<()> {
-        slots.clear();
+        self.reserve_inner(seq, n, lookahead, false, None, slots, copies)
+            .map(|_| ())
+    }
+
+    /// Marks `n` of the tokens reserved by [`Self::reserve`] as computed (their K/V is
+    /// written): `n` is the accepted part, the rest of the reservation (rejected drafts)
+    /// is dropped and its slots are reserved again by the next call. Full computed
+    /// blocks whose token ids are known are registered in the prefix cache now.
+    /// `commit(seq, 0)` cancels a reservation. Returns the blocks registered.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped out
+    /// or has a swap in flight; [`Error::CommitPastReservation`] when `n` is more than
+    /// the reservation. Nothing changed on error.
+    pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<usize> {
         let s = self.resident(seq)?;
-        let new_len = s.num_tokens.saturating_add(n);
-        if new_len > self.max_seq_len() {
+        if n > s.scheduled {
+            return Err(Error::CommitPastReservation {
+                seq,
+                committed: n,
+                reserved: s.scheduled,
+            });
+        }
+        let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        s.computed += n;
+        s.scheduled = 0;
+        let registered = self.extend_chain(&mut s);
+        self.seqs.insert(seq, s);
+        Ok(registered)
+    }
+
+    /// Blocks [`Self::reserve`]`(seq, n, lookahead, ..)` would take from the pool now
+    /// (new blocks plus copies of shared or registered blocks written into). Compare
+    /// with [`Self::num_available_blocks`] before scheduling, or pass the shortfall's
+    /// total to [`Self::preempt_for`].
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped out or
+    /// has a swap in flight; [`Error::TooLong`] past the longest sequence.
+    pub fn blocks_needed(&self, seq: SeqId, n: usize, lookahead: usize) -> Result<usize> {
+        let s = self.resident(seq)?;
+        let target = self.reserve_target(s, n, lookahead)?;
+        Ok(self.reserve_cost(s, target).0)
+    }
+
+    /// Tokens of `seq` whose K/V is written (committed).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`].
+    pub fn num_computed_tokens(&self, seq: SeqId) -> Result<usize> {
+        match self.tiers.swapped.get(&seq) {
+            Some(swapped) => Ok(swapped.computed),
+            None => Ok(self.seq(seq)?.computed),
+        }
+    }
+
+    /// The context length attention reads for `seq` in this step: computed tokens
+    /// plus the uncommitted reserved ones (never lookahead slots). What
+    /// [`Self::fill_padded`] and [`Self::fill_csr`] report.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`].
+    pub fn context_len(&self, seq: SeqId) -> Result<usize> {
+        let s = self.seq(seq)?;
+        Ok(s.computed + s.scheduled)
+    }
+
+    /// The end of a reservation of `n + lookahead` tokens after the computed ones.
+    fn reserve_target(&self, s: &Sequence, n: usize, lookahead: usize) -> Result<usize> {
+        let end = s
+            .computed
+            .checked_add(n)
+            .and_then(|e| e.checked_add(lookahead))
+            .unwrap_or(usize::MAX);
+        if end > self.max_seq_len() {
             return Err(Error::TooLong {
-                tokens: new_len,
+                tokens: end,
                 limit: self.max_seq_len(),
             });
         }
-        let needed = self.blocks_needed_for_append(s, n);
-        if needed == 0 && s.prefix.is_none() {
-            // The common decode case: the tokens land in the sequence's own last block
-            // and no prefix-cache bookkeeping follows the sequence.
+        Ok(end)
+    }
+
+    /// Blocks a reservation up to `target` takes, and the first table index it writes.
+    /// Blocks from that index on that are shared or registered are replaced: copied
+    /// when they hold computed tokens, taken fresh otherwise.
+    fn reserve_cost(&self, s: &Sequence, target: usize) -> (usize, usize) {
+        let bs = self.block_size();
+        let first = s.computed / bs;
+        let new_len = target.max(s.num_tokens);
+        let new_blocks = self.layout.blocks_for_tokens(new_len) - s.table.len();
+        let written_end = self.layout.blocks_for_tokens(target).min(s.table.len());
+        let replaced = (first..written_end)
+            .filter(|&i| self.is_protected(s.table[i]))
+            .count();
+        (new_blocks + replaced, first)
+    }
+
+    /// Shared (by a fork or a prefix hit) or registered: writes must go elsewhere.
+    fn is_protected(&self, b: BlockId) -> bool {
+        self.pool.refcount(b).unwrap_or(0) > 1 || self.prefix.is_registered(b)
+    }
+
+    /// The one slot-handing path: reserve `n + lookahead` slots after the computed
+    /// tokens, then commit the `n` at once when `commit_now` (with their ids when
+    /// `tokens` is given).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn reserve_inner(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        lookahead: usize,
+        commit_now: bool,
+        tokens: Option<&[u32]>,
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<usize> {
+        slots.clear();
+        let s = self.resident(seq)?;
+        if s.scheduled > 0 {
+            return Err(Error::SequenceState {
+                seq,
+                state: "holding an uncommitted reservation",
+                needed: "committed (commit first; commit(seq, 0) cancels)",
+            });
+        }
+        let target = self.reserve_target(s, n, lookahead)?;
+        let (needed, first) = self.reserve_cost(s, target);
+        if needed == 0 && s.prefix.is_none() && s.computed == s.num_tokens && commit_now {
+            // The common decode case: the tokens land in the sequence's own blocks and
+            // no prefix-cache bookkeeping follows the sequence.
             let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
             fill_slots(
                 &self.layout,
                 s,
-                new_len,
+                target,
                 slots,
                 &mut self.block_fill,
                 &mut self.live_token_slots,
             );
-            return Ok(());
+            s.computed = target;
+            return Ok(0);
         }
-        let cow = self.needs_cow(s, n);
         self.ensure_available(needed)?;
-        // Take the table out so the pool can be borrowed mutably; every step below
-        // succeeds because `ensure_available` reserved enough blocks.
+        // Every step below succeeds: `ensure_available` reserved enough blocks.
+        let bs = self.block_size();
         let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
-        if cow {
-            let last = s.table.len() - 1;
-            let old = s.table[last];
+        let written_end = self.layout.blocks_for_tokens(target).min(s.table.len());
+        for i in first..written_end {
+            let old = s.table[i];
+            if !self.is_protected(old) {
+                continue;
+            }
             let new = self.alloc_block()?;
-            copies.push(old, new);
-            let fill = s.num_tokens % self.block_size();
-            self.block_fill[new.index()] = fill as u16;
-            self.live_token_slots += fill;
+            let keep = s.computed.saturating_sub(i * bs).min(bs);
+            if keep > 0 {
+                copies.push(old, new);
+            }
+            self.block_fill[new.index()] = keep as u16;
+            self.live_token_slots += keep;
             self.release_block(old)?;
-            s.table[last] = new;
+            s.table[i] = new;
         }
+        let new_len = target.max(s.num_tokens);
         while s.table.len() < self.layout.blocks_for_tokens(new_len) {
             let b = self.alloc_block()?;
             s.table.push(b);
         }
-        self.fill_tokens(&mut s, new_len, slots);
-        self.prefix_after_append(&mut s, tokens);
+        // Slots of the reserved positions; fills count every allocated slot.
+        slots.reserve(target - s.computed);
+        for pos in s.computed..target {
+            let b = s.table[pos / bs];
+            let off = pos % bs;
+            slots.push(self.layout.slot(b, off));
+            let fill = &mut self.block_fill[b.index()];
+            if usize::from(*fill) <= off {
+                self.live_token_slots += off + 1 - usize::from(*fill);
+                *fill = (off + 1) as u16;
+            }
+        }
+        s.num_tokens = new_len;
+        if let Some(ids) = tokens {
+            prefix::record_ids(&mut s, ids, bs);
+        }
+        if commit_now {
+            s.computed += n;
+        } else {
+            s.scheduled = n;
+        }
+        let registered = self.extend_chain(&mut s);
         self.seqs.insert(seq, s);
         self.note_usage();
-        Ok(())
+        Ok(registered)
     }
 
     /// Extends `s` to `new_len` tokens over blocks already in its table, emitting slots.
@@ -409,23 +585,22 @@ impl KvCacheManager {
         );
     }
 
-    /// Drops the last tokens of `seq` so it holds `new_len` (rejected speculative
-    /// tokens); blocks no longer needed are released.
+    /// Drops the last slots of `seq` so it holds `new_len` (rejected speculative
+    /// tokens on the one-call path, lookahead slots no longer wanted); blocks no longer
+    /// needed are released and the computed count follows.
     ///
     /// # Errors
-    /// [`Error::UnknownSequence`]; [`Error::InvalidConfig`] when `new_len` is longer than
+    /// [`Error::UnknownSequence`]; [`Error::PastEnd`] when `new_len` is longer than
     /// the sequence; [`Error::SequenceState`] when it is swapped out or has a swap in
     /// flight. Nothing changed on error.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
         let s = self.resident(seq)?;
         if new_len > s.num_tokens {
-            return Err(Error::config(
-                "new_len",
-                format!(
-                    "{new_len} is longer than sequence {seq} ({} tokens)",
-                    s.num_tokens
-                ),
-            ));
+            return Err(Error::PastEnd {
+                seq,
+                end: new_len,
+                len: s.num_tokens,
+            });
         }
         let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
         let keep = self.layout.blocks_for_tokens(new_len);
@@ -444,6 +619,10 @@ impl KvCacheManager {
             }
         }
         s.num_tokens = new_len;
+        if s.computed + s.scheduled > new_len {
+            s.computed = s.computed.min(new_len);
+            s.scheduled = new_len - s.computed;
+        }
         self.prefix_after_truncate(&mut s, new_len);
         self.seqs.insert(seq, s);
         result
@@ -522,8 +701,8 @@ impl KvCacheManager {
     /// The slots of tokens `range` of `seq`, written into `slots` (cleared first).
     ///
     /// # Errors
-    /// [`Error::UnknownSequence`]; [`Error::CorruptBlockTable`] when the range runs past
-    /// the sequence.
+    /// [`Error::UnknownSequence`]; [`Error::PastEnd`] when the range runs past the
+    /// sequence's allocated slots.
     pub fn slots(
         &self,
         seq: SeqId,
@@ -533,10 +712,11 @@ impl KvCacheManager {
         slots.clear();
         let s = self.seq(seq)?;
         if range.end > s.num_tokens {
-            return Err(Error::CorruptBlockTable(format!(
-                "tokens up to {} asked of sequence {seq} with {}",
-                range.end, s.num_tokens
-            )));
+            return Err(Error::PastEnd {
+                seq,
+                end: range.end,
+                len: s.num_tokens,
+            });
         }
         for pos in range {
             let (b, off) = self.layout.locate(&s.table, pos)?;

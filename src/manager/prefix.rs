@@ -29,20 +29,77 @@ use crate::pool::prefix::{
 use crate::pool::BlockState;
 
 /// A sequence's progress through the prefix cache: its leading `chain` blocks are
-/// registered (by it or before it), `last` is the hash of the last of them, and
-/// `pending` holds the token ids written after them (fewer than a block).
+/// registered (by it or before it), `last` is the hash of the last of them, and `ids`
+/// holds the known token ids from position `chain * block_size` on (a whole prompt
+/// after admission, or sampled ids as they arrive).
 #[derive(Debug, Clone)]
 pub(crate) struct SeqPrefix {
     ns: Namespace,
     priority: i32,
     chain: usize,
     last: Option<BlockHash>,
-    pending: Vec<u32>,
+    ids: Vec<u32>,
+}
+
+/// A prefix-cache lookup that admission reuses: [`KvCacheManager::lookup_prefix`]
+/// hashes the prompt once, [`KvCacheManager::can_admit_hit`] and
+/// [`KvCacheManager::admit_prompt`] read the result without hashing again. Reuse one
+/// value across requests: its buffers keep their capacity.
+///
+/// A hit found before other calls changed the cache is checked again at admission
+/// (each block must still hold the same content, compared by hash and token ids, not
+/// rehashed); blocks that no longer do are simply not shared.
+#[derive(Debug, Clone, Default)]
+pub struct PrefixHit {
+    blocks: Vec<BlockId>,
+    hashes: Vec<BlockHash>,
+    ns: Option<Namespace>,
+    prompt_len: usize,
+    block_size: usize,
+    collision: bool,
+    priority: i32,
+}
+
+impl PrefixHit {
+    /// Leading prompt tokens found in the cache (whole blocks, below the prompt length).
+    pub fn cached_tokens(&self) -> usize {
+        self.blocks.len() * self.block_size
+    }
+
+    /// Blocks found in the cache.
+    pub fn cached_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// The prompt length the lookup was made for.
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_len
+    }
+}
+
+/// Records token ids for positions `s.computed..` (the tokens a one-call append or
+/// admission gives slots to). Ids before the known range are already registered
+/// content and skipped; ids after a gap (tokens appended without ids) cannot be placed
+/// and are dropped: registration waits for [`KvCacheManager::add_token_ids`].
+pub(crate) fn record_ids(s: &mut Sequence, ids: &[u32], bs: usize) {
+    let pos = s.computed;
+    let Some(p) = s.prefix.as_deref_mut() else {
+        return;
+    };
+    let known_start = p.chain * bs;
+    let known_end = known_start + p.ids.len();
+    if pos > known_end {
+        return;
+    }
+    let skip = known_start.saturating_sub(pos).min(ids.len());
+    let at = pos.max(known_start) - known_start;
+    p.ids.truncate(at);
+    p.ids.extend_from_slice(&ids[skip..]);
 }
 
 impl KvCacheManager {
-    /// A manager whose prefix cache is tuned by `prefix` ([`KvCacheManager::new`] uses
-    /// [`PrefixConfig::for_arena`]).
+    /// A manager whose prefix cache is tuned by `prefix` (shorthand for
+    /// [`KvCacheManager::builder`] with [`crate::manager::CacheBuilder::prefix`]).
     ///
     /// # Errors
     /// As [`KvCacheManager::new`]; [`Error::InvalidConfig`] when
@@ -62,9 +119,175 @@ impl KvCacheManager {
         self.prefix.config()
     }
 
-    /// Admits `seq` with prompt `tokens`, sharing the longest cached prefix, and writes
-    /// the slots of the *uncached* tokens (`tokens[cached_tokens..]`) into `slots`
-    /// (cleared first). Full blocks of the prompt are registered for later requests.
+    /// Looks `tokens` up in the prefix cache once and fills `hit` (its buffers are
+    /// reused) for [`Self::can_admit_hit`] and [`Self::admit_prompt`]. Changes nothing
+    /// (no counters either). Returns the cached tokens.
+    ///
+    /// # Errors
+    /// [`Error::PrefixKeyTooLong`]; `hit` is cleared then.
+    pub fn lookup_prefix(
+        &self,
+        tokens: &[u32],
+        opts: &AdmitOptions<'_>,
+        hit: &mut PrefixHit,
+    ) -> Result<usize> {
+        hit.blocks.clear();
+        hit.hashes.clear();
+        hit.ns = None;
+        hit.collision = false;
+        let bs = self.block_size();
+        hit.block_size = bs;
+        hit.prompt_len = tokens.len();
+        hit.priority = opts.priority;
+        let ns = self.prefix.namespace(opts)?;
+        let found = self.prefix.lookup(
+            &ns,
+            tokens,
+            tokens.len().saturating_sub(1) / bs,
+            &mut hit.blocks,
+        );
+        hit.collision = found.collision;
+        for &b in &hit.blocks {
+            hit.hashes.push(self.prefix.hash_of(b).unwrap_or_default());
+        }
+        hit.ns = Some(ns);
+        Ok(hit.cached_tokens())
+    }
+
+    /// Whether [`Self::admit_prompt`] of `hit`'s prompt, computed in full, would fit
+    /// now while keeping the watermark: cached hits are not counted as needed, and a hit
+    /// that would revive an evictable block is counted once (it stops being available).
+    pub fn can_admit_hit(&self, hit: &PrefixHit) -> bool {
+        hit.prompt_len <= self.max_seq_len()
+            && self.layout.blocks_for_tokens(hit.prompt_len) - hit.blocks.len()
+                + self.count_evictable(&hit.blocks)
+                + self.config.watermark_blocks
+                <= self.num_available_blocks()
+    }
+
+    /// Admits `seq` with prompt `tokens` for chunked prefill: shares `hit`'s cached
+    /// blocks (from [`Self::lookup_prefix`] of the same tokens) and allocates nothing
+    /// else. The sequence starts with `cached_tokens` computed tokens and knows every
+    /// prompt id; each step the engine calls [`Self::reserve`] for a chunk and
+    /// [`Self::commit`] once it is computed, and only then are the chunk's full blocks
+    /// registered for other requests.
+    ///
+    /// ```
+    /// use pagedkv::{AdmitOptions, CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout,
+    ///               ModelShape, PrefixHit, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 2, num_q_heads: 8, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::BF16 };
+    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let prompt: Vec<u32> = (0..100).collect();
+    /// let (mut hit, mut slots, mut copies) = (PrefixHit::default(), Vec::new(), CopyPlan::default());
+    /// let opts = AdmitOptions::default();
+    ///
+    /// kv.lookup_prefix(&prompt, &opts, &mut hit)?;
+    /// assert!(kv.can_admit_hit(&hit));
+    /// kv.admit_prompt(SeqId(1), &prompt, &hit)?;
+    /// kv.reserve(SeqId(1), 40, 0, &mut slots, &mut copies)?; // first chunk of 40 tokens
+    /// // ... the model computes the chunk ...
+    /// assert_eq!(kv.commit(SeqId(1), 40)?, 2);                 // 2 full blocks registered
+    ///
+    /// // Another request sees only the computed blocks, never the rest of the prompt.
+    /// kv.lookup_prefix(&prompt, &opts, &mut hit)?;
+    /// assert_eq!(hit.cached_tokens(), 32);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::DuplicateSequence`] (also for an id that is swapped out),
+    /// [`Error::TooLong`], [`Error::ShapeMismatch`] when `hit` was made for a prompt of
+    /// another length; on error nothing changed.
+    pub fn admit_prompt(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        hit: &PrefixHit,
+    ) -> Result<Admission> {
+        if self.contains(seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let len = tokens.len();
+        if len > self.max_seq_len() {
+            return Err(Error::TooLong {
+                tokens: len,
+                limit: self.max_seq_len(),
+            });
+        }
+        if hit.prompt_len != len || (hit.block_size != 0 && hit.block_size != self.block_size()) {
+            return Err(Error::ShapeMismatch {
+                what: "prompt length of the prefix hit",
+                expected: len,
+                got: hit.prompt_len,
+            });
+        }
+        let bs = self.block_size();
+        // Re-check the hit without hashing: each block must still be registered under
+        // the same hash, chained, with the prompt's ids.
+        let mut valid = 0;
+        for (i, (&b, &h)) in hit.blocks.iter().zip(&hit.hashes).enumerate() {
+            let same = self.prefix.hash_of(b) == Some(h)
+                && self.prefix.block_tokens(b) == &tokens[i * bs..(i + 1) * bs]
+                && self.pool.state(b).is_ok_and(|s| s != BlockState::Free);
+            if !same {
+                break;
+            }
+            valid += 1;
+        }
+        let ns = match &hit.ns {
+            Some(ns) => ns.clone(),
+            None => self.prefix.namespace(&AdmitOptions::default())?,
+        };
+        let table: Vec<BlockId> = hit.blocks[..valid].to_vec();
+        let revived = self.count_evictable(&table);
+        self.ensure_available(revived)?;
+        for &b in &table {
+            let revive = self.pool.state(b)? == BlockState::Cached;
+            if revive {
+                self.pool.revive(b)?;
+                self.block_fill[b.index()] = bs as u16;
+                self.live_token_slots += bs;
+            } else {
+                self.pool.incref(b)?;
+            }
+            self.prefix.on_hit(b, hit.priority, revive);
+        }
+        self.prefix.note_query(len, valid, hit.collision);
+        let cached = valid * bs;
+        let s = Sequence {
+            table,
+            num_tokens: cached,
+            computed: cached,
+            prefix: Some(Box::new(SeqPrefix {
+                ns,
+                priority: hit.priority,
+                chain: valid,
+                last: valid.checked_sub(1).map(|i| hit.hashes[i]),
+                ids: tokens[cached..].to_vec(),
+            })),
+            admission: self.tiers.next_admission(),
+            ..Sequence::default()
+        };
+        self.seqs.insert(seq, s);
+        self.note_usage();
+        Ok(Admission {
+            cached_tokens: cached,
+            cached_blocks: valid,
+            new_blocks: 0,
+            registered_blocks: 0,
+        })
+    }
+
+    /// Admits `seq` with prompt `tokens` and schedules the whole uncached rest in this
+    /// step: [`Self::lookup_prefix`], [`Self::admit_prompt`], then a reservation of the
+    /// uncached tokens committed at once. Slots of the *uncached* tokens
+    /// (`tokens[cached_tokens..]`) go into `slots` (cleared first); the prompt's full
+    /// blocks are registered now, so the engine must write every slot it was given in
+    /// the step that follows, before any other step reads them (engines that run
+    /// `reshape_and_cache` for the whole batch before attention do). For chunked
+    /// prefill use [`Self::admit_prompt`], [`Self::reserve`] and [`Self::commit`].
     ///
     /// Hits are confirmed against the stored token ids, the chain of parents and the
     /// namespace (`opts.cache_salt`, `opts.extra_key`), so a hash collision is a miss.
@@ -105,75 +328,39 @@ impl KvCacheManager {
         slots: &mut Vec<Slot>,
     ) -> Result<Admission> {
         slots.clear();
-        if self.seqs.contains_key(&seq) {
+        if self.contains(seq) {
             return Err(Error::DuplicateSequence(seq));
         }
-        let len = tokens.len();
-        if len > self.max_seq_len() {
+        if tokens.len() > self.max_seq_len() {
             return Err(Error::TooLong {
-                tokens: len,
+                tokens: tokens.len(),
                 limit: self.max_seq_len(),
             });
         }
-        let ns = self.prefix.namespace(opts)?;
-        let bs = self.block_size();
-        let total = self.layout.blocks_for_tokens(len);
-        let mut table = Vec::with_capacity(total + 1);
-        let found = self
-            .prefix
-            .lookup(&ns, tokens, len.saturating_sub(1) / bs, &mut table);
-        let cached_blocks = table.len();
-        let revived = self.count_evictable(&table);
-        self.ensure_available(total - cached_blocks + revived)?;
-
-        // Commit. Nothing below fails unless the manager's own state is corrupt: the
-        // hits are registered (live or cached) and `ensure_available` covered both the
-        // revivals and the new blocks.
-        for &b in &table {
-            let revive = self.pool.state(b)? == BlockState::Cached;
-            if revive {
-                self.pool.revive(b)?;
-                self.block_fill[b.index()] = bs as u16;
-                self.live_token_slots += bs;
-            } else {
-                self.pool.incref(b)?;
+        let mut hit = PrefixHit::default();
+        self.lookup_prefix(tokens, opts, &mut hit)?;
+        let total = self.layout.blocks_for_tokens(tokens.len());
+        self.ensure_available(total - hit.cached_blocks() + self.count_evictable(&hit.blocks))?;
+        // Nothing below fails on a consistent manager: the availability check covered
+        // the revivals and the new blocks.
+        let mut a = self.admit_prompt(seq, tokens, &hit)?;
+        let rest = tokens.len() - a.cached_tokens;
+        let mut copies = CopyPlan::default();
+        match self.reserve_inner(seq, rest, 0, true, None, slots, &mut copies) {
+            Ok(registered) => a.registered_blocks = registered,
+            Err(e) => {
+                // Unreachable on a consistent manager; undo the admission all the same.
+                let _ = self.free(seq);
+                return Err(e);
             }
-            self.prefix.on_hit(b, opts.priority, revive);
         }
-        self.prefix.note_query(len, cached_blocks, found.collision);
-        for _ in cached_blocks..total {
-            let b = self.alloc_block()?;
-            table.push(b);
-        }
-        let mut s = Sequence {
-            table,
-            num_tokens: cached_blocks * bs,
-            prefix: Some(Box::new(SeqPrefix {
-                ns,
-                priority: opts.priority,
-                chain: cached_blocks,
-                last: found.last,
-                pending: Vec::with_capacity(bs),
-            })),
-            admission: self.tiers.next_admission(),
-            ..Sequence::default()
-        };
-        self.fill_tokens(&mut s, len, slots);
-        let registered = self.extend_chain(&mut s, &tokens[cached_blocks * bs..]);
-        self.seqs.insert(seq, s);
-        self.note_usage();
-        Ok(Admission {
-            cached_tokens: cached_blocks * bs,
-            cached_blocks,
-            new_blocks: total - cached_blocks,
-            registered_blocks: registered,
-        })
+        a.new_blocks = total - a.cached_blocks;
+        Ok(a)
     }
 
     /// Appends `tokens` to `seq` as [`Self::append`] does (slots into `slots`,
-    /// copy-on-write into `copies`) and registers every block they fill, when `seq` was
-    /// admitted with [`Self::admit_tokens`] and has not been extended without ids
-    /// since.
+    /// copy-on-write into `copies`, committed at once) and records their ids, so every
+    /// full computed block is registered.
     ///
     /// # Errors
     /// As [`Self::append`]; nothing changed on error.
@@ -184,40 +371,75 @@ impl KvCacheManager {
         slots: &mut Vec<Slot>,
         copies: &mut CopyPlan,
     ) -> Result<()> {
-        self.append_inner(seq, tokens.len(), Some(tokens), slots, copies)
+        self.reserve_inner(seq, tokens.len(), 0, true, Some(tokens), slots, copies)
+            .map(|_| ())
+    }
+
+    /// Records the token ids of the next positions of `seq` whose ids were not known
+    /// when their slots were handed out (asynchronous scheduling samples ids after the
+    /// step is launched; a plain [`Self::append`] gives none). Ids are placed in order
+    /// after the last known one; full computed blocks are registered at once. A
+    /// sequence admitted without ids ([`Self::admit`]) starts tracking in the default
+    /// namespace when its first ids arrive. Returns the blocks registered.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped out,
+    /// has a swap in flight, or stopped registering (a duplicate block, a swap-in);
+    /// [`Error::PastEnd`] when the ids run past the sequence's allocated slots. Nothing
+    /// changed on error.
+    pub fn add_token_ids(&mut self, seq: SeqId, ids: &[u32]) -> Result<usize> {
+        let bs = self.block_size();
+        let s = self.resident(seq)?;
+        if s.registration_stopped {
+            return Err(Error::SequenceState {
+                seq,
+                state: "not registering (a duplicate block or a swap-in stopped it)",
+                needed: "registering",
+            });
+        }
+        let known_end = s
+            .prefix
+            .as_deref()
+            .map_or(0, |p| p.chain * bs + p.ids.len());
+        if known_end + ids.len() > s.num_tokens {
+            return Err(Error::PastEnd {
+                seq,
+                end: known_end + ids.len(),
+                len: s.num_tokens,
+            });
+        }
+        let default_ns = self.prefix.namespace(&AdmitOptions::default())?;
+        let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let p = s.prefix.get_or_insert_with(|| {
+            Box::new(SeqPrefix {
+                ns: default_ns,
+                priority: s.priority,
+                chain: 0,
+                last: None,
+                ids: Vec::new(),
+            })
+        });
+        p.ids.extend_from_slice(ids);
+        let registered = self.extend_chain(&mut s);
+        self.seqs.insert(seq, s);
+        Ok(registered)
     }
 
     /// Leading tokens of `tokens` that [`Self::admit_tokens`] would serve from the cache
-    /// now. Changes nothing (no counters either).
+    /// now. Changes nothing (no counters either). Allocates a [`PrefixHit`]: schedulers
+    /// keep one and call [`Self::lookup_prefix`].
     ///
     /// # Errors
     /// [`Error::PrefixKeyTooLong`].
     pub fn cached_prefix_len(&self, tokens: &[u32], opts: &AdmitOptions<'_>) -> Result<usize> {
-        let ns = self.prefix.namespace(opts)?;
-        let mut hits = Vec::new();
-        let bs = self.block_size();
-        self.prefix
-            .lookup(&ns, tokens, tokens.len().saturating_sub(1) / bs, &mut hits);
-        Ok(hits.len() * bs)
+        self.lookup_prefix(tokens, opts, &mut PrefixHit::default())
     }
 
     /// Whether [`Self::admit_tokens`] of `tokens` would succeed now while keeping the
-    /// watermark: cached hits are not counted as needed, and a hit that would revive an
-    /// evictable block is counted once (it stops being available).
+    /// watermark ([`Self::lookup_prefix`] then [`Self::can_admit_hit`]).
     pub fn can_admit_tokens(&self, tokens: &[u32], opts: &AdmitOptions<'_>) -> bool {
-        let Ok(ns) = self.prefix.namespace(opts) else {
-            return false;
-        };
-        if tokens.len() > self.max_seq_len() {
-            return false;
-        }
-        let mut hits = Vec::new();
-        let bs = self.block_size();
-        self.prefix
-            .lookup(&ns, tokens, tokens.len().saturating_sub(1) / bs, &mut hits);
-        let needed =
-            self.layout.blocks_for_tokens(tokens.len()) - hits.len() + self.count_evictable(&hits);
-        needed + self.config.watermark_blocks <= self.num_available_blocks()
+        let mut hit = PrefixHit::default();
+        self.lookup_prefix(tokens, opts, &mut hit).is_ok() && self.can_admit_hit(&hit)
     }
 
     /// Pins the cached prefix `tokens` (whole blocks; a trailing partial block is
@@ -302,18 +524,7 @@ impl KvCacheManager {
         self.pool.evict(b)
     }
 
-    /// After `s` grew: registers the blocks `tokens` filled, or stops registering when
-    /// the ids are unknown (`None`: a plain `append`).
-    pub(crate) fn prefix_after_append(&mut self, s: &mut Sequence, tokens: Option<&[u32]>) {
-        match tokens {
-            None => s.prefix = None,
-            Some(t) => {
-                self.extend_chain(s, t);
-            }
-        }
-    }
-
-    /// After `s` was truncated to `new_len`: the chain and pending ids follow.
+    /// After `s` was truncated to `new_len`: the chain and known ids follow.
     pub(crate) fn prefix_after_truncate(&mut self, s: &mut Sequence, new_len: usize) {
         let bs = self.block_size();
         let Some(p) = s.prefix.as_deref_mut() else {
@@ -321,12 +532,12 @@ impl KvCacheManager {
         };
         let chain_tokens = p.chain * bs;
         if new_len >= chain_tokens {
-            p.pending.truncate(new_len - chain_tokens);
+            p.ids.truncate(new_len - chain_tokens);
             return;
         }
         let keep = new_len / bs;
         p.chain = keep;
-        p.pending.clear();
+        p.ids.clear();
         p.last = match keep {
             0 => None,
             k => s.table.get(k - 1).and_then(|&b| self.prefix.hash_of(b)),
@@ -340,43 +551,40 @@ impl KvCacheManager {
             _ => Some(&[][..]),
         };
         match tail_ids {
-            Some(ids) if keep == 0 || p.last.is_some() => p.pending.extend_from_slice(ids),
-            _ => s.prefix = None,
+            Some(ids) if keep == 0 || p.last.is_some() => p.ids.extend_from_slice(ids),
+            _ => {
+                s.prefix = None;
+                s.registration_stopped = true;
+            }
         }
     }
 
-    /// Feeds token ids written after `s`'s chain and registers every block they fill;
-    /// returns how many were registered.
-    fn extend_chain(&mut self, s: &mut Sequence, mut new: &[u32]) -> usize {
+    /// Registers every block of `s` that is full, computed and whose ids are known,
+    /// in order after its chain; returns how many were registered. A block whose
+    /// content is already registered elsewhere (a duplicate) stops the sequence's
+    /// registration for good (see the module docs).
+    pub(crate) fn extend_chain(&mut self, s: &mut Sequence) -> usize {
         let bs = self.block_size();
         let Some(mut p) = s.prefix.take() else {
             return 0;
         };
-        let mut registered = 0;
+        let ids = std::mem::take(&mut p.ids);
+        let (mut registered, mut used) = (0, 0);
         let mut ok = true;
-        if !p.pending.is_empty() {
-            let take = (bs - p.pending.len()).min(new.len());
-            p.pending.extend_from_slice(&new[..take]);
-            new = &new[take..];
-            if p.pending.len() == bs {
-                let ids = std::mem::take(&mut p.pending);
-                ok = self.register_next(&s.table, &mut p, &ids);
-                p.pending = ids;
-                p.pending.clear();
-                registered += usize::from(ok);
-            }
-        }
-        let mut chunks = new.chunks_exact(bs);
-        for chunk in &mut chunks {
+        while ids.len() - used >= bs && (p.chain + 1) * bs <= s.computed {
+            ok = self.register_next(&s.table, &mut p, &ids[used..used + bs]);
             if !ok {
                 break;
             }
-            ok = self.register_next(&s.table, &mut p, chunk);
-            registered += usize::from(ok);
+            registered += 1;
+            used += bs;
         }
         if ok {
-            p.pending.extend_from_slice(chunks.remainder());
+            p.ids = ids;
+            p.ids.drain(..used);
             s.prefix = Some(p);
+        } else {
+            s.registration_stopped = true;
         }
         registered
     }
@@ -409,7 +617,9 @@ impl KvCacheManager {
     }
 
     /// The prefix half of [`Self::check_invariants`]: the index against the pool, and
-    /// every tracked sequence's chain against its table.
+    /// every tracked sequence's chain against its table: the chain covers only
+    /// computed tokens, known ids stay within the allocated slots, and every link is
+    /// registered under its parent.
     pub(crate) fn check_prefix_invariants(&self) -> std::result::Result<(), String> {
         self.prefix.check(&self.pool)?;
         let bs = self.block_size();
@@ -417,19 +627,19 @@ impl KvCacheManager {
             let Some(p) = s.prefix.as_deref() else {
                 continue;
             };
-            if p.chain > s.table.len() || p.pending.len() >= bs {
+            if p.chain > s.table.len() || p.chain * bs > s.computed {
                 return Err(format!(
-                    "{id}: chain {} over {} blocks, {} pending ids",
+                    "{id}: chain of {} blocks over {} blocks with {} computed tokens",
                     p.chain,
                     s.table.len(),
-                    p.pending.len()
+                    s.computed
                 ));
             }
-            if p.chain * bs + p.pending.len() != s.num_tokens {
+            if p.chain * bs + p.ids.len() > s.num_tokens {
                 return Err(format!(
-                    "{id}: chain {} + {} pending ids but {} tokens",
+                    "{id}: chain {} + {} known ids but {} slots",
                     p.chain,
-                    p.pending.len(),
+                    p.ids.len(),
                     s.num_tokens
                 ));
             }

@@ -132,6 +132,7 @@ pub(crate) struct InFlight {
 pub(crate) struct SwappedSeq {
     pub(crate) table: Vec<TierBlock>,
     pub(crate) num_tokens: usize,
+    pub(crate) computed: usize,
     pub(crate) admission: u64,
     pub(crate) priority: i32,
 }
@@ -641,6 +642,9 @@ impl KvCacheManager {
                     // sequence's prefix chain was built on, so it stops registering
                     // (it stays correct; only its later full blocks are not cached).
                     prefix: None,
+                    registration_stopped: true,
+                    computed: old.computed,
+                    scheduled: 0,
                 },
             );
             saved.push((id, old));
@@ -691,6 +695,7 @@ impl KvCacheManager {
                         SwappedSeq {
                             table: host_table.into_iter().map(TierBlock::Host).collect(),
                             num_tokens: s.num_tokens,
+                            computed: s.computed,
                             admission: s.admission,
                             priority: s.priority,
                         },

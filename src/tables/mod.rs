@@ -45,11 +45,20 @@ pub struct CsrTables {
 }
 
 impl KvCacheManager {
+    /// The rows of a batch: each sequence's context (computed plus this step's
+    /// reserved tokens, never lookahead slots) and the blocks covering it. Fails on
+    /// the first sequence that is unknown or not readable.
+    fn row(&self, id: SeqId) -> Result<(&[crate::ids::BlockId], usize)> {
+        let s = self.resident(id)?;
+        let context = s.computed + s.scheduled;
+        let blocks = self.layout().blocks_for_tokens(context);
+        Ok((&s.table[..blocks], context))
+    }
+
     fn check_batch(&self, seqs: &[SeqId]) -> Result<usize> {
         let mut max_blocks = 0;
         for &id in seqs {
-            let s = self.seq(id)?;
-            max_blocks = max_blocks.max(s.table.len());
+            max_blocks = max_blocks.max(self.row(id)?.0.len());
         }
         Ok(max_blocks)
     }
@@ -58,8 +67,8 @@ impl KvCacheManager {
     /// once they have grown to the batch's size).
     ///
     /// # Errors
-    /// [`crate::Error::UnknownSequence`], [`crate::Error::SequenceState`] for a swapped-out
-    /// sequence; `out` is untouched on error.
+    /// [`crate::Error::UnknownSequence`], [`crate::Error::SequenceState`] for a sequence swapped out or
+    /// with a swap in flight (its blocks are not readable); `out` is untouched on error.
     pub fn fill_padded(&self, seqs: &[SeqId], out: &mut PaddedTables) -> Result<()> {
         let max_blocks = self.check_batch(seqs)?;
         out.tables.clear();
@@ -67,13 +76,13 @@ impl KvCacheManager {
         out.batch = seqs.len();
         out.max_blocks = max_blocks;
         out.tables.resize(seqs.len() * max_blocks, 0);
-        for (row, id) in seqs.iter().enumerate() {
-            let s = &self.seqs[id];
-            let dst = &mut out.tables[row * max_blocks..row * max_blocks + s.table.len()];
-            for (d, b) in dst.iter_mut().zip(&s.table) {
+        for (row, &id) in seqs.iter().enumerate() {
+            let (table, context) = self.row(id)?;
+            let dst = &mut out.tables[row * max_blocks..row * max_blocks + table.len()];
+            for (d, b) in dst.iter_mut().zip(table) {
                 *d = b.0;
             }
-            out.context_lens.push(s.num_tokens as u32);
+            out.context_lens.push(context as u32);
         }
         Ok(())
     }
@@ -81,8 +90,8 @@ impl KvCacheManager {
     /// Fills `out` with the CSR tables of `seqs`, reusing its buffers.
     ///
     /// # Errors
-    /// [`crate::Error::UnknownSequence`], [`crate::Error::SequenceState`] for a swapped-out
-    /// sequence; `out` is untouched on error.
+    /// [`crate::Error::UnknownSequence`], [`crate::Error::SequenceState`] for a sequence swapped out or
+    /// with a swap in flight (its blocks are not readable); `out` is untouched on error.
     pub fn fill_csr(&self, seqs: &[SeqId], out: &mut CsrTables) -> Result<()> {
         self.check_batch(seqs)?;
         out.indptr.clear();
@@ -90,11 +99,11 @@ impl KvCacheManager {
         out.last_page_len.clear();
         out.indptr.push(0);
         let bs = self.block_size();
-        for id in seqs {
-            let s = &self.seqs[id];
-            out.indices.extend(s.table.iter().map(|b| b.0));
+        for &id in seqs {
+            let (table, context) = self.row(id)?;
+            out.indices.extend(table.iter().map(|b| b.0));
             out.indptr.push(out.indices.len() as u32);
-            let last = match s.num_tokens {
+            let last = match context {
                 0 => 0,
                 n => (n - 1) % bs + 1,
             };
