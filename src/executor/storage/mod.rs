@@ -6,6 +6,7 @@
 //! | [`HostStorage`] | aligned host memory, one region per layer | always |
 //! | `CudaStorage` (feature `cuda`) | one VRAM region per layer + pinned host tier | when a driver and a GPU are found |
 
+mod copy;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod host;
