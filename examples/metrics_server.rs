@@ -8,7 +8,8 @@
 //! cargo run --example metrics_server -- --requests 1 --self-scrape   # prints one scrape
 //! ```
 //!
-//! The endpoint is a `std::net::TcpListener` and a hand-written text-format recorder
+//! The endpoint is a `std::net::TcpListener` (`pagedkv::metrics::serve_prometheus`) and
+//! the text-format recorder of `metrics-exporter-prometheus` without its HTTP features
 //! (`pagedkv::metrics::PrometheusRecorder`), not an async HTTP exporter: one loopback
 //! scrape endpoint does not need tokio and hyper.
 

@@ -22,8 +22,8 @@ use pagedkv::chart::{EventKind, MemoryChart, Timeline};
 use pagedkv::manager::FragStats;
 use pagedkv::pool::prefix::AdmitOptions;
 use pagedkv::{
-    BlockId, CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, HostStorage, KvCacheManager,
-    KvLayout, ModelConfig, PaddedTables, SeqId, Slot, Storage, SwapPlan,
+    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, HostStorage, KvCacheManager, KvLayout,
+    ModelConfig, PaddedTables, SeqId, Slot, Storage, SwapPlan,
 };
 use pagedkv::{PreemptAction, PreemptPolicy, TierConfig};
 
@@ -316,38 +316,17 @@ struct Mirror {
     model: Option<HostStorage>,
 }
 
-impl Storage for Mirror {
-    fn layout(&self) -> &KvLayout {
-        self.main.layout()
-    }
-    fn num_blocks(&self) -> usize {
-        self.main.num_blocks()
-    }
+// Plans run on both storages; token I/O goes to the arena only (the model writes its
+// own cache). Per-layer swaps and host-block I/O keep the trait's refusal, so callers
+// fall back to `swap`, which mirrors.
+pagedkv::delegate_storage! {
+    Mirror => main, except [
+        copy_blocks, swap, resize, swap_layer, read_host_block, write_host_block,
+    ];
+
     fn copy_blocks(&mut self, plan: &CopyPlan) -> pagedkv::Result<()> {
         self.main.copy_blocks(plan)?;
         self.model.as_mut().map_or(Ok(()), |m| m.copy_blocks(plan))
-    }
-    fn write_slots(
-        &mut self,
-        layer: usize,
-        slots: &[Slot],
-        k: &[u8],
-        v: &[u8],
-    ) -> pagedkv::Result<()> {
-        self.main.write_slots(layer, slots, k, v)
-    }
-    fn read_tokens(
-        &self,
-        layer: usize,
-        table: &[BlockId],
-        num_tokens: usize,
-        k: &mut [u8],
-        v: &mut [u8],
-    ) -> pagedkv::Result<()> {
-        self.main.read_tokens(layer, table, num_tokens, k, v)
-    }
-    fn num_host_blocks(&self) -> usize {
-        self.main.num_host_blocks()
     }
     fn swap(&mut self, plan: &SwapPlan) -> pagedkv::Result<()> {
         self.main.swap(plan)?;

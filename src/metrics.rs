@@ -1,12 +1,14 @@
 //! The manager's counters through the [`metrics`](https://docs.rs/metrics) facade,
-//! plus a small Prometheus text-format recorder and a bounded loopback server.
+//! plus a Prometheus text-format recorder and a bounded loopback server.
 //!
 //! The engine picks the recorder: anything installed with
 //! `metrics::set_global_recorder` (or scoped with `metrics::with_local_recorder`)
 //! receives what [`MetricsExporter::publish`] sends. For a process that wants a
 //! Prometheus endpoint without pulling an async HTTP stack, [`PrometheusRecorder`]
-//! renders the text exposition format and [`serve_prometheus`] answers `GET /metrics`
-//! on a `std::net::TcpListener`, for a bounded number of requests or time.
+//! renders the text exposition format (through `metrics-exporter-prometheus` without
+//! its HTTP features) and [`serve_prometheus`] answers `GET /metrics` on a
+//! `std::net::TcpListener`, for a bounded number of requests or time. The metric table,
+//! the publishing and that server are this crate's; the text format is not.
 //!
 //! # What is published
 //!
@@ -46,15 +48,10 @@
 //! # Ok::<(), pagedkv::Error>(())
 //! ```
 
-use std::collections::{BTreeMap, HashMap};
-use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::manager::{CacheStats, KvCacheManager};
@@ -412,126 +409,47 @@ impl MetricsExporter {
     }
 }
 
-// ---- a small Prometheus text-format recorder -----------------------------------------
-
-/// Count and sum of a histogram, rendered as a Prometheus summary without quantiles.
-#[derive(Debug, Default)]
-struct Summary {
-    inner: Mutex<(u64, f64)>,
-}
-
-impl ::metrics::HistogramFn for Summary {
-    fn record(&self, value: f64) {
-        let mut s = self.inner.lock();
-        s.0 += 1;
-        s.1 += value;
-    }
-}
-
-#[derive(Debug, Default)]
-struct Registry {
-    help: HashMap<String, String>,
-    counters: BTreeMap<::metrics::Key, Arc<AtomicU64>>,
-    gauges: BTreeMap<::metrics::Key, Arc<AtomicU64>>,
-    histograms: BTreeMap<::metrics::Key, Arc<Summary>>,
-}
+// ---- the Prometheus text-format recorder ---------------------------------------------
 
 /// A `metrics` recorder that keeps the latest values and renders them in the
-/// Prometheus text exposition format (version 0.0.4). Histograms are rendered as
-/// summaries with `_count` and `_sum` only.
+/// Prometheus text exposition format (version 0.0.4): the recorder of
+/// [`metrics-exporter-prometheus`](https://docs.rs/metrics-exporter-prometheus), built
+/// without its default features, so without its tokio/hyper HTTP listener and push
+/// gateway. Histograms are rendered as summaries (quantiles, `_sum`, `_count`).
+///
+/// What stays hand-written here, and why: this wrapper, because the crate's recorder
+/// does not clone and the example installs one copy globally while the server renders
+/// from another; and [`serve_prometheus`], because the crate's own endpoint is the
+/// `http-listener` feature, which is the async stack this avoids.
 ///
 /// Clones share the same values, so one clone can be installed as the recorder while
 /// another renders for the HTTP server.
-#[derive(Debug, Clone, Default)]
+///
+/// The text is the upstream crate's: metric families come in no fixed order, and an
+/// infinite gauge is written `inf` (which Prometheus parses) rather than `+Inf`.
+#[derive(Debug, Clone)]
 pub struct PrometheusRecorder {
-    registry: Arc<Mutex<Registry>>,
+    inner: Arc<metrics_exporter_prometheus::PrometheusRecorder>,
+}
+
+impl Default for PrometheusRecorder {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl PrometheusRecorder {
     /// An empty recorder.
     pub fn new() -> Self {
-        Self::default()
+        PrometheusRecorder {
+            inner: Arc::new(metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder()),
+        }
     }
 
-    /// All metrics in the text format, grouped by name, names in order.
+    /// All metrics in the text format, one family (`# HELP`, `# TYPE`, its series) after
+    /// another.
     pub fn render(&self) -> String {
-        let reg = self.registry.lock();
-        let mut out = String::new();
-        let group = |out: &mut String, name: &str, kind: &str, lines: &[String]| {
-            if let Some(help) = reg.help.get(name) {
-                let help = help.replace('\\', "\\\\").replace('\n', "\\n");
-                let _ = writeln!(out, "# HELP {name} {help}");
-            }
-            let _ = writeln!(out, "# TYPE {name} {kind}");
-            for line in lines {
-                out.push_str(line);
-            }
-        };
-        let mut by_name: BTreeMap<&str, (&str, Vec<String>)> = BTreeMap::new();
-        for (key, v) in &reg.counters {
-            let line = format!(
-                "{}{} {}\n",
-                key.name(),
-                labels(key),
-                v.load(Ordering::Relaxed)
-            );
-            by_name
-                .entry(key.name())
-                .or_insert(("counter", Vec::new()))
-                .1
-                .push(line);
-        }
-        for (key, v) in &reg.gauges {
-            let value = f64::from_bits(v.load(Ordering::Relaxed));
-            let line = format!("{}{} {}\n", key.name(), labels(key), prom_f64(value));
-            by_name
-                .entry(key.name())
-                .or_insert(("gauge", Vec::new()))
-                .1
-                .push(line);
-        }
-        for (key, h) in &reg.histograms {
-            let (count, sum) = *h.inner.lock();
-            let l = labels(key);
-            let lines = by_name.entry(key.name()).or_insert(("summary", Vec::new()));
-            lines
-                .1
-                .push(format!("{}_sum{l} {}\n", key.name(), prom_f64(sum)));
-            lines.1.push(format!("{}_count{l} {count}\n", key.name()));
-        }
-        for (name, (kind, lines)) in &by_name {
-            group(&mut out, name, kind, lines);
-        }
-        out
-    }
-}
-
-/// `{a="x",b="y"}`, or nothing without labels.
-fn labels(key: &::metrics::Key) -> String {
-    let mut out = String::new();
-    for (i, label) in key.labels().enumerate() {
-        out.push(if i == 0 { '{' } else { ',' });
-        let value = label
-            .value()
-            .replace('\\', "\\\\")
-            .replace('"', "\\\"")
-            .replace('\n', "\\n");
-        let _ = write!(out, "{}=\"{value}\"", label.key());
-    }
-    if !out.is_empty() {
-        out.push('}');
-    }
-    out
-}
-
-/// A float as Prometheus spells it (`+Inf`, `-Inf`, `NaN`).
-fn prom_f64(v: f64) -> String {
-    if v.is_nan() {
-        "NaN".into()
-    } else if v.is_infinite() {
-        if v > 0.0 { "+Inf" } else { "-Inf" }.into()
-    } else {
-        format!("{v}")
+        self.inner.handle().render()
     }
 }
 
@@ -539,13 +457,10 @@ impl ::metrics::Recorder for PrometheusRecorder {
     fn describe_counter(
         &self,
         key: ::metrics::KeyName,
-        _unit: Option<::metrics::Unit>,
+        unit: Option<::metrics::Unit>,
         description: ::metrics::SharedString,
     ) {
-        self.registry
-            .lock()
-            .help
-            .insert(key.as_str().to_string(), description.into_owned());
+        self.inner.describe_counter(key, unit, description);
     }
 
     fn describe_gauge(
@@ -554,7 +469,7 @@ impl ::metrics::Recorder for PrometheusRecorder {
         unit: Option<::metrics::Unit>,
         description: ::metrics::SharedString,
     ) {
-        self.describe_counter(key, unit, description);
+        self.inner.describe_gauge(key, unit, description);
     }
 
     fn describe_histogram(
@@ -563,37 +478,31 @@ impl ::metrics::Recorder for PrometheusRecorder {
         unit: Option<::metrics::Unit>,
         description: ::metrics::SharedString,
     ) {
-        self.describe_counter(key, unit, description);
+        self.inner.describe_histogram(key, unit, description);
     }
 
     fn register_counter(
         &self,
         key: &::metrics::Key,
-        _metadata: &::metrics::Metadata<'_>,
+        metadata: &::metrics::Metadata<'_>,
     ) -> ::metrics::Counter {
-        let mut reg = self.registry.lock();
-        let cell = reg.counters.entry(key.clone()).or_default().clone();
-        ::metrics::Counter::from_arc(cell)
+        self.inner.register_counter(key, metadata)
     }
 
     fn register_gauge(
         &self,
         key: &::metrics::Key,
-        _metadata: &::metrics::Metadata<'_>,
+        metadata: &::metrics::Metadata<'_>,
     ) -> ::metrics::Gauge {
-        let mut reg = self.registry.lock();
-        let cell = reg.gauges.entry(key.clone()).or_default().clone();
-        ::metrics::Gauge::from_arc(cell)
+        self.inner.register_gauge(key, metadata)
     }
 
     fn register_histogram(
         &self,
         key: &::metrics::Key,
-        _metadata: &::metrics::Metadata<'_>,
+        metadata: &::metrics::Metadata<'_>,
     ) -> ::metrics::Histogram {
-        let mut reg = self.registry.lock();
-        let cell = reg.histograms.entry(key.clone()).or_default().clone();
-        ::metrics::Histogram::from_arc(cell)
+        self.inner.register_histogram(key, metadata)
     }
 }
 

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use pagedkv::{
     BlockId, BlockState, CacheConfig, CacheStats, CopyPlan, DType, DefragOptions, Error, FragStats,
-    HostStorage, KvCacheManager, KvLayout, ModelShape, MovePlan, SeqId, Slot, Storage, SwapPlan,
+    HostStorage, KvCacheManager, KvLayout, ModelShape, MovePlan, SeqId, Slot, Storage,
 };
 use proptest::prelude::*;
 
@@ -682,13 +682,12 @@ struct Flaky {
     fail_resize: bool,
 }
 
-impl Storage for Flaky {
-    fn layout(&self) -> &KvLayout {
-        self.inner.layout()
-    }
-    fn num_blocks(&self) -> usize {
-        self.inner.num_blocks()
-    }
+// No host tier: per-layer swaps and host-block I/O keep the trait's refusal.
+pagedkv::delegate_storage! {
+    Flaky => inner, except [
+        copy_blocks, num_host_blocks, resize, swap_layer, read_host_block, write_host_block,
+    ];
+
     fn copy_blocks(&mut self, plan: &CopyPlan) -> pagedkv::Result<()> {
         if self.fail_copy {
             // Fail half-way, after writing some destinations.
@@ -701,30 +700,8 @@ impl Storage for Flaky {
         }
         self.inner.copy_blocks(plan)
     }
-    fn write_slots(
-        &mut self,
-        layer: usize,
-        slots: &[Slot],
-        k: &[u8],
-        v: &[u8],
-    ) -> pagedkv::Result<()> {
-        self.inner.write_slots(layer, slots, k, v)
-    }
-    fn read_tokens(
-        &self,
-        layer: usize,
-        table: &[BlockId],
-        num_tokens: usize,
-        k: &mut [u8],
-        v: &mut [u8],
-    ) -> pagedkv::Result<()> {
-        self.inner.read_tokens(layer, table, num_tokens, k, v)
-    }
     fn num_host_blocks(&self) -> usize {
         0
-    }
-    fn swap(&mut self, plan: &SwapPlan) -> pagedkv::Result<()> {
-        self.inner.swap(plan)
     }
     fn resize(&mut self, num_blocks: usize) -> pagedkv::Result<()> {
         if self.fail_resize {

@@ -590,16 +590,12 @@ struct FaultyStorage {
     failing_layer: usize,
 }
 
-impl Storage for FaultyStorage {
-    fn layout(&self) -> &KvLayout {
-        self.inner.layout()
-    }
-    fn num_blocks(&self) -> usize {
-        self.inner.num_blocks()
-    }
-    fn copy_blocks(&mut self, plan: &CopyPlan) -> pagedkv::Result<()> {
-        self.inner.copy_blocks(plan)
-    }
+// No host tier: per-layer swaps and host-block I/O keep the trait's refusal.
+pagedkv::delegate_storage! {
+    FaultyStorage => inner, except [
+        write_slots, num_host_blocks, swap_layer, read_host_block, write_host_block,
+    ];
+
     fn write_slots(
         &mut self,
         layer: usize,
@@ -612,24 +608,8 @@ impl Storage for FaultyStorage {
         }
         self.inner.write_slots(layer, slots, k, v)
     }
-    fn read_tokens(
-        &self,
-        layer: usize,
-        table: &[pagedkv::BlockId],
-        n: usize,
-        k: &mut [u8],
-        v: &mut [u8],
-    ) -> pagedkv::Result<()> {
-        self.inner.read_tokens(layer, table, n, k, v)
-    }
     fn num_host_blocks(&self) -> usize {
         0
-    }
-    fn swap(&mut self, plan: &pagedkv::SwapPlan) -> pagedkv::Result<()> {
-        self.inner.swap(plan)
-    }
-    fn resize(&mut self, num_blocks: usize) -> pagedkv::Result<()> {
-        self.inner.resize(num_blocks)
     }
 }
 

@@ -380,40 +380,14 @@ struct Capped {
     max_blocks: usize,
 }
 
-impl Storage for Capped {
-    fn layout(&self) -> &KvLayout {
-        self.inner.layout()
-    }
-    fn num_blocks(&self) -> usize {
-        self.inner.num_blocks()
-    }
-    fn copy_blocks(&mut self, plan: &CopyPlan) -> pagedkv::Result<()> {
-        self.inner.copy_blocks(plan)
-    }
-    fn write_slots(
-        &mut self,
-        layer: usize,
-        slots: &[Slot],
-        k: &[u8],
-        v: &[u8],
-    ) -> pagedkv::Result<()> {
-        self.inner.write_slots(layer, slots, k, v)
-    }
-    fn read_tokens(
-        &self,
-        layer: usize,
-        table: &[BlockId],
-        n: usize,
-        k: &mut [u8],
-        v: &mut [u8],
-    ) -> pagedkv::Result<()> {
-        self.inner.read_tokens(layer, table, n, k, v)
-    }
+// No host tier: per-layer swaps and host-block I/O keep the trait's refusal.
+pagedkv::delegate_storage! {
+    Capped => inner, except [
+        num_host_blocks, resize, swap_layer, read_host_block, write_host_block,
+    ];
+
     fn num_host_blocks(&self) -> usize {
         0
-    }
-    fn swap(&mut self, plan: &SwapPlan) -> pagedkv::Result<()> {
-        self.inner.swap(plan)
     }
     fn resize(&mut self, num_blocks: usize) -> pagedkv::Result<()> {
         if num_blocks > self.max_blocks {

@@ -462,32 +462,10 @@ struct Gated {
     per_layer: bool,
 }
 
-impl Storage for Gated {
-    fn layout(&self) -> &KvLayout {
-        self.inner.layout()
-    }
-    fn num_blocks(&self) -> usize {
-        self.inner.num_blocks()
-    }
-    fn copy_blocks(&mut self, plan: &CopyPlan) -> pagedkv::Result<()> {
-        self.inner.copy_blocks(plan)
-    }
-    fn write_slots(&mut self, l: usize, s: &[Slot], k: &[u8], v: &[u8]) -> pagedkv::Result<()> {
-        self.inner.write_slots(l, s, k, v)
-    }
-    fn read_tokens(
-        &self,
-        l: usize,
-        t: &[BlockId],
-        n: usize,
-        k: &mut [u8],
-        v: &mut [u8],
-    ) -> pagedkv::Result<()> {
-        self.inner.read_tokens(l, t, n, k, v)
-    }
-    fn num_host_blocks(&self) -> usize {
-        self.inner.num_host_blocks()
-    }
+// Host-block I/O keeps the trait's refusal.
+pagedkv::delegate_storage! {
+    Gated => inner, except [swap, swap_layer, read_host_block, write_host_block];
+
     fn swap(&mut self, plan: &SwapPlan) -> pagedkv::Result<()> {
         let _ = self.gate.recv();
         self.inner.swap(plan)
@@ -498,9 +476,6 @@ impl Storage for Gated {
         }
         let _ = self.gate.recv();
         self.inner.swap_layer(layer, plan)
-    }
-    fn resize(&mut self, n: usize) -> pagedkv::Result<()> {
-        self.inner.resize(n)
     }
 }
 

@@ -18,7 +18,8 @@
 //!   compute, and merged runs keep the call count low; `cuMemcpyBatchAsync` would
 //!   save per-call overhead for plans of many short runs but needs a 12.8+ driver.
 
-use super::{check_token_io, head_bytes, validate_copy_plan, validate_swap_plan, Storage};
+use super::copy::{for_each_token_run, table_places};
+use super::{check_token_io, validate_copy_plan, validate_swap_plan, Storage};
 use crate::error::{Error, Result};
 use crate::executor::cuda::{compile, driver_err, open_device, DeviceInfo, KernelSpec};
 use crate::ids::BlockId;
@@ -1057,19 +1058,16 @@ impl Storage for CudaStorage {
             .map_err(driver_err("cuMemcpyDtoHAsync"))?;
         }
         self.sync_compute()?;
-        let hb = head_bytes(&self.layout);
-        let heads = self.layout.shape().num_kv_heads;
-        let elem = self.layout.dtype().size_bytes();
-        for t in 0..num_tokens {
-            let (i, off) = (t / self.layout.block_size(), t % self.layout.block_size());
-            for h in 0..heads {
-                let dst = (t * heads + h) * hb;
-                for (kv, out) in [(Kv::K, &mut *k), (Kv::V, &mut *v)] {
-                    let src = i * bpl + self.layout.elem_offset(BlockId(0), kv, h, off) * elem;
-                    out[dst..dst + hb].copy_from_slice(&staged[src..src + hb]);
-                }
-            }
-        }
+        // `staged` holds the table's blocks in table order, so it is addressed as a
+        // region whose blocks are numbered 0, 1, 2, ...
+        let places = table_places(&self.layout, (0..).map(BlockId), num_tokens);
+        for_each_token_run(&self.layout, places, |run| {
+            let out = match run.kv {
+                Kv::K => &mut *k,
+                Kv::V => &mut *v,
+            };
+            out[run.buf].copy_from_slice(&staged[run.region]);
+        });
         Ok(())
     }
 

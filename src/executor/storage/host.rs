@@ -1,6 +1,7 @@
 //! [`HostStorage`]: the arena in aligned host memory.
 
-use super::{check_token_io, head_bytes, validate_copy_plan, validate_swap_plan, Storage};
+use super::copy::{for_each_token_run, table_places};
+use super::{check_token_io, validate_copy_plan, validate_swap_plan, Storage};
 use crate::error::{Error, Result};
 use crate::ids::BlockId;
 use crate::layout::plans::{CopyPlan, SwapDirection, SwapPlan};
@@ -239,20 +240,15 @@ impl Storage for HostStorage {
         for &slot in slots {
             self.check_block(self.layout.split_slot(slot).0)?;
         }
-        let hb = head_bytes(&self.layout);
-        let heads = self.layout.shape().num_kv_heads;
-        let elem = self.layout.dtype().size_bytes();
         let region = self.regions[layer].as_mut_slice();
-        for (t, &slot) in slots.iter().enumerate() {
-            let (block, off) = self.layout.split_slot(slot);
-            for h in 0..heads {
-                let src = (t * heads + h) * hb;
-                for (kv, data) in [(Kv::K, k), (Kv::V, v)] {
-                    let dst = self.layout.elem_offset(block, kv, h, off) * elem;
-                    region[dst..dst + hb].copy_from_slice(&data[src..src + hb]);
-                }
-            }
-        }
+        let places = slots.iter().map(|&slot| self.layout.split_slot(slot));
+        for_each_token_run(&self.layout, places, |run| {
+            let data = match run.kv {
+                Kv::K => k,
+                Kv::V => v,
+            };
+            region[run.region].copy_from_slice(&data[run.buf]);
+        });
         Ok(())
     }
 
@@ -348,20 +344,15 @@ impl Storage for HostStorage {
         for &b in &table[..self.layout.blocks_for_tokens(num_tokens)] {
             self.check_block(b)?;
         }
-        let hb = head_bytes(&self.layout);
-        let heads = self.layout.shape().num_kv_heads;
-        let elem = self.layout.dtype().size_bytes();
         let region = self.regions[layer].as_slice();
-        for t in 0..num_tokens {
-            let (block, off) = self.layout.locate(table, t)?;
-            for h in 0..heads {
-                let dst = (t * heads + h) * hb;
-                for (kv, out) in [(Kv::K, &mut *k), (Kv::V, &mut *v)] {
-                    let src = self.layout.elem_offset(block, kv, h, off) * elem;
-                    out[dst..dst + hb].copy_from_slice(&region[src..src + hb]);
-                }
-            }
-        }
+        let places = table_places(&self.layout, table.iter().copied(), num_tokens);
+        for_each_token_run(&self.layout, places, |run| {
+            let out = match run.kv {
+                Kv::K => &mut *k,
+                Kv::V => &mut *v,
+            };
+            out[run.buf].copy_from_slice(&region[run.region]);
+        });
         Ok(())
     }
 }

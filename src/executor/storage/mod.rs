@@ -6,6 +6,7 @@
 //! | [`HostStorage`] | aligned host memory, one region per layer | always |
 //! | `CudaStorage` (feature `cuda`) | one VRAM region per layer + pinned host tier | when a driver and a GPU are found |
 
+mod copy;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod host;
@@ -20,6 +21,11 @@ use crate::layout::plans::{CopyPlan, SwapPlan};
 use crate::layout::{KvLayout, Slot};
 
 /// Executes plans on real memory laid out by a [`KvLayout`].
+///
+/// Wrappers that change one or two methods and forward the rest are written with
+/// [`delegate_storage!`](crate::delegate_storage).
+// A new method must be added to `delegate_storage!` too: a new default method missing
+// there would silently keep its default in every wrapper instead of forwarding.
 pub trait Storage {
     /// The layout of the arena.
     fn layout(&self) -> &KvLayout;
@@ -106,6 +112,232 @@ pub trait Storage {
     /// # Errors
     /// [`Error::InvalidConfig`] when the size is impossible; nothing changed.
     fn resize(&mut self, num_blocks: usize) -> Result<()>;
+}
+
+/// Implements [`Storage`] for a type by forwarding every method to one of its fields,
+/// except the methods listed after `except`, which the invocation writes itself.
+///
+/// Wrappers that inject a fault, gate a transfer or mirror plans onto a second storage
+/// override one or two methods; this writes the rest. Every method of the trait is
+/// forwarded, the default ones included ([`Storage::swap_layer`],
+/// [`Storage::read_host_block`], [`Storage::write_host_block`]). A default method that
+/// is listed but not written keeps the trait's default (`Err(Error::Unsupported)`)
+/// instead of forwarding: a wrapper that runs every swap on two storages lists
+/// `swap_layer` so that callers fall back to its [`Storage::swap`]. A listed name that
+/// is not a method of [`Storage`] does not compile.
+///
+/// The field's type must implement [`Storage`] itself (methods are called as
+/// `Storage::method(&self.field, ..)`, without auto-deref). Generic wrappers put their
+/// parameters in brackets after `impl`: `impl [S: Storage] Logged<S> => inner;`.
+///
+/// ```
+/// use pagedkv::{delegate_storage, DType, Error, HostStorage, KvLayout, ModelShape, Storage};
+///
+/// /// A storage that refuses to grow past `max_blocks`, as a GPU short of memory would.
+/// struct Capped {
+///     inner: HostStorage,
+///     max_blocks: usize,
+/// }
+///
+/// delegate_storage! {
+///     Capped => inner, except [resize, swap_layer];
+///
+///     fn resize(&mut self, num_blocks: usize) -> pagedkv::Result<()> {
+///         if num_blocks > self.max_blocks {
+///             return Err(Error::OutOfBlocks { needed: num_blocks, free: self.max_blocks });
+///         }
+///         self.inner.resize(num_blocks)
+///     }
+///     // `swap_layer` is listed and not written: the trait's default refuses it.
+/// }
+///
+/// /// Counts the copy plans it runs; generic over the inner storage.
+/// struct Counting<S> {
+///     inner: S,
+///     copies: usize,
+/// }
+///
+/// delegate_storage! {
+///     impl [S: Storage] Counting<S> => inner, except [copy_blocks];
+///
+///     fn copy_blocks(&mut self, plan: &pagedkv::CopyPlan) -> pagedkv::Result<()> {
+///         self.copies += 1;
+///         self.inner.copy_blocks(plan)
+///     }
+/// }
+///
+/// let shape = ModelShape { num_layers: 2, num_q_heads: 4, num_kv_heads: 2, head_dim: 8,
+///                          kv_dtype: DType::F16 };
+/// let layout = KvLayout::new(shape, 16)?;
+/// let capped = Capped { inner: HostStorage::with_host_tier(layout, 8, 4)?, max_blocks: 10 };
+/// let mut s = Counting { inner: capped, copies: 0 };
+/// assert_eq!((s.num_blocks(), s.num_host_blocks()), (8, 4)); // forwarded
+/// s.resize(10)?;
+/// assert!(matches!(s.resize(11), Err(Error::OutOfBlocks { needed: 11, free: 10 })));
+/// let plan = pagedkv::SwapPlan::new(pagedkv::SwapDirection::Out);
+/// assert!(matches!(s.swap_layer(0, &plan), Err(Error::Unsupported(_))));
+/// s.copy_blocks(&pagedkv::CopyPlan::new())?;
+/// assert_eq!(s.copies, 1);
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+///
+/// A misspelt name is an error, not a silently forwarded method:
+///
+/// ```compile_fail
+/// struct Typo {
+///     inner: pagedkv::HostStorage,
+/// }
+/// pagedkv::delegate_storage! { Typo => inner, except [resise]; }
+/// ```
+#[macro_export]
+macro_rules! delegate_storage {
+    // ---- internal rules: check the listed names ----
+    (@check) => {};
+    (@check layout $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check num_blocks $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check copy_blocks $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check write_slots $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check read_tokens $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check num_host_blocks $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check swap $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check swap_layer $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check read_host_block $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check write_host_block $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check resize $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check $other:ident $($rest:ident)*) => {
+        ::core::compile_error!(::core::concat!(
+            "delegate_storage!: `", ::core::stringify!($other), "` is not a method of `Storage`"
+        ));
+    };
+
+    // ---- internal rules: one forwarding method per name not listed ----
+    (@each $f:tt [$($skip:ident)*]) => {};
+    (@each $f:tt [$($skip:ident)*] $m:ident $($rest:ident)*) => {
+        $crate::delegate_storage!(@one $f $m [$($skip)*]);
+        $crate::delegate_storage!(@each $f [$($skip)*] $($rest)*);
+    };
+    // A name matches itself only literally, hence one rule per method.
+    (@one $f:tt layout [layout $($r:ident)*]) => {};
+    (@one $f:tt num_blocks [num_blocks $($r:ident)*]) => {};
+    (@one $f:tt copy_blocks [copy_blocks $($r:ident)*]) => {};
+    (@one $f:tt write_slots [write_slots $($r:ident)*]) => {};
+    (@one $f:tt read_tokens [read_tokens $($r:ident)*]) => {};
+    (@one $f:tt num_host_blocks [num_host_blocks $($r:ident)*]) => {};
+    (@one $f:tt swap [swap $($r:ident)*]) => {};
+    (@one $f:tt swap_layer [swap_layer $($r:ident)*]) => {};
+    (@one $f:tt read_host_block [read_host_block $($r:ident)*]) => {};
+    (@one $f:tt write_host_block [write_host_block $($r:ident)*]) => {};
+    (@one $f:tt resize [resize $($r:ident)*]) => {};
+    (@one $f:tt $m:ident [$x:ident $($r:ident)*]) => {
+        $crate::delegate_storage!(@one $f $m [$($r)*]);
+    };
+    (@one $f:tt $m:ident []) => { $crate::delegate_storage!(@fwd $f $m); };
+
+    (@fwd $f:tt layout) => {
+        #[inline]
+        fn layout(&self) -> &$crate::layout::KvLayout {
+            $crate::executor::storage::Storage::layout(&self.$f)
+        }
+    };
+    (@fwd $f:tt num_blocks) => {
+        #[inline]
+        fn num_blocks(&self) -> usize {
+            $crate::executor::storage::Storage::num_blocks(&self.$f)
+        }
+    };
+    (@fwd $f:tt copy_blocks) => {
+        fn copy_blocks(
+            &mut self,
+            plan: &$crate::layout::plans::CopyPlan,
+        ) -> $crate::error::Result<()> {
+            $crate::executor::storage::Storage::copy_blocks(&mut self.$f, plan)
+        }
+    };
+    (@fwd $f:tt write_slots) => {
+        fn write_slots(
+            &mut self,
+            layer: usize,
+            slots: &[$crate::layout::Slot],
+            k: &[u8],
+            v: &[u8],
+        ) -> $crate::error::Result<()> {
+            $crate::executor::storage::Storage::write_slots(&mut self.$f, layer, slots, k, v)
+        }
+    };
+    (@fwd $f:tt read_tokens) => {
+        fn read_tokens(
+            &self,
+            layer: usize,
+            table: &[$crate::ids::BlockId],
+            num_tokens: usize,
+            k: &mut [u8],
+            v: &mut [u8],
+        ) -> $crate::error::Result<()> {
+            $crate::executor::storage::Storage::read_tokens(&self.$f, layer, table, num_tokens, k, v)
+        }
+    };
+    (@fwd $f:tt num_host_blocks) => {
+        #[inline]
+        fn num_host_blocks(&self) -> usize {
+            $crate::executor::storage::Storage::num_host_blocks(&self.$f)
+        }
+    };
+    (@fwd $f:tt swap) => {
+        fn swap(&mut self, plan: &$crate::layout::plans::SwapPlan) -> $crate::error::Result<()> {
+            $crate::executor::storage::Storage::swap(&mut self.$f, plan)
+        }
+    };
+    (@fwd $f:tt swap_layer) => {
+        fn swap_layer(
+            &mut self,
+            layer: usize,
+            plan: &$crate::layout::plans::SwapPlan,
+        ) -> $crate::error::Result<()> {
+            $crate::executor::storage::Storage::swap_layer(&mut self.$f, layer, plan)
+        }
+    };
+    (@fwd $f:tt read_host_block) => {
+        fn read_host_block(
+            &self,
+            block: $crate::ids::BlockId,
+            out: &mut [u8],
+        ) -> $crate::error::Result<()> {
+            $crate::executor::storage::Storage::read_host_block(&self.$f, block, out)
+        }
+    };
+    (@fwd $f:tt write_host_block) => {
+        fn write_host_block(
+            &mut self,
+            block: $crate::ids::BlockId,
+            data: &[u8],
+        ) -> $crate::error::Result<()> {
+            $crate::executor::storage::Storage::write_host_block(&mut self.$f, block, data)
+        }
+    };
+    (@fwd $f:tt resize) => {
+        fn resize(&mut self, num_blocks: usize) -> $crate::error::Result<()> {
+            $crate::executor::storage::Storage::resize(&mut self.$f, num_blocks)
+        }
+    };
+
+    // ---- the entry points ----
+    (
+        impl [$($gen:tt)*] $ty:ty => $field:tt $(, except [$($skip:ident),* $(,)?])?;
+        $($body:tt)*
+    ) => {
+        $crate::delegate_storage!(@check $($($skip)*)?);
+        impl<$($gen)*> $crate::executor::storage::Storage for $ty {
+            $($body)*
+            $crate::delegate_storage!(
+                @each $field [$($($skip)*)?]
+                layout num_blocks copy_blocks write_slots read_tokens num_host_blocks
+                swap swap_layer read_host_block write_host_block resize
+            );
+        }
+    };
+    ($ty:ty => $($rest:tt)*) => {
+        $crate::delegate_storage!(impl [] $ty => $($rest)*);
+    };
 }
 
 /// The storage [`auto`] picked.
