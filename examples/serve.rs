@@ -808,23 +808,18 @@ impl<'a> Sim<'a> {
         let Backend::Paged { kv, .. } = &mut self.backend else {
             return Ok(());
         };
-        let bs = kv.block_size();
+        // The step's whole need (one token per running sequence), as the manager
+        // counts it: new blocks plus copies of shared blocks written into.
         let mut needed = 0;
         for r in &self.running {
-            let n = kv.num_tokens(r.seq)?;
-            let table = kv.block_table(r.seq)?;
-            let shared_tail = n % bs != 0
-                && table
-                    .last()
-                    .is_some_and(|&b| kv.pool().refcount(b).unwrap_or(0) > 1);
-            needed += usize::from(n % bs == 0 || shared_tail);
+            needed += kv.blocks_needed(r.seq, 1, 0)?;
         }
-        let available = kv.num_available_blocks();
-        if needed <= available {
+        if needed <= kv.num_available_blocks() {
             return Ok(());
         }
         let t = Instant::now();
-        let preempted = match kv.preempt_for(needed - available, &policy) {
+        // `preempt_for` takes the whole need and counts what is available itself.
+        let preempted = match kv.preempt_for(needed, &policy) {
             Ok(p) => p,
             // Not enough to preempt: the in-step fallback (recompute) handles it.
             Err(pagedkv::Error::OutOfBlocks { .. }) => return Ok(()),

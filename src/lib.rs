@@ -45,7 +45,7 @@ pub use manager::preempt::{
     CostModel, PreemptAction, PreemptEvent, PreemptMode, PreemptPolicy, PreemptReason, Preemption,
 };
 pub use manager::{
-    CacheConfig, CacheStats, DefragOptions, FragStats, KvCacheManager, PendingDefrag,
+    CacheBuilder, CacheConfig, CacheStats, DefragOptions, FragStats, KvCacheManager, PendingDefrag,
     PendingResize, PendingTierMove, SharedKvCacheManager,
 };
 pub use manager::{PrefixHit, SwapJob, TierBlock, TierConfig, TierStats};

@@ -3,6 +3,7 @@
 //! The manager is pure bookkeeping: it never touches KV memory. Whenever data must
 //! move (copy-on-write), it returns a plan that a [`crate::executor::storage::Storage`] executes.
 
+mod builder;
 mod defrag;
 pub mod preempt;
 mod prefix;
@@ -11,6 +12,7 @@ mod swap;
 
 pub use defrag::{DefragCounters, DefragOptions, FragStats, PendingDefrag, PendingResize};
 pub use preempt::CostModel;
+pub use builder::CacheBuilder;
 pub use prefix::PrefixHit;
 pub use shared::SharedKvCacheManager;
 pub use swap::{PendingTierMove, SwapJob, TierBlock, TierConfig, TierStats};
@@ -633,10 +635,10 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// [`Error::UnknownSequence`] for the parent, [`Error::DuplicateSequence`] for the
-    /// child, [`Error::SequenceState`] when the parent is swapped out or has a swap in
-    /// flight. Nothing changed on error.
+    /// child, [`Error::SequenceState`] when the parent is swapped out, has a swap in
+    /// flight or holds an uncommitted reservation. Nothing changed on error.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
-        let p = self.resident(parent)?;
+        let p = self.idle(parent)?;
         if self.contains(child) {
             return Err(Error::DuplicateSequence(child));
         }

@@ -170,7 +170,7 @@ pub struct Preemption {
     pub blocks_freed: usize,
     /// Distinct blocks of the group, i.e. the blocks a swap moves.
     pub blocks: usize,
-    /// Tokens a recompute would prefill again.
+    /// Tokens a recompute would prefill again (the group's computed tokens).
     pub tokens: usize,
     /// The cost model's estimate for swapping, in seconds.
     pub swap_seconds: f64,
@@ -220,8 +220,9 @@ impl KvCacheManager {
         }
         let mut out = Vec::with_capacity(groups.len());
         for ((admission, _), mut seqs) in groups {
-            // A group with a member in flight is busy as a whole.
-            if seqs.iter().any(|id| self.resident(*id).is_err()) {
+            // A group with a member in flight, or in this step's batch (an uncommitted
+            // reservation the batch may be writing into), is busy as a whole.
+            if seqs.iter().any(|id| self.idle(*id).is_err()) {
                 continue;
             }
             seqs.sort_unstable();
@@ -230,7 +231,7 @@ impl KvCacheManager {
             let mut priority = i32::MAX;
             for id in &seqs {
                 let s = self.resident(*id)?;
-                tokens += s.num_tokens;
+                tokens += s.computed;
                 priority = priority.min(s.priority);
                 for &b in &s.table {
                     *refs.entry(b).or_default() += 1;
@@ -260,10 +261,19 @@ impl KvCacheManager {
         Ok(out)
     }
 
-    /// Frees device blocks for an allocation of `needed_blocks` by preempting fork
-    /// groups (see the [module docs](crate::manager::preempt) for the order and the decision).
-    /// Counts blocks already free or evictable and those in-flight swap-outs will
-    /// free; returns nothing when they suffice.
+    /// Makes `needed_blocks` blocks available by preempting fork groups (see the
+    /// [module docs](crate::manager::preempt) for the order and the decision).
+    ///
+    /// `needed_blocks` is the whole need of the allocation that failed, as
+    /// [`Error::OutOfBlocks`]`::needed` or [`KvCacheManager::blocks_needed`] report it
+    /// (not the shortfall): blocks already free or evictable and those in-flight
+    /// swap-outs will free are counted first, and nothing is preempted when they
+    /// suffice.
+    ///
+    /// Sequences in this step's batch (an uncommitted [`KvCacheManager::reserve`]) are
+    /// never picked, nor are their fork groups: the batch may be writing into their
+    /// blocks. An engine on the one-call path ([`KvCacheManager::append`], which
+    /// commits at once) decides preemption before it hands out the step's slots.
     ///
     /// Recomputed groups are freed at once. Swapped groups free their blocks when the
     /// engine has run each returned [`PreemptAction::Swap`] plan and called
@@ -334,7 +344,7 @@ impl KvCacheManager {
             } else {
                 let mut tokens = Vec::with_capacity(c.seqs.len());
                 for &id in &c.seqs {
-                    tokens.push((id, self.num_tokens(id)?));
+                    tokens.push((id, self.num_computed_tokens(id)?));
                     self.free(id)?;
                 }
                 PreemptAction::Recompute { tokens }

@@ -370,7 +370,8 @@ fn drop_refs(pool: &mut BlockPool, block: BlockId, refs: u32) -> Result<()> {
 }
 
 impl KvCacheManager {
-    /// A manager with a host tier (and optionally disk-tier bookkeeping) to swap to.
+    /// A manager with a host tier (and optionally disk-tier bookkeeping) to swap to
+    /// (shorthand for [`KvCacheManager::builder`] with [`super::CacheBuilder::tiers`]).
     ///
     /// # Errors
     /// As [`KvCacheManager::new`]; [`Error::InvalidConfig`] when a tier does not fit
@@ -380,9 +381,7 @@ impl KvCacheManager {
         config: super::CacheConfig,
         tiers: TierConfig,
     ) -> Result<Self> {
-        let mut m = Self::new(layout, config)?;
-        m.tiers = Tiers::new(tiers)?;
-        Ok(m)
+        Self::builder(layout).config(config).tiers(tiers).build()
     }
 
     /// The error for a sequence with no device table: swapped, or unknown.
@@ -408,6 +407,20 @@ impl KvCacheManager {
                 "resident with no swap in flight",
             )),
         }
+    }
+
+    /// [`Self::resident`] and not in this step's batch: no uncommitted reservation
+    /// (the batch may be writing into its blocks).
+    pub(crate) fn idle(&self, seq: SeqId) -> Result<&Sequence> {
+        let s = self.resident(seq)?;
+        if s.scheduled > 0 {
+            return Err(state_error(
+                seq,
+                "holding an uncommitted reservation (in this step's batch)",
+                "committed",
+            ));
+        }
+        Ok(s)
     }
 
     fn swapped(&self, seq: SeqId) -> Result<&SwappedSeq> {
@@ -495,7 +508,7 @@ impl KvCacheManager {
         check_group(seqs)?;
         let mut tables = Vec::with_capacity(seqs.len());
         for &id in seqs {
-            tables.push(&self.resident(id)?.table);
+            tables.push(&self.idle(id)?.table);
         }
         let (distinct, index) = distinct_with_counts(tables.iter().flat_map(|t| t.iter().copied()));
         let free = self.tiers.host.num_free();

@@ -1,0 +1,175 @@
+//! [`CacheBuilder`]: one place that composes every option of a [`KvCacheManager`].
+
+use super::swap::Tiers;
+use super::{CacheConfig, KvCacheManager, TierConfig};
+use crate::error::Result;
+use crate::layout::KvLayout;
+use crate::pool::prefix::index::PrefixIndex;
+use crate::pool::prefix::{EvictionPolicy, PrefixConfig, PrefixEvent, PrefixHasher};
+
+/// Builds a [`KvCacheManager`] from a layout and any mix of options: arena size,
+/// watermark, limits, host/disk tiers, prefix-cache hasher, eviction policy and events.
+/// Every option has the default [`KvCacheManager::new`] uses.
+///
+/// ```
+/// use pagedkv::pool::prefix::LruPolicy;
+/// use pagedkv::{DType, KvCacheManager, KvLayout, ModelShape, TierConfig};
+///
+/// let shape = ModelShape { num_layers: 2, num_q_heads: 8, num_kv_heads: 2, head_dim: 64,
+///                          kv_dtype: DType::BF16 };
+/// let (tx, rx) = crossbeam_channel::bounded(1024);
+/// let kv = KvCacheManager::builder(KvLayout::new(shape, 16)?)
+///     .num_blocks(1024)
+///     .watermark_blocks(16)
+///     .tiers(TierConfig { num_host_blocks: 4096, num_disk_slots: 0 })
+///     .eviction_policy(Box::new(LruPolicy))
+///     .record_events(true)
+///     .event_channel(tx)
+///     .build()?;
+/// assert_eq!(kv.tier_stats().host_blocks, 4096);
+/// # drop(rx);
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+#[derive(Debug)]
+#[must_use = "a builder does nothing until `build`"]
+pub struct CacheBuilder {
+    layout: KvLayout,
+    config: CacheConfig,
+    watermark_set: bool,
+    tiers: TierConfig,
+    prefix: Option<PrefixConfig>,
+    hasher: Option<Box<dyn PrefixHasher>>,
+    policy: Option<Box<dyn EvictionPolicy>>,
+    record_events: Option<bool>,
+    event_channel: Option<crossbeam_channel::Sender<PrefixEvent>>,
+    max_pinned_blocks: Option<usize>,
+}
+
+impl KvCacheManager {
+    /// A [`CacheBuilder`] for an arena of `layout` (64 blocks until
+    /// [`CacheBuilder::num_blocks`] says otherwise).
+    pub fn builder(layout: KvLayout) -> CacheBuilder {
+        CacheBuilder {
+            layout,
+            config: CacheConfig::new(64),
+            watermark_set: false,
+            tiers: TierConfig::default(),
+            prefix: None,
+            hasher: None,
+            policy: None,
+            record_events: None,
+            event_channel: None,
+            max_pinned_blocks: None,
+        }
+    }
+}
+
+impl CacheBuilder {
+    /// Blocks in the device arena.
+    pub fn num_blocks(mut self, num_blocks: usize) -> Self {
+        self.config.num_blocks = num_blocks;
+        if !self.watermark_set {
+            self.config.watermark_blocks = CacheConfig::new(num_blocks).watermark_blocks;
+        }
+        self
+    }
+
+    /// Every field of [`CacheConfig`] at once.
+    pub fn config(mut self, config: CacheConfig) -> Self {
+        self.config = config;
+        self.watermark_set = true;
+        self
+    }
+
+    /// [`CacheConfig::watermark_blocks`] (default: 1 % of the arena).
+    pub fn watermark_blocks(mut self, blocks: usize) -> Self {
+        self.config.watermark_blocks = blocks;
+        self.watermark_set = true;
+        self
+    }
+
+    /// [`CacheConfig::max_seq_len_tokens`].
+    pub fn max_seq_len_tokens(mut self, tokens: usize) -> Self {
+        self.config.max_seq_len_tokens = tokens;
+        self
+    }
+
+    /// [`CacheConfig::max_num_blocks`].
+    pub fn max_num_blocks(mut self, blocks: usize) -> Self {
+        self.config.max_num_blocks = blocks;
+        self
+    }
+
+    /// Host and disk tiers to swap to (default: none).
+    pub fn tiers(mut self, tiers: TierConfig) -> Self {
+        self.tiers = tiers;
+        self
+    }
+
+    /// A whole [`PrefixConfig`]; the finer options below override its fields.
+    pub fn prefix(mut self, prefix: PrefixConfig) -> Self {
+        self.prefix = Some(prefix);
+        self
+    }
+
+    /// [`PrefixConfig::hasher`].
+    pub fn hasher(mut self, hasher: Box<dyn PrefixHasher>) -> Self {
+        self.hasher = Some(hasher);
+        self
+    }
+
+    /// [`PrefixConfig::policy`].
+    pub fn eviction_policy(mut self, policy: Box<dyn EvictionPolicy>) -> Self {
+        self.policy = Some(policy);
+        self
+    }
+
+    /// [`PrefixConfig::record_events`].
+    pub fn record_events(mut self, record: bool) -> Self {
+        self.record_events = Some(record);
+        self
+    }
+
+    /// [`PrefixConfig::event_channel`].
+    pub fn event_channel(mut self, sender: crossbeam_channel::Sender<PrefixEvent>) -> Self {
+        self.event_channel = Some(sender);
+        self
+    }
+
+    /// [`PrefixConfig::max_pinned_blocks`].
+    pub fn max_pinned_blocks(mut self, blocks: usize) -> Self {
+        self.max_pinned_blocks = Some(blocks);
+        self
+    }
+
+    /// The manager.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidConfig`] for an empty arena, a watermark not below it, a
+    /// `max_num_blocks` below it, pins past the arena, or tiers past the `u32` id
+    /// space.
+    pub fn build(self) -> Result<KvCacheManager> {
+        let mut kv = KvCacheManager::new(self.layout, self.config)?;
+        let mut prefix = self
+            .prefix
+            .unwrap_or_else(|| PrefixConfig::for_arena(self.config.num_blocks));
+        if let Some(h) = self.hasher {
+            prefix.hasher = h;
+        }
+        if let Some(p) = self.policy {
+            prefix.policy = p;
+        }
+        if let Some(r) = self.record_events {
+            prefix.record_events = r;
+        }
+        if let Some(tx) = self.event_channel {
+            prefix.event_channel = Some(tx);
+        }
+        if let Some(n) = self.max_pinned_blocks {
+            prefix.max_pinned_blocks = n;
+        }
+        kv.prefix = PrefixIndex::new(self.config.num_blocks, self.layout.block_size(), prefix)?;
+        kv.tiers = Tiers::new(self.tiers)?;
+        Ok(kv)
+    }
+}
