@@ -13,6 +13,7 @@ pub mod convert;
 pub mod cuda;
 pub mod error;
 pub mod export;
+pub mod gguf;
 pub mod layout;
 pub mod manager;
 pub mod metrics;
