@@ -9,8 +9,8 @@
 //! mid-generation. Quantised caches (f16, bf16, fp8) are checked teacher-forced: top-1
 //! agreement with the golden tokens and a logit tolerance that follows from the dtype.
 //!
-//! Runs in release (`cargo test --release --test real_model`, as `.ci/run` does): a
-//! debug build is about 20 times slower, so in debug the tests skip unless
+//! Runs in release (`cargo test --release --test real_model`, as `.ci/run` does): an
+//! unoptimised build is too slow for 135M weights, so in debug the tests skip unless
 //! `PAGEDKV_REAL_MODEL_DEBUG=1`. Without the GGUF they skip with a message; with
 //! `PAGEDKV_REQUIRE_MODEL=1` (set by `.ci/run`) a missing GGUF fails them. The GGUF is
 //! found through `PAGEDKV_SMOLLM2_GGUF` or the pip-installed package.
