@@ -6,9 +6,11 @@
 //! engine's business (the `generate` example does it for Q4_0, Q4_1, Q8_0, F16 and F32).
 //!
 //! The parser is fallible and bounded: every length and count is checked against the
-//! bytes that remain before anything is allocated, nesting is limited, and tensor ranges
+//! bytes that remain before anything is allocated, the number of metadata values and the
+//! nesting are limited ([`MAX_METADATA_VALUES`], [`MAX_ARRAY_DEPTH`]), and tensor ranges
 //! are checked against the file. Hostile bytes give [`Error::ModelConfig`], never a panic
-//! or an outsized allocation (`tests/gguf.rs` feeds it truncations and random bytes).
+//! or an outsized allocation (`tests/gguf.rs` feeds it truncations, flipped bytes, huge
+//! counts and deep nesting).
 //!
 //! ```no_run
 //! use pagedkv::gguf::GgufFile;
@@ -32,6 +34,11 @@ pub const MAX_METADATA_ENTRIES: u64 = 1 << 20;
 pub const MAX_TENSORS: u64 = 1 << 20;
 /// Nesting of metadata arrays the parser accepts (an array of arrays is depth 2).
 pub const MAX_ARRAY_DEPTH: usize = 4;
+/// Metadata values (array elements included) the parser accepts in one file, at most:
+/// bounds the memory a hostile file can make it take to about 32 bytes per value plus the
+/// file's own string bytes (vocabularies of 256k tokens with merges, scores and types
+/// take about a million).
+pub const MAX_METADATA_VALUES: usize = 1 << 22;
 /// Dimensions of one tensor, at most (ggml's `GGML_MAX_DIMS`).
 pub const MAX_TENSOR_DIMS: usize = 4;
 /// Default alignment of the tensor data section (`general.alignment` overrides it).
@@ -253,6 +260,8 @@ fn bad(msg: impl std::fmt::Display) -> Error {
 struct Reader<'a> {
     bytes: &'a [u8],
     pos: usize,
+    /// Metadata values still allowed ([`MAX_METADATA_VALUES`]).
+    values_left: usize,
 }
 
 impl<'a> Reader<'a> {
@@ -288,7 +297,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A count of items of at least `min_item_bytes` each: rejected when the rest of the
-    /// file cannot hold that many, so no allocation exceeds the input's size.
+    /// file cannot hold that many.
     fn count(&mut self, what: &str, min_item_bytes: usize, limit: u64) -> Result<usize> {
         let n = self.u64(what)?;
         if n > limit {
@@ -310,6 +319,10 @@ impl<'a> Reader<'a> {
     }
 
     fn value(&mut self, ty: u32, depth: usize) -> Result<GgufValue> {
+        self.values_left = self
+            .values_left
+            .checked_sub(1)
+            .ok_or_else(|| bad(format!("more than {MAX_METADATA_VALUES} metadata values")))?;
         Ok(match ty {
             0 => GgufValue::U8(self.array::<1>("u8")?[0]),
             1 => GgufValue::I8(self.array::<1>("i8")?[0] as i8),
@@ -337,6 +350,11 @@ impl<'a> Reader<'a> {
                     t => return Err(bad(format!("unknown array element type {t}"))),
                 };
                 let n = self.count("array length", min, u64::MAX)?;
+                if n > self.values_left {
+                    return Err(bad(format!(
+                        "array of {n} values past the limit of {MAX_METADATA_VALUES} metadata values"
+                    )));
+                }
                 let mut items = Vec::with_capacity(n);
                 for _ in 0..n {
                     items.push(self.value(elem, depth + 1)?);
@@ -361,7 +379,11 @@ impl GgufFile {
     /// tensor with no or too many dimensions or an overflowing element count, a
     /// misaligned tensor offset, or an alignment that is not a power of two.
     pub fn parse(bytes: &[u8]) -> Result<Self> {
-        let mut r = Reader { bytes, pos: 0 };
+        let mut r = Reader {
+            bytes,
+            pos: 0,
+            values_left: MAX_METADATA_VALUES,
+        };
         let magic: [u8; 4] = r.array("magic")?;
         if magic != GGUF_MAGIC {
             return Err(bad(format!("magic {magic:02x?} is not GGUF")));

@@ -3,7 +3,7 @@
 //! input), never a panic or an allocation larger than the input.
 
 use pagedkv::attention::model::SplitMix64;
-use pagedkv::gguf::{GgufFile, MAX_ARRAY_DEPTH};
+use pagedkv::gguf::{GgufFile, MAX_ARRAY_DEPTH, MAX_METADATA_VALUES};
 use pagedkv::{DType, Error};
 
 fn put_str(b: &mut Vec<u8>, s: &str) {
@@ -66,7 +66,10 @@ fn the_valid_file_reads() {
     );
     assert_eq!(m.rope_theta, 500_000.0);
     assert!(!m.config.tie_word_embeddings);
-    assert_eq!(f.tensor_data(&bytes, "output.weight").unwrap().0.len(), 1024);
+    assert_eq!(
+        f.tensor_data(&bytes, "output.weight").unwrap().0.len(),
+        1024
+    );
 }
 
 #[test]
@@ -135,6 +138,16 @@ fn huge_counts_and_lengths_are_refused_before_allocating() {
     b.extend(10u32.to_le_bytes());
     b.extend((1u64 << 60).to_le_bytes());
     assert!(is_config_err(GgufFile::parse(&b)));
+    // More array elements than the metadata value limit, each of one byte (the file
+    // holds them all): refused before a 32-byte-per-value allocation.
+    let mut b = header(0, 1);
+    put_str(&mut b, "k");
+    b.extend(9u32.to_le_bytes());
+    b.extend(0u32.to_le_bytes());
+    b.extend(((MAX_METADATA_VALUES + 1) as u64).to_le_bytes());
+    b.extend(vec![0u8; MAX_METADATA_VALUES + 1]);
+    let e = GgufFile::parse(&b).unwrap_err().to_string();
+    assert!(e.contains("metadata values"), "{e}");
     // Arrays nested past the limit.
     let mut b = header(0, 1);
     put_str(&mut b, "k");

@@ -132,7 +132,10 @@ impl Rope {
 /// [`reshape_and_cache`] does: the one call an engine makes per layer before attention.
 ///
 /// Everything is checked before anything changes: on error neither `q`, `k` nor the
-/// cache was touched.
+/// cache was touched. On the CPU this is one call but two passes (rotate the rows in
+/// place, then encode them into the cache); what it fuses is the engine's API: the
+/// positions and slots of a step are given once, and no un-rotated key can reach the
+/// cache.
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] when the lengths disagree with `positions`, the rope's head
