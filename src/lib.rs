@@ -25,6 +25,7 @@ pub mod attention;
 pub mod baseline;
 pub mod chart;
 pub mod export;
+pub mod gguf;
 pub mod metrics;
 pub mod plan;
 

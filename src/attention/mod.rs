@@ -25,6 +25,7 @@
 //! | [`reference`](mod@reference) | `f64` decode and prefill over the stored values, for tests |
 //! | [`cpu`] | rayon decode (split-KV) and chunked prefill, `reshape_and_cache` |
 //! | [`model`] | [`model::TinyModel`], a seeded random attention stack |
+//! | [`rope`] | rotary embeddings (interleaved and NeoX halves) fused with the cache write |
 //! | [`plan_splits`] | the split planner of the GPU kernels (pure, no GPU needed) |
 //! | `cuda` (feature `cuda`) | the paged decode kernel over a `CudaStorage` |
 
@@ -35,10 +36,12 @@ mod kernel_plan;
 mod kernels;
 pub mod model;
 pub mod reference;
+pub mod rope;
 
 pub use kernel_plan::{
     plan_splits, split_plan_with, validate_params, SplitPlan, MAX_SPLITS, MIN_TOKENS_PER_SPLIT,
 };
+pub use rope::{rope_and_cache, Rope, RopeStyle};
 
 use crate::error::{Error, Result};
 use crate::layout::convert::check_scale;

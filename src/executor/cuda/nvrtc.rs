@@ -199,6 +199,10 @@ impl KernelSpec {
                 "reshape_and_cache_bf16_bf16",
                 "reshape_and_cache_bf16_fp8",
                 "reshape_and_cache_fp8_fp8",
+                "rope_and_cache_f32_f32",
+                "rope_and_cache_f32_f16",
+                "rope_and_cache_f32_bf16",
+                "rope_and_cache_f32_fp8",
             ],
         }
     }
