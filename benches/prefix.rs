@@ -1,13 +1,16 @@
 //! Prefix caching: admitting a prompt whose 1,024-token prefix is cached, beside the
 //! same admission cold, a plain (cache-free) admission and the contiguous baseline;
-//! and the cost of a prefix lookup per block beside hashing alone.
+//! the cost of a prefix lookup per block beside hashing alone; and the two block
+//! hashers side by side (`prefix_block_hash`: the standard [`Xxh3Hasher`], the
+//! default, against this crate's [`ChainHasher`]) at 16 tokens per block (one-shot
+//! XXH3 from a stack buffer) and 128 (528 encoded bytes: streaming XXH3).
 //!
 //! `cargo bench --bench prefix -- --warm-up-time 1 --measurement-time 3`
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use pagedkv::pool::prefix::{ChainHasher, PrefixHasher};
+use pagedkv::pool::prefix::{ChainHasher, PrefixHasher, Xxh3Hasher};
 use pagedkv::{
     AdmitOptions, CacheAllocator, CacheConfig, ContiguousCache, DType, KvCacheManager, KvLayout,
     ModelShape, SeqId,
@@ -113,19 +116,41 @@ fn bench_prefix(c: &mut Criterion) {
         g.bench_function("lookup_64_blocks/confirmed_lookup", |b| {
             b.iter(|| black_box(kv.cached_prefix_len(black_box(lookup), &opts).unwrap()))
         });
-        let h = ChainHasher;
+        // The manager's hasher (the default, Xxh3Hasher) alone over the same blocks.
+        let h = Xxh3Hasher;
         g.bench_function("lookup_64_blocks/hash_chain_only", |b| {
-            b.iter(|| {
-                let mut last = h.namespace(b"", b"");
-                for chunk in black_box(lookup).chunks_exact(BLOCK_SIZE) {
-                    last = h.block(last, chunk);
-                }
-                black_box(last)
-            })
+            b.iter(|| black_box(hash_chain(&h, black_box(lookup), BLOCK_SIZE)))
         });
     }
     g.finish();
 }
 
-criterion_group!(benches, bench_prefix);
+/// The chained hash of every whole block of `tokens`, as a lookup computes it.
+fn hash_chain(h: &dyn PrefixHasher, tokens: &[u32], block_size: usize) -> u64 {
+    let mut last = h.namespace(b"", b"");
+    for chunk in tokens.chunks_exact(block_size) {
+        last = h.block(last, chunk, b"");
+    }
+    last.0
+}
+
+/// Xxh3Hasher (standard, recomputable by a router) beside ChainHasher (this crate's
+/// own mix) over the same 1,024 tokens, per block.
+fn bench_block_hash(c: &mut Criterion) {
+    let mut g = c.benchmark_group("prefix_block_hash");
+    let tokens: Vec<u32> = (0..PREFIX_TOKENS as u32).map(|t| t * 7 + 3).collect();
+    for block_size in [BLOCK_SIZE, 128] {
+        g.throughput(Throughput::Elements((PREFIX_TOKENS / block_size) as u64));
+        let hashers: [(&str, &dyn PrefixHasher); 2] =
+            [("xxh3", &Xxh3Hasher), ("chain_baseline", &ChainHasher)];
+        for (name, h) in hashers {
+            g.bench_function(format!("block_{block_size}_tokens/{name}"), |b| {
+                b.iter(|| black_box(hash_chain(h, black_box(&tokens), block_size)))
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_prefix, bench_block_hash);
 criterion_main!(benches);

@@ -92,6 +92,17 @@ pub enum Error {
         /// The sequence's length (allocated slots).
         len: usize,
     },
+    /// Token ids were given for positions after a gap of positions whose ids are not
+    /// known.
+    #[error("{seq}: token ids from position {first}, but ids are known only up to {known}")]
+    TokenIdsGap {
+        /// The sequence.
+        seq: SeqId,
+        /// The first position of the ids given.
+        first: usize,
+        /// Ids are known for positions below this.
+        known: usize,
+    },
     /// A commit named more tokens than the sequence's reservation holds.
     #[error("{seq}: commit of {committed} tokens, but only {reserved} are reserved")]
     CommitPastReservation {

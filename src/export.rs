@@ -550,13 +550,15 @@ pub fn export_blocks<S: Storage + ?Sized>(
     Ok(total)
 }
 
-/// Exports every token of sequence `seq` of `manager`, whose K/V live in `storage`, into
-/// `out`; returns the bytes written. `token_ids`, when given, travel with the K/V (for
-/// the receiver's prefix cache, or to check the prompt).
+/// Exports every computed token of sequence `seq` of `manager`, whose K/V live in
+/// `storage`, into `out`; returns the bytes written. `token_ids`, when given, travel with
+/// the K/V (for the receiver's prefix cache, or to check the prompt).
 ///
 /// # Errors
-/// [`Error::UnknownSequence`]; [`Error::InvalidConfig`] when `storage` does not have the
-/// manager's layout; as [`export_blocks`].
+/// [`Error::UnknownSequence`]; [`Error::SequenceState`] when the sequence's bytes are not
+/// readable ([`KvCacheManager::readable_blocks`]: swapped out, or a swap in flight);
+/// [`Error::InvalidConfig`] when `storage` does not have the manager's layout; as
+/// [`export_blocks`].
 pub fn export_sequence<S: Storage + ?Sized>(
     manager: &KvCacheManager,
     storage: &S,
@@ -565,8 +567,8 @@ pub fn export_sequence<S: Storage + ?Sized>(
     out: &mut [u8],
 ) -> Result<usize> {
     check_storage(manager, storage)?;
-    let table = manager.block_table(seq)?;
-    export_blocks(storage, table, manager.num_tokens(seq)?, token_ids, out)
+    let (table, computed) = manager.readable_blocks(seq)?;
+    export_blocks(storage, table, computed, token_ids, out)
 }
 
 fn check_storage<S: Storage + ?Sized>(manager: &KvCacheManager, storage: &S) -> Result<()> {

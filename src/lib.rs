@@ -51,7 +51,8 @@ pub use manager::{
 };
 pub use manager::{PrefixHit, SwapJob, TierBlock, TierConfig, TierStats};
 pub use pool::prefix::{
-    Admission, AdmitOptions, BlockHash, PinnedPrefix, PrefixConfig, PrefixEvent, PrefixStats,
+    Admission, AdmitOptions, BlockHash, Medium, PinnedPrefix, PrefixConfig, PrefixEvent,
+    PrefixReset, PrefixStats, Xxh3Hasher,
 };
 pub use pool::{BlockPool, BlockState};
 pub use tables::{CsrTables, PaddedTables};

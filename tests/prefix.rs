@@ -1,11 +1,13 @@
-//! Prefix caching: hits, namespaces, collisions, eviction order, pins, priorities,
-//! events, bad input, and a model-based property test that checks every sequence's
-//! K/V bytes against what an unshared run would hold.
+//! Prefix caching: hits, namespaces, per-block keys, collisions, eviction order, pins,
+//! priorities, events, resets, bad input, and a model-based property test that checks
+//! every sequence's K/V bytes against what an unshared run would hold. The hashers'
+//! test vectors are in `tests/prefix_hash.rs`.
 
 use std::collections::BTreeMap;
 
 use pagedkv::pool::prefix::{
-    ChainHasher, CostAwarePolicy, EvictionPolicy, LruPolicy, PrefixHasher,
+    ChainHasher, CostAwarePolicy, EvictionPolicy, LruPolicy, Medium, PrefixHasher, PrefixReset,
+    Xxh3Hasher,
 };
 use pagedkv::{
     AdmitOptions, BlockHash, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCacheManager,
@@ -51,6 +53,7 @@ const NONE: AdmitOptions<'static> = AdmitOptions {
     extra_key: b"",
     cache_salt: b"",
     priority: 0,
+    block_keys: &[],
 };
 
 fn toks(start: u32, n: usize) -> Vec<u32> {
@@ -70,7 +73,7 @@ impl PrefixHasher for CollidingHasher {
     fn namespace(&self, _salt: &[u8], _extra: &[u8]) -> BlockHash {
         BlockHash(0)
     }
-    fn block(&self, _parent: BlockHash, tokens: &[u32]) -> BlockHash {
+    fn block(&self, _parent: BlockHash, tokens: &[u32], _extra: &[u8]) -> BlockHash {
         BlockHash(u64::from(tokens.iter().sum::<u32>() % 3))
     }
     fn clone_box(&self) -> Box<dyn PrefixHasher> {
@@ -87,11 +90,27 @@ fn next_value(prev: u64, token: u32) -> u64 {
     x ^ (x >> 29)
 }
 
+/// A shadow namespace with a keyed span (an image) at token `pos` keyed `key`: bits
+/// 0-7 the namespace, bit 8 set, bits 9-15 the key, bits 16.. the position.
+fn with_span(ns: u8, pos: usize, key: u8) -> u64 {
+    u64::from(ns) | 1 << 8 | u64::from(key & 0x7f) << 9 | (pos as u64) << 16
+}
+
+/// Values of `tokens` in shadow namespace `ns`; from a keyed span's position on, the
+/// span's key changes every value (a multimodal input changes the K/V after it, not
+/// before).
 fn values(ns: u64, tokens: &[u32]) -> Vec<u64> {
-    let mut v = ns.wrapping_mul(0xbf58_476d_1ce4_e5b9) | 1;
+    let span = (ns >> 8 & 1 == 1).then_some(((ns >> 16) as usize, ns >> 9 & 0x7f));
+    let mut v = (ns & 0xff).wrapping_mul(0xbf58_476d_1ce4_e5b9) | 1;
     tokens
         .iter()
-        .map(|&t| {
+        .enumerate()
+        .map(|(i, &t)| {
+            if let Some((pos, key)) = span {
+                if i == pos {
+                    v = next_value(v, 0xdead_0000 | key as u32);
+                }
+            }
             v = next_value(v, t);
             v
         })
@@ -393,6 +412,336 @@ fn colliding_hashes_never_return_another_prompts_kv() {
     // The real owner still hits.
     assert_eq!(e.admit(SeqId(4), 0, &[0, 1, 2, 3, 9], &NONE).unwrap(), 4);
     e.check();
+}
+
+// ---- per-block keys ---------------------------------------------------------------
+
+/// An image span keyed `key` starting at token `pos`.
+fn image(pos: usize, key: &[u8]) -> [(usize, &[u8]); 1] {
+    [(pos, key)]
+}
+
+#[test]
+fn a_text_prefix_before_an_image_is_shared_with_text_only_requests() {
+    let mut e = Engine::new(manager(32));
+    let prompt = toks(0, 13); // 3 full blocks + 1; the image starts in block 1
+    let (a, b, a_later) = (
+        image(6, b"image-a"),
+        image(6, b"image-b"),
+        image(7, b"image-a"),
+    );
+    let with = |spans| AdmitOptions {
+        block_keys: spans,
+        ..NONE
+    };
+    assert_eq!(
+        e.admit(SeqId(1), with_span(0, 6, 0), &prompt, &with(&a))
+            .unwrap(),
+        0
+    );
+    // Text only: the block before the image is shared, nothing from the image on.
+    assert_eq!(e.admit(SeqId(2), 0, &prompt, &NONE).unwrap(), 4);
+    // Another image at the same place: the same.
+    assert_eq!(
+        e.admit(SeqId(3), with_span(0, 6, 1), &prompt, &with(&b))
+            .unwrap(),
+        4
+    );
+    // The same image one token later in the same block: not the same block.
+    let later = with_span(0, 7, 0);
+    assert_eq!(
+        e.admit(SeqId(4), later, &prompt, &with(&a_later)).unwrap(),
+        4
+    );
+    // The same image at the same place: every block (but the last token's).
+    assert_eq!(
+        e.admit(SeqId(5), with_span(0, 6, 0), &prompt, &with(&a))
+            .unwrap(),
+        12
+    );
+    // The text-only chain registered by SeqId(2) still serves text-only requests.
+    assert_eq!(e.admit(SeqId(6), 0, &prompt, &NONE).unwrap(), 12);
+    e.check();
+}
+
+#[test]
+fn block_keys_reach_blocks_registered_later() {
+    let mut kv = manager_with(16, |p| p.max_pinned_blocks = 8);
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+    // Chunked prefill: the keyed block 1 is registered by the second commit.
+    let img = image(5, b"img");
+    let opts = AdmitOptions {
+        block_keys: &img,
+        ..NONE
+    };
+    let prompt = toks(0, 14);
+    let mut hit = pagedkv::PrefixHit::default();
+    kv.lookup_prefix(&prompt, &opts, &mut hit).unwrap();
+    kv.admit_prompt(SeqId(1), &prompt, &hit).unwrap();
+    kv.reserve(SeqId(1), 6, 0, &mut slots, &mut copies).unwrap();
+    assert_eq!(kv.commit(SeqId(1), 6).unwrap(), 1);
+    kv.reserve(SeqId(1), 8, 0, &mut slots, &mut copies).unwrap();
+    assert_eq!(kv.commit(SeqId(1), 8).unwrap(), 2);
+    let longer = toks(0, 15);
+    assert_eq!(kv.cached_prefix_len(&longer, &opts).unwrap(), 12);
+    assert_eq!(kv.cached_prefix_len(&longer, &NONE).unwrap(), 4);
+    let other = image(5, b"imh");
+    let other = AdmitOptions {
+        block_keys: &other,
+        ..NONE
+    };
+    assert_eq!(kv.cached_prefix_len(&longer, &other).unwrap(), 4);
+    // A span past the prompt keys the block that holds it when appends fill it.
+    let late = image(17, b"late");
+    let late = AdmitOptions {
+        block_keys: &late,
+        ..NONE
+    };
+    kv.admit_tokens(SeqId(2), &toks(100, 10), &late, &mut slots)
+        .unwrap();
+    kv.append_tokens(SeqId(2), &toks(110, 10), &mut slots, &mut copies)
+        .unwrap();
+    let all = toks(100, 21);
+    assert_eq!(kv.cached_prefix_len(&all, &late).unwrap(), 20);
+    assert_eq!(kv.cached_prefix_len(&all, &NONE).unwrap(), 16);
+    // Forks carry the keys too.
+    kv.fork(SeqId(2), SeqId(3)).unwrap();
+    kv.append_tokens(SeqId(3), &toks(120, 4), &mut slots, &mut copies)
+        .unwrap();
+    assert_eq!(kv.cached_prefix_len(&toks(100, 25), &late).unwrap(), 24);
+    assert_eq!(kv.cached_prefix_len(&toks(100, 25), &NONE).unwrap(), 16);
+    kv.check_invariants().unwrap();
+    // Pins take the keys into account.
+    assert!(matches!(
+        kv.pin_prefix(&toks(100, 20), &NONE),
+        Err(Error::PrefixNotCached {
+            cached_tokens: 16,
+            ..
+        })
+    ));
+    assert_eq!(kv.pin_prefix(&toks(100, 20), &late).unwrap().tokens, 20);
+    // A block key is bounded like the other keys.
+    let long = [(0usize, &[0u8; 300][..])];
+    assert_eq!(
+        kv.cached_prefix_len(
+            &all,
+            &AdmitOptions {
+                block_keys: &long,
+                ..NONE
+            }
+        ),
+        Err(Error::PrefixKeyTooLong {
+            what: "block key",
+            len: 300,
+            limit: pagedkv::pool::prefix::DEFAULT_MAX_KEY_BYTES,
+        })
+    );
+    kv.check_invariants().unwrap();
+}
+
+/// Xxh3Hasher with the extra keys left out: every keyed block collides with the same
+/// tokens unkeyed or keyed otherwise.
+#[derive(Debug, Clone, Copy)]
+struct KeyBlindHasher;
+
+impl PrefixHasher for KeyBlindHasher {
+    fn namespace(&self, salt: &[u8], extra: &[u8]) -> BlockHash {
+        Xxh3Hasher.namespace(salt, extra)
+    }
+    fn block(&self, parent: BlockHash, tokens: &[u32], _extra: &[u8]) -> BlockHash {
+        Xxh3Hasher.block(parent, tokens, b"")
+    }
+    fn clone_box(&self) -> Box<dyn PrefixHasher> {
+        Box::new(*self)
+    }
+}
+
+#[test]
+fn a_forged_collision_on_a_keyed_block_is_a_miss() {
+    let mut e = Engine::new(manager_with(32, |p| p.hasher = Box::new(KeyBlindHasher)));
+    let prompt = toks(0, 13);
+    let (a, b) = (image(6, b"image-a"), image(6, b"image-b"));
+    let (a, b) = (
+        AdmitOptions {
+            block_keys: &a,
+            ..NONE
+        },
+        AdmitOptions {
+            block_keys: &b,
+            ..NONE
+        },
+    );
+    e.admit(SeqId(1), with_span(0, 6, 0), &prompt, &a).unwrap();
+    // Block 1 hashes equal for every key; the stored key bytes differ: rejected.
+    assert_eq!(
+        e.admit(SeqId(2), with_span(0, 6, 1), &prompt, &b).unwrap(),
+        4
+    );
+    assert_eq!(e.kv.prefix_stats().rejected_collisions, 1);
+    assert_eq!(e.admit(SeqId(3), 0, &prompt, &NONE).unwrap(), 4);
+    assert_eq!(e.kv.prefix_stats().rejected_collisions, 2);
+    // The owner's key still hits the whole chain.
+    assert_eq!(
+        e.admit(SeqId(4), with_span(0, 6, 0), &prompt, &a).unwrap(),
+        12
+    );
+    e.check();
+}
+
+// ---- events and reset -------------------------------------------------------------
+
+#[test]
+fn stored_events_carry_tokens_block_size_keys_and_medium() {
+    // The hashes are the Python reference's (`tests/prefix_hash.rs` has the snippet):
+    // ns = namespace(b"tenant"); m0 = block(ns, [0, 1, 2, 3]);
+    // m1 = block(m0, [4, 5, 6, 7], span_key(1, b"img")).
+    let (m0, m1) = (BlockHash(0x90994d80860b6c66), BlockHash(0x5bbb3a78fef8ec40));
+    let mut kv = manager_with(16, |p| p.record_events = true);
+    let mut slots = Vec::new();
+    let img = image(5, b"img");
+    let opts = AdmitOptions {
+        cache_salt: b"tenant",
+        block_keys: &img,
+        ..NONE
+    };
+    kv.admit_tokens(SeqId(1), &toks(0, 9), &opts, &mut slots)
+        .unwrap();
+    let table = kv.block_table(SeqId(1)).unwrap().to_vec();
+    let mut events = Vec::new();
+    kv.drain_prefix_events(&mut events);
+    let mut key = 1u32.to_le_bytes().to_vec();
+    key.extend_from_slice(&3u32.to_le_bytes());
+    key.extend_from_slice(b"img");
+    assert_eq!(
+        events,
+        vec![
+            PrefixEvent::BlockStored {
+                hash: m0,
+                parent: None,
+                block: table[0],
+                token_ids: vec![0, 1, 2, 3],
+                block_size: BLOCK,
+                extra_keys: Vec::new(),
+                medium: Medium::Device,
+            },
+            PrefixEvent::BlockStored {
+                hash: m1,
+                parent: Some(m0),
+                block: table[1],
+                token_ids: vec![4, 5, 6, 7],
+                block_size: BLOCK,
+                extra_keys: key,
+                medium: Medium::Device,
+            },
+        ]
+    );
+    events.clear();
+    kv.free(SeqId(1)).unwrap();
+    assert_eq!(kv.evict_cached(1), 1);
+    kv.drain_prefix_events(&mut events);
+    assert_eq!(
+        events,
+        vec![PrefixEvent::BlockRemoved {
+            hash: m1,
+            block: table[1],
+            medium: Medium::Device,
+        }]
+    );
+}
+
+#[test]
+fn reset_drops_cached_blocks_keeps_live_and_pinned_ones_and_tells_the_router() {
+    let mut kv = manager_with(16, |p| p.record_events = true);
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+    kv.admit_tokens(SeqId(1), &toks(0, 9), &NONE, &mut slots)
+        .unwrap(); // 2 full blocks, stays live
+    kv.admit_tokens(SeqId(2), &toks(100, 13), &NONE, &mut slots)
+        .unwrap(); // 3 full blocks
+    kv.admit_tokens(SeqId(3), &toks(200, 8), &NONE, &mut slots)
+        .unwrap(); // 2 full blocks, pinned below
+    kv.free(SeqId(2)).unwrap();
+    kv.free(SeqId(3)).unwrap();
+    let pin = kv.pin_prefix(&toks(200, 8), &NONE).unwrap();
+    let live = kv.block_table(SeqId(1)).unwrap().to_vec();
+    let mut events = Vec::new();
+    kv.drain_prefix_events(&mut events);
+    events.clear();
+    let before = kv.stats();
+    assert_eq!(before.cached_blocks, 5);
+
+    let r = kv.reset_prefix_cache().unwrap();
+    assert_eq!(
+        r,
+        PrefixReset {
+            evicted_blocks: 3,
+            kept_live_blocks: 2,
+            kept_pinned_blocks: 2,
+        }
+    );
+    kv.check_invariants().unwrap();
+    let after = kv.stats();
+    assert_eq!(after.cached_blocks, 2);
+    assert_eq!(after.free_blocks, before.free_blocks + 3);
+    assert_eq!(after.used_blocks, before.used_blocks);
+    assert_eq!(kv.block_table(SeqId(1)).unwrap(), &live[..]);
+    assert_eq!(kv.prefix_stats().evictable_blocks, 0);
+    assert_eq!(kv.prefix_stats().registered_blocks, 4);
+    assert_eq!(kv.cached_prefix_len(&toks(100, 13), &NONE).unwrap(), 0);
+    assert_eq!(kv.cached_prefix_len(&toks(0, 9), &NONE).unwrap(), 8);
+    assert_eq!(kv.cached_prefix_len(&toks(200, 9), &NONE).unwrap(), 8);
+
+    // One AllCleared, no BlockRemoved, then the kept blocks, parents first.
+    kv.drain_prefix_events(&mut events);
+    assert_eq!(events[0], PrefixEvent::AllCleared);
+    let mut seen = Vec::new();
+    for e in &events[1..] {
+        let PrefixEvent::BlockStored {
+            hash,
+            parent,
+            block,
+            ..
+        } = e
+        else {
+            panic!("unexpected {e:?}");
+        };
+        if let Some(p) = parent {
+            assert!(seen.contains(p), "{block}: parent after child");
+        }
+        seen.push(*hash);
+    }
+    assert_eq!(seen.len(), 4);
+
+    // The live sequence keeps registering after the reset.
+    assert_eq!(
+        kv.prefix_stats().stored_blocks,
+        7,
+        "re-announcing is not storing"
+    );
+    kv.append_tokens(SeqId(1), &toks(9, 3), &mut slots, &mut copies)
+        .unwrap();
+    assert_eq!(kv.cached_prefix_len(&toks(0, 13), &NONE).unwrap(), 12);
+    kv.unpin_prefix(pin.id).unwrap();
+    let r = kv.reset_prefix_cache().unwrap();
+    assert_eq!(
+        (r.evicted_blocks, r.kept_live_blocks, r.kept_pinned_blocks),
+        (2, 3, 0)
+    );
+    kv.free(SeqId(1)).unwrap();
+    assert_eq!(kv.reset_prefix_cache().unwrap().evicted_blocks, 3);
+    assert_eq!(kv.stats().free_blocks, 16);
+    assert_eq!(kv.prefix_stats().registered_blocks, 0);
+    kv.check_invariants().unwrap();
+    // Nothing cached: a reset is a no-op but still announced.
+    events.clear();
+    kv.drain_prefix_events(&mut events);
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| **e == PrefixEvent::AllCleared)
+            .count(),
+        2
+    );
+    assert_eq!(kv.reset_prefix_cache().unwrap(), PrefixReset::default());
 }
 
 // ---- eviction ---------------------------------------------------------------------
@@ -702,14 +1051,18 @@ const MODEL_BLOCKS: usize = 24;
 
 #[derive(Debug, Clone)]
 enum Action {
-    /// Prompt = a cut of a base prompt, then extra tokens, in namespace `ns`.
+    /// Prompt = a cut of a base prompt, then extra tokens, in namespace `ns`, with a
+    /// keyed span `(position, key)` if any.
     Admit {
         base: usize,
         cut: usize,
         ext: Vec<u32>,
         ns: u8,
         priority: i32,
+        span: Option<(usize, u8)>,
     },
+    /// `reset_prefix_cache`.
+    Reset,
     AdmitPlain(usize),
     Append(usize, Vec<u32>),
     AppendPlain(usize, usize),
@@ -736,9 +1089,23 @@ fn namespace() -> impl Strategy<Value = u8> {
 
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
-        6 => (any::<usize>(), any::<usize>(), small_tokens(7), namespace(), 0i32..3).prop_map(
-            |(base, cut, ext, ns, priority)| Action::Admit { base, cut, ext, ns, priority }
-        ),
+        6 => (
+            any::<usize>(),
+            any::<usize>(),
+            small_tokens(7),
+            namespace(),
+            0i32..3,
+            prop_oneof![3 => Just(None), 2 => (0usize..24, 0u8..2).prop_map(Some)],
+        )
+            .prop_map(|(base, cut, ext, ns, priority, span)| Action::Admit {
+                base,
+                cut,
+                ext,
+                ns,
+                priority,
+                span,
+            }),
+        1 => Just(Action::Reset),
         1 => (0usize..12).prop_map(Action::AdmitPlain),
         4 => (any::<usize>(), proptest::collection::vec(0u32..3, 1..6))
             .prop_map(|(i, t)| Action::Append(i, t)),
@@ -764,8 +1131,12 @@ fn ns_opts(ns: u8, priority: i32) -> AdmitOptions<'static> {
         cache_salt: salt,
         extra_key: extra,
         priority,
+        block_keys: &[],
     }
 }
+
+/// Key bytes of the model's keyed spans.
+const SPAN_KEYS: [&[u8]; 2] = [b"image-0", b"image-1"];
 
 struct Model {
     e: Engine,
@@ -812,15 +1183,27 @@ impl Model {
                 ext,
                 ns,
                 priority,
+                span,
             } => {
                 let mut prompt = self.prompt(*base, *cut);
                 prompt.extend_from_slice(ext);
                 let seq = SeqId(self.next_seq);
                 self.next_seq += 1;
-                let opts = ns_opts(*ns, *priority);
+                let spans: Vec<(usize, &[u8])> = span
+                    .iter()
+                    .map(|&(pos, key)| (pos, SPAN_KEYS[usize::from(key)]))
+                    .collect();
+                let shadow_ns = match *span {
+                    Some((pos, key)) => with_span(*ns, pos, key),
+                    None => u64::from(*ns),
+                };
+                let opts = AdmitOptions {
+                    block_keys: &spans,
+                    ..ns_opts(*ns, *priority)
+                };
                 let fits = self.e.kv.can_admit_tokens(&prompt, &opts);
                 let expect_hit = self.e.kv.cached_prefix_len(&prompt, &opts).unwrap();
-                match self.e.admit(seq, u64::from(*ns), &prompt, &opts) {
+                match self.e.admit(seq, shadow_ns, &prompt, &opts) {
                     Ok(hit) => assert_eq!(hit, expect_hit),
                     Err(err) => {
                         assert!(!fits, "{err}");
@@ -917,6 +1300,20 @@ impl Model {
                 let evictable = self.e.kv.prefix_stats().evictable_blocks;
                 assert_eq!(self.e.kv.evict_cached(*n), (*n).min(evictable));
             }
+            Action::Reset => {
+                let (s, p) = (self.e.kv.stats(), self.e.kv.prefix_stats());
+                let r = self.e.kv.reset_prefix_cache().unwrap();
+                assert_eq!(r.evicted_blocks, p.evictable_blocks);
+                assert_eq!(
+                    r.kept_live_blocks + r.kept_pinned_blocks,
+                    p.registered_blocks - p.evictable_blocks
+                );
+                let (s2, p2) = (self.e.kv.stats(), self.e.kv.prefix_stats());
+                assert_eq!(p2.evictable_blocks, 0);
+                assert_eq!(s2.cached_blocks, r.kept_pinned_blocks);
+                assert_eq!(s2.free_blocks, s.free_blocks + r.evicted_blocks);
+                assert_eq!(s2.used_blocks, s.used_blocks, "live blocks untouched");
+            }
         }
         self.e.check();
     }
@@ -975,7 +1372,8 @@ proptest! {
         actions in proptest::collection::vec(action(), 20..100),
         cost_aware in any::<bool>(),
     ) {
-        let mut m = Model::new(model_manager(Box::new(ChainHasher), cost_aware), bases);
+        let hasher: Box<dyn PrefixHasher> = if cost_aware { Box::new(ChainHasher) } else { Box::new(Xxh3Hasher) };
+        let mut m = Model::new(model_manager(hasher, cost_aware), bases);
         for a in &actions {
             m.step(a);
         }
@@ -1001,6 +1399,7 @@ fn events_follow_the_index() {
         model_manager(Box::new(ChainHasher), false),
         vec![toks(0, 12)],
     );
+    let mut resets = 0;
     for i in 0..30 {
         m.step(&Action::Admit {
             base: 0,
@@ -1008,25 +1407,49 @@ fn events_follow_the_index() {
             ext: vec![(i % 3) as u32; i % 6],
             ns: (i % 2) as u8,
             priority: 0,
+            span: (i % 4 == 1).then_some((5, (i % 2) as u8)),
         });
         if i % 3 == 2 {
             m.step(&Action::Free(i));
+        }
+        if i % 10 == 7 {
+            m.step(&Action::Reset);
+            resets += 1;
         }
     }
     m.finish();
     let mut events = Vec::new();
     m.e.kv.drain_prefix_events(&mut events);
     let mut live = std::collections::HashMap::new();
+    let mut cleared = 0;
     for e in &events {
-        match *e {
-            PrefixEvent::BlockStored { hash, block, .. } => {
-                assert!(live.insert(hash, block).is_none(), "stored twice");
+        match e {
+            PrefixEvent::BlockStored {
+                hash,
+                block,
+                parent,
+                token_ids,
+                block_size,
+                medium,
+                ..
+            } => {
+                assert_eq!((token_ids.len(), *block_size), (BLOCK, BLOCK));
+                assert_eq!(*medium, Medium::Device);
+                if let Some(p) = parent {
+                    assert!(live.contains_key(p), "parent announced before its child");
+                }
+                assert!(live.insert(*hash, *block).is_none(), "stored twice");
             }
-            PrefixEvent::BlockRemoved { hash, block } => {
-                assert_eq!(live.remove(&hash), Some(block));
+            PrefixEvent::BlockRemoved { hash, block, .. } => {
+                assert_eq!(live.remove(hash), Some(*block));
+            }
+            PrefixEvent::AllCleared => {
+                live.clear();
+                cleared += 1;
             }
         }
     }
+    assert_eq!(cleared, resets);
     assert!(
         live.is_empty(),
         "everything evicted, every store matched by a removal"
@@ -1043,6 +1466,7 @@ fn events_follow_the_index() {
         got[0],
         PrefixEvent::BlockStored { parent: None, .. }
     ));
+    assert_eq!(got[0], got[0].clone());
     assert_eq!(kv.prefix_stats().dropped_events, 1);
     let mut again = Vec::new();
     m.e.kv.drain_prefix_events(&mut again);

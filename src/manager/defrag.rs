@@ -569,6 +569,9 @@ impl KvCacheManager {
     pub(crate) fn on_block_moved(&mut self, src: BlockId, dst: BlockId) -> Result<()> {
         self.block_fill[dst.index()] = self.block_fill[src.index()];
         self.block_fill[src.index()] = 0;
+        if self.fill_dirty.remove(&src) {
+            self.fill_dirty.insert(dst);
+        }
         self.prefix.relocate(src, dst)
     }
 }

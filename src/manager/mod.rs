@@ -10,9 +10,9 @@ mod prefix;
 mod shared;
 mod swap;
 
+pub use builder::CacheBuilder;
 pub use defrag::{DefragCounters, DefragOptions, FragStats, PendingDefrag, PendingResize};
 pub use preempt::CostModel;
-pub use builder::CacheBuilder;
 pub use prefix::PrefixHit;
 pub use shared::SharedKvCacheManager;
 pub use swap::{PendingTierMove, SwapJob, TierBlock, TierConfig, TierStats};
@@ -166,8 +166,14 @@ pub struct KvCacheManager {
     pub(crate) config: CacheConfig,
     pub(crate) pool: BlockPool,
     pub(crate) seqs: SeqMap<Sequence>,
-    /// Filled token slots of each block (meaningful for live blocks).
+    /// Filled token slots of each live block: the most any holder has allocated in
+    /// it (a shared block counts once). Exact at all times; `check_invariants`
+    /// recomputes it from the tables.
     pub(crate) block_fill: Vec<u16>,
+    /// Shared blocks whose holders hold different lengths (after a truncation into a
+    /// shared block): when one of them lets go, the fill is recomputed from the
+    /// tables. Rare, so a set and a scan.
+    pub(crate) fill_dirty: std::collections::HashSet<BlockId>,
     pub(crate) live_token_slots: usize,
     pub(crate) peak_used_blocks: usize,
     /// The prefix cache (see `manager/prefix.rs`).
@@ -215,6 +221,7 @@ impl KvCacheManager {
             pool: BlockPool::new(config.num_blocks)?,
             seqs: SeqMap::default(),
             block_fill: vec![0; config.num_blocks],
+            fill_dirty: Default::default(),
             live_token_slots: 0,
             peak_used_blocks: 0,
             prefix: PrefixIndex::new(
@@ -534,12 +541,13 @@ impl KvCacheManager {
                 continue;
             }
             let new = self.alloc_block()?;
-            let keep = s.computed.saturating_sub(i * bs).min(bs);
-            if keep > 0 {
+            if s.computed > i * bs {
                 copies.push(old, new);
             }
-            self.block_fill[new.index()] = keep as u16;
-            self.live_token_slots += keep;
+            // The new block holds this sequence's allocated slots of that block.
+            let fill = s.num_tokens.saturating_sub(i * bs).min(bs);
+            self.block_fill[new.index()] = fill as u16;
+            self.live_token_slots += fill;
             self.release_block(old)?;
             s.table[i] = new;
         }
@@ -614,10 +622,16 @@ impl KvCacheManager {
         }
         let tail = new_len % self.block_size();
         if let Some(&last) = s.table.last() {
-            if tail != 0 && self.pool.refcount(last)? == 1 {
-                let fill = &mut self.block_fill[last.index()];
-                self.live_token_slots -= usize::from(*fill) - tail.min(usize::from(*fill));
-                *fill = (*fill).min(tail as u16);
+            if tail != 0 {
+                // A shared block keeps what its other holders hold (`s` is out of the
+                // map, so the scan sees only them).
+                let want = if self.pool.refcount(last)? == 1 {
+                    tail
+                } else {
+                    self.fill_dirty.insert(last);
+                    self.holders_fill(last).max(tail)
+                };
+                self.set_fill(last, want);
             }
         }
         s.num_tokens = new_len;
@@ -670,7 +684,9 @@ impl KvCacheManager {
         result
     }
 
-    /// The block table of `seq`.
+    /// The block table of `seq`: bookkeeping (it is there, in flight or not, while the
+    /// sequence has device blocks). To read the bytes behind it, use
+    /// [`Self::readable_blocks`].
     ///
     /// # Errors
     /// [`Error::UnknownSequence`].
@@ -678,7 +694,22 @@ impl KvCacheManager {
         Ok(&self.seq(seq)?.table)
     }
 
-    /// Tokens held by `seq` (on the device or swapped out).
+    /// The one predicate for reading a sequence's K/V bytes (export, batch views,
+    /// attention inputs): the blocks that hold its computed tokens and their number.
+    /// A sequence is readable when it has device blocks and no swap in flight: a
+    /// swap-in's bytes have not landed, a swap-out's blocks are about to be freed.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is swapped out or
+    /// has a swap in flight.
+    pub fn readable_blocks(&self, seq: SeqId) -> Result<(&[BlockId], usize)> {
+        let s = self.resident(seq)?;
+        let blocks = self.layout.blocks_for_tokens(s.computed);
+        Ok((&s.table[..blocks], s.computed))
+    }
+
+    /// Allocated token slots of `seq` (on the device or swapped out): computed tokens,
+    /// this step's reserved ones and lookahead slots.
     ///
     /// # Errors
     /// [`Error::UnknownSequence`].
@@ -786,11 +817,44 @@ impl KvCacheManager {
         if rc == 0 {
             self.live_token_slots -= usize::from(self.block_fill[b.index()]);
             self.block_fill[b.index()] = 0;
+            self.fill_dirty.remove(&b);
             if registered {
                 self.prefix.on_cached(b);
             }
+        } else if self.fill_dirty.contains(&b) {
+            // The holder that let go may have held the most: recount (the caller has
+            // taken it out of the map).
+            let want = self.holders_fill(b);
+            self.set_fill(b, want);
+            if rc == 1 {
+                self.fill_dirty.remove(&b);
+            }
         }
         Ok(())
+    }
+
+    /// The most slots any sequence in the map holds in block `b` (a scan of every
+    /// table: only for the rare shared blocks of `fill_dirty`).
+    fn holders_fill(&self, b: BlockId) -> usize {
+        let bs = self.block_size();
+        self.seqs
+            .values()
+            .flat_map(|s| {
+                s.table
+                    .iter()
+                    .enumerate()
+                    .filter(move |(_, &x)| x == b)
+                    .map(move |(i, _)| s.num_tokens.saturating_sub(i * bs).min(bs))
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Sets the fill of live block `b`, keeping `live_token_slots` in step.
+    pub(crate) fn set_fill(&mut self, b: BlockId, fill: usize) {
+        let old = usize::from(self.block_fill[b.index()]);
+        self.live_token_slots = self.live_token_slots - old + fill;
+        self.block_fill[b.index()] = fill as u16;
     }
 
     fn note_usage(&mut self) {
@@ -809,7 +873,15 @@ impl KvCacheManager {
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.pool.check_invariants()?;
         let mut refs = vec![0u32; self.num_blocks()];
+        let mut fills = vec![0u16; self.num_blocks()];
+        let bs = self.block_size();
         for (id, s) in &self.seqs {
+            if s.computed + s.scheduled > s.num_tokens {
+                return Err(format!(
+                    "sequence {id}: {} computed + {} reserved tokens but {} slots",
+                    s.computed, s.scheduled, s.num_tokens
+                ));
+            }
             if s.table.len() != self.layout.blocks_for_tokens(s.num_tokens) {
                 return Err(format!(
                     "sequence {id}: {} tokens but {} blocks",
@@ -817,11 +889,13 @@ impl KvCacheManager {
                     s.table.len()
                 ));
             }
-            for &b in &s.table {
+            for (i, &b) in s.table.iter().enumerate() {
                 match refs.get_mut(b.index()) {
                     Some(r) => *r += 1,
                     None => return Err(format!("sequence {id} points outside the arena at {b}")),
                 }
+                let held = s.num_tokens.saturating_sub(i * bs).min(bs) as u16;
+                fills[b.index()] = fills[b.index()].max(held);
             }
         }
         let mut live_slots = 0;
@@ -834,6 +908,12 @@ impl KvCacheManager {
             if r > 0 {
                 if self.pool.state(b).map_err(|e| e.to_string())? != BlockState::Live {
                     return Err(format!("block {b} is referenced but not live"));
+                }
+                if self.block_fill[i] != fills[i] {
+                    return Err(format!(
+                        "block {b}: fill {} but its holders hold {}",
+                        self.block_fill[i], fills[i]
+                    ));
                 }
                 live_slots += usize::from(self.block_fill[i]);
             }

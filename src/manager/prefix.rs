@@ -22,19 +22,22 @@ use crate::error::{Error, Result};
 use crate::ids::{BlockId, PinId, SeqId};
 use crate::layout::plans::CopyPlan;
 use crate::layout::Slot;
-use crate::pool::prefix::index::{Namespace, PrefixIndex};
+use crate::pool::prefix::index::{BlockKeys, Namespace, PrefixIndex};
 use crate::pool::prefix::{
-    Admission, AdmitOptions, BlockHash, PinnedPrefix, PrefixConfig, PrefixEvent, PrefixStats,
+    Admission, AdmitOptions, BlockHash, PinnedPrefix, PrefixConfig, PrefixEvent, PrefixReset,
+    PrefixStats,
 };
 use crate::pool::BlockState;
 
 /// A sequence's progress through the prefix cache: its leading `chain` blocks are
 /// registered (by it or before it), `last` is the hash of the last of them, and `ids`
 /// holds the known token ids from position `chain * block_size` on (a whole prompt
-/// after admission, or sampled ids as they arrive).
+/// after admission, or sampled ids as they arrive). `keys` are the extra keys of its
+/// blocks (by block index), so later blocks register with the key of their span.
 #[derive(Debug, Clone)]
 pub(crate) struct SeqPrefix {
     ns: Namespace,
+    keys: BlockKeys,
     priority: i32,
     chain: usize,
     last: Option<BlockHash>,
@@ -47,13 +50,15 @@ pub(crate) struct SeqPrefix {
 /// value across requests: its buffers keep their capacity.
 ///
 /// A hit found before other calls changed the cache is checked again at admission
-/// (each block must still hold the same content, compared by hash and token ids, not
-/// rehashed); blocks that no longer do are simply not shared.
+/// (each block must still hold the same content, compared by hash, chain, token ids,
+/// extra keys and namespace, not rehashed); blocks that no longer do are simply not
+/// shared.
 #[derive(Debug, Clone, Default)]
 pub struct PrefixHit {
     blocks: Vec<BlockId>,
     hashes: Vec<BlockHash>,
     ns: Option<Namespace>,
+    keys: BlockKeys,
     prompt_len: usize,
     block_size: usize,
     collision: bool,
@@ -124,7 +129,8 @@ impl KvCacheManager {
     /// (no counters either). Returns the cached tokens.
     ///
     /// # Errors
-    /// [`Error::PrefixKeyTooLong`]; `hit` is cleared then.
+    /// [`Error::PrefixKeyTooLong`] (for the cache salt, the extra key or a block key);
+    /// `hit` is cleared then.
     pub fn lookup_prefix(
         &self,
         tokens: &[u32],
@@ -134,14 +140,17 @@ impl KvCacheManager {
         hit.blocks.clear();
         hit.hashes.clear();
         hit.ns = None;
+        hit.keys = BlockKeys::default();
         hit.collision = false;
         let bs = self.block_size();
         hit.block_size = bs;
         hit.prompt_len = tokens.len();
         hit.priority = opts.priority;
         let ns = self.prefix.namespace(opts)?;
+        hit.keys = self.prefix.block_keys(opts.block_keys)?;
         let found = self.prefix.lookup(
             &ns,
+            &hit.keys,
             tokens,
             tokens.len().saturating_sub(1) / bs,
             &mut hit.blocks,
@@ -224,22 +233,30 @@ impl KvCacheManager {
             });
         }
         let bs = self.block_size();
+        let ns = match &hit.ns {
+            Some(ns) => ns.clone(),
+            None => self.prefix.namespace(&AdmitOptions::default())?,
+        };
         // Re-check the hit without hashing: each block must still be registered under
-        // the same hash, chained, with the prompt's ids.
+        // the same hash, chained, with the prompt's ids, extra keys and namespace.
         let mut valid = 0;
+        let mut parent = None;
         for (i, (&b, &h)) in hit.blocks.iter().zip(&hit.hashes).enumerate() {
             let same = self.prefix.hash_of(b) == Some(h)
-                && self.prefix.block_tokens(b) == &tokens[i * bs..(i + 1) * bs]
+                && self.prefix.confirms(
+                    b,
+                    parent,
+                    &ns,
+                    &tokens[i * bs..(i + 1) * bs],
+                    hit.keys.bytes(i),
+                )
                 && self.pool.state(b).is_ok_and(|s| s != BlockState::Free);
             if !same {
                 break;
             }
             valid += 1;
+            parent = Some(h);
         }
-        let ns = match &hit.ns {
-            Some(ns) => ns.clone(),
-            None => self.prefix.namespace(&AdmitOptions::default())?,
-        };
         let table: Vec<BlockId> = hit.blocks[..valid].to_vec();
         let revived = self.count_evictable(&table);
         self.ensure_available(revived)?;
@@ -251,6 +268,12 @@ impl KvCacheManager {
                 self.live_token_slots += bs;
             } else {
                 self.pool.incref(b)?;
+                // The new holder holds the whole block (a holder that truncated into
+                // it may have lowered the fill).
+                if usize::from(self.block_fill[b.index()]) < bs {
+                    self.fill_dirty.insert(b);
+                    self.set_fill(b, bs);
+                }
             }
             self.prefix.on_hit(b, hit.priority, revive);
         }
@@ -262,6 +285,7 @@ impl KvCacheManager {
             computed: cached,
             prefix: Some(Box::new(SeqPrefix {
                 ns,
+                keys: hit.keys.clone(),
                 priority: hit.priority,
                 chain: valid,
                 last: valid.checked_sub(1).map(|i| hit.hashes[i]),
@@ -289,8 +313,9 @@ impl KvCacheManager {
     /// `reshape_and_cache` for the whole batch before attention do). For chunked
     /// prefill use [`Self::admit_prompt`], [`Self::reserve`] and [`Self::commit`].
     ///
-    /// Hits are confirmed against the stored token ids, the chain of parents and the
-    /// namespace (`opts.cache_salt`, `opts.extra_key`), so a hash collision is a miss.
+    /// Hits are confirmed against the stored token ids, the chain of parents, the
+    /// block keys (`opts.block_keys`) and the namespace (`opts.cache_salt`,
+    /// `opts.extra_key`), so a hash collision is a miss.
     /// At least one token is left to compute; see the module docs of `manager::prefix`
     /// for the exact contract.
     ///
@@ -375,19 +400,22 @@ impl KvCacheManager {
             .map(|_| ())
     }
 
-    /// Records the token ids of the next positions of `seq` whose ids were not known
-    /// when their slots were handed out (asynchronous scheduling samples ids after the
-    /// step is launched; a plain [`Self::append`] gives none). Ids are placed in order
-    /// after the last known one; full computed blocks are registered at once. A
-    /// sequence admitted without ids ([`Self::admit`]) starts tracking in the default
-    /// namespace when its first ids arrive. Returns the blocks registered.
+    /// Records the token ids of positions `first..first + ids.len()` of `seq` that
+    /// were not known when their slots were handed out (asynchronous scheduling samples
+    /// ids after the step is launched; a plain [`Self::append`] gives none; a
+    /// truncation cuts the known ids at its length). Full computed blocks whose ids
+    /// are all known are registered at once. Ids may run ahead of the computed tokens
+    /// (a prompt's are known at admission). Ids at positions already registered are
+    /// skipped. A sequence admitted without ids ([`Self::admit`]) starts tracking in
+    /// the default namespace when its first ids arrive. Returns the blocks registered.
     ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped out,
     /// has a swap in flight, or stopped registering (a duplicate block, a swap-in);
-    /// [`Error::PastEnd`] when the ids run past the sequence's allocated slots. Nothing
-    /// changed on error.
-    pub fn add_token_ids(&mut self, seq: SeqId, ids: &[u32]) -> Result<usize> {
+    /// [`Error::TokenIdsGap`] when `first` is past the known ids (the ids in between
+    /// are missing); [`Error::TooLong`] past the longest sequence. Nothing changed on
+    /// error.
+    pub fn add_token_ids(&mut self, seq: SeqId, first: usize, ids: &[u32]) -> Result<usize> {
         let bs = self.block_size();
         let s = self.resident(seq)?;
         if s.registration_stopped {
@@ -397,15 +425,22 @@ impl KvCacheManager {
                 needed: "registering",
             });
         }
-        let known_end = s
+        let (known_start, known_end) = s
             .prefix
             .as_deref()
-            .map_or(0, |p| p.chain * bs + p.ids.len());
-        if known_end + ids.len() > s.num_tokens {
-            return Err(Error::PastEnd {
+            .map_or((0, 0), |p| (p.chain * bs, p.chain * bs + p.ids.len()));
+        if first > known_end {
+            return Err(Error::TokenIdsGap {
                 seq,
-                end: known_end + ids.len(),
-                len: s.num_tokens,
+                first,
+                known: known_end,
+            });
+        }
+        let end = first.saturating_add(ids.len());
+        if end > self.max_seq_len() {
+            return Err(Error::TooLong {
+                tokens: end,
+                limit: self.max_seq_len(),
             });
         }
         let default_ns = self.prefix.namespace(&AdmitOptions::default())?;
@@ -413,13 +448,16 @@ impl KvCacheManager {
         let p = s.prefix.get_or_insert_with(|| {
             Box::new(SeqPrefix {
                 ns: default_ns,
+                keys: BlockKeys::default(),
                 priority: s.priority,
                 chain: 0,
                 last: None,
                 ids: Vec::new(),
             })
         });
-        p.ids.extend_from_slice(ids);
+        let skip = known_start.saturating_sub(first).min(ids.len());
+        p.ids.truncate(first.max(known_start) - known_start);
+        p.ids.extend_from_slice(&ids[skip..]);
         let registered = self.extend_chain(&mut s);
         self.seqs.insert(seq, s);
         Ok(registered)
@@ -452,10 +490,11 @@ impl KvCacheManager {
     /// [`PrefixConfig::max_pinned_blocks`]. Nothing changed on error.
     pub fn pin_prefix(&mut self, tokens: &[u32], opts: &AdmitOptions<'_>) -> Result<PinnedPrefix> {
         let ns = self.prefix.namespace(opts)?;
+        let keys = self.prefix.block_keys(opts.block_keys)?;
         let bs = self.block_size();
         let want = tokens.len() / bs;
         let mut chain = Vec::with_capacity(want);
-        let found = self.prefix.lookup(&ns, tokens, want, &mut chain);
+        let found = self.prefix.lookup(&ns, &keys, tokens, want, &mut chain);
         let last = match found.last {
             Some(last) if want > 0 && chain.len() == want => last,
             _ => {
@@ -491,6 +530,56 @@ impl KvCacheManager {
             n += 1;
         }
         n
+    }
+
+    /// Empties the prefix cache as far as it can without touching what is in use (as
+    /// vLLM's `reset_prefix_cache`, after a weight update or to drop every tenant's
+    /// cache): every cached block that no sequence references and no pin holds is
+    /// evicted to the free list. Blocks a sequence references stay registered (those
+    /// sequences keep sharing them and keep registering their later blocks) and pinned
+    /// blocks stay until unpinned; the result counts both, so an engine that needs an
+    /// empty cache sees what still holds blocks.
+    ///
+    /// Emits one [`PrefixEvent::AllCleared`] (no `BlockRemoved` per evicted block),
+    /// then a `BlockStored` for every block kept, parents first, so a router's copy of
+    /// the index stays exact.
+    ///
+    /// ```
+    /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 2, num_q_heads: 8, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::BF16 };
+    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let (opts, mut slots) = (AdmitOptions::default(), Vec::new());
+    /// kv.admit_tokens(SeqId(1), &(0..40).collect::<Vec<u32>>(), &opts, &mut slots)?;
+    /// kv.admit_tokens(SeqId(2), &(100..140).collect::<Vec<u32>>(), &opts, &mut slots)?;
+    /// kv.free(SeqId(1))?;                           // 2 cached blocks
+    ///
+    /// let reset = kv.reset_prefix_cache()?;
+    /// assert_eq!((reset.evicted_blocks, reset.kept_live_blocks), (2, 2));
+    /// assert_eq!(kv.stats().cached_blocks, 0);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// Only when the manager's state was already corrupt (the pool refuses to evict a
+    /// block the index offered); the blocks evicted before it stay evicted.
+    pub fn reset_prefix_cache(&mut self) -> Result<PrefixReset> {
+        let mut evicted_blocks = 0;
+        let mut result = Ok(());
+        while let Some(b) = self.prefix.pop_victim_quietly() {
+            if let Err(e) = self.pool.evict(b) {
+                result = Err(e);
+                break;
+            }
+            evicted_blocks += 1;
+        }
+        let (kept_live_blocks, kept_pinned_blocks) = self.prefix.announce_reset();
+        result.map(|()| PrefixReset {
+            evicted_blocks,
+            kept_live_blocks,
+            kept_pinned_blocks,
+        })
     }
 
     /// Prefix-cache counters now.
@@ -604,10 +693,15 @@ impl KvCacheManager {
         {
             return false;
         }
-        let hash = self.prefix.hasher().block(p.last.unwrap_or(p.ns.seed), ids);
+        let key = p.keys.get(p.chain);
+        let hash = self.prefix.hasher().block(
+            p.last.unwrap_or(p.ns.seed),
+            ids,
+            key.map_or(&[][..], |k| k),
+        );
         if !self
             .prefix
-            .register(b, hash, p.last, &p.ns, ids, p.priority)
+            .register(b, hash, p.last, &p.ns, key, ids, p.priority)
         {
             return false;
         }
@@ -618,8 +712,8 @@ impl KvCacheManager {
 
     /// The prefix half of [`Self::check_invariants`]: the index against the pool, and
     /// every tracked sequence's chain against its table: the chain covers only
-    /// computed tokens, known ids stay within the allocated slots, and every link is
-    /// registered under its parent.
+    /// computed tokens (known ids may run ahead: a prompt's are known at admission),
+    /// and every link is registered under its parent.
     pub(crate) fn check_prefix_invariants(&self) -> std::result::Result<(), String> {
         self.prefix.check(&self.pool)?;
         let bs = self.block_size();
@@ -633,14 +727,6 @@ impl KvCacheManager {
                     p.chain,
                     s.table.len(),
                     s.computed
-                ));
-            }
-            if p.chain * bs + p.ids.len() > s.num_tokens {
-                return Err(format!(
-                    "{id}: chain {} + {} known ids but {} slots",
-                    p.chain,
-                    p.ids.len(),
-                    s.num_tokens
                 ));
             }
             let mut parent = None;

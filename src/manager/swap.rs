@@ -621,9 +621,8 @@ impl KvCacheManager {
             for _ in 1..refs {
                 self.pool.incref(dev)?;
             }
-            let fill = self.tiers.host_fill[host.index()];
-            self.block_fill[dev.index()] = fill;
-            self.live_token_slots += usize::from(fill);
+            // Fills are counted from the group's tables below.
+            self.block_fill[dev.index()] = 0;
             plan.push(dev, host);
         }
         let ticket = self.tiers.next_ticket();
@@ -661,6 +660,21 @@ impl KvCacheManager {
                 },
             );
             saved.push((id, old));
+        }
+        // Each new device block holds what the group's longest holder holds in it.
+        let bs = self.layout.block_size();
+        for &id in seqs {
+            let Some(s) = self.seqs.get(&id) else {
+                continue;
+            };
+            for (i, &b) in s.table.iter().enumerate() {
+                let want = s.num_tokens.saturating_sub(i * bs).min(bs) as u16;
+                let fill = &mut self.block_fill[b.index()];
+                if *fill < want {
+                    self.live_token_slots += usize::from(want - *fill);
+                    *fill = want;
+                }
+            }
         }
         self.note_usage();
         self.tiers.pending.insert(

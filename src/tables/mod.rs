@@ -49,7 +49,9 @@ impl KvCacheManager {
     /// reserved tokens, never lookahead slots) and the blocks covering it. Fails on
     /// the first sequence that is unknown or not readable.
     fn row(&self, id: SeqId) -> Result<(&[crate::ids::BlockId], usize)> {
-        let s = self.resident(id)?;
+        // The state check export uses too: one predicate for reading a sequence.
+        self.readable_blocks(id)?;
+        let s = self.seq(id)?;
         let context = s.computed + s.scheduled;
         let blocks = self.layout().blocks_for_tokens(context);
         Ok((&s.table[..blocks], context))

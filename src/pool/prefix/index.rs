@@ -2,11 +2,13 @@
 //! may be evicted next.
 //!
 //! Every registered block has an entry (its hash, the hash of its parent block, its
-//! token ids, its namespace if it is the first block of a prompt) and is found by hash
-//! through `by_hash`, one block per hash. A hit is confirmed against the entry before
-//! reuse: the tokens must be equal, the parent must be the block just confirmed (so the
-//! whole chain is confirmed by induction from the first block), and the first block's
-//! namespace bytes must be equal. A different prompt whose hash collides is a miss.
+//! token ids, its namespace if it is the first block of a prompt, its extra-key bytes
+//! if a keyed span starts in it) and is found by hash through `by_hash`, one block per
+//! hash. A hit is confirmed against the entry before reuse: the tokens must be equal,
+//! the parent must be the block just confirmed (so the whole chain is confirmed by
+//! induction from the first block), the block's extra-key bytes must be equal, and the
+//! first block's namespace bytes must be equal. A different prompt whose hash collides
+//! is a miss.
 //!
 //! Parent links are hashes, not block ids, so a block can move (defragmentation) by
 //! updating one map entry. That is exact because a block is registered only under a
@@ -21,7 +23,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use super::{
-    AdmitOptions, BlockHash, EvictionCandidate, PrefixConfig, PrefixEvent, PrefixHasher,
+    AdmitOptions, BlockHash, EvictionCandidate, Medium, PrefixConfig, PrefixEvent, PrefixHasher,
     PrefixStats,
 };
 use crate::error::{Error, Result};
@@ -56,12 +58,37 @@ pub(crate) struct Namespace {
     pub(crate) seed: BlockHash,
 }
 
+/// A request's per-block extra keys: `(block index in the prompt, extra-key bytes)`,
+/// sorted by block index, only for blocks where a keyed span starts (usually none, so
+/// usually no allocation). The bytes are encoded as `AdmitOptions::block_keys` says.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct BlockKeys(Vec<(usize, Arc<[u8]>)>);
+
+impl BlockKeys {
+    /// The extra-key bytes of block `index`, if a keyed span starts in it.
+    pub(crate) fn get(&self, index: usize) -> Option<&Arc<[u8]>> {
+        self.0
+            .binary_search_by_key(&index, |&(b, _)| b)
+            .ok()
+            .and_then(|i| self.0.get(i))
+            .map(|(_, k)| k)
+    }
+
+    /// The extra-key bytes of block `index` (empty for most blocks).
+    pub(crate) fn bytes(&self, index: usize) -> &[u8] {
+        self.get(index).map_or(&[], |k| k)
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Entry {
     hash: BlockHash,
     parent: Option<BlockHash>,
     /// The namespace key, on first blocks only (later blocks inherit it by the chain).
     ns: Option<Arc<[u8]>>,
+    /// The block's extra-key bytes, on blocks where a keyed span starts only (later
+    /// blocks inherit them by the chain).
+    key: Option<Arc<[u8]>>,
     depth: u32,
     /// Registered blocks whose parent is this one.
     children: u32,
@@ -178,11 +205,52 @@ impl PrefixIndex {
         })
     }
 
-    /// Confirmed cached blocks for the leading full blocks of `tokens`, at most
-    /// `max_blocks`, pushed onto `out` in order.
+    /// A request's per-block extra keys (`AdmitOptions::block_keys`), encoded, after
+    /// checking their lengths.
+    pub(crate) fn block_keys(&self, spans: &[(usize, &[u8])]) -> Result<BlockKeys> {
+        if spans.is_empty() {
+            return Ok(BlockKeys::default());
+        }
+        // The encoding writes lengths as u32.
+        let limit = self.config.max_key_bytes.min(u32::MAX as usize);
+        if let Some(&(_, key)) = spans.iter().find(|(_, key)| key.len() > limit) {
+            return Err(Error::PrefixKeyTooLong {
+                what: "block key",
+                len: key.len(),
+                limit,
+            });
+        }
+        let bs = self.block_size;
+        let mut order: Vec<usize> = (0..spans.len()).collect();
+        order.sort_by_key(|&i| spans[i].0); // stable: equal positions keep their order
+        let mut keys = Vec::new();
+        let mut i = 0;
+        while let Some(&first) = order.get(i) {
+            let block = spans[first].0 / bs;
+            let mut bytes = Vec::new();
+            while let Some(&j) = order.get(i) {
+                let (pos, key) = spans[j];
+                if pos / bs != block {
+                    break;
+                }
+                // Both fit: the offset is below the block size (a u16), the length was
+                // checked above.
+                bytes.extend_from_slice(&((pos % bs) as u32).to_le_bytes());
+                bytes.extend_from_slice(&(key.len() as u32).to_le_bytes());
+                bytes.extend_from_slice(key);
+                i += 1;
+            }
+            keys.push((block, Arc::from(bytes)));
+        }
+        Ok(BlockKeys(keys))
+    }
+
+    /// Confirmed cached blocks for the leading full blocks of `tokens` (with the
+    /// request's block `keys`), at most `max_blocks`, pushed onto `out` in order.
     pub(crate) fn lookup(
         &self,
         ns: &Namespace,
+        keys: &BlockKeys,
         tokens: &[u32],
         max_blocks: usize,
         out: &mut Vec<BlockId>,
@@ -191,20 +259,20 @@ impl PrefixIndex {
             last: None,
             collision: false,
         };
-        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
+        for (i, chunk) in tokens
+            .chunks_exact(self.block_size)
+            .take(max_blocks)
+            .enumerate()
+        {
+            let extra = keys.bytes(i);
             let h = self
                 .config
                 .hasher
-                .block(found.last.unwrap_or(ns.seed), chunk);
+                .block(found.last.unwrap_or(ns.seed), chunk, extra);
             let Some(&b) = self.by_hash.get(&h) else {
                 break;
             };
-            let confirmed = self.entry(b).is_some_and(|e| {
-                e.parent == found.last
-                    && self.block_tokens(b) == chunk
-                    && (e.parent.is_some() || e.ns.as_deref() == Some(&*ns.key))
-            });
-            if !confirmed {
+            if !self.confirms(b, found.last, ns, chunk, extra) {
                 found.collision = true;
                 break;
             }
@@ -212,6 +280,25 @@ impl PrefixIndex {
             found.last = Some(h);
         }
         found
+    }
+
+    /// Whether registered block `b` holds exactly this content: chained under
+    /// `parent`, the same token ids and extra-key bytes, and for a first block the same
+    /// namespace. Compares bytes, never hashes alone.
+    pub(crate) fn confirms(
+        &self,
+        b: BlockId,
+        parent: Option<BlockHash>,
+        ns: &Namespace,
+        tokens: &[u32],
+        extra: &[u8],
+    ) -> bool {
+        self.entry(b).is_some_and(|e| {
+            e.parent == parent
+                && self.block_tokens(b) == tokens
+                && e.key.as_deref().unwrap_or(&[]) == extra
+                && (e.parent.is_some() || e.ns.as_deref() == Some(&*ns.key))
+        })
     }
 
     fn entry(&self, b: BlockId) -> Option<&Entry> {
@@ -289,14 +376,17 @@ impl PrefixIndex {
         c.rejected_collisions += u64::from(collision);
     }
 
-    /// Registers live full block `b`. Returns `false` (and changes nothing but a
-    /// counter) when `hash` is taken or the parent is not registered.
+    /// Registers live full block `b` (with its extra-key bytes `key`, if a keyed span
+    /// starts in it). Returns `false` (and changes nothing but a counter) when `hash` is
+    /// taken or the parent is not registered.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn register(
         &mut self,
         b: BlockId,
         hash: BlockHash,
         parent: Option<BlockHash>,
         ns: &Namespace,
+        key: Option<&Arc<[u8]>>,
         tokens: &[u32],
         priority: i32,
     ) -> bool {
@@ -334,6 +424,7 @@ impl PrefixIndex {
             hash,
             parent,
             ns: parent.is_none().then(|| ns.key.clone()),
+            key: key.filter(|k| !k.is_empty()).cloned(),
             depth,
             children: 0,
             pins: 0,
@@ -347,11 +438,7 @@ impl PrefixIndex {
         self.tokens[start..start + self.block_size].copy_from_slice(tokens);
         self.by_hash.insert(hash, b);
         self.counters.stored_blocks += 1;
-        self.emit(PrefixEvent::BlockStored {
-            hash,
-            parent,
-            block: b,
-        });
+        self.emit_stored(b);
         true
     }
 
@@ -391,16 +478,29 @@ impl PrefixIndex {
 
     /// Takes the next victim out of the index; the caller evicts it from the pool.
     pub(crate) fn pop_victim(&mut self) -> Option<BlockId> {
+        self.take_victim(true)
+    }
+
+    /// Takes the next victim out without a `BlockRemoved` (a reset announces
+    /// `AllCleared` instead); the caller evicts it from the pool.
+    pub(crate) fn pop_victim_quietly(&mut self) -> Option<BlockId> {
+        self.take_victim(false)
+    }
+
+    fn take_victim(&mut self, announce: bool) -> Option<BlockId> {
         let (_, key, id) = self.candidates.pop_first()?;
         let b = BlockId(id);
         let e = self.entries.get_mut(b.index())?.take()?;
         self.by_hash.remove(&e.hash);
         self.config.policy.on_evict(key);
         self.counters.evicted_blocks += 1;
-        self.emit(PrefixEvent::BlockRemoved {
-            hash: e.hash,
-            block: b,
-        });
+        if announce {
+            self.emit(PrefixEvent::BlockRemoved {
+                hash: e.hash,
+                block: b,
+                medium: Medium::Device,
+            });
+        }
         if let Some(pb) = e.parent.and_then(|ph| self.block_of(ph)) {
             if let Some(pe) = self.entry_mut(pb) {
                 pe.children -= 1;
@@ -499,14 +599,36 @@ impl PrefixIndex {
         self.emit(PrefixEvent::BlockRemoved {
             hash: e.hash,
             block: src,
-        });
-        self.emit(PrefixEvent::BlockStored {
-            hash: e.hash,
-            parent: e.parent,
-            block: dst,
+            medium: Medium::Device,
         });
         self.entries[dst.index()] = Some(e);
+        self.emit_stored(dst);
         Ok(())
+    }
+
+    /// After a reset evicted every candidate: announces `AllCleared`, then a
+    /// `BlockStored` for every block still registered, parents first (by depth), so a
+    /// router's copy of the index stays exact. Returns the blocks kept
+    /// `(live, cached and pinned)`.
+    pub(crate) fn announce_reset(&mut self) -> (usize, usize) {
+        let mut kept: Vec<(u32, BlockId)> = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| e.as_ref().map(|e| (e.depth, BlockId(i as u32))))
+            .collect();
+        let cached = kept
+            .iter()
+            .filter(|&&(_, b)| self.entry(b).is_some_and(|e| e.cached))
+            .count();
+        self.emit(PrefixEvent::AllCleared);
+        if self.events_on() {
+            kept.sort_unstable();
+            for &(_, b) in &kept {
+                self.emit_stored(b);
+            }
+        }
+        (kept.len() - cached, cached)
     }
 
     /// Follows the arena to `num_blocks`; shrinking needs no entry at or above it.
@@ -527,17 +649,45 @@ impl PrefixIndex {
         Ok(())
     }
 
+    /// Whether events go anywhere (recorded or sent); when not, none is built.
+    fn events_on(&self) -> bool {
+        self.config.record_events || self.config.event_channel.is_some()
+    }
+
+    /// Emits `BlockStored` for registered block `b` from its entry; builds nothing when
+    /// events are off (the token ids are copied into the event).
+    fn emit_stored(&mut self, b: BlockId) {
+        if !self.events_on() {
+            return;
+        }
+        let Some(e) = self.entry(b) else { return };
+        let event = PrefixEvent::BlockStored {
+            hash: e.hash,
+            parent: e.parent,
+            block: b,
+            token_ids: self.block_tokens(b).to_vec(),
+            block_size: self.block_size,
+            extra_keys: e.key.as_deref().map(<[u8]>::to_vec).unwrap_or_default(),
+            medium: Medium::Device,
+        };
+        self.emit(event);
+    }
+
     /// Records `event` for `drain_events` and sends it to the channel, as configured.
     /// The channel never blocks the manager: a full or closed channel drops the event
     /// and counts it.
     fn emit(&mut self, event: PrefixEvent) {
-        if self.config.record_events {
-            self.events.push(event);
-        }
-        if let Some(tx) = &self.config.event_channel {
-            if tx.try_send(event).is_err() {
-                self.counters.dropped_events += 1;
+        match &self.config.event_channel {
+            Some(tx) => {
+                if self.config.record_events {
+                    self.events.push(event.clone());
+                }
+                if tx.try_send(event).is_err() {
+                    self.counters.dropped_events += 1;
+                }
             }
+            None if self.config.record_events => self.events.push(event),
+            None => {}
         }
     }
 
@@ -583,6 +733,9 @@ impl PrefixIndex {
                 continue;
             };
             registered += 1;
+            if e.key.as_deref().is_some_and(<[u8]>::is_empty) {
+                return Err(format!("block {b} stores an empty extra key"));
+            }
             if self.by_hash.get(&e.hash) != Some(&b) {
                 return Err(format!(
                     "block {b} hash {} does not lead back to it",

@@ -2,8 +2,8 @@
 //!
 //! | piece | what it does |
 //! |---|---|
-//! | [`PrefixHasher`] ([`ChainHasher`]) | chained hash of (parent hash, token ids), seeded per namespace (cache salt + extra key) |
-//! | index (internal) | hash -> block, stored token ids and parent links to confirm every hit, pins, eviction candidates |
+//! | [`PrefixHasher`] ([`Xxh3Hasher`], [`ChainHasher`]) | chained hash of (parent hash, token ids, the block's extra keys), seeded per namespace (cache salt + extra key) |
+//! | index (internal) | hash -> block, stored token ids, block keys and parent links to confirm every hit, pins, eviction candidates |
 //! | [`EvictionPolicy`] ([`LruPolicy`], [`CostAwarePolicy`]) | which unreferenced cached block goes first |
 //! | [`crate::KvCacheManager::admit_tokens`] and friends | the manager's entry points, in `manager/prefix.rs` |
 //!
@@ -29,7 +29,7 @@ mod hash;
 pub(crate) mod index;
 mod policy;
 
-pub use hash::{BlockHash, ChainHasher, PrefixHasher};
+pub use hash::{BlockHash, ChainHasher, PrefixHasher, Xxh3Hasher};
 pub use policy::{CostAwarePolicy, EvictionCandidate, EvictionPolicy, LruPolicy};
 
 use crate::ids::{BlockId, PinId};
@@ -52,7 +52,8 @@ pub struct PrefixConfig {
     /// besides or instead of recording. Sending never blocks: a full or disconnected
     /// channel drops the event and counts it in [`PrefixStats::dropped_events`].
     pub event_channel: Option<crossbeam_channel::Sender<PrefixEvent>>,
-    /// The content hash.
+    /// The content hash: [`Xxh3Hasher`] (the default, recomputable by a router from its
+    /// documented encoding) or [`ChainHasher`].
     pub hasher: Box<dyn PrefixHasher>,
     /// The eviction order among unreferenced cached blocks.
     pub policy: Box<dyn EvictionPolicy>,
@@ -60,7 +61,7 @@ pub struct PrefixConfig {
 
 impl PrefixConfig {
     /// Defaults for an arena of `num_blocks`: pins may hold a quarter of it, keys up to
-    /// [`DEFAULT_MAX_KEY_BYTES`], no events recorded or sent, [`ChainHasher`],
+    /// [`DEFAULT_MAX_KEY_BYTES`], no events recorded or sent, [`Xxh3Hasher`],
     /// [`LruPolicy`].
     pub fn for_arena(num_blocks: usize) -> Self {
         PrefixConfig {
@@ -68,7 +69,7 @@ impl PrefixConfig {
             max_key_bytes: DEFAULT_MAX_KEY_BYTES,
             record_events: false,
             event_channel: None,
-            hasher: Box::new(ChainHasher),
+            hasher: Box::new(Xxh3Hasher),
             policy: Box::new(LruPolicy),
         }
     }
@@ -78,14 +79,33 @@ impl PrefixConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct AdmitOptions<'a> {
     /// Anything besides the token ids that changes the K/V of every block (a LoRA
-    /// adapter id, a multimodal input hash). Requests share blocks only when their extra
-    /// keys are equal.
+    /// adapter id). Requests share blocks only when their extra keys are equal. For an
+    /// input that changes only the tokens from some position on (an image, an audio
+    /// clip), use [`Self::block_keys`]: the text before it stays shareable.
     pub extra_key: &'a [u8],
     /// The tenant's namespace: requests share blocks only when their salts are equal.
     pub cache_salt: &'a [u8],
     /// Retention priority of the blocks this request uses: when memory is needed, every
     /// evictable block of a lower priority goes before any of a higher one.
     pub priority: i32,
+    /// Keyed spans: `(position, key)` for each input whose K/V is not determined by the
+    /// token ids alone (a multimodal input's placeholder tokens: the key is the input's
+    /// content hash), `position` being the span's first token in the prompt.
+    ///
+    /// A span salts the hash of the block that holds `position`, and since hashes chain,
+    /// every block after it: blocks before that block stay shareable with a request
+    /// without the span (a text-only one), blocks from it on are shared only with
+    /// requests whose spans there are equal (same key, same offset in the block). The
+    /// key bytes of that block are stored and compared on every hit, so a hash
+    /// collision is a miss.
+    ///
+    /// A block's extra-key bytes (the `extra` of [`PrefixHasher::block`]) are, for each
+    /// span starting in it in order of position (spans at the same position in the order
+    /// given), `offset_in_block: u32 LE ‖ len(key): u32 LE ‖ key`; a block where no span
+    /// starts has none. Each key is at most [`PrefixConfig::max_key_bytes`] long. A
+    /// span at or past the end of the prompt keys the block that holds its position if
+    /// that block is ever registered (by later tokens of the same sequence).
+    pub block_keys: &'a [(usize, &'a [u8])],
 }
 
 /// What [`crate::KvCacheManager::admit_tokens`] did.
@@ -114,8 +134,23 @@ pub struct PinnedPrefix {
     pub blocks: usize,
 }
 
+/// Which memory tier a cached block lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Medium {
+    /// The device arena (GPU memory, or the host arena of a CPU engine): the blocks a
+    /// hit shares. Every event carries this today.
+    Device,
+    /// The host (swap) tier. It does not register blocks in the prefix cache today, so
+    /// no event names it yet.
+    Host,
+}
+
 /// A change to the set of cached blocks, for an external (KV-aware) router.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// A router that keeps a copy of the index applies these in order: `BlockStored`
+/// adds, `BlockRemoved` removes, `AllCleared` empties its copy (and is followed by a
+/// `BlockStored` for every block still registered, parents first).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PrefixEvent {
     /// A full block was registered and can now be hit.
     BlockStored {
@@ -125,14 +160,41 @@ pub enum PrefixEvent {
         parent: Option<BlockHash>,
         /// Where it lives.
         block: BlockId,
+        /// Its token ids (`block_size` of them).
+        token_ids: Vec<u32>,
+        /// Tokens per block.
+        block_size: usize,
+        /// The block's extra-key bytes as hashed (empty unless a keyed span starts in
+        /// it; encoding in [`AdmitOptions::block_keys`]).
+        extra_keys: Vec<u8>,
+        /// The tier that holds it.
+        medium: Medium,
     },
-    /// A block left the cache (evicted to the free list).
+    /// A block left the cache (evicted to the free list, or moved: a `BlockStored` for
+    /// its new place follows).
     BlockRemoved {
         /// Its content hash.
         hash: BlockHash,
         /// Where it lived.
         block: BlockId,
+        /// The tier it left.
+        medium: Medium,
     },
+    /// [`crate::KvCacheManager::reset_prefix_cache`] ran: forget every block. The blocks
+    /// it kept (referenced by a sequence, or pinned) follow as `BlockStored`, parents
+    /// first.
+    AllCleared,
+}
+
+/// What [`crate::KvCacheManager::reset_prefix_cache`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixReset {
+    /// Cached blocks dropped to the free list.
+    pub evicted_blocks: usize,
+    /// Registered blocks kept because a sequence references them.
+    pub kept_live_blocks: usize,
+    /// Registered blocks kept, unreferenced, because a pin holds them.
+    pub kept_pinned_blocks: usize,
 }
 
 /// Prefix-cache counters; totals since the manager was created.
