@@ -52,7 +52,7 @@ fn manager_with(num_blocks: usize, f: impl FnOnce(&mut PrefixConfig)) -> KvCache
 const NONE: AdmitOptions<'static> = AdmitOptions {
     extra_key: b"",
     cache_salt: b"",
-    priority: 0,
+    retention_priority: 0,
     block_keys: &[],
 };
 
@@ -828,7 +828,7 @@ fn low_priority_blocks_go_first() {
     let mut kv = manager(4);
     let mut slots = Vec::new();
     let vip = AdmitOptions {
-        priority: 5,
+        retention_priority: 5,
         ..NONE
     };
     kv.admit_tokens(SeqId(1), &toks(0, 4), &vip, &mut slots)
@@ -1130,7 +1130,7 @@ fn ns_opts(ns: u8, priority: i32) -> AdmitOptions<'static> {
     AdmitOptions {
         cache_salt: salt,
         extra_key: extra,
-        priority,
+        retention_priority: priority,
         block_keys: &[],
     }
 }

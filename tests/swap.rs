@@ -797,7 +797,7 @@ fn preemption_takes_the_lowest_priority_then_the_newest_group() {
         r.admit(SeqId(s), 12).unwrap(); // 3 blocks each: full
     }
     r.fork(SeqId(2), SeqId(20)).unwrap();
-    r.kv.set_priority(SeqId(1), -1).unwrap();
+    r.kv.set_preempt_priority(SeqId(1), -1).unwrap();
     let policy = model(1e12, 1.0); // swapping is far cheaper
     let p = r.kv.preempt_for(4, &policy).unwrap();
     // Seq 1 (lowest priority) first, then the newest admission, seq 4.

@@ -100,7 +100,7 @@ pub(crate) struct Sequence {
     /// and its age for preemption.
     pub(crate) admission: u64,
     /// Preemption priority set by the engine (lower is preempted first).
-    pub(crate) priority: i32,
+    pub(crate) preempt_priority: i32,
     /// A swap transfer of this sequence that has not completed yet.
     pub(crate) in_flight: Option<swap::InFlight>,
 }

@@ -5,7 +5,7 @@
 //!
 //! Victims are whole *fork groups* (every sequence descending from one admission,
 //! so shared blocks move once and stay shared), taken in vLLM's order: lowest
-//! priority first ([`KvCacheManager::set_priority`]), then the most recently
+//! priority first ([`KvCacheManager::set_preempt_priority`]), then the most recently
 //! admitted. Sequences with a swap in flight are never picked.
 //!
 //! For each victim the [`CostModel`] compares
@@ -232,7 +232,7 @@ impl KvCacheManager {
             for id in &seqs {
                 let s = self.resident(*id)?;
                 tokens += s.computed;
-                priority = priority.min(s.priority);
+                priority = priority.min(s.preempt_priority);
                 for &b in &s.table {
                     *refs.entry(b).or_default() += 1;
                 }

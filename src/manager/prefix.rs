@@ -145,7 +145,7 @@ impl KvCacheManager {
         let bs = self.block_size();
         hit.block_size = bs;
         hit.prompt_len = tokens.len();
-        hit.priority = opts.priority;
+        hit.priority = opts.retention_priority;
         let ns = self.prefix.namespace(opts)?;
         hit.keys = self.prefix.block_keys(opts.block_keys)?;
         let found = self.prefix.lookup(
@@ -449,7 +449,7 @@ impl KvCacheManager {
             Box::new(SeqPrefix {
                 ns: default_ns,
                 keys: BlockKeys::default(),
-                priority: s.priority,
+                priority: 0,
                 chain: 0,
                 last: None,
                 ids: Vec::new(),

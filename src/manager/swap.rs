@@ -134,7 +134,7 @@ pub(crate) struct SwappedSeq {
     pub(crate) num_tokens: usize,
     pub(crate) computed: usize,
     pub(crate) admission: u64,
-    pub(crate) priority: i32,
+    pub(crate) preempt_priority: i32,
 }
 
 /// What a ticket still holds.
@@ -461,11 +461,11 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// [`Error::UnknownSequence`].
-    pub fn set_priority(&mut self, seq: SeqId, priority: i32) -> Result<()> {
+    pub fn set_preempt_priority(&mut self, seq: SeqId, priority: i32) -> Result<()> {
         if let Some(s) = self.seqs.get_mut(&seq) {
-            s.priority = priority;
+            s.preempt_priority = priority;
         } else if let Some(s) = self.tiers.swapped.get_mut(&seq) {
-            s.priority = priority;
+            s.preempt_priority = priority;
         } else {
             return Err(Error::UnknownSequence(seq));
         }
@@ -645,7 +645,7 @@ impl KvCacheManager {
                     table,
                     num_tokens: old.num_tokens,
                     admission: old.admission,
-                    priority: old.priority,
+                    preempt_priority: old.preempt_priority,
                     in_flight: Some(InFlight {
                         ticket,
                         direction: SwapDirection::In,
@@ -724,7 +724,7 @@ impl KvCacheManager {
                             num_tokens: s.num_tokens,
                             computed: s.computed,
                             admission: s.admission,
-                            priority: s.priority,
+                            preempt_priority: s.preempt_priority,
                         },
                     );
                 }

@@ -181,7 +181,7 @@ impl Harness {
                 let salt: &[u8] = if b & 0x80 != 0 { b"tenant-b" } else { b"" };
                 let opts = AdmitOptions {
                     cache_salt: salt,
-                    priority: i32::from(a & 3),
+                    retention_priority: i32::from(a & 3),
                     ..AdmitOptions::default()
                 };
                 match self.kv.admit_tokens(seq, &tokens, &opts, &mut self.slots) {

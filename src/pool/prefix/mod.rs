@@ -87,7 +87,7 @@ pub struct AdmitOptions<'a> {
     pub cache_salt: &'a [u8],
     /// Retention priority of the blocks this request uses: when memory is needed, every
     /// evictable block of a lower priority goes before any of a higher one.
-    pub priority: i32,
+    pub retention_priority: i32,
     /// Keyed spans: `(position, key)` for each input whose K/V is not determined by the
     /// token ids alone (a multimodal input's placeholder tokens: the key is the input's
     /// content hash), `position` being the span's first token in the prompt.
