@@ -107,7 +107,11 @@ fn decode_kernels_model_near_hbm_bandwidth_on_h200() {
         let m = compile_uncached(&spec, Arch::SM90).unwrap_or_else(|e| panic!("{a:?}: {e}"));
         let path = dir.join(spec.cubin_file_name(Arch::SM90));
         std::fs::write(&path, &m.cubin).unwrap();
-        let out = Command::new(&tool).arg("-sass").arg(&path).output().unwrap();
+        let out = Command::new(&tool)
+            .arg("-sass")
+            .arg(&path)
+            .output()
+            .unwrap();
         assert!(
             out.status.success(),
             "cuobjdump -sass {}: {}",
@@ -120,7 +124,10 @@ fn decode_kernels_model_near_hbm_bandwidth_on_h200() {
             .unwrap_or_else(|| panic!("no paged_attention_decode in the SASS of {a:?}"));
         let body = main_loop(decode).unwrap_or_else(|| panic!("no KV loop found for {a:?}"));
         let p = LoopProfile::of(&body);
-        assert!(p.kv_bytes_per_warp > 0, "{a:?}: no vector loads in the loop");
+        assert!(
+            p.kv_bytes_per_warp > 0,
+            "{a:?}: no vector loads in the loop"
+        );
         let r = m
             .resources()
             .into_iter()

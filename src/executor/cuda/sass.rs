@@ -255,9 +255,9 @@ pub fn classify(opcode: &str) -> InstrClass {
         | "IMUL" | "I2I" | "R2UR" | "VOTE" | "VOTEU" | "MATCH" | "UFLO" | "UPOPC" | "BMSK" => {
             InstrClass::Integer
         }
-        "BRA" | "BRX" | "JMP" | "BSSY" | "BSYNC" | "BAR" | "WARPSYNC" | "EXIT" | "RET"
-        | "CALL" | "DEPBAR" | "BPT" | "YIELD" | "MEMBAR" | "ERRBAR" | "CCTL" | "NANOSLEEP"
-        | "SYNCS" | "ELECT" | "ACQBULK" | "BMOV" | "WARPGROUP" => InstrClass::Control,
+        "BRA" | "BRX" | "JMP" | "BSSY" | "BSYNC" | "BAR" | "WARPSYNC" | "EXIT" | "RET" | "CALL"
+        | "DEPBAR" | "BPT" | "YIELD" | "MEMBAR" | "ERRBAR" | "CCTL" | "NANOSLEEP" | "SYNCS"
+        | "ELECT" | "ACQBULK" | "BMOV" | "WARPGROUP" => InstrClass::Control,
         _ => InstrClass::Other,
     }
 }
@@ -509,7 +509,10 @@ mod tests {
         // 128 threads, 168 registers: 168 x 32 = 5376 per warp, 12 warps by registers,
         // 3 CTAs.
         let o = occupancy(168, 9 * 1024, 128);
-        assert_eq!((o.ctas_per_sm, o.warps_per_sm, o.limited_by), (3, 12, "registers"));
+        assert_eq!(
+            (o.ctas_per_sm, o.warps_per_sm, o.limited_by),
+            (3, 12, "registers")
+        );
         // Few registers, lots of shared memory.
         let o = occupancy(32, 100 * 1024, 128);
         assert_eq!((o.ctas_per_sm, o.limited_by), (2, "shared memory"));
