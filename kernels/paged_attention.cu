@@ -7,9 +7,10 @@
 //   KV_DTYPE     cache dtype code (see common.cuh)
 //   NUM_THREADS  threads per CTA (default 128)
 //   UNROLL       tokens per token group in flight (default: 2, or 1 when registers are tight)
-//   VEC_BYTES    bytes per vector load, 16 or 8 (default 16; 8 for fp8 with large groups,
-//                where 16 one-byte elements per lane times the group would fill the
-//                register file with accumulators)
+//   VEC_BYTES    bytes per vector load, 16 or 8 (default 16; 8 for fp8 when 16 one-byte
+//                elements per lane times the group exceed 128 accumulators, which would
+//                spill. fp8 GQA 8 d128 takes 16: 128 accumulators, no spill, and half the
+//                instructions per byte of 8-byte loads in the static model)
 //
 // Cache layout of one layer region (strides in elements come from KvLayout::strides):
 //   [block][K|V][kv_head][token][dim]
@@ -34,7 +35,7 @@ typedef typename DTypeOf<KV_DTYPE>::T cache_t;
 
 #define ELEMS_PER_LANE_16B (HEAD_DIM / ((HEAD_DIM * (int)sizeof(cache_t) / 16) < 32 ? (HEAD_DIM * (int)sizeof(cache_t) / 16) : 32))
 #ifndef VEC_BYTES
-#define VEC_BYTES ((sizeof(cache_t) == 1 && GQA_GROUP * ELEMS_PER_LANE_16B > 64) ? 8 : 16)
+#define VEC_BYTES ((sizeof(cache_t) == 1 && GQA_GROUP * ELEMS_PER_LANE_16B > 128) ? 8 : 16)
 #endif
 #define VEC_ELEMS (VEC_BYTES / (int)sizeof(cache_t))
 #define VECS_PER_TOKEN (HEAD_DIM / VEC_ELEMS)
@@ -61,12 +62,43 @@ static_assert(VEC_BYTES == 16 || VEC_BYTES == 8, "8- or 16-byte vectors");
 static_assert(NUM_THREADS % 32 == 0 && NUM_THREADS <= 1024, "whole warps");
 static_assert(GQA_GROUP >= 1 && BLOCK_SIZE >= 1, "positive group and block size");
 
-// Decodes one vector of the cache into floats.
+// 2^x with the SFU's approximation (MUFU.EX2, about 2 ulp; -inf gives +0, subnormal
+// results flush to 0). exp2f adds a range test and two multiplies around the same
+// instruction, for subnormal results a softmax weight can do without.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two e4m3 bytes (low byte first) to floats. sm_89 and later convert the pair in one
+// instruction to an f16 pair, exactly (NaN stays NaN); older targets take the scalar path.
+__device__ __forceinline__ void fp8x2_to_f32(u16 two, float* out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(two));
+    out[0] = f16_to_f32((u16)(h2 & 0xffffu));
+    out[1] = f16_to_f32((u16)(h2 >> 16));
+#else
+    out[0] = fp8_to_f32((u8)(two & 0xff));
+    out[1] = fp8_to_f32((u8)(two >> 8));
+#endif
+}
+
+// Decodes one vector of the cache into floats (fp8: two elements per conversion).
 __device__ __forceinline__ void decode_vec(vec_t raw, float* out) {
-    const cache_t* e = reinterpret_cast<const cache_t*>(&raw);
+    if constexpr (KV_DTYPE == PKV_FP8) {
+        const u16* pairs = reinterpret_cast<const u16*>(&raw);
 #pragma unroll
-    for (int i = 0; i < VEC_ELEMS; ++i) {
-        out[i] = to_f32<KV_DTYPE>(e[i]);
+        for (int i = 0; i < VEC_ELEMS / 2; ++i) {
+            fp8x2_to_f32(pairs[i], &out[2 * i]);
+        }
+    } else {
+        const cache_t* e = reinterpret_cast<const cache_t*>(&raw);
+#pragma unroll
+        for (int i = 0; i < VEC_ELEMS; ++i) {
+            out[i] = to_f32<KV_DTYPE>(e[i]);
+        }
     }
 }
 
@@ -201,9 +233,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
                 for (int j = 0; j < VECS_PER_LANE; ++j) decode_vec(vraw[u][j], &v[j * VEC_ELEMS]);
 #pragma unroll
                 for (int g = 0; g < GQA_GROUP; ++g) {
+                    // s is finite for a valid token, so m_new is too, and the first
+                    // token's correction is exp2(-inf) = 0: no test for an empty state.
                     const float m_new = fmaxf(m[g], s[g]);
-                    const float corr = m[g] == -PKV_INF ? 0.0f : exp2f(m[g] - m_new);
-                    const float p = exp2f(s[g] - m_new);
+                    const float corr = fast_exp2(m[g] - m_new);
+                    const float p = fast_exp2(s[g] - m_new);
                     l[g] = l[g] * corr + p;
 #pragma unroll
                     for (int i = 0; i < ELEMS_PER_LANE; ++i) acc[g][i] = acc[g][i] * corr + p * v[i];
@@ -235,20 +269,27 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         ltot_sh[tid] = lt_sum;
     }
     __syncthreads();
+    // The token groups add their rescaled sums into shared memory one after another,
+    // in token-group order (no atomics), so the result is bitwise reproducible and
+    // sums in the order the CPU replay in tests/cuda_attention.rs does.
+    for (int i = 0; i < TOKEN_GROUPS; ++i) {
+        if (tg == i) {
 #pragma unroll
-    for (int g = 0; g < GQA_GROUP; ++g) {
-        if (m[g] != -PKV_INF) {
-            const float f = exp2f(m[g] - mtot_sh[g]);
+            for (int g = 0; g < GQA_GROUP; ++g) {
+                if (m[g] != -PKV_INF) {
+                    const float f = exp2f(m[g] - mtot_sh[g]);
 #pragma unroll
-            for (int j = 0; j < VECS_PER_LANE; ++j) {
+                    for (int j = 0; j < VECS_PER_LANE; ++j) {
 #pragma unroll
-                for (int e = 0; e < VEC_ELEMS; ++e) {
-                    atomicAdd(&acc_sh[g][lane_dim(lt, j, e)], acc[g][j * VEC_ELEMS + e] * f);
+                        for (int e = 0; e < VEC_ELEMS; ++e) {
+                            acc_sh[g][lane_dim(lt, j, e)] += acc[g][j * VEC_ELEMS + e] * f;
+                        }
+                    }
                 }
             }
         }
+        __syncthreads();
     }
-    __syncthreads();
 
     for (int i = tid; i < GQA_GROUP * HEAD_DIM; i += NUM_THREADS) {
         const int g = i / HEAD_DIM;

@@ -396,9 +396,9 @@ fn simulate_kernel(s: &Setup, contexts: &[usize], plan: SplitPlan) -> (Vec<f32>,
     );
     let eb = shape.kv_dtype.size_bytes();
     // The kernel's lane layout: VEC_BYTES defaults to 8 for fp8 when 16 elements per
-    // lane times the group exceed 64 accumulators.
+    // lane times the group exceed 128 accumulators.
     let elems16 = d / (d * eb / 16).min(32);
-    let vec_bytes = if eb == 1 && g_size * elems16 > 64 {
+    let vec_bytes = if eb == 1 && g_size * elems16 > 128 {
         8
     } else {
         16

@@ -7,6 +7,7 @@
 //! |---|---|---|
 //! | raw | `cudarc::driver::sys`, `cudarc::nvrtc::sys` (dynamically loaded) | cudarc |
 //! | checked | [`driver_present`], [`nvrtc_present`], [`open_device`], [`compile`] | here |
+//! | static model | [`sass`]: the decode kernel's main loop read off its SASS, instructions per KV byte, occupancy, modeled bandwidth ceiling (no GPU) | here |
 //! | safe | `CudaStorage` (arena, streams, plans), `CudaAttention` (decode) | `storage::cuda`, `attention::cuda` |
 //!
 //! Nothing here needs a GPU to build: cudarc loads `libcuda` and `libnvrtc` when first
@@ -14,6 +15,7 @@
 //! machine without them gets [`Error::CudaUnavailable`] instead of cudarc's panic.
 
 mod nvrtc;
+pub mod sass;
 
 pub use nvrtc::{
     catalog, compile, compile_uncached, parse_ptxas_log, write_cubin, Arch, AttentionSpec,

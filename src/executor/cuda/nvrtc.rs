@@ -52,8 +52,8 @@ pub struct AttentionSpec {
     /// 0 leaves the kernel's default (2, or 1 when the accumulators are large).
     pub unroll: u32,
     /// Bytes per vector load (the `VEC_BYTES` define), 8 or 16; 0 leaves the kernel's
-    /// default (16, or 8 for fp8 when 16 elements per lane times the group would fill
-    /// the register file with accumulators).
+    /// default (16, or 8 for fp8 when 16 elements per lane times the group exceed 128
+    /// accumulators, which would spill).
     pub vec_bytes: u32,
 }
 

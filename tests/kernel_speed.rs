@@ -1,0 +1,189 @@
+//! The static speed model of the decode kernel (see `pagedkv::executor::cuda::sass`):
+//! every attention specialisation of the catalog is compiled by NVRTC for sm_90, its
+//! cubin disassembled with `cuobjdump -sass`, and the KV-token loop of
+//! `paged_attention_decode` profiled: instructions per iteration by class, KV bytes per
+//! warp and iteration, registers and spills (ptxas), occupancy, and the modeled
+//! bandwidth ceiling on an H200. Prints the table; fails when a specialisation on the
+//! bench shapes (`examples/gpu_bench.rs`: d128, page 16, GQA 8, bf16 and fp8) models
+//! below `MIN_MODELED_FRACTION_OF_HBM` or spills in its main loop.
+//!
+//! ```text
+//! source .ci/nvrtc-env && cargo test --test kernel_speed -- --nocapture
+//! ```
+//!
+//! Without NVRTC or cuobjdump the test prints why it skipped; with
+//! `PAGEDKV_REQUIRE_NVRTC=1` (set by `.ci/nvrtc-env`) either missing fails it.
+#![cfg(feature = "cuda")]
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::Command;
+
+use pagedkv::executor::cuda::sass::{
+    function, main_loop, occupancy, parse_sass, speed_model, InstrClass, LoopProfile,
+    H200_HBM_BYTES_PER_S,
+};
+use pagedkv::executor::cuda::{
+    catalog, compile_uncached, nvrtc_present, Arch, AttentionSpec, KernelSpec, ATTENTION_THREADS,
+};
+use pagedkv::DType;
+
+/// The floor the bench-shape specialisations must model at, as a fraction of
+/// 4.3 TB/s. The goal (DESIGN.md) is 0.85. The kernel does not reach it yet: the worst
+/// bench shape (fp8, GQA 8) models 39.5 % (bf16 GQA 8: 59.6 %), so the floor is that,
+/// rounded down, and guards against regressions; raise it as the kernel improves.
+const MIN_MODELED_FRACTION_OF_HBM: f64 = 0.39;
+
+/// Local-memory instructions allowed in a bench shape's main loop: none.
+const MAX_MAIN_LOOP_SPILL_INSTRUCTIONS: u32 = 0;
+
+fn skip_or_fail(test: &str, why: &str) {
+    if std::env::var("PAGEDKV_REQUIRE_NVRTC").as_deref() == Ok("1") {
+        panic!("{test}: PAGEDKV_REQUIRE_NVRTC=1 but {why}");
+    }
+    // Straight to the stderr handle: the harness captures `eprintln!` of passing tests.
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
+/// `$PAGEDKV_CUOBJDUMP`, else `cuobjdump` on the path, if it runs.
+fn cuobjdump() -> Option<PathBuf> {
+    let path = std::env::var_os("PAGEDKV_CUOBJDUMP")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("cuobjdump"));
+    let ok = Command::new(&path)
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    ok.then_some(path)
+}
+
+fn is_bench_shape(a: &AttentionSpec) -> bool {
+    a.head_dim == 128
+        && a.block_size == 16
+        && a.gqa_group == 8
+        && matches!(a.dtype, DType::BF16 | DType::Fp8E4M3)
+        && a.unroll == 0
+        && a.vec_bytes == 0
+}
+
+#[test]
+fn decode_kernels_model_near_hbm_bandwidth_on_h200() {
+    let test = "decode_kernels_model_near_hbm_bandwidth_on_h200";
+    if !nvrtc_present() {
+        skip_or_fail(
+            test,
+            "NVRTC (libnvrtc.so) is not on the loader path; `source .ci/nvrtc-env` installs it from PyPI",
+        );
+        return;
+    }
+    let Some(tool) = cuobjdump() else {
+        skip_or_fail(
+            test,
+            "cuobjdump (with nvdisasm) not found; `source .ci/nvrtc-env` installs both from PyPI and sets PAGEDKV_CUOBJDUMP",
+        );
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("pagedkv-speed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let classes = InstrClass::ALL;
+    print!(
+        "{:<26} {:>5} {:>6} {:>5} {:>6}",
+        "specialisation (sm_90)", "instr", "B/warp", "B/ins", "spills"
+    );
+    for c in classes {
+        print!(" {:>5}", c.short());
+    }
+    println!(
+        " {:>4} {:>6} {:>6} {:>5} {:>9} {:>6}",
+        "regs", "spill", "smem", "warps", "TB/s", "%4.3"
+    );
+    let mut failures = Vec::new();
+    let mut bench_worst = f64::INFINITY;
+    for spec in catalog() {
+        let KernelSpec::Attention(a) = spec else {
+            continue;
+        };
+        let m = compile_uncached(&spec, Arch::SM90).unwrap_or_else(|e| panic!("{a:?}: {e}"));
+        let path = dir.join(spec.cubin_file_name(Arch::SM90));
+        std::fs::write(&path, &m.cubin).unwrap();
+        let out = Command::new(&tool)
+            .arg("-sass")
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "cuobjdump -sass {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        let functions = parse_sass(&text);
+        let decode = function(&functions, "paged_attention_decode")
+            .unwrap_or_else(|| panic!("no paged_attention_decode in the SASS of {a:?}"));
+        let body = main_loop(decode).unwrap_or_else(|| panic!("no KV loop found for {a:?}"));
+        let p = LoopProfile::of(&body);
+        assert!(
+            p.kv_bytes_per_warp > 0,
+            "{a:?}: no vector loads in the loop"
+        );
+        let r = m
+            .resources()
+            .into_iter()
+            .find(|r| r.name == "paged_attention_decode")
+            .unwrap();
+        let occ = occupancy(r.registers, r.shared_bytes, ATTENTION_THREADS);
+        let model = speed_model(&p, &occ);
+        let frac = model.fraction_of_hbm();
+        let name = format!(
+            "d{} g{} {} u{} v{}",
+            a.head_dim, a.gqa_group, a.dtype, a.unroll, a.vec_bytes
+        );
+        print!(
+            "{:<26} {:>5} {:>6} {:>5.2} {:>6}",
+            name,
+            p.instructions,
+            p.kv_bytes_per_warp,
+            p.kv_bytes_per_warp as f64 / p.instructions as f64,
+            p.spill_instructions
+        );
+        for c in classes {
+            print!(" {:>5}", p.count(c));
+        }
+        println!(
+            " {:>4} {:>6} {:>6} {:>5} {:>9.2} {:>5.0}%",
+            r.registers,
+            r.spill_stores + r.spill_loads,
+            r.shared_bytes,
+            occ.warps_per_sm,
+            model.ceiling_bytes_per_s / 1e12,
+            100.0 * frac
+        );
+        if is_bench_shape(&a) {
+            bench_worst = bench_worst.min(frac);
+            if frac < MIN_MODELED_FRACTION_OF_HBM {
+                failures.push(format!(
+                    "{name}: models {:.2} TB/s, {:.1} % of {:.1} TB/s, under the floor of {:.0} %",
+                    model.ceiling_bytes_per_s / 1e12,
+                    100.0 * frac,
+                    H200_HBM_BYTES_PER_S / 1e12,
+                    100.0 * MIN_MODELED_FRACTION_OF_HBM
+                ));
+            }
+            if p.spill_instructions > MAX_MAIN_LOOP_SPILL_INSTRUCTIONS {
+                failures.push(format!(
+                    "{name}: {} local-memory instructions in the main loop (at most {})",
+                    p.spill_instructions, MAX_MAIN_LOOP_SPILL_INSTRUCTIONS
+                ));
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    println!(
+        "bench shapes (d128 bs16 g8 bf16/fp8): worst modeled {:.1} % of 4.3 TB/s; floor {:.0} %, goal 85 %",
+        100.0 * bench_worst,
+        100.0 * MIN_MODELED_FRACTION_OF_HBM
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
