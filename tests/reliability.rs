@@ -183,3 +183,33 @@ fn no_entry_point_reads_a_sequence_mid_swap() {
     );
     kv.check_invariants().unwrap();
 }
+
+/// Fixed-shape tables for graph capture: the shape never depends on the batch.
+#[test]
+fn fixed_shape_tables_keep_their_shape() {
+    let mut kv = manager();
+    let mut slots = Vec::new();
+    kv.admit(SeqId(1), 9, &mut slots).unwrap();
+    kv.admit(SeqId(2), 2, &mut slots).unwrap();
+    let mut t = PaddedTables::default();
+    kv.fill_padded_fixed(&[SeqId(1), SeqId(2)], 4, 8, &mut t)
+        .unwrap();
+    assert_eq!((t.batch, t.max_blocks, t.tables.len()), (4, 8, 32));
+    assert_eq!(t.context_lens, [9, 2, 0, 0]);
+    let cap = (t.tables.capacity(), t.context_lens.capacity());
+    kv.fill_padded_fixed(&[SeqId(2)], 4, 8, &mut t).unwrap();
+    assert_eq!((t.batch, t.max_blocks), (4, 8));
+    assert_eq!(t.context_lens, [2, 0, 0, 0]);
+    assert_eq!((t.tables.capacity(), t.context_lens.capacity()), cap);
+    pagedkv::tables::validate_tables(kv.layout(), kv.num_blocks(), &t).unwrap();
+    let before = t.clone();
+    assert!(matches!(
+        kv.fill_padded_fixed(&[SeqId(1)], 4, 2, &mut t),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        kv.fill_padded_fixed(&[SeqId(1), SeqId(2)], 1, 8, &mut t),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    assert_eq!(t, before);
+}

@@ -27,6 +27,19 @@ impl CopyPlan {
         Self::default()
     }
 
+    /// An empty plan with room for `copies` copies, so a scheduler can size its step
+    /// buffers once (at most one copy per sequence a step writes into a shared block).
+    pub fn with_capacity(copies: usize) -> Self {
+        CopyPlan {
+            copies: Vec::with_capacity(copies),
+        }
+    }
+
+    /// Copies the plan can hold before it allocates.
+    pub fn capacity(&self) -> usize {
+        self.copies.capacity()
+    }
+
     /// Adds a copy.
     pub fn push(&mut self, src: BlockId, dst: BlockId) {
         self.copies.push(BlockCopy { src, dst });

@@ -73,18 +73,63 @@ impl KvCacheManager {
     /// with a swap in flight (its blocks are not readable); `out` is untouched on error.
     pub fn fill_padded(&self, seqs: &[SeqId], out: &mut PaddedTables) -> Result<()> {
         let max_blocks = self.check_batch(seqs)?;
+        self.fill_padded_shape(seqs, seqs.len(), max_blocks, out)
+    }
+
+    /// Fills `out` with padded tables of a fixed shape, `[max_batch, max_blocks]`, the
+    /// shape a captured CUDA graph replays: rows past `seqs` have context 0, entries past
+    /// a row's blocks are 0 (never read). With buffers sized once, no step allocates.
+    ///
+    /// # Errors
+    /// As [`Self::fill_padded`]; [`crate::Error::ShapeMismatch`] when `seqs` has more
+    /// than `max_batch` sequences or one needs more than `max_blocks` blocks; `out` is
+    /// untouched on error.
+    pub fn fill_padded_fixed(
+        &self,
+        seqs: &[SeqId],
+        max_batch: usize,
+        max_blocks: usize,
+        out: &mut PaddedTables,
+    ) -> Result<()> {
+        if seqs.len() > max_batch {
+            return Err(Error::ShapeMismatch {
+                what: "sequences in a fixed-shape batch (max_batch)",
+                expected: max_batch,
+                got: seqs.len(),
+            });
+        }
+        let widest = self.check_batch(seqs)?;
+        if widest > max_blocks {
+            return Err(Error::ShapeMismatch {
+                what: "blocks of a row in a fixed-shape batch (max_blocks)",
+                expected: max_blocks,
+                got: widest,
+            });
+        }
+        self.fill_padded_shape(seqs, max_batch, max_blocks, out)
+    }
+
+    /// Fills `batch` rows of `max_blocks` entries; the caller checked that `seqs` fit.
+    fn fill_padded_shape(
+        &self,
+        seqs: &[SeqId],
+        batch: usize,
+        max_blocks: usize,
+        out: &mut PaddedTables,
+    ) -> Result<()> {
         out.tables.clear();
         out.context_lens.clear();
-        out.batch = seqs.len();
+        out.batch = batch;
         out.max_blocks = max_blocks;
-        out.tables.resize(seqs.len() * max_blocks, 0);
+        out.tables.resize(batch * max_blocks, 0);
+        out.context_lens.resize(batch, 0);
         for (row, &id) in seqs.iter().enumerate() {
             let (table, context) = self.row(id)?;
             let dst = &mut out.tables[row * max_blocks..row * max_blocks + table.len()];
             for (d, b) in dst.iter_mut().zip(table) {
                 *d = b.0;
             }
-            out.context_lens.push(context as u32);
+            out.context_lens[row] = context as u32;
         }
         Ok(())
     }

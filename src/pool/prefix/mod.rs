@@ -200,7 +200,9 @@ pub struct PrefixReset {
 /// Prefix-cache counters; totals since the manager was created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PrefixStats {
-    /// Successful [`crate::KvCacheManager::admit_tokens`] calls.
+    /// Successful admissions through the prefix cache
+    /// ([`crate::KvCacheManager::admit_tokens`] and
+    /// [`crate::KvCacheManager::admit_prompt`]).
     pub queries: u64,
     /// Prompt tokens of those calls.
     pub query_tokens: u64,
