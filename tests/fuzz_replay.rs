@@ -4,6 +4,8 @@
 
 #[path = "common/fuzz_manager.rs"]
 mod fuzz_manager;
+#[path = "common/fuzz_plan.rs"]
+mod fuzz_plan;
 #[path = "common/fuzz_tables.rs"]
 mod fuzz_tables;
 
@@ -83,5 +85,16 @@ fn block_tables_corpus_and_random_inputs() {
     println!("replaying {} block_tables corpus inputs", inputs.len());
     for input in inputs.iter().chain(&random_inputs(4, 2_000, 96)) {
         fuzz_tables::run(input);
+    }
+}
+
+/// The planner and the contiguous attention entry point under arbitrary numbers (the
+/// test profile checks overflow, so a wrapping size panics here).
+#[test]
+fn planner_corpus_and_random_inputs() {
+    let inputs = corpus("planner");
+    println!("replaying {} planner corpus inputs", inputs.len());
+    for input in inputs.iter().chain(&random_inputs(4, 4096, 96)) {
+        fuzz_plan::run(input);
     }
 }
