@@ -271,6 +271,19 @@ pub enum Error {
     /// issued by this manager).
     #[error("no swap transfer in flight with ticket {0}")]
     UnknownTicket(crate::ids::SwapTicket),
+    /// An external reservation of the memory broker found too few bytes before its
+    /// deadline (what it had found went back to the free budget).
+    #[error(
+        "reservation of {requested} bytes timed out after {waited_ms} ms with {found} bytes found"
+    )]
+    ReservationTimeout {
+        /// Bytes asked for.
+        requested: usize,
+        /// Bytes found by the deadline (given back).
+        found: usize,
+        /// Milliseconds waited.
+        waited_ms: u64,
+    },
 }
 
 impl Error {

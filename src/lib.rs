@@ -23,6 +23,7 @@ pub mod executor;
 pub mod attention;
 
 pub mod baseline;
+pub mod broker;
 pub mod chart;
 pub mod export;
 pub mod gguf;

@@ -20,7 +20,9 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("attention", &["attention"]),
     (
         "around",
-        &["baseline", "chart", "export", "metrics", "plan", "gguf"],
+        &[
+            "baseline", "broker", "chart", "export", "metrics", "plan", "gguf",
+        ],
     ),
 ];
 

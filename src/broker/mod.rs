@@ -1,0 +1,1155 @@
+//! Several models, one memory budget: a broker that moves KV memory, in chunks, to the
+//! model under load.
+//!
+//! A [`Broker`] owns a budget of bytes (VRAM with `CudaStorage`, host memory with
+//! [`HostStorage`](crate::executor::storage::HostStorage)) cut into chunks of
+//! [`BrokerConfig::chunk_bytes`] (on CUDA, the VMM granule: 2 MiB). Each registered
+//! model is a [`KvCacheManager`] and its [`Storage`], of any shape and block size; a
+//! chunk is, for each model, the whole number of its blocks that fits in the chunk
+//! (`chunk_bytes / block_bytes`; the rest of the chunk is charged but unused, and
+//! [`ModelBudget::blocks_per_chunk`] says how much). Every byte of the budget is, at
+//! every moment, in exactly one place: free, granted to one model, or held by one
+//! external [`Reservation`].
+//!
+//! # Moves
+//!
+//! A model under pressure calls [`ModelGuard::ensure_available`] from its scheduler:
+//!
+//! 1. it grows into free budget ([`MoveReason::Grow`]);
+//! 2. it takes chunks another model holds as free blocks ([`MoveReason::TakeIdle`]):
+//!    the other model shrinks ([`shrink_to`], which moves the few blocks above the new
+//!    end into holes below it, i.e. the defragmentation that shrink needs), keeping
+//!    [`BrokerConfig::keep_free_chunks`] of free blocks so it does not immediately
+//!    need them back;
+//! 3. it takes chunks another model's prefix cache holds, if that model's priority is
+//!    not above its own: cached blocks are evicted ([`KvCacheManager::evict_cached`]),
+//!    then the other model shrinks ([`MoveReason::TakeCached`]).
+//!
+//! Victims are tried lowest priority first. No model goes below its floor or above
+//! its ceiling ([`ModelLimits`]). A model can be put to sleep ([`Broker::sleep`]: its
+//! arena shrinks to the floor, optionally after swapping its sequences out to the host
+//! tier) and woken ([`Broker::wake`]). External consumers take bytes with
+//! [`Broker::reserve`] and give them back with [`Broker::release`].
+//!
+//! Every move is a [`MoveEvent`] (who gave, who took, bytes, why), published on the
+//! `metrics` facade (see [`metric_names`]) and drawn by [`Broker::events_svg`].
+//!
+//! # Locking
+//!
+//! One `parking_lot::Mutex` per model (its manager and storage) and one for the
+//! ledger (the budget's bookkeeping and the event log). The rules:
+//!
+//! * a thread blocks on at most one model lock, its own ([`Broker::lock`]); the lock of
+//!   any *other* model is only ever tried ([`Mutex::try_lock`], or `try_lock_for` with
+//!   a bound for reservations), so two schedulers asking for each other's memory never
+//!   deadlock, and a scheduler never waits for another model's decode step;
+//! * the ledger lock is taken last and held only for arithmetic (never across storage
+//!   work or a model lock acquisition);
+//! * memory is taken from another model one chunk at a time, and that model's lock is
+//!   released after each chunk: a scheduler whose model is giving memory waits at most
+//!   one chunk move (one [`shrink_to`] by one chunk) before its decode step runs.
+//!
+//! While a model's lock is free, its arena holds exactly `granted chunks x
+//! blocks_per_chunk` blocks ([`Broker::check_invariants`] checks it).
+//!
+//! ```
+//! use std::time::Duration;
+//! use pagedkv::broker::{Broker, BrokerConfig, ModelLimits};
+//! use pagedkv::{DType, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId};
+//!
+//! let shape = |layers, heads| ModelShape { num_layers: layers, num_q_heads: 8,
+//!     num_kv_heads: heads, head_dim: 64, kv_dtype: DType::F16 };
+//! let mut broker = Broker::new(BrokerConfig::new(8 << 20, 1 << 20))?; // 8 chunks of 1 MiB
+//! let mut ids = Vec::new();
+//! for (name, layout) in [("chat", KvLayout::new(shape(4, 2), 16)?),
+//!                        ("embed", KvLayout::new(shape(2, 4), 32)?)] {
+//!     let blocks = 2 * broker.blocks_per_chunk(&layout)?;          // two chunks each
+//!     let kv = KvCacheManager::builder(layout).num_blocks(blocks).build()?;
+//!     let storage = HostStorage::new(layout, blocks)?;
+//!     ids.push(broker.register(name, kv, storage, ModelLimits::new(1 << 20, 6 << 20))?);
+//! }
+//! // The chat model (32 blocks per chunk) needs 90 blocks: it grows by one chunk of
+//! // free budget.
+//! let mut chat = broker.lock(ids[0])?;
+//! assert_eq!(chat.ensure_available(90)?, 96);
+//! chat.kv_mut().admit(SeqId(1), 88 * 16, &mut Vec::new())?;
+//! drop(chat);
+//! // An external consumer takes 1 MiB, from the free budget here (from the arenas'
+//! // idle or cached blocks when the budget is all granted).
+//! let r = broker.reserve(1 << 20, Duration::from_millis(100))?;
+//! assert_eq!(broker.stats().free_bytes, 2 << 20);
+//! broker.check_invariants().map_err(pagedkv::Error::Unsupported)?;
+//! broker.release(r)?;
+//! assert!(broker.events().len() >= 4);
+//! # Ok::<(), pagedkv::Error>(())
+//! ```
+
+mod svg;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, MutexGuard};
+
+use crate::error::{Error, Result};
+use crate::executor::storage::Storage;
+use crate::executor::{grow_to, shrink_to};
+use crate::ids::SeqId;
+use crate::layout::KvLayout;
+use crate::manager::KvCacheManager;
+
+/// Names the broker publishes on the `metrics` facade.
+pub mod metric_names {
+    /// Counter: bytes moved, labels `from`, `to` (a model's name, `free` or
+    /// `external`) and `reason` ([`super::MoveReason::name`]).
+    pub const MOVED_BYTES: &str = "pagedkv_broker_moved_bytes_total";
+    /// Counter: moves, same labels as [`MOVED_BYTES`].
+    pub const MOVES: &str = "pagedkv_broker_moves_total";
+    /// Gauge: bytes granted to a model, label `model`.
+    pub const GRANTED_BYTES: &str = "pagedkv_broker_granted_bytes";
+    /// Gauge: bytes of the budget no one holds.
+    pub const FREE_BYTES: &str = "pagedkv_broker_free_bytes";
+    /// Gauge: bytes held by external reservations.
+    pub const RESERVED_BYTES: &str = "pagedkv_broker_reserved_bytes";
+}
+
+/// A registered model, numbered from 0 in registration order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ModelId(pub u32);
+
+impl std::fmt::Display for ModelId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "model{}", self.0)
+    }
+}
+
+/// An external reservation, numbered from 1 in the order they were asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReservationId(pub u64);
+
+/// The budget and how it is cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BrokerConfig {
+    /// Bytes the broker hands out, in all: model arenas plus external reservations.
+    pub budget_bytes: usize,
+    /// The unit of every move, in bytes (on CUDA, the VMM allocation granule).
+    pub chunk_bytes: usize,
+    /// Chunks of free blocks a model keeps when another model takes its idle memory,
+    /// so that it does not need them back at its next step (hysteresis).
+    pub keep_free_chunks: usize,
+}
+
+impl BrokerConfig {
+    /// `budget_bytes` cut into chunks of `chunk_bytes`; a victim keeps one chunk free.
+    pub fn new(budget_bytes: usize, chunk_bytes: usize) -> Self {
+        BrokerConfig {
+            budget_bytes,
+            chunk_bytes,
+            keep_free_chunks: 1,
+        }
+    }
+}
+
+/// One model's guarantee, limit and priority.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelLimits {
+    /// Bytes the model always keeps (rounded up to whole chunks).
+    pub floor_bytes: usize,
+    /// Bytes the model never exceeds (rounded down to whole chunks).
+    pub ceiling_bytes: usize,
+    /// Higher keeps its prefix cache against lower; victims are tried lowest first.
+    pub priority: i32,
+}
+
+impl ModelLimits {
+    /// Floor and ceiling in bytes, priority 0.
+    pub fn new(floor_bytes: usize, ceiling_bytes: usize) -> Self {
+        ModelLimits {
+            floor_bytes,
+            ceiling_bytes,
+            priority: 0,
+        }
+    }
+
+    /// The same limits with `priority`.
+    pub fn with_priority(self, priority: i32) -> Self {
+        ModelLimits { priority, ..self }
+    }
+}
+
+/// One side of a move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Party {
+    /// The unallocated part of the budget.
+    Free,
+    /// A model's arena.
+    Model(ModelId),
+    /// An external reservation.
+    External(ReservationId),
+}
+
+/// Why memory moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MoveReason {
+    /// A model's initial arena, at registration.
+    Register,
+    /// A model under pressure grew into free budget.
+    Grow,
+    /// A model under pressure took another model's free blocks.
+    TakeIdle,
+    /// A model under pressure took blocks another model's prefix cache held (evicted).
+    TakeCached,
+    /// A model went to sleep: its arena shrank to its floor.
+    Sleep,
+    /// A model woke and grew back.
+    Wake,
+    /// An external reservation took memory (from the free budget or an arena).
+    Reserve,
+    /// An external reservation gave its memory back (released, or timed out).
+    Release,
+    /// A model's storage refused to grow; the chunks went back to the free budget.
+    GrowFailed,
+}
+
+impl MoveReason {
+    /// Lowercase name, the `reason` label of the metrics.
+    pub const fn name(self) -> &'static str {
+        match self {
+            MoveReason::Register => "register",
+            MoveReason::Grow => "grow",
+            MoveReason::TakeIdle => "take_idle",
+            MoveReason::TakeCached => "take_cached",
+            MoveReason::Sleep => "sleep",
+            MoveReason::Wake => "wake",
+            MoveReason::Reserve => "reserve",
+            MoveReason::Release => "release",
+            MoveReason::GrowFailed => "grow_failed",
+        }
+    }
+}
+
+/// One move of memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoveEvent {
+    /// Position in the broker's log, from 0.
+    pub seq: u64,
+    /// The broker's clock when it happened ([`Broker::set_clock`]; a scheduler step).
+    pub clock: u64,
+    /// Who gave.
+    pub from: Party,
+    /// Who took.
+    pub to: Party,
+    /// Bytes moved (whole chunks).
+    pub bytes: usize,
+    /// Why.
+    pub reason: MoveReason,
+    /// Blocks the giving model copied to shrink (0 when its tail was already free).
+    pub moved_blocks: usize,
+}
+
+/// One model's share of the budget, from the ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelBudget {
+    /// The model.
+    pub id: ModelId,
+    /// Its name.
+    pub name: String,
+    /// Bytes granted now (whole chunks).
+    pub granted_bytes: usize,
+    /// Highest `granted_bytes` so far.
+    pub peak_bytes: usize,
+    /// Floor, in bytes (whole chunks).
+    pub floor_bytes: usize,
+    /// Ceiling, in bytes (whole chunks).
+    pub ceiling_bytes: usize,
+    /// Its blocks in one chunk.
+    pub blocks_per_chunk: usize,
+    /// Bytes of one of its blocks.
+    pub block_bytes: usize,
+    /// Whether it sleeps.
+    pub sleeping: bool,
+}
+
+/// Where the budget is, from the ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerStats {
+    /// The budget.
+    pub budget_bytes: usize,
+    /// Bytes no one holds.
+    pub free_bytes: usize,
+    /// Bytes held by external reservations.
+    pub reserved_bytes: usize,
+    /// Highest `budget - free` so far.
+    pub peak_used_bytes: usize,
+    /// Each model's share, by id.
+    pub models: Vec<ModelBudget>,
+}
+
+/// Bytes an external consumer holds; give them back with [`Broker::release`].
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a reservation holds budget until it is released"]
+pub struct Reservation {
+    id: ReservationId,
+    bytes: usize,
+    broker: u64,
+}
+
+impl Reservation {
+    /// Its id (as in the events).
+    pub fn id(&self) -> ReservationId {
+        self.id
+    }
+
+    /// Bytes it holds (the request rounded up to whole chunks).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// What [`Broker::sleep`] does first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SleepOptions {
+    /// Swap every resident sequence out to the host tier (one group, so shared prefix
+    /// blocks move once) before shrinking; otherwise the live blocks must fit the floor.
+    pub swap_out_sequences: bool,
+}
+
+/// A model's manager and storage, behind its lock.
+#[derive(Debug)]
+pub struct ModelState<S> {
+    kv: KvCacheManager,
+    storage: S,
+    sleeping: bool,
+}
+
+#[derive(Debug)]
+struct ModelSlot<S> {
+    name: String,
+    priority: i32,
+    floor_chunks: usize,
+    ceiling_chunks: usize,
+    blocks_per_chunk: usize,
+    block_bytes: usize,
+    state: Mutex<ModelState<S>>,
+}
+
+#[derive(Debug, Default)]
+struct Ledger {
+    free_chunks: usize,
+    granted: Vec<usize>,
+    peak: Vec<usize>,
+    sleeping: Vec<bool>,
+    reservations: HashMap<u64, usize>,
+    next_reservation: u64,
+    peak_used_chunks: usize,
+    events: Vec<MoveEvent>,
+    /// Names for the metric labels, by model id.
+    names: Vec<String>,
+}
+
+static NEXT_BROKER: AtomicU64 = AtomicU64::new(1);
+
+/// One memory budget shared by several models and external consumers; see the module
+/// docs. `Sync` when `S: Send`: share it with `Arc` and give each scheduler thread its
+/// [`ModelId`].
+#[derive(Debug)]
+pub struct Broker<S> {
+    config: BrokerConfig,
+    budget_chunks: usize,
+    models: Vec<ModelSlot<S>>,
+    ledger: Mutex<Ledger>,
+    clock: AtomicU64,
+    instance: u64,
+}
+
+/// A model's lock, held by its scheduler for a step; the manager and storage inside,
+/// and [`Self::ensure_available`] to get memory.
+///
+/// Do not resize the arena through it ([`grow_to`], [`shrink_to`],
+/// `plan_grow`/`plan_shrink` or [`Storage::resize`]): the broker's ledger would no
+/// longer match, which [`Broker::check_invariants`] reports and the broker's next
+/// move on this model refuses.
+#[derive(Debug)]
+pub struct ModelGuard<'a, S: Storage> {
+    broker: &'a Broker<S>,
+    id: ModelId,
+    state: MutexGuard<'a, ModelState<S>>,
+}
+
+impl<S: Storage> ModelGuard<'_, S> {
+    /// The model.
+    pub fn id(&self) -> ModelId {
+        self.id
+    }
+
+    /// The manager.
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.state.kv
+    }
+
+    /// The manager, for scheduling calls.
+    pub fn kv_mut(&mut self) -> &mut KvCacheManager {
+        &mut self.state.kv
+    }
+
+    /// The storage.
+    pub fn storage(&self) -> &S {
+        &self.state.storage
+    }
+
+    /// Manager and storage together (writing K/V through the slots it hands out).
+    pub fn parts_mut(&mut self) -> (&mut KvCacheManager, &mut S) {
+        let st = &mut *self.state;
+        (&mut st.kv, &mut st.storage)
+    }
+
+    /// Whether the model sleeps.
+    pub fn is_sleeping(&self) -> bool {
+        self.state.sleeping
+    }
+
+    /// Makes at least `blocks` blocks available to this model if the budget allows:
+    /// free budget first, then other models' free blocks, then (from models of no
+    /// higher priority) their prefix caches; whole chunks, up to the ceiling. Returns
+    /// the blocks available afterwards ([`KvCacheManager::num_available_blocks`]),
+    /// which is below `blocks` when the budget could not provide them (the scheduler
+    /// then delays an admission or preempts). A sleeping model does not grow.
+    ///
+    /// Another model's lock is only tried, never waited for: a model busy with its own
+    /// step is skipped.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the arena no longer matches the ledger (resized
+    /// behind the broker's back); the storage's error when it refuses to grow (the
+    /// chunks go back to the free budget, [`MoveReason::GrowFailed`]).
+    pub fn ensure_available(&mut self, blocks: usize) -> Result<usize> {
+        let available = self.state.kv.num_available_blocks();
+        if available >= blocks || self.state.sleeping {
+            return Ok(available);
+        }
+        let b = self.broker;
+        let slot = &b.models[self.id.0 as usize];
+        let want = (blocks - available).div_ceil(slot.blocks_per_chunk);
+        b.acquire_for_model(self.id, &mut self.state, want, MoveReason::Grow)?;
+        Ok(self.state.kv.num_available_blocks())
+    }
+}
+
+impl<S: Storage> Broker<S> {
+    /// A broker with no models.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when the chunk is 0 or the budget holds no chunk.
+    pub fn new(config: BrokerConfig) -> Result<Self> {
+        if config.chunk_bytes == 0 {
+            return Err(Error::config("chunk_bytes", "must be positive"));
+        }
+        let budget_chunks = config.budget_bytes / config.chunk_bytes;
+        if budget_chunks == 0 {
+            return Err(Error::config(
+                "budget_bytes",
+                format!(
+                    "{} bytes hold no chunk of {}",
+                    config.budget_bytes, config.chunk_bytes
+                ),
+            ));
+        }
+        Ok(Broker {
+            config,
+            budget_chunks,
+            models: Vec::new(),
+            ledger: Mutex::new(Ledger {
+                free_chunks: budget_chunks,
+                next_reservation: 1,
+                ..Ledger::default()
+            }),
+            clock: AtomicU64::new(0),
+            instance: NEXT_BROKER.fetch_add(1, Ordering::Relaxed),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &BrokerConfig {
+        &self.config
+    }
+
+    /// Blocks of `layout` in one chunk.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when one block is larger than a chunk.
+    pub fn blocks_per_chunk(&self, layout: &KvLayout) -> Result<usize> {
+        let n = self.config.chunk_bytes / layout.block_bytes();
+        if n == 0 {
+            return Err(Error::config(
+                "chunk_bytes",
+                format!(
+                    "a chunk of {} bytes is smaller than one block of {} bytes",
+                    self.config.chunk_bytes,
+                    layout.block_bytes()
+                ),
+            ));
+        }
+        Ok(n)
+    }
+
+    /// Registers a model whose arena (`kv` and `storage`, of equal size) is a whole
+    /// number of chunks, taken from the free budget ([`MoveReason::Register`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when the arena is not a whole number of chunks, lies
+    /// outside `[floor, ceiling]`, the floor is not above the manager's watermark, or
+    /// the storage's layout differs; [`Error::ShapeMismatch`] for a storage of another
+    /// size; [`Error::OutOfBlocks`] (in chunks) when the free budget is too small.
+    pub fn register(
+        &mut self,
+        name: impl Into<String>,
+        kv: KvCacheManager,
+        storage: S,
+        limits: ModelLimits,
+    ) -> Result<ModelId> {
+        let name = name.into();
+        let bpc = self.blocks_per_chunk(kv.layout())?;
+        if storage.layout() != kv.layout() {
+            return Err(Error::config(
+                "storage",
+                "the storage's layout differs from the manager's",
+            ));
+        }
+        if storage.num_blocks() != kv.num_blocks() {
+            return Err(Error::ShapeMismatch {
+                what: "storage blocks",
+                expected: kv.num_blocks(),
+                got: storage.num_blocks(),
+            });
+        }
+        if kv.num_blocks() % bpc != 0 {
+            return Err(Error::config(
+                "num_blocks",
+                format!(
+                    "{name}: {} blocks is not a whole number of chunks of {bpc} blocks",
+                    kv.num_blocks()
+                ),
+            ));
+        }
+        let chunk = self.config.chunk_bytes;
+        let chunks = kv.num_blocks() / bpc;
+        let floor_chunks = limits.floor_bytes.div_ceil(chunk).max(1);
+        let ceiling_chunks = (limits.ceiling_bytes / chunk).min(kv.max_num_blocks() / bpc);
+        if floor_chunks * bpc <= kv.config().watermark_blocks {
+            return Err(Error::config(
+                "floor_bytes",
+                format!(
+                    "{name}: a floor of {} blocks must be above the watermark of {}",
+                    floor_chunks * bpc,
+                    kv.config().watermark_blocks
+                ),
+            ));
+        }
+        if !(floor_chunks..=ceiling_chunks).contains(&chunks) {
+            return Err(Error::config(
+                "num_blocks",
+                format!(
+                    "{name}: {chunks} chunks outside floor {floor_chunks} ..= ceiling {ceiling_chunks}"
+                ),
+            ));
+        }
+        let id = ModelId(self.models.len() as u32);
+        {
+            let mut l = self.ledger.lock();
+            if l.free_chunks < chunks {
+                return Err(Error::OutOfBlocks {
+                    needed: chunks,
+                    free: l.free_chunks,
+                });
+            }
+            l.free_chunks -= chunks;
+            l.granted.push(chunks);
+            l.peak.push(chunks);
+            l.sleeping.push(false);
+            l.names.push(name.clone());
+            self.record(
+                &mut l,
+                Party::Free,
+                Party::Model(id),
+                chunks,
+                MoveReason::Register,
+                0,
+            );
+        }
+        self.models.push(ModelSlot {
+            name,
+            priority: limits.priority,
+            floor_chunks,
+            ceiling_chunks,
+            blocks_per_chunk: bpc,
+            block_bytes: kv.layout().block_bytes(),
+            state: Mutex::new(ModelState {
+                kv,
+                storage,
+                sleeping: false,
+            }),
+        });
+        Ok(id)
+    }
+
+    /// Models registered.
+    pub fn num_models(&self) -> usize {
+        self.models.len()
+    }
+
+    /// A model's name.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an unknown id.
+    pub fn name(&self, id: ModelId) -> Result<&str> {
+        Ok(&self.slot(id)?.name)
+    }
+
+    /// Sets the clock stamped on the events that follow (a scheduler step, say).
+    pub fn set_clock(&self, clock: u64) {
+        self.clock.store(clock, Ordering::Relaxed);
+    }
+
+    /// Locks a model for its scheduler's step (waits for another holder of the same
+    /// model; never for another model).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an unknown id.
+    pub fn lock(&self, id: ModelId) -> Result<ModelGuard<'_, S>> {
+        let slot = self.slot(id)?;
+        Ok(ModelGuard {
+            broker: self,
+            id,
+            state: slot.state.lock(),
+        })
+    }
+
+    /// The ledger now: free, reserved and per-model bytes.
+    pub fn stats(&self) -> BrokerStats {
+        let l = self.ledger.lock();
+        let chunk = self.config.chunk_bytes;
+        BrokerStats {
+            budget_bytes: self.budget_chunks * chunk,
+            free_bytes: l.free_chunks * chunk,
+            reserved_bytes: l.reservations.values().sum::<usize>() * chunk,
+            peak_used_bytes: l.peak_used_chunks * chunk,
+            models: self
+                .models
+                .iter()
+                .enumerate()
+                .map(|(i, m)| ModelBudget {
+                    id: ModelId(i as u32),
+                    name: m.name.clone(),
+                    granted_bytes: l.granted[i] * chunk,
+                    peak_bytes: l.peak[i] * chunk,
+                    floor_bytes: m.floor_chunks * chunk,
+                    ceiling_bytes: m.ceiling_chunks * chunk,
+                    blocks_per_chunk: m.blocks_per_chunk,
+                    block_bytes: m.block_bytes,
+                    sleeping: l.sleeping[i],
+                })
+                .collect(),
+        }
+    }
+
+    /// Every move so far, in order.
+    pub fn events(&self) -> Vec<MoveEvent> {
+        self.ledger.lock().events.clone()
+    }
+
+    /// Asks for `bytes` (rounded up to whole chunks) for a consumer outside the KV
+    /// arenas, within `timeout`: free budget first, then models' free blocks, then
+    /// their prefix caches, lowest priority first, never below a floor. While the
+    /// arenas hold live blocks it retries (every millisecond) as sequences finish.
+    /// Each model is waited for at most a millisecond at a time, so no scheduler waits
+    /// on it longer than one chunk move.
+    ///
+    /// # Errors
+    /// [`Error::ReservationTimeout`] when the bytes were not found in time (whatever
+    /// was found goes back to the free budget); [`Error::OutOfRange`] for 0 bytes or
+    /// more than the budget can ever give (the budget less every floor).
+    pub fn reserve(&self, bytes: usize, timeout: Duration) -> Result<Reservation> {
+        let chunk = self.config.chunk_bytes;
+        let want = bytes.div_ceil(chunk);
+        let floors: usize = self.models.iter().map(|m| m.floor_chunks).sum();
+        if want == 0 || want > self.budget_chunks - floors {
+            return Err(Error::OutOfRange {
+                field: "bytes",
+                value: bytes as f64,
+                allowed: "in (0, budget less the models' floors]",
+            });
+        }
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let id = {
+            let mut l = self.ledger.lock();
+            let id = l.next_reservation;
+            l.next_reservation += 1;
+            l.reservations.insert(id, 0);
+            ReservationId(id)
+        };
+        let to = Party::External(id);
+        let mut got = 0;
+        loop {
+            got += self.take_free(to, want - got, MoveReason::Reserve);
+            for allow_cached in [false, true] {
+                for v in self.victims(None, i32::MAX) {
+                    while got < want {
+                        let Some(mut st) =
+                            self.models[v].state.try_lock_for(Duration::from_millis(1))
+                        else {
+                            break;
+                        };
+                        if !self.take_chunk(v, &mut st, to, allow_cached, MoveReason::Reserve) {
+                            break;
+                        }
+                        got += 1;
+                    }
+                }
+            }
+            if got == want {
+                return Ok(Reservation {
+                    id,
+                    bytes: want * chunk,
+                    broker: self.instance,
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let mut l = self.ledger.lock();
+                l.reservations.remove(&id.0);
+                l.free_chunks += got;
+                if got > 0 {
+                    self.record(&mut l, to, Party::Free, got, MoveReason::Release, 0);
+                }
+                return Err(Error::ReservationTimeout {
+                    requested: bytes,
+                    found: got * chunk,
+                    waited_ms: (now - start).as_millis() as u64,
+                });
+            }
+            std::thread::sleep((deadline - now).min(Duration::from_millis(1)));
+        }
+    }
+
+    /// Gives an external reservation's bytes back to the free budget.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a reservation of another broker (nothing changed).
+    pub fn release(&self, reservation: Reservation) -> Result<()> {
+        if reservation.broker != self.instance {
+            return Err(Error::config(
+                "reservation",
+                "the reservation was made by another broker",
+            ));
+        }
+        let mut l = self.ledger.lock();
+        let chunks = l.reservations.remove(&reservation.id.0).ok_or_else(|| {
+            Error::config("reservation", "unknown reservation (already released)")
+        })?;
+        l.free_chunks += chunks;
+        self.record(
+            &mut l,
+            Party::External(reservation.id),
+            Party::Free,
+            chunks,
+            MoveReason::Release,
+            0,
+        );
+        Ok(())
+    }
+
+    /// Puts a model to sleep: optionally swaps its resident sequences out to the host
+    /// tier, evicts its prefix cache, and shrinks its arena to the floor; the chunks go
+    /// to the free budget ([`MoveReason::Sleep`]). A sleeping model does not grow until
+    /// [`Self::wake`]. Returns the bytes given back. Waits for the model's lock.
+    ///
+    /// Unreferenced prefix-cache blocks are evicted, not spilled: the manager's host
+    /// tier holds swapped sequences, not cached blocks without an owner.
+    ///
+    /// # Errors
+    /// [`Error::ShrinkBelowResident`] when the live blocks do not fit the floor and
+    /// `swap_out_sequences` is off (nothing changed); the swap's errors
+    /// ([`Error::TierFull`]...; nothing changed); the storage's errors.
+    pub fn sleep(&self, id: ModelId, opts: SleepOptions) -> Result<usize> {
+        let slot = self.slot(id)?;
+        let mut st = slot.state.lock();
+        self.check_arena(id.0 as usize, &st)?;
+        let floor_blocks = slot.floor_chunks * slot.blocks_per_chunk;
+        let st = &mut *st;
+        if opts.swap_out_sequences {
+            let seqs: Vec<SeqId> = st
+                .kv
+                .sequence_ids()
+                .filter(|s| st.kv.swap_in_flight(*s).is_none())
+                .collect();
+            if !seqs.is_empty() {
+                let job = st.kv.swap_out_group(&seqs)?;
+                if let Err(e) = st.storage.swap(&job.plan) {
+                    st.kv.abort_swap(job.ticket)?;
+                    return Err(e);
+                }
+                st.kv.complete_swap(job.ticket)?;
+            }
+        }
+        let live = st.kv.stats().used_blocks;
+        if live > floor_blocks {
+            return Err(Error::ShrinkBelowResident {
+                requested: floor_blocks,
+                live,
+                cached: st.kv.stats().cached_blocks,
+            });
+        }
+        st.kv.evict_cached(usize::MAX);
+        let before = st.kv.num_blocks();
+        let moved = if before > floor_blocks {
+            shrink_to(&mut st.kv, floor_blocks, &mut st.storage)?.len()
+        } else {
+            0
+        };
+        let chunks = (before - floor_blocks.min(before)) / slot.blocks_per_chunk;
+        st.sleeping = true;
+        let mut l = self.ledger.lock();
+        l.sleeping[id.0 as usize] = true;
+        l.granted[id.0 as usize] -= chunks;
+        l.free_chunks += chunks;
+        if chunks > 0 {
+            self.record(
+                &mut l,
+                Party::Model(id),
+                Party::Free,
+                chunks,
+                MoveReason::Sleep,
+                moved,
+            );
+        }
+        Ok(chunks * self.config.chunk_bytes)
+    }
+
+    /// Wakes a model and grows it back toward `bytes` (whole chunks, up to its
+    /// ceiling) the way [`ModelGuard::ensure_available`] does ([`MoveReason::Wake`]).
+    /// Swapped-out sequences stay swapped out: the scheduler swaps them in. Returns
+    /// the bytes the model holds afterwards. Waits for the model's lock.
+    ///
+    /// # Errors
+    /// As [`ModelGuard::ensure_available`].
+    pub fn wake(&self, id: ModelId, bytes: usize) -> Result<usize> {
+        let slot = self.slot(id)?;
+        let mut st = slot.state.lock();
+        st.sleeping = false;
+        let granted = {
+            let mut l = self.ledger.lock();
+            l.sleeping[id.0 as usize] = false;
+            l.granted[id.0 as usize]
+        };
+        let target = (bytes / self.config.chunk_bytes).min(slot.ceiling_chunks);
+        if target > granted {
+            self.acquire_for_model(id, &mut st, target - granted, MoveReason::Wake)?;
+        }
+        Ok(self.ledger.lock().granted[id.0 as usize] * self.config.chunk_bytes)
+    }
+
+    /// Checks the broker's invariants, locking every model in turn (for tests and
+    /// debugging): the ledger sums to the budget, every model is within `[floor,
+    /// ceiling]` and its arena and storage hold exactly its granted chunks, and each
+    /// manager's own invariants hold.
+    ///
+    /// # Errors
+    /// A description of the first violation.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let guards: Vec<_> = self.models.iter().map(|m| m.state.lock()).collect();
+        let l = self.ledger.lock();
+        let granted: usize = l.granted.iter().sum();
+        let reserved: usize = l.reservations.values().sum();
+        if granted + reserved + l.free_chunks != self.budget_chunks {
+            return Err(format!(
+                "ledger: granted {granted} + reserved {reserved} + free {} != budget {}",
+                l.free_chunks, self.budget_chunks
+            ));
+        }
+        for (i, (m, st)) in self.models.iter().zip(&guards).enumerate() {
+            let g = l.granted[i];
+            if g < m.floor_chunks || g > m.ceiling_chunks {
+                return Err(format!(
+                    "{}: {g} chunks outside [{}, {}]",
+                    m.name, m.floor_chunks, m.ceiling_chunks
+                ));
+            }
+            let blocks = g * m.blocks_per_chunk;
+            if st.kv.num_blocks() != blocks || st.storage.num_blocks() != blocks {
+                return Err(format!(
+                    "{}: {g} chunks are {blocks} blocks, manager has {}, storage {}",
+                    m.name,
+                    st.kv.num_blocks(),
+                    st.storage.num_blocks()
+                ));
+            }
+            if st.kv.num_blocks() * m.block_bytes > g * self.config.chunk_bytes {
+                return Err(format!("{}: arena bytes exceed its chunks", m.name));
+            }
+            st.kv
+                .check_invariants()
+                .map_err(|e| format!("{}: {e}", m.name))?;
+        }
+        let events_sum = self.ledger_sums_from_events(&l);
+        if events_sum != l.granted {
+            return Err(format!(
+                "event log replays to {events_sum:?} chunks, ledger has {:?}",
+                l.granted
+            ));
+        }
+        Ok(())
+    }
+
+    /// The per-model chunk counts the event log replays to.
+    fn ledger_sums_from_events(&self, l: &Ledger) -> Vec<usize> {
+        let mut per = vec![0isize; self.models.len()];
+        for e in &l.events {
+            let chunks = (e.bytes / self.config.chunk_bytes) as isize;
+            if let Party::Model(m) = e.from {
+                per[m.0 as usize] -= chunks;
+            }
+            if let Party::Model(m) = e.to {
+                per[m.0 as usize] += chunks;
+            }
+        }
+        per.into_iter().map(|c| c.max(0) as usize).collect()
+    }
+
+    /// An SVG picture of the bytes each model and the external reservations held over
+    /// the broker's clock, one step line each, with a marker per move (its tooltip
+    /// says who gave, who took, bytes and why) and the budget as a dashed line.
+    pub fn events_svg(&self, title: &str) -> String {
+        let events = self.events();
+        let names: Vec<String> = self.models.iter().map(|m| m.name.clone()).collect();
+        svg::render(
+            title,
+            &names,
+            &events,
+            self.budget_chunks * self.config.chunk_bytes,
+        )
+    }
+
+    // ---- internals ----------------------------------------------------------------
+
+    fn slot(&self, id: ModelId) -> Result<&ModelSlot<S>> {
+        self.models.get(id.0 as usize).ok_or_else(|| {
+            Error::config(
+                "model",
+                format!("{id} is not registered ({} models)", self.models.len()),
+            )
+        })
+    }
+
+    /// Fails when the model's arena differs from its granted chunks.
+    fn check_arena(&self, v: usize, st: &ModelState<S>) -> Result<()> {
+        let expected = self.ledger.lock().granted[v] * self.models[v].blocks_per_chunk;
+        for got in [st.kv.num_blocks(), st.storage.num_blocks()] {
+            if got != expected {
+                return Err(Error::ShapeMismatch {
+                    what: "arena blocks against the broker's ledger",
+                    expected,
+                    got,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Models other than `except`, lowest priority first, then most chunks above the
+    /// floor first; only those whose priority is at most `max_priority`.
+    fn victims(&self, except: Option<ModelId>, max_priority: i32) -> Vec<usize> {
+        let spare: Vec<usize> = {
+            let l = self.ledger.lock();
+            self.models
+                .iter()
+                .enumerate()
+                .map(|(i, m)| l.granted[i].saturating_sub(m.floor_chunks))
+                .collect()
+        };
+        let mut v: Vec<usize> = (0..self.models.len())
+            .filter(|&i| Some(ModelId(i as u32)) != except)
+            .filter(|&i| spare[i] > 0 && self.models[i].priority <= max_priority)
+            .collect();
+        v.sort_by_key(|&i| (self.models[i].priority, std::cmp::Reverse(spare[i]), i));
+        v
+    }
+
+    /// Moves up to `chunks` chunks from the free budget to `to`; returns how many.
+    fn take_free(&self, to: Party, chunks: usize, reason: MoveReason) -> usize {
+        let mut l = self.ledger.lock();
+        let n = chunks.min(l.free_chunks);
+        if n > 0 {
+            l.free_chunks -= n;
+            match to {
+                Party::Model(m) => l.granted[m.0 as usize] += n,
+                Party::External(r) => *l.reservations.entry(r.0).or_insert(0) += n,
+                Party::Free => l.free_chunks += n,
+            }
+            self.record(&mut l, Party::Free, to, n, reason, 0);
+        }
+        n
+    }
+
+    /// Gets `want` chunks for model `id` (whose lock the caller holds as `st`), up to
+    /// its ceiling, and grows its arena over them.
+    fn acquire_for_model(
+        &self,
+        id: ModelId,
+        st: &mut ModelState<S>,
+        want: usize,
+        reason: MoveReason,
+    ) -> Result<()> {
+        let me = id.0 as usize;
+        let slot = &self.models[me];
+        self.check_arena(me, st)?;
+        let room = slot
+            .ceiling_chunks
+            .saturating_sub(self.ledger.lock().granted[me]);
+        let want = want.min(room);
+        let to = Party::Model(id);
+        let mut got = self.take_free(to, want, reason);
+        for allow_cached in [false, true] {
+            let max_priority = if allow_cached {
+                slot.priority
+            } else {
+                i32::MAX
+            };
+            for v in self.victims(Some(id), max_priority) {
+                while got < want {
+                    let Some(mut other) = self.models[v].state.try_lock() else {
+                        break;
+                    };
+                    if !self.take_chunk(v, &mut other, to, allow_cached, reason) {
+                        break;
+                    }
+                    got += 1;
+                }
+            }
+        }
+        if got == 0 {
+            return Ok(());
+        }
+        let blocks = self.ledger.lock().granted[me] * slot.blocks_per_chunk;
+        if let Err(e) = grow_to(&mut st.kv, blocks, &mut st.storage) {
+            let mut l = self.ledger.lock();
+            l.granted[me] -= got;
+            l.free_chunks += got;
+            self.record(&mut l, to, Party::Free, got, MoveReason::GrowFailed, 0);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Shrinks model `v` (locked by the caller as `st`) by one chunk and hands the
+    /// chunk to `to`: from its free blocks, keeping `keep_free_chunks` of them, or,
+    /// when `allow_cached`, after evicting cached blocks. Returns false, changing
+    /// nothing in the ledger, when the model cannot give a chunk now.
+    fn take_chunk(
+        &self,
+        v: usize,
+        st: &mut ModelState<S>,
+        to: Party,
+        allow_cached: bool,
+        reason: MoveReason,
+    ) -> bool {
+        let slot = &self.models[v];
+        let bpc = slot.blocks_per_chunk;
+        let granted = self.ledger.lock().granted[v];
+        if granted <= slot.floor_chunks || self.check_arena(v, st).is_err() {
+            return false;
+        }
+        let keep = if st.sleeping {
+            0
+        } else {
+            self.config.keep_free_chunks * bpc
+        };
+        let need_free = bpc + keep;
+        let free = st.kv.stats().free_blocks;
+        let mut why = if reason == MoveReason::Grow {
+            MoveReason::TakeIdle
+        } else {
+            reason
+        };
+        if free < need_free {
+            if !allow_cached {
+                return false;
+            }
+            let evicted = st.kv.evict_cached(need_free - free);
+            if free + evicted < need_free {
+                return false;
+            }
+            if reason == MoveReason::Grow {
+                why = MoveReason::TakeCached;
+            }
+        }
+        let target = st.kv.num_blocks() - bpc;
+        let moved = match shrink_to(&mut st.kv, target, &mut st.storage) {
+            Ok(plan) => plan.len(),
+            Err(_) => return false,
+        };
+        let mut l = self.ledger.lock();
+        l.granted[v] -= 1;
+        match to {
+            Party::Model(m) => l.granted[m.0 as usize] += 1,
+            Party::External(r) => *l.reservations.entry(r.0).or_insert(0) += 1,
+            Party::Free => l.free_chunks += 1,
+        }
+        self.record(&mut l, Party::Model(ModelId(v as u32)), to, 1, why, moved);
+        true
+    }
+
+    /// Appends an event, updates the peaks and publishes the move on the `metrics`
+    /// facade. The caller holds the ledger lock and has already moved the chunks.
+    fn record(
+        &self,
+        l: &mut Ledger,
+        from: Party,
+        to: Party,
+        chunks: usize,
+        reason: MoveReason,
+        moved_blocks: usize,
+    ) {
+        let chunk = self.config.chunk_bytes;
+        let bytes = chunks * chunk;
+        let seq = l.events.len() as u64;
+        l.events.push(MoveEvent {
+            seq,
+            clock: self.clock.load(Ordering::Relaxed),
+            from,
+            to,
+            bytes,
+            reason,
+            moved_blocks,
+        });
+        for i in 0..l.granted.len() {
+            l.peak[i] = l.peak[i].max(l.granted[i]);
+        }
+        l.peak_used_chunks = l.peak_used_chunks.max(self.budget_chunks - l.free_chunks);
+        let label = |p: Party| match p {
+            Party::Free => "free".to_string(),
+            Party::External(_) => "external".to_string(),
+            Party::Model(m) => l
+                .names
+                .get(m.0 as usize)
+                .cloned()
+                .unwrap_or_else(|| m.to_string()),
+        };
+        let (f, t) = (label(from), label(to));
+        ::metrics::counter!(metric_names::MOVED_BYTES, "from" => f.clone(), "to" => t.clone(), "reason" => reason.name())
+            .increment(bytes as u64);
+        ::metrics::counter!(metric_names::MOVES, "from" => f, "to" => t, "reason" => reason.name())
+            .increment(1);
+        for p in [from, to] {
+            if let Party::Model(m) = p {
+                let g = l.granted.get(m.0 as usize).copied().unwrap_or(0);
+                ::metrics::gauge!(metric_names::GRANTED_BYTES, "model" => label(p))
+                    .set((g * chunk) as f64);
+            }
+        }
+        ::metrics::gauge!(metric_names::FREE_BYTES).set((l.free_chunks * chunk) as f64);
+        let reserved: usize = l.reservations.values().sum();
+        ::metrics::gauge!(metric_names::RESERVED_BYTES).set((reserved * chunk) as f64);
+    }
+}

@@ -1,0 +1,566 @@
+//! The memory broker, model-based: random actions on three models of different shapes
+//! and block sizes sharing one budget, external reservations, sleep and wake; after
+//! every step the broker's invariants (budget never exceeded, no model below its floor
+//! or above its ceiling, every chunk accounted for, event log replaying to the ledger)
+//! and every live token's K/V read back byte for byte from `HostStorage` (so the data
+//! survives every shrink, with its block moves, and every grow).
+//! Plus a concurrency stress: a thread per model scheduling while another reserves and
+//! releases external bytes, bounded in time.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pagedkv::broker::{
+    Broker, BrokerConfig, ModelGuard, ModelId, ModelLimits, MoveReason, Party, SleepOptions,
+};
+use pagedkv::{
+    AdmitOptions, CopyPlan, DType, Error, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId,
+    Slot, Storage,
+};
+use proptest::prelude::*;
+use proptest::strategy::ValueTree;
+
+const CHUNK: usize = 1024;
+
+/// Three shapes: 256-byte blocks of 4 tokens (4 per chunk), 1 KiB blocks of 8 tokens
+/// (1 per chunk), 192-byte blocks of 2 tokens (5 per chunk, 64 bytes of each chunk
+/// unused).
+fn layouts() -> [KvLayout; 3] {
+    let shape = |layers, heads, dim, dtype| ModelShape {
+        num_layers: layers,
+        num_q_heads: heads,
+        num_kv_heads: heads,
+        head_dim: dim,
+        kv_dtype: dtype,
+    };
+    [
+        KvLayout::new(shape(2, 1, 8, DType::F16), 4).unwrap(),
+        KvLayout::new(shape(1, 2, 8, DType::F32), 8).unwrap(),
+        KvLayout::new(shape(3, 1, 4, DType::F32), 2).unwrap(),
+    ]
+}
+
+fn broker(budget_chunks: usize, floors: [usize; 3]) -> (Broker<HostStorage>, Vec<ModelId>) {
+    let mut b = Broker::new(BrokerConfig::new(budget_chunks * CHUNK, CHUNK)).unwrap();
+    let mut ids = Vec::new();
+    for (i, layout) in layouts().into_iter().enumerate() {
+        let bpc = b.blocks_per_chunk(&layout).unwrap();
+        let blocks = floors[i] * bpc;
+        let kv = KvCacheManager::builder(layout)
+            .num_blocks(blocks)
+            .watermark_blocks(0)
+            .build()
+            .unwrap();
+        let storage = HostStorage::new(layout, blocks).unwrap();
+        let limits =
+            ModelLimits::new(floors[i] * CHUNK, budget_chunks * CHUNK / 2).with_priority(i as i32);
+        ids.push(b.register(format!("m{i}"), kv, storage, limits).unwrap());
+    }
+    (b, ids)
+}
+
+/// The byte pattern of one token's K (kind 0) or V (kind 1) in one layer: a function
+/// of the token id and position, so a block shared through the prefix cache holds the
+/// same bytes whoever wrote it.
+fn token_bytes(
+    layout: &KvLayout,
+    token: u32,
+    pos: usize,
+    layer: usize,
+    kind: u64,
+    out: &mut Vec<u8>,
+) {
+    let n = layout.shape().num_kv_heads * layout.shape().head_dim * layout.dtype().size_bytes();
+    let mut z = (u64::from(token) << 32) ^ (pos as u64) << 8 ^ (layer as u64) << 2 ^ kind;
+    for _ in 0..n {
+        z = z
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            .wrapping_add(0x632b_e59b_d9b4_e019);
+        out.push((z >> 56) as u8);
+    }
+}
+
+fn write_tokens(storage: &mut HostStorage, tokens: &[u32], first_pos: usize, slots: &[Slot]) {
+    let layout = *storage.layout();
+    for layer in 0..layout.num_layers() {
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for (i, &t) in tokens.iter().enumerate() {
+            token_bytes(&layout, t, first_pos + i, layer, 0, &mut k);
+            token_bytes(&layout, t, first_pos + i, layer, 1, &mut v);
+        }
+        storage.write_slots(layer, slots, &k, &v).unwrap();
+    }
+}
+
+fn check_tokens(kv: &KvCacheManager, storage: &HostStorage, seq: SeqId, tokens: &[u32]) {
+    let layout = *storage.layout();
+    let table = kv.block_table(seq).unwrap();
+    for layer in 0..layout.num_layers() {
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for (i, &t) in tokens.iter().enumerate() {
+            token_bytes(&layout, t, i, layer, 0, &mut k);
+            token_bytes(&layout, t, i, layer, 1, &mut v);
+        }
+        let (mut rk, mut rv) = (vec![0; k.len()], vec![0; v.len()]);
+        storage
+            .read_tokens(layer, table, tokens.len(), &mut rk, &mut rv)
+            .unwrap();
+        assert!(rk == k && rv == v, "{seq} layer {layer}: K/V bytes changed");
+    }
+}
+
+/// Admits `tokens` as `seq`, asking the broker for the blocks first; writes the K/V of
+/// the tokens the prefix cache did not hold. Returns whether it was admitted.
+fn admit(g: &mut ModelGuard<'_, HostStorage>, seq: SeqId, tokens: &[u32]) -> bool {
+    let need = g.kv().layout().blocks_for_tokens(tokens.len());
+    g.ensure_available(need).unwrap();
+    let mut slots = Vec::new();
+    let (kv, storage) = g.parts_mut();
+    match kv.admit_tokens(seq, tokens, &AdmitOptions::default(), &mut slots) {
+        Ok(a) => {
+            write_tokens(storage, &tokens[a.cached_tokens..], a.cached_tokens, &slots);
+            true
+        }
+        Err(Error::OutOfBlocks { .. }) | Err(Error::TooLong { .. }) => false,
+        Err(e) => panic!("admit: {e}"),
+    }
+}
+
+fn append(
+    g: &mut ModelGuard<'_, HostStorage>,
+    seq: SeqId,
+    have: &mut Vec<u32>,
+    new: &[u32],
+) -> bool {
+    // At most one block per token plus the partly filled last one.
+    let need = new.len().div_ceil(g.kv().block_size()) + 1;
+    g.ensure_available(need).unwrap();
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
+    let (kv, storage) = g.parts_mut();
+    match kv.append_tokens(seq, new, &mut slots, &mut copies) {
+        Ok(_) => {
+            storage.copy_blocks(&copies).unwrap();
+            write_tokens(storage, new, have.len(), &slots);
+            have.extend_from_slice(new);
+            true
+        }
+        Err(Error::OutOfBlocks { .. }) | Err(Error::TooLong { .. }) => false,
+        Err(e) => panic!("append: {e}"),
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Action {
+    /// A prompt of `len` tokens whose first 8 come from one of 3 shared prefixes.
+    Admit {
+        model: usize,
+        prefix: u32,
+        len: usize,
+    },
+    Append {
+        model: usize,
+        pick: usize,
+        n: usize,
+    },
+    Free {
+        model: usize,
+        pick: usize,
+    },
+    Ensure {
+        model: usize,
+        blocks: usize,
+    },
+    Reserve {
+        chunks: usize,
+    },
+    Release {
+        pick: usize,
+    },
+    Sleep {
+        model: usize,
+        swap_out: bool,
+    },
+    Wake {
+        model: usize,
+        chunks: usize,
+    },
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        4 => (0..3usize, 0..3u32, 1..40usize).prop_map(|(model, prefix, len)| Action::Admit { model, prefix, len }),
+        3 => (0..3usize, any::<usize>(), 1..12usize).prop_map(|(model, pick, n)| Action::Append { model, pick, n }),
+        3 => (0..3usize, any::<usize>()).prop_map(|(model, pick)| Action::Free { model, pick }),
+        1 => (0..3usize, 1..40usize).prop_map(|(model, blocks)| Action::Ensure { model, blocks }),
+        1 => (1..6usize).prop_map(|chunks| Action::Reserve { chunks }),
+        1 => any::<usize>().prop_map(|pick| Action::Release { pick }),
+        1 => (0..3usize, any::<bool>()).prop_map(|(model, swap_out)| Action::Sleep { model, swap_out }),
+        1 => (0..3usize, 1..12usize).prop_map(|(model, chunks)| Action::Wake { model, chunks }),
+    ]
+}
+
+/// The shadow model: every live sequence's tokens, per model.
+type Shadow = [BTreeMap<SeqId, Vec<u32>>; 3];
+
+fn check_all(b: &Broker<HostStorage>, ids: &[ModelId], shadow: &Shadow) {
+    b.check_invariants().unwrap();
+    for (m, seqs) in shadow.iter().enumerate() {
+        let g = b.lock(ids[m]).unwrap();
+        for (seq, tokens) in seqs {
+            if !g.kv().is_swapped(*seq) {
+                check_tokens(g.kv(), g.storage(), *seq, tokens);
+            }
+        }
+    }
+    let stats = b.stats();
+    let granted: usize = stats.models.iter().map(|m| m.granted_bytes).sum();
+    assert_eq!(
+        granted + stats.reserved_bytes + stats.free_bytes,
+        stats.budget_bytes
+    );
+    for m in &stats.models {
+        assert!(
+            m.granted_bytes >= m.floor_bytes,
+            "{} below its floor",
+            m.name
+        );
+    }
+}
+
+fn run(actions: Vec<Action>) {
+    let (b, ids) = broker(40, [2, 2, 2]);
+    let mut shadow: Shadow = Default::default();
+    let mut reservations = Vec::new();
+    let mut next_seq = 0u64;
+    let mut next_token = 1000u32;
+    for a in actions {
+        match a {
+            Action::Admit { model, prefix, len } => {
+                let mut tokens: Vec<u32> = (0..8).map(|i| prefix * 100 + i).collect();
+                tokens.extend((0..len).map(|_| {
+                    next_token += 1;
+                    next_token
+                }));
+                let seq = SeqId(next_seq);
+                next_seq += 1;
+                let mut g = b.lock(ids[model]).unwrap();
+                if admit(&mut g, seq, &tokens) {
+                    shadow[model].insert(seq, tokens);
+                }
+            }
+            Action::Append { model, pick, n } => {
+                let Some((&seq, _)) = shadow[model].iter().nth(pick % shadow[model].len().max(1))
+                else {
+                    continue;
+                };
+                let mut g = b.lock(ids[model]).unwrap();
+                if g.kv().is_swapped(seq) {
+                    continue;
+                }
+                let new: Vec<u32> = (0..n)
+                    .map(|_| {
+                        next_token += 1;
+                        next_token
+                    })
+                    .collect();
+                let have = shadow[model].get_mut(&seq).unwrap();
+                append(&mut g, seq, have, &new);
+            }
+            Action::Free { model, pick } => {
+                let Some((&seq, _)) = shadow[model].iter().nth(pick % shadow[model].len().max(1))
+                else {
+                    continue;
+                };
+                let mut g = b.lock(ids[model]).unwrap();
+                g.kv_mut().free(seq).unwrap();
+                shadow[model].remove(&seq);
+            }
+            Action::Ensure { model, blocks } => {
+                let mut g = b.lock(ids[model]).unwrap();
+                let before = g.kv().num_available_blocks();
+                let after = g.ensure_available(blocks).unwrap();
+                assert!(after >= before.min(blocks));
+            }
+            Action::Reserve { chunks } => match b.reserve(chunks * CHUNK - 1, Duration::ZERO) {
+                Ok(r) => {
+                    assert_eq!(r.bytes(), chunks * CHUNK);
+                    reservations.push(r);
+                }
+                Err(Error::ReservationTimeout { found, .. }) => assert!(found < chunks * CHUNK),
+                Err(Error::OutOfRange { .. }) => {}
+                Err(e) => panic!("reserve: {e}"),
+            },
+            Action::Release { pick } => {
+                if !reservations.is_empty() {
+                    let r = reservations.swap_remove(pick % reservations.len());
+                    b.release(r).unwrap();
+                }
+            }
+            Action::Sleep { model, swap_out } => {
+                let opts = SleepOptions {
+                    swap_out_sequences: swap_out,
+                };
+                match b.sleep(ids[model], opts) {
+                    Ok(_) => assert!(b.lock(ids[model]).unwrap().is_sleeping()),
+                    // Live blocks over the floor without swapping, or a host tier
+                    // these models do not have.
+                    Err(Error::ShrinkBelowResident { .. }) | Err(Error::TierFull { .. }) => {}
+                    Err(e) => panic!("sleep: {e}"),
+                }
+            }
+            Action::Wake { model, chunks } => {
+                b.wake(ids[model], chunks * CHUNK).unwrap();
+            }
+        }
+        check_all(&b, &ids, &shadow);
+    }
+    for r in reservations {
+        b.release(r).unwrap();
+    }
+    check_all(&b, &ids, &shadow);
+    tally(&b.events());
+}
+
+/// Moves of each kind over every case, so a run shows which paths it exercised.
+static TALLY: std::sync::Mutex<[usize; 4]> = std::sync::Mutex::new([0; 4]);
+
+fn tally(events: &[pagedkv::broker::MoveEvent]) {
+    let mut t = TALLY.lock().unwrap();
+    for e in events {
+        match e.reason {
+            MoveReason::TakeIdle => t[0] += 1,
+            MoveReason::TakeCached => t[1] += 1,
+            _ => {}
+        }
+        t[2] += e.moved_blocks;
+        t[3] +=
+            usize::from(matches!(e.to, Party::External(_)) && matches!(e.from, Party::Model(_)));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #[test]
+    fn broker_keeps_budget_floors_and_bytes(actions in prop::collection::vec(action(), 1..80)) {
+        run(actions);
+    }
+}
+
+#[test]
+fn the_property_run_exercises_every_move() {
+    // Runs the property above on a fixed set of seeds' worth of cases and checks that
+    // each kind of move happened in some case (taking idle and cached memory, block
+    // moves during a shrink, reservations served from an arena).
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = prop::collection::vec(action(), 40..80);
+    for _ in 0..40 {
+        run(strategy.new_tree(&mut runner).unwrap().current());
+    }
+    let t = *TALLY.lock().unwrap();
+    eprintln!(
+        "take_idle {}, take_cached {}, blocks moved {}, arena->reservation {}",
+        t[0], t[1], t[2], t[3]
+    );
+    assert!(t.iter().all(|&n| n > 0), "{t:?}");
+}
+
+#[test]
+fn a_model_under_pressure_takes_idle_then_cached_memory() {
+    let (b, ids) = broker(12, [2, 2, 2]);
+    // 6 chunks are free; model 0 grows to its ceiling of 6 chunks (of 4 blocks).
+    let mut g = b.lock(ids[0]).unwrap();
+    assert_eq!(g.ensure_available(1000).unwrap(), 6 * 4);
+    drop(g);
+    // Model 2 (priority 2) fills its prefix cache, then frees: cached blocks.
+    let mut g2 = b.lock(ids[2]).unwrap();
+    let tokens: Vec<u32> = (0..20).collect();
+    assert!(admit(&mut g2, SeqId(1), &tokens));
+    g2.kv_mut().free(SeqId(1)).unwrap();
+    assert!(g2.kv().stats().cached_blocks > 0);
+    drop(g2);
+    // Model 1 needs 3 more chunks: the 2 free ones, then model 0's idle memory; model
+    // 2's cache is not touched (idle memory goes first, and its priority is higher).
+    let mut g1 = b.lock(ids[1]).unwrap();
+    assert_eq!(g1.ensure_available(5).unwrap(), 5);
+    drop(g1);
+    let events = b.events();
+    assert!(events.iter().any(|e| e.reason == MoveReason::TakeIdle
+        && e.from == Party::Model(ids[0])
+        && e.to == Party::Model(ids[1])));
+    assert!(!events.iter().any(|e| e.reason == MoveReason::TakeCached));
+    b.check_invariants().unwrap();
+    let svg = b.events_svg("moves");
+    assert!(svg.starts_with("<svg") && svg.contains("take_idle"));
+}
+
+#[test]
+fn reservation_times_out_with_a_typed_error_and_gives_back() {
+    let (b, ids) = broker(8, [2, 2, 2]);
+    // Everything but the floors is free: 2 chunks.
+    let r = b.reserve(2 * CHUNK, Duration::from_millis(10)).unwrap();
+    let before = b.stats();
+    let err = b.reserve(CHUNK, Duration::from_millis(20)).unwrap_err();
+    assert!(
+        matches!(err, Error::ReservationTimeout { found: 0, .. }),
+        "{err}"
+    );
+    assert_eq!(b.stats().free_bytes, before.free_bytes);
+    // Beyond the budget less the floors: refused at once.
+    assert!(matches!(
+        b.reserve(3 * CHUNK, Duration::from_secs(10)),
+        Err(Error::OutOfRange { .. })
+    ));
+    b.release(r).unwrap();
+    assert_eq!(b.stats().free_bytes, 2 * CHUNK);
+    // Sleeping model 0 (empty) gives nothing (at its floor); waking grows it back.
+    b.sleep(ids[0], SleepOptions::default()).unwrap();
+    assert_eq!(b.wake(ids[0], 4 * CHUNK).unwrap(), 4 * CHUNK);
+    b.check_invariants().unwrap();
+}
+
+#[test]
+fn sleep_swaps_sequences_out_and_shrinks_to_the_floor() {
+    let mut b = Broker::new(BrokerConfig::new(16 * CHUNK, CHUNK)).unwrap();
+    let layout = layouts()[0];
+    let kv = KvCacheManager::builder(layout)
+        .num_blocks(32)
+        .watermark_blocks(0)
+        .tiers(pagedkv::TierConfig {
+            num_host_blocks: 64,
+            ..Default::default()
+        })
+        .build()
+        .unwrap();
+    let storage = HostStorage::with_host_tier(layout, 32, 64).unwrap();
+    let id = b
+        .register("m", kv, storage, ModelLimits::new(CHUNK, 16 * CHUNK))
+        .unwrap();
+    let mut g = b.lock(id).unwrap();
+    let tokens: Vec<u32> = (0..60).collect();
+    assert!(admit(&mut g, SeqId(7), &tokens));
+    drop(g);
+    // 15 live blocks do not fit the floor of 4 blocks without swapping.
+    assert!(matches!(
+        b.sleep(id, SleepOptions::default()),
+        Err(Error::ShrinkBelowResident { .. })
+    ));
+    let given = b
+        .sleep(
+            id,
+            SleepOptions {
+                swap_out_sequences: true,
+            },
+        )
+        .unwrap();
+    assert_eq!(given, 7 * CHUNK);
+    b.check_invariants().unwrap();
+    // Wake, swap back in, and the bytes are the ones written.
+    b.wake(id, 8 * CHUNK).unwrap();
+    let mut g = b.lock(id).unwrap();
+    let (kv, storage) = g.parts_mut();
+    let job = kv.swap_in(SeqId(7)).unwrap();
+    storage.swap(&job.plan).unwrap();
+    kv.complete_swap(job.ticket).unwrap();
+    check_tokens(g.kv(), g.storage(), SeqId(7), &tokens);
+}
+
+#[test]
+fn concurrent_schedulers_and_reservations() {
+    let (b, ids) = broker(48, [2, 2, 2]);
+    let b = Arc::new(b);
+    let stop = Arc::new(AtomicBool::new(false));
+    let run_for = Duration::from_millis(1500);
+    let mut handles = Vec::new();
+    for (m, &id) in ids.iter().enumerate() {
+        let (b, stop) = (Arc::clone(&b), Arc::clone(&stop));
+        handles.push(std::thread::spawn(move || {
+            let mut live: BTreeMap<SeqId, Vec<u32>> = BTreeMap::new();
+            let mut rng = 0x1234_5678_u64 + m as u64;
+            let mut next = 0u64;
+            let mut steps = 0u64;
+            let mut max_wait = Duration::ZERO;
+            while !stop.load(Ordering::Relaxed) {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let t0 = Instant::now();
+                let mut g = b.lock(id).unwrap();
+                max_wait = max_wait.max(t0.elapsed());
+                // The load shifts: each model is busy a third of the time.
+                let busy =
+                    (t0.elapsed().as_millis() as u64 / 100 + m as u64) % 3 == 0 || rng % 4 == 0;
+                if busy || live.is_empty() {
+                    let seq = SeqId(next);
+                    next += 1;
+                    let tokens: Vec<u32> = (0..(rng % 24 + 1) as u32)
+                        .map(|i| i + (next as u32) * 64)
+                        .collect();
+                    if admit(&mut g, seq, &tokens) {
+                        live.insert(seq, tokens);
+                    }
+                }
+                let seqs: Vec<SeqId> = live.keys().copied().collect();
+                for seq in seqs {
+                    let have = live.get_mut(&seq).unwrap();
+                    let t = have.len() as u32 + 7_000_000;
+                    append(&mut g, seq, have, &[t]);
+                }
+                if live.len() > 6 || (!busy && !live.is_empty()) {
+                    let (&seq, tokens) = live.iter().next().unwrap();
+                    check_tokens(g.kv(), g.storage(), seq, tokens);
+                    g.kv_mut().free(seq).unwrap();
+                    live.remove(&seq);
+                }
+                drop(g);
+                steps += 1;
+                std::thread::yield_now();
+            }
+            let g = b.lock(id).unwrap();
+            for (seq, tokens) in &live {
+                check_tokens(g.kv(), g.storage(), *seq, tokens);
+            }
+            (steps, max_wait)
+        }));
+    }
+    let reserver = {
+        let (b, stop) = (Arc::clone(&b), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let (mut ok, mut timed_out) = (0, 0);
+            let mut n = 1usize;
+            while !stop.load(Ordering::Relaxed) {
+                n = n % 8 + 1;
+                match b.reserve(n * CHUNK, Duration::from_millis(5)) {
+                    Ok(r) => {
+                        ok += 1;
+                        std::thread::sleep(Duration::from_millis(2));
+                        b.release(r).unwrap();
+                    }
+                    Err(Error::ReservationTimeout { .. }) => timed_out += 1,
+                    Err(e) => panic!("reserve: {e}"),
+                }
+            }
+            (ok, timed_out)
+        })
+    };
+    let start = Instant::now();
+    while start.elapsed() < run_for {
+        std::thread::sleep(Duration::from_millis(100));
+        b.check_invariants().unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    for (m, h) in handles.into_iter().enumerate() {
+        let (steps, max_wait) = h.join().unwrap();
+        eprintln!("model {m}: {steps} steps, longest wait for its own lock {max_wait:?}");
+        assert!(steps > 0);
+    }
+    let (ok, timed_out) = reserver.join().unwrap();
+    eprintln!("reservations: {ok} granted, {timed_out} timed out");
+    b.check_invariants().unwrap();
+    let stats = b.stats();
+    assert_eq!(stats.reserved_bytes, 0);
+    let events = b.events();
+    assert!(events.iter().any(|e| e.reason == MoveReason::Reserve));
+    assert!(ok > 0);
+}
