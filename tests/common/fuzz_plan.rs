@@ -141,6 +141,9 @@ fn contiguous(r: &mut Reader<'_>) {
     let params = AttentionParams::new(kv.head_dim);
     // Any outcome but a panic is fine; a result must come with a consistent shape.
     if contiguous_decode(&kv, num_q_heads, &q, &lens, &params, None, &mut out, None).is_ok() {
-        assert!(kv.bytes().is_ok(), "decode ran over a shape whose size overflows");
+        assert!(
+            kv.bytes().is_ok(),
+            "decode ran over a shape whose size overflows"
+        );
     }
 }
