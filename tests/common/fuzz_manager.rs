@@ -1,29 +1,38 @@
 //! The manager fuzz harness, shared by `fuzz/fuzz_targets/manager.rs` (coverage-guided)
 //! and `tests/fuzz_replay.rs` (corpus replay and seeded random inputs under `cargo test`).
 //!
-//! Input bytes decode into actions (admit, prefix admit, append, fork, free, truncate,
-//! pin/unpin, evict, defragment, shrink, grow, swap out (completed or aborted), swap in). Every token written gets K/V bytes that
+//! The first input byte picks a configuration, composed with `KvCacheManager::builder`:
+//! the eviction policy (LRU or cost-aware), the block hasher (XXH3 or the chain hash),
+//! the storage (`HostStorage`, or a `ShardedStorage` of two head shards) and whether
+//! swaps run through a `TransferEngine` on a worker thread or directly. The rest decode
+//! into actions (admit, prefix admit, append, fork, free, truncate, pin/unpin, evict,
+//! defragment, shrink, grow, swap out (completed or aborted), swap in). Every token
+//! written gets K/V bytes that
 //! are a function of its whole token prefix (as in a real model, so shared prefixes
 //! hold identical bytes). After every action the harness checks the manager's
 //! invariants and every sequence's bytes on `HostStorage`; a failed call must leave a
 //! full snapshot of the manager unchanged.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
-use pagedkv::manager::{DefragOptions, TierConfig};
-use pagedkv::pool::prefix::AdmitOptions;
+use pagedkv::executor::shard::shard_layout;
+use pagedkv::manager::{DefragOptions, SwapJob, TierConfig};
+use pagedkv::pool::prefix::{AdmitOptions, ChainHasher, CostAwarePolicy, LruPolicy};
 use pagedkv::PinId;
 use pagedkv::{
-    CacheConfig, CopyPlan, DType, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId, Slot,
-    Storage,
+    CacheConfig, CopyPlan, DType, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId,
+    ShardedStorage, Slot, Storage, TransferEngine, Xxh3Hasher,
 };
+use parking_lot::Mutex;
 
 const BLOCK: usize = 4;
 const START_BLOCKS: usize = 48;
 const MAX_BLOCKS: usize = 96;
 const HEAD_DIM: usize = 2;
+const KV_HEADS: usize = 2;
 const HOST_BLOCKS: usize = 32;
-const TOKEN_BYTES: usize = 4 * HEAD_DIM;
+const TOKEN_BYTES: usize = 4 * HEAD_DIM * KV_HEADS;
 
 fn chain(prev: u64, token: u32) -> u64 {
     let mut z = prev.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(token);
@@ -32,7 +41,10 @@ fn chain(prev: u64, token: u32) -> u64 {
 }
 
 fn kv_bytes(hash: u64) -> [u8; TOKEN_BYTES] {
-    hash.to_le_bytes()
+    let mut b = [0u8; TOKEN_BYTES];
+    b[..8].copy_from_slice(&hash.to_le_bytes());
+    b[8..].copy_from_slice(&hash.rotate_left(29).to_le_bytes());
+    b
 }
 
 struct Seq {
@@ -52,9 +64,11 @@ impl Input<'_> {
     }
 }
 
-struct Harness {
+struct Harness<S: Storage + Send + 'static> {
     kv: KvCacheManager,
-    store: HostStorage,
+    /// Shared with the transfer engine's worker when there is one.
+    store: Arc<Mutex<S>>,
+    engine: Option<TransferEngine<S>>,
     seqs: BTreeMap<SeqId, Seq>,
     /// Swapped out to the host tier (their bytes are checked again after swap-in).
     swapped: BTreeMap<SeqId, Seq>,
@@ -82,32 +96,47 @@ fn snapshot(kv: &KvCacheManager) -> String {
     )
 }
 
-impl Harness {
-    fn new() -> Self {
-        let shape = ModelShape {
-            num_layers: 1,
-            num_q_heads: 1,
-            num_kv_heads: 1,
-            head_dim: HEAD_DIM,
-            kv_dtype: DType::F32,
-        };
-        let layout = KvLayout::new(shape, BLOCK).expect("layout");
+fn layout() -> KvLayout {
+    let shape = ModelShape {
+        num_layers: 1,
+        num_q_heads: KV_HEADS,
+        num_kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        kv_dtype: DType::F32,
+    };
+    KvLayout::new(shape, BLOCK).expect("layout")
+}
+
+impl<S: Storage + Send + 'static> Harness<S> {
+    /// A harness over `store`, with the configuration bits of `config`.
+    fn new(store: S, config: u8) -> Self {
         let cfg = CacheConfig {
             watermark_blocks: 1,
             max_num_blocks: MAX_BLOCKS,
             ..CacheConfig::new(START_BLOCKS)
         };
+        let mut builder = KvCacheManager::builder(layout())
+            .config(cfg)
+            .tiers(TierConfig {
+                num_host_blocks: HOST_BLOCKS,
+                num_disk_slots: 0,
+            });
+        builder = if config & 1 != 0 {
+            builder.eviction_policy(Box::new(CostAwarePolicy::default()))
+        } else {
+            builder.eviction_policy(Box::new(LruPolicy))
+        };
+        builder = if config & 2 != 0 {
+            builder.hasher(Box::new(ChainHasher))
+        } else {
+            builder.hasher(Box::new(Xxh3Hasher))
+        };
+        let store = Arc::new(Mutex::new(store));
+        let engine = (config & 4 != 0).then(|| TransferEngine::with_shared(Arc::clone(&store)));
         Harness {
-            kv: KvCacheManager::with_tiers(
-                layout,
-                cfg,
-                TierConfig {
-                    num_host_blocks: HOST_BLOCKS,
-                    num_disk_slots: 0,
-                },
-            )
-            .expect("manager"),
-            store: HostStorage::with_host_tier(layout, START_BLOCKS, HOST_BLOCKS).expect("storage"),
+            kv: builder.build().expect("manager"),
+            store,
+            engine,
             seqs: BTreeMap::new(),
             swapped: BTreeMap::new(),
             pins: Vec::new(),
@@ -145,6 +174,7 @@ impl Harness {
             "{seq}: slots for tokens {from}.."
         );
         self.store
+            .lock()
             .write_slots(0, &self.slots, &bytes, &bytes)
             .expect("write_slots");
     }
@@ -214,7 +244,10 @@ impl Harness {
                     self.kv.append(seq, n, &mut self.slots, &mut self.copies)
                 };
                 if r.is_ok() {
-                    self.store.copy_blocks(&self.copies).expect("copy plan");
+                    self.store
+                        .lock()
+                        .copy_blocks(&self.copies)
+                        .expect("copy plan");
                     let from = self.seqs[&seq].tokens.len();
                     self.seqs.get_mut(&seq)?.tokens.extend(new);
                     self.write(seq, from);
@@ -258,15 +291,16 @@ impl Harness {
                     1 => DefragOptions::incremental(1 + b as usize % 5),
                     _ => DefragOptions::FULL.above(f64::from(b) / 255.0),
                 };
-                pagedkv::executor::defragment_with(&mut self.kv, &mut self.store, opts).is_ok()
+                pagedkv::executor::defragment_with(&mut self.kv, &mut *self.store.lock(), opts)
+                    .is_ok()
             }
             7 => {
                 let target = 2 + a as usize % self.kv.num_blocks();
-                pagedkv::executor::shrink_to(&mut self.kv, target, &mut self.store).is_ok()
+                pagedkv::executor::shrink_to(&mut self.kv, target, &mut *self.store.lock()).is_ok()
             }
             8 => {
                 let target = self.kv.num_blocks() + a as usize % 24;
-                pagedkv::executor::grow_to(&mut self.kv, target, &mut self.store).is_ok()
+                pagedkv::executor::grow_to(&mut self.kv, target, &mut *self.store.lock()).is_ok()
             }
             9 => {
                 let opts = AdmitOptions::default();
@@ -302,7 +336,7 @@ impl Harness {
                             // The transfer failed: abort, and the sequence stays resident.
                             self.kv.abort_swap(job.ticket).expect("abort");
                         } else {
-                            self.store.swap(&job.plan).expect("swap plan");
+                            self.run_swap(&job);
                             self.kv.complete_swap(job.ticket).expect("complete");
                             let s = self.seqs.remove(&seq)?;
                             self.swapped.insert(seq, s);
@@ -320,7 +354,7 @@ impl Harness {
                 let seq = *self.swapped.keys().nth(a as usize % n)?;
                 match self.kv.swap_in(seq) {
                     Ok(job) => {
-                        self.store.swap(&job.plan).expect("swap plan");
+                        self.run_swap(&job);
                         self.kv.complete_swap(job.ticket).expect("complete");
                         let s = self.swapped.remove(&seq)?;
                         self.seqs.insert(seq, s);
@@ -341,17 +375,29 @@ impl Harness {
         Some(())
     }
 
+    /// Executes a swap plan, through the transfer engine's worker when there is one.
+    fn run_swap(&mut self, job: &SwapJob) {
+        match &mut self.engine {
+            Some(engine) => {
+                engine.submit(job).expect("submit");
+                engine.wait(job.ticket).expect("transfer");
+            }
+            None => self.store.lock().swap(&job.plan).expect("swap plan"),
+        }
+    }
+
     fn check(&self) {
         if let Err(e) = self.kv.check_invariants() {
             panic!("invariant broken: {e}");
         }
-        assert_eq!(self.store.num_blocks(), self.kv.num_blocks());
+        let store = self.store.lock();
+        assert_eq!(store.num_blocks(), self.kv.num_blocks());
         for (&seq, s) in &self.seqs {
             let n = s.tokens.len();
             assert_eq!(self.kv.num_tokens(seq).ok(), Some(n));
             let (mut k, mut v) = (vec![0u8; n * TOKEN_BYTES], vec![0u8; n * TOKEN_BYTES]);
             let table = self.kv.block_table(seq).expect("table");
-            self.store
+            store
                 .read_tokens(0, table, n, &mut k, &mut v)
                 .expect("read back");
             let mut hash = 0;
@@ -392,8 +438,25 @@ impl Harness {
 
 /// Runs one fuzz input. Panics on any finding.
 pub fn run(data: &[u8]) {
-    let mut h = Harness::new();
     let mut input = Input(data);
+    let Some(config) = input.byte() else {
+        return;
+    };
+    if config & 8 != 0 {
+        let shard = shard_layout(&layout(), 2).expect("shard layout");
+        let shards = (0..2)
+            .map(|_| HostStorage::with_host_tier(shard, START_BLOCKS, HOST_BLOCKS).expect("shard"))
+            .collect();
+        let store = ShardedStorage::new(layout(), shards).expect("sharded storage");
+        drive(Harness::new(store, config), input);
+    } else {
+        let store =
+            HostStorage::with_host_tier(layout(), START_BLOCKS, HOST_BLOCKS).expect("storage");
+        drive(Harness::new(store, config), input);
+    }
+}
+
+fn drive<S: Storage + Send + 'static>(mut h: Harness<S>, mut input: Input<'_>) {
     for _ in 0..400 {
         if h.step(&mut input).is_none() {
             break;
