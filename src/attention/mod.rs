@@ -186,6 +186,11 @@ pub(crate) fn check_paged(
     params: &AttentionParams,
 ) -> Result<usize> {
     layout.shape().validate()?;
+    if layout.is_latent() {
+        return Err(Error::Unsupported(
+            "a latent (MLA) cache has no separate K and V: read it with attention::mla".into(),
+        ));
+    }
     if layer >= layout.num_layers() {
         return Err(Error::ShapeMismatch {
             what: "layer index",
