@@ -1212,13 +1212,11 @@ impl PlanInput {
         let spec = &self.model;
         let arch = &spec.config.arch;
         let mut notes = Vec::new();
-        if self.assume_dense {
-            if !arch.unrecognized.is_empty() {
-                notes.push(format!(
-                    "--assume-dense: ignored fields the planner does not understand: {}",
-                    arch.unrecognized.join(", ")
-                ));
-            }
+        if self.assume_dense && !arch.unrecognized.is_empty() {
+            notes.push(format!(
+                "--assume-dense: ignored fields the planner does not understand: {}",
+                arch.unrecognized.join(", ")
+            ));
         }
         if let Some(m) = &arch.mla {
             notes.push(format!(

@@ -158,7 +158,10 @@ fn absorbed_decode_matches_its_f64_reference() {
             .map(|(a, b)| (f64::from(*a) - b).abs())
             .fold(0.0, f64::max);
         println!("{dtype}: max |out - f64| = {err_out:.3e}, max |lse - f64| = {err_lse:.3e}");
-        assert!(err_out < tol && err_lse < tol, "{dtype}: {err_out} {err_lse}");
+        assert!(
+            err_out < tol && err_lse < tol,
+            "{dtype}: {err_out} {err_lse}"
+        );
         // The empty sequence gives zeros and -inf.
         let empty = &out[heads * rank..2 * heads * rank];
         assert!(empty.iter().all(|&x| x == 0.0));
@@ -261,9 +264,8 @@ fn absorbed_form_equals_standard_attention_projected_back() {
     let ctxs = [23u32, 9];
     let num_blocks = 12;
     let mut rng = SplitMix64::new(99);
-    let mut rand = |n: usize, a: f32| -> Vec<f64> {
-        (0..n).map(|_| f64::from(rng.uniform(a))).collect()
-    };
+    let mut rand =
+        |n: usize, a: f32| -> Vec<f64> { (0..n).map(|_| f64::from(rng.uniform(a))).collect() };
     let w_uk = rand(h_n * n_d * r, 0.3); // [H][N][R]
     let w_uv = rand(h_n * v_d * r, 0.3); // [H][V][R]
     let tokens: usize = ctxs.iter().map(|&c| c as usize).sum();

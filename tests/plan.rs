@@ -903,8 +903,10 @@ fn latent_attention_kv_is_one_latent_per_token_and_layer() {
             assert_eq!(plan.kv_bytes_per_token, per_token, "{file} {dtype}");
             assert_eq!(plan.block_bytes, 16 * per_token, "{file} {dtype}");
             assert!(
-                plan.notes.iter().any(|n| n.contains("kv_lora_rank 512")
-                    && n.contains("every GPU holds all of it")),
+                plan.notes
+                    .iter()
+                    .any(|n| n.contains("kv_lora_rank 512")
+                        && n.contains("every GPU holds all of it")),
                 "{:?}",
                 plan.notes
             );
@@ -919,7 +921,12 @@ fn latent_attention_kv_is_one_latent_per_token_and_layer() {
     assert_eq!(2 * 61 * 128 * 56 * 2, 1_748_992);
     // The parameter count is unchanged and no dense assumption is needed or noted.
     assert!(i.model.param_counts().is_ok());
-    assert!(!i.plan().unwrap().notes.iter().any(|n| n.contains("NOT right")));
+    assert!(!i
+        .plan()
+        .unwrap()
+        .notes
+        .iter()
+        .any(|n| n.contains("NOT right")));
 }
 
 #[test]

@@ -326,11 +326,17 @@ mod tests {
         let l = KvLayout::with_kind(shape, 16, kind).unwrap();
         assert!(l.is_latent() && l.kind() == kind);
         let s = l.strides();
-        assert_eq!((s.token, s.head, s.kv, s.block), (576, 16 * 576, 0, 16 * 576));
+        assert_eq!(
+            (s.token, s.head, s.kv, s.block),
+            (576, 16 * 576, 0, 16 * 576)
+        );
         assert_eq!(l.token_bytes(), 70_272);
         assert_eq!(l.block_bytes_per_layer(), 16 * 576 * 2);
         assert_eq!(l.block_bytes(), l.token_bytes() * 16);
-        assert_eq!(l.elem_offset(BlockId(3), Kv::K, 0, 5), 3 * 16 * 576 + 5 * 576);
+        assert_eq!(
+            l.elem_offset(BlockId(3), Kv::K, 0, 5),
+            3 * 16 * 576 + 5 * 576
+        );
         assert_eq!(
             l.elem_offset(BlockId(3), Kv::V, 0, 5),
             l.elem_offset(BlockId(3), Kv::K, 0, 5)

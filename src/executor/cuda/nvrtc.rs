@@ -695,10 +695,7 @@ ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
                 kv_lora_rank: 500,
                 ..ok
             },
-            MlaSpec {
-                rope_dim: 60,
-                ..ok
-            },
+            MlaSpec { rope_dim: 60, ..ok },
             // 64 tokens x 576 x 2 bytes = 72 KiB of shared memory.
             MlaSpec {
                 block_size: 64,
