@@ -8,9 +8,8 @@
 //!
 //! All numbers are **per GPU**. With tensor parallelism of degree `tp`, each GPU holds
 //! `1/tp` of the weights (norms are replicated) and `num_kv_heads / tp` KV heads (an
-//! MLA latent is held whole by every GPU); a
-//! degree that does not divide the query and KV heads is an error
-//! ([`Error::UnevenTensorParallel`]).
+//! MLA latent is held whole by every GPU); a degree that does not divide the query and
+//! KV heads is an error ([`Error::UnevenTensorParallel`]).
 //!
 //! # Formulas
 //!
@@ -80,9 +79,10 @@
 //!
 //! with `act_bytes` 2 (4 for fp32 weights). For MLA the qkv width `q + 2*kv` is
 //! `heads * (qk_nope + qk_rope + qk_nope + v_head) + kv_lora_rank + qk_rope` (the
-//! query, `kv_b` and `kv_a` outputs), divided by `tp` like the others. It is the peak of one forward pass over
-//! `max_batch_tokens` tokens, the quantity vLLM measures with a profiling run; it is an
-//! estimate, and [`PlanInput::reserve_bytes`] overrides it with a measured value.
+//! query, `kv_b` and `kv_a` outputs), divided by `tp` like the others. It is the peak
+//! of one forward pass over `max_batch_tokens` tokens, the quantity vLLM measures with
+//! a profiling run; it is an estimate, and [`PlanInput::reserve_bytes`] overrides it
+//! with a measured value.
 //!
 //! ```
 //! use pagedkv::plan::{ModelSpec, PlanInput, Verdict, GIB};
