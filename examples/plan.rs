@@ -29,7 +29,7 @@ struct Args {
     #[arg(long)]
     weights: Option<String>,
     /// Plan a config with fields the planner does not understand (experts of an
-    /// unknown architecture, latent attention) as the dense model its other fields
+    /// unknown architecture, unknown quantization) as the dense model its other fields
     /// describe, instead of refusing; the output says so.
     #[arg(long)]
     assume_dense: bool,

@@ -41,7 +41,7 @@ pub use export::{
 };
 pub use ids::{BlockId, DiskSlot, PinId, SeqId, SwapTicket};
 pub use layout::plans::{BlockCopy, CopyPlan, MovePlan, SwapDirection, SwapPair, SwapPlan};
-pub use layout::shape::{DType, ModelConfig, ModelShape};
+pub use layout::shape::{DType, KvKind, ModelConfig, ModelShape};
 pub use layout::{Kv, KvLayout, Slot};
 pub use manager::preempt::{
     CostModel, PreemptAction, PreemptEvent, PreemptMode, PreemptPolicy, PreemptReason, Preemption,

@@ -7,9 +7,9 @@
 //! of a given context run at once, and, when the target does not fit, what to change.
 //!
 //! All numbers are **per GPU**. With tensor parallelism of degree `tp`, each GPU holds
-//! `1/tp` of the weights (norms are replicated) and `num_kv_heads / tp` KV heads; a
-//! degree that does not divide the query and KV heads is an error
-//! ([`Error::UnevenTensorParallel`]).
+//! `1/tp` of the weights (norms are replicated) and `num_kv_heads / tp` KV heads (an
+//! MLA latent is held whole by every GPU); a degree that does not divide the query and
+//! KV heads is an error ([`Error::UnevenTensorParallel`]).
 //!
 //! # Formulas
 //!
@@ -38,13 +38,16 @@
 //! active      = total - experts + M * k * 3*h*e
 //! ```
 //!
-//! Latent attention (DeepSeek) counts its low-rank projections (`q_a`, `q_b`,
-//! `kv_a_proj_with_mqa`, `kv_b`, `o`) and their norms; its KV cache is *not* sized by
-//! this planner, which refuses such a model unless told to assume a dense one
-//! ([`PlanInput::assume_dense`]), and then says the KV figures are not right. A config
-//! with fields that change memory and that the reader does not understand is refused
-//! the same way. Every count is checked arithmetic: a config whose counts overflow 64
-//! bits is an [`Error::ModelConfig`], not a wrapped number.
+//! Latent attention (DeepSeek-V2/V3/R1) counts its low-rank projections (`q_a`, `q_b`,
+//! `kv_a_proj_with_mqa`, `kv_b`, `o`) and their norms, and its cache is the latent
+//! layout ([`crate::layout::shape::KvKind::Latent`]): one vector of `kv_lora_rank +
+//! qk_rope_head_dim` per token and layer, no K/V split and no KV heads. Every query
+//! head reads that one vector, so under tensor parallelism each GPU holds all of it
+//! (as vLLM's MLA backends do); only the query heads are split. A config with fields
+//! that change memory and that the reader does not understand is refused unless told
+//! to assume a dense model ([`PlanInput::assume_dense`]). Every count is checked
+//! arithmetic: a config whose counts overflow 64 bits is an [`Error::ModelConfig`],
+//! not a wrapped number.
 //!
 //! Bytes: the linear layers (attention, mlp, experts) are stored in the chosen
 //! [`WeightPrecision`] (by default the one the config's `quantization_config` states);
@@ -59,6 +62,8 @@
 //! kv_budget   = usable - weights_per_gpu - reserve            (0 when negative)
 //! num_blocks  = floor(kv_budget / block_bytes)
 //! block_bytes = block_size * 2 * L * (num_kv_heads/tp) * head_dim * kv_dtype_bytes
+//! block_bytes = block_size * L * (kv_lora_rank + qk_rope_head_dim) * kv_dtype_bytes
+//!                                                            (MLA, on every GPU)
 //! ```
 //!
 //! The reserve for activations and workspace, when not given, is estimated as
@@ -72,9 +77,12 @@
 //!         + min(concurrency, max_batch_tokens) * V * 4       f32 logits of the sampled rows
 //! ```
 //!
-//! with `act_bytes` 2 (4 for fp32 weights). It is the peak of one forward pass over
-//! `max_batch_tokens` tokens, the quantity vLLM measures with a profiling run; it is an
-//! estimate, and [`PlanInput::reserve_bytes`] overrides it with a measured value.
+//! with `act_bytes` 2 (4 for fp32 weights). For MLA the qkv width `q + 2*kv` is
+//! `heads * (qk_nope + qk_rope + qk_nope + v_head) + kv_lora_rank + qk_rope` (the
+//! query, `kv_b` and `kv_a` outputs), divided by `tp` like the others. It is the peak
+//! of one forward pass over `max_batch_tokens` tokens, the quantity vLLM measures with
+//! a profiling run; it is an estimate, and [`PlanInput::reserve_bytes`] overrides it
+//! with a measured value.
 //!
 //! ```
 //! use pagedkv::plan::{ModelSpec, PlanInput, Verdict, GIB};
@@ -93,7 +101,7 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
-use crate::layout::shape::{builtin, DType, ModelConfig, QuantScheme, Quantization};
+use crate::layout::shape::{builtin, DType, KvKind, ModelConfig, QuantScheme, Quantization};
 use crate::layout::KvLayout;
 
 /// Bytes in one GiB.
@@ -885,9 +893,9 @@ pub struct PlanInput {
     /// (gpt-oss keeps attention in 16 bits and quantizes only the experts); `None`:
     /// the same.
     pub attention_precision: Option<WeightPrecision>,
-    /// Plan a model whose config has fields the planner does not understand (or
-    /// latent attention) as the dense model its other fields describe, instead of
-    /// refusing. The plan's notes say what was assumed.
+    /// Plan a model whose config has fields the planner does not understand as the
+    /// dense model its other fields describe, instead of refusing. The plan's notes say
+    /// what was assumed.
     pub assume_dense: bool,
 }
 
@@ -960,8 +968,7 @@ impl PlanInput {
     /// [`Error::UnevenTensorParallel`] when `tp` does not divide the query or KV heads;
     /// [`Error::InvalidConfig`] for a bad block size. Unless [`Self::assume_dense`]:
     /// [`Error::ModelConfig`] naming the config's fields that change memory and that
-    /// the planner does not understand, and [`Error::Unsupported`] for latent attention
-    /// (MLA), whose KV cache the standard formula does not size.
+    /// the planner does not understand.
     pub fn validate(&self) -> Result<()> {
         let positive = |field: &'static str, v: usize| {
             if v == 0 {
@@ -1015,22 +1022,29 @@ impl PlanInput {
         }
         if !self.assume_dense {
             self.model.refuse_unrecognized()?;
-            if let Some(m) = &self.model.config.arch.mla {
-                return Err(Error::Unsupported(format!(
-                    "{}: multi-head latent attention (kv_lora_rank {}, qk_rope_head_dim {}) caches a latent per token and layer, which this planner does not size; the standard K/V formula would be wrong (parameter counts: ModelSpec::param_counts; assume_dense plans with the standard formula, flagged)",
-                    self.model.config.name, m.kv_lora_rank, m.qk_rope_head_dim
-                )));
-            }
         }
         self.layout().map(|_| ())
     }
 
-    /// The KV layout of one GPU: the model's shape with `num_kv_heads / tp` heads.
+    /// The KV layout of one GPU: the model's shape with `num_kv_heads / tp` heads, or
+    /// for MLA the whole latent (every query head reads it, so tensor parallelism,
+    /// which splits heads, replicates it).
     fn layout(&self) -> Result<KvLayout> {
-        let mut shape = self.model.config.shape.with_dtype(self.kv_dtype);
-        shape.num_kv_heads /= self.tensor_parallel.max(1);
-        shape.num_q_heads /= self.tensor_parallel.max(1);
-        KvLayout::new(shape, self.block_size)
+        let tp = self.tensor_parallel.max(1);
+        let config = &self.model.config;
+        match config.kv_kind() {
+            KvKind::Standard => {
+                let mut shape = config.shape.with_dtype(self.kv_dtype);
+                shape.num_kv_heads /= tp;
+                shape.num_q_heads /= tp;
+                KvLayout::new(shape, self.block_size)
+            }
+            kind @ KvKind::Latent { .. } => {
+                let mut shape = config.cache_shape()?.with_dtype(self.kv_dtype);
+                shape.num_q_heads /= tp;
+                KvLayout::with_kind(shape, self.block_size, kind)
+            }
+        }
     }
 
     /// The estimated reserve for activations and workspace of one GPU (module docs).
@@ -1049,10 +1063,23 @@ impl PlanInput {
             allowed: "few enough tokens that the activation estimate fits in 64 bits",
         };
         let reserve = (|| {
-            let qkv = (s.num_kv_heads as u64)
-                .checked_mul(2)?
-                .checked_add(s.num_q_heads as u64)?
-                .checked_mul(s.head_dim as u64)?;
+            let qkv = match &c.arch.mla {
+                // q, kv_b and kv_a outputs; divided by tp below with the rest (the
+                // replicated kv_a output is 576 of ~57,000 elements for DeepSeek-V3).
+                Some(m) => {
+                    let qk = (m.qk_nope_head_dim as u64).checked_add(m.qk_rope_head_dim as u64)?;
+                    let kv_b = (m.qk_nope_head_dim as u64).checked_add(m.v_head_dim as u64)?;
+                    (s.num_q_heads as u64)
+                        .checked_mul(qk.checked_add(kv_b)?)?
+                        .checked_add(
+                            (m.kv_lora_rank as u64).checked_add(m.qk_rope_head_dim as u64)?,
+                        )?
+                }
+                None => (s.num_kv_heads as u64)
+                    .checked_mul(2)?
+                    .checked_add(s.num_q_heads as u64)?
+                    .checked_mul(s.head_dim as u64)?,
+            };
             let per_token = h
                 .checked_mul(2)?
                 .checked_add(qkv / tp)?
@@ -1185,16 +1212,23 @@ impl PlanInput {
         let spec = &self.model;
         let arch = &spec.config.arch;
         let mut notes = Vec::new();
-        if self.assume_dense {
-            if !arch.unrecognized.is_empty() {
-                notes.push(format!(
-                    "--assume-dense: ignored fields the planner does not understand: {}",
-                    arch.unrecognized.join(", ")
-                ));
-            }
-            if arch.mla.is_some() {
-                notes.push("--assume-dense: latent attention (MLA) sized with the standard K/V formula: the KV figures are NOT right for this model".into());
-            }
+        if self.assume_dense && !arch.unrecognized.is_empty() {
+            notes.push(format!(
+                "--assume-dense: ignored fields the planner does not understand: {}",
+                arch.unrecognized.join(", ")
+            ));
+        }
+        if let Some(m) = &arch.mla {
+            notes.push(format!(
+                "latent attention (MLA): one latent of kv_lora_rank {} + qk_rope_head_dim {} per token and layer, no K/V split{}",
+                m.kv_lora_rank,
+                m.qk_rope_head_dim,
+                if self.tensor_parallel > 1 {
+                    "; every GPU holds all of it (tensor parallelism splits query heads)"
+                } else {
+                    ""
+                }
+            ));
         }
         if !arch.known {
             notes.push(format!(

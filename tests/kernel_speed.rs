@@ -5,7 +5,9 @@
 //! warp and iteration, registers and spills (ptxas), occupancy, and the modeled
 //! bandwidth ceiling on an H200. Prints the table; fails when a specialisation on the
 //! bench shapes (`examples/gpu_bench.rs`: d128, page 16, GQA 8, bf16 and fp8) models
-//! below `MIN_MODELED_FRACTION_OF_HBM` or spills in its main loop.
+//! below `MIN_MODELED_FRACTION_OF_HBM` or spills in its main loop. The MLA decode
+//! specialisations (`kernels/mla_decode.cu`) are profiled the same way and printed in
+//! a second table, with no floor.
 //!
 //! ```text
 //! source .ci/nvrtc-env && cargo test --test kernel_speed -- --nocapture
@@ -178,6 +180,69 @@ fn decode_kernels_model_near_hbm_bandwidth_on_h200() {
                 ));
             }
         }
+    }
+    // MLA decode (kernels/mla_decode.cu): the same model, reported without a floor.
+    // Its loop is one page: every warp copies its share of the page (the global
+    // loads) and then scores all the page's tokens for its own query head, so the
+    // figure is the rate at which a CTA can consume pages. With 128 heads, 128 /
+    // heads_per_cta CTAs read each page; all but the first read it from L2.
+    println!(
+        "{:<26} {:>5} {:>6} {:>5} {:>6} {:>4} {:>6} {:>6} {:>5} {:>9} {:>6}",
+        "MLA specialisation (sm_90)",
+        "instr",
+        "B/warp",
+        "B/ins",
+        "spills",
+        "regs",
+        "spill",
+        "smem",
+        "warps",
+        "TB/s",
+        "%4.3"
+    );
+    for spec in catalog() {
+        let KernelSpec::Mla(a) = spec else {
+            continue;
+        };
+        let m = compile_uncached(&spec, Arch::SM90).unwrap_or_else(|e| panic!("{a:?}: {e}"));
+        let path = dir.join(spec.cubin_file_name(Arch::SM90));
+        std::fs::write(&path, &m.cubin).unwrap();
+        let out = Command::new(&tool)
+            .arg("-sass")
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "cuobjdump -sass {}", path.display());
+        let text = String::from_utf8_lossy(&out.stdout);
+        let functions = parse_sass(&text);
+        let decode = function(&functions, "mla_decode")
+            .unwrap_or_else(|| panic!("no mla_decode in the SASS of {a:?}"));
+        let body = main_loop(decode).unwrap_or_else(|| panic!("no page loop found for {a:?}"));
+        let p = LoopProfile::of(&body);
+        let r = m
+            .resources()
+            .into_iter()
+            .find(|r| r.name == "mla_decode")
+            .unwrap();
+        let occ = occupancy(r.registers, r.shared_bytes, 32 * a.heads_per_cta as u32);
+        let model = speed_model(&p, &occ);
+        println!(
+            "{:<26} {:>5} {:>6} {:>5.2} {:>6} {:>4} {:>6} {:>6} {:>5} {:>9.2} {:>5.0}%",
+            format!(
+                "r{}+{} bs{} {} h{}",
+                a.kv_lora_rank, a.rope_dim, a.block_size, a.dtype, a.heads_per_cta
+            ),
+            p.instructions,
+            p.kv_bytes_per_warp,
+            p.kv_bytes_per_warp as f64 / p.instructions.max(1) as f64,
+            p.spill_instructions,
+            r.registers,
+            r.spill_stores + r.spill_loads,
+            r.shared_bytes,
+            occ.warps_per_sm,
+            model.ceiling_bytes_per_s / 1e12,
+            100.0 * model.fraction_of_hbm()
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
     println!(

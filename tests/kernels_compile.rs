@@ -1,5 +1,6 @@
-//! Every kernel and every specialisation the crate uses compiles under NVRTC for sm_80
-//! and sm_90, to PTX and cubin. Prints registers, spills and shared memory per kernel
+//! Every kernel and every specialisation the crate uses (the MLA decode of
+//! `kernels/mla_decode.cu` included) compiles under NVRTC for sm_80 and sm_90, to PTX
+//! and cubin. Prints registers, spills and shared memory per kernel
 //! from ptxas' verbose log.
 //!
 //! Without NVRTC on the loader path the test prints why it skipped; with
@@ -31,6 +32,10 @@ fn describe(spec: &KernelSpec) -> String {
             a.head_dim, a.block_size, a.gqa_group, a.dtype, a.unroll, a.vec_bytes
         ),
         KernelSpec::CacheOps => "cache_ops".to_string(),
+        KernelSpec::Mla(m) => format!(
+            "mla r{} p{} bs{} {} h{}",
+            m.kv_lora_rank, m.rope_dim, m.block_size, m.dtype, m.heads_per_cta
+        ),
     }
 }
 

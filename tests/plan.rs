@@ -879,22 +879,92 @@ fn unknown_memory_fields_are_refused_unless_assumed_dense() {
     }
 }
 
+/// DeepSeek-V2-Lite's parameters, written out from its config (as in `published`).
+const V2_LITE_PARAMS: u64 = 2 * 102400 * 2048
+    + 27 * (2048 * 16 * 192 + 2048 * 576 + 512 * 16 * 256 + 16 * 128 * 2048)
+    + 3 * 2048 * 10944
+    + 26 * 66 * 3 * 2048 * 1408
+    + 26 * 64 * 2048
+    + 55 * 2048
+    + 27 * 512;
+
 #[test]
-fn latent_attention_kv_is_refused_not_guessed() {
-    let mut i = PlanInput::new(data("deepseek-v2-lite.json"), 80 * GIB);
-    i.context_tokens = 4096;
-    match i.plan() {
-        Err(Error::Unsupported(msg)) => assert!(msg.contains("kv_lora_rank 512"), "{msg}"),
-        other => panic!("expected MLA to be refused, got {other:?}"),
+fn latent_attention_kv_is_one_latent_per_token_and_layer() {
+    // Bytes per token = layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, for
+    // every dtype; num_key_value_heads (128 and 16) and head_dim do not enter.
+    for (file, layers) in [("deepseek-v3.json", 61u64), ("deepseek-v2-lite.json", 27)] {
+        for dtype in DType::ALL {
+            let mut i = PlanInput::new(data(file), 141 * GIB);
+            i.context_tokens = 4096;
+            i.kv_dtype = dtype;
+            i.tensor_parallel = 8;
+            let plan = i.plan().unwrap();
+            let per_token = layers * (512 + 64) * dtype.size_bytes() as u64;
+            assert_eq!(plan.kv_bytes_per_token, per_token, "{file} {dtype}");
+            assert_eq!(plan.block_bytes, 16 * per_token, "{file} {dtype}");
+            assert!(
+                plan.notes
+                    .iter()
+                    .any(|n| n.contains("kv_lora_rank 512")
+                        && n.contains("every GPU holds all of it")),
+                "{:?}",
+                plan.notes
+            );
+        }
     }
-    // The parameter count is still available, and --assume-dense plans with a flag.
+    // The figure: DeepSeek-V3 in bf16 is 61 x 576 x 2 = 70,272 bytes a token
+    // (the standard formula with its 128 KV heads of 56 would say 1,748,992).
+    let mut i = PlanInput::new(data("deepseek-v3.json"), 141 * GIB);
+    i.context_tokens = 4096;
+    i.tensor_parallel = 8;
+    assert_eq!(i.plan().unwrap().kv_bytes_per_token, 70_272);
+    assert_eq!(2 * 61 * 128 * 56 * 2, 1_748_992);
+    // The parameter count is unchanged and no dense assumption is needed or noted.
     assert!(i.model.param_counts().is_ok());
-    i.assume_dense = true;
+    assert!(!i
+        .plan()
+        .unwrap()
+        .notes
+        .iter()
+        .any(|n| n.contains("NOT right")));
+}
+
+#[test]
+fn deepseek_v2_lite_plan_by_hand() {
+    // One 80 GiB GPU, weights in 16 bits (the config has no quantization_config), KV in
+    // bf16, 16-token blocks, 32,768-token requests.
+    let mut i = PlanInput::new(data("deepseek-v2-lite.json"), 80 * GIB);
+    i.context_tokens = 32_768;
+    i.concurrency = 100;
     let plan = i.plan().unwrap();
-    assert!(
-        plan.notes.iter().any(|n| n.contains("NOT right")),
-        "{:?}",
-        plan.notes
-    );
-    assert!(plan.to_json()["notes"].to_string().contains("NOT right"));
+    assert_eq!(plan.params, V2_LITE_PARAMS);
+    assert_eq!(plan.weight_bytes, 2 * V2_LITE_PARAMS);
+    // Reserve: 1 GiB + 8192 tokens x 2 B x (2 x 2048 residual and normed input
+    // + 16 x (128 + 64) query + 512 + 64 kv_a + 16 x (128 + 128) kv_b
+    // + 2 x 10944 gate/up) + 100 rows x 102400 vocab x 4 B.
+    let qkv = 16 * 192 + 576 + 16 * 256;
+    assert_eq!(qkv, 7744);
+    let reserve = GIB + 8192 * 2 * (2 * 2048 + qkv + 2 * 10944) + 100 * 102400 * 4;
+    assert_eq!(plan.reserve_bytes, reserve);
+    let usable = (80.0 * GIB as f64 * 0.9).floor() as u64;
+    assert_eq!(plan.usable_bytes, usable);
+    let budget = usable - 2 * V2_LITE_PARAMS - reserve;
+    assert_eq!(plan.kv_budget_bytes, budget);
+    // 27 layers x 576 x 2 B = 31,104 B a token; 497,664 B a block.
+    assert_eq!(plan.kv_bytes_per_token, 31_104);
+    assert_eq!(plan.block_bytes, 497_664);
+    let blocks = budget / 497_664;
+    assert_eq!(plan.num_blocks, blocks);
+    assert_eq!(plan.capacity_tokens, blocks * 16);
+    assert_eq!(plan.blocks_per_request, 2048);
+    assert_eq!(plan.max_concurrency, blocks / 2048);
+    // The figures written out: 31.4 GB of weights, 1.42 M tokens of cache.
+    assert_eq!(V2_LITE_PARAMS, 15_706_484_224);
+    assert_eq!(reserve, 1_667_301_376);
+    assert_eq!(blocks, 88_873);
+    assert_eq!(blocks * 16, 1_421_968);
+    assert_eq!(blocks / 2048, 43);
+    assert!(!plan.verdict.fits(), "100 x 32k does not fit, 43 do");
+    i.concurrency = 43;
+    assert!(i.plan().unwrap().verdict.fits());
 }

@@ -1066,6 +1066,11 @@ pub fn reshape_and_cache(
     v_scale: f32,
 ) -> Result<()> {
     let layout = *storage.layout();
+    if layout.is_latent() {
+        return Err(Error::Unsupported(
+            "reshape_and_cache of a latent (MLA) cache: write the latent vectors with attention::mla::write_latent".into(),
+        ));
+    }
     if layer >= layout.num_layers() {
         return Err(Error::ShapeMismatch {
             what: "layer index",

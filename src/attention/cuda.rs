@@ -109,6 +109,11 @@ impl CudaAttention {
     /// [`Error::InvalidConfig`] when `spec` does not describe the storage's layout;
     /// otherwise as [`Self::new`].
     pub fn with_spec(storage: &CudaStorage, spec: AttentionSpec) -> Result<Self> {
+        if storage.layout().is_latent() {
+            return Err(Error::Unsupported(
+                "the standard paged decode kernel reads K and V; a latent (MLA) cache needs kernels/mla_decode.cu".into(),
+            ));
+        }
         let want = AttentionSpec {
             unroll: spec.unroll,
             vec_bytes: spec.vec_bytes,

@@ -24,6 +24,7 @@
 //! |---|---|
 //! | [`reference`](mod@reference) | `f64` decode and prefill over the stored values, for tests |
 //! | [`cpu`] | rayon decode (split-KV) and chunked prefill, `reshape_and_cache` |
+//! | [`mla`] | decode over a latent (MLA) cache in the absorbed form, `f64` and rayon |
 //! | [`model`] | [`model::TinyModel`], a seeded random attention stack |
 //! | [`rope`] | rotary embeddings (interleaved and NeoX halves) fused with the cache write |
 //! | [`plan_splits`] | the split planner of the GPU kernels (pure, no GPU needed) |
@@ -34,6 +35,7 @@ pub mod cpu;
 pub mod cuda;
 mod kernel_plan;
 mod kernels;
+pub mod mla;
 pub mod model;
 pub mod reference;
 pub mod rope;
@@ -186,6 +188,11 @@ pub(crate) fn check_paged(
     params: &AttentionParams,
 ) -> Result<usize> {
     layout.shape().validate()?;
+    if layout.is_latent() {
+        return Err(Error::Unsupported(
+            "a latent (MLA) cache has no separate K and V: read it with attention::mla".into(),
+        ));
+    }
     if layer >= layout.num_layers() {
         return Err(Error::ShapeMismatch {
             what: "layer index",

@@ -7,6 +7,12 @@
 //! region[layer] = [block][K|V][kv_head][token][dim]
 //! ```
 //!
+//! A latent (MLA) layout ([`KvKind::Latent`]) has one vector per token and no K/V
+//! split: `region[layer] = [block][token][kv_lora_rank + rope_dim]`, a block being
+//! `block_size` such vectors. Its `kv` stride is 0: [`Kv::V`] addresses the same
+//! vector as [`Kv::K`], because the values of the absorbed form are the first
+//! `kv_lora_rank` elements of the cached latent.
+//!
 //! So a page of one head (`block_size` tokens x `head_dim`) is one contiguous run, and
 //! consecutive block ids are consecutive bytes, which lets copy plans merge runs.
 //! Because a block's offset inside its region does not depend on how many blocks the
@@ -18,7 +24,7 @@ pub mod shape;
 
 use crate::error::{Error, Result};
 use crate::ids::BlockId;
-use crate::layout::shape::{DType, ModelShape};
+use crate::layout::shape::{DType, KvKind, ModelShape};
 
 /// Largest block size (tokens per page) the layout accepts.
 pub const MAX_BLOCK_SIZE: usize = 1024;
@@ -37,7 +43,8 @@ pub enum Kv {
 pub struct Strides {
     /// Elements from one block to the next.
     pub block: usize,
-    /// Elements from a block's K half to its V half.
+    /// Elements from a block's K half to its V half (0 for a latent layout, whose
+    /// values are part of the one cached vector).
     pub kv: usize,
     /// Elements from one KV head to the next inside a half.
     pub head: usize,
@@ -49,6 +56,7 @@ pub struct Strides {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KvLayout {
     shape: ModelShape,
+    kind: KvKind,
     block_size: usize,
     strides: Strides,
 }
@@ -60,6 +68,30 @@ impl KvLayout {
     /// [`Error::InvalidConfig`] for an invalid shape or a block size of 0 or above
     /// [`MAX_BLOCK_SIZE`].
     pub fn new(shape: ModelShape, block_size: usize) -> Result<Self> {
+        Self::with_kind(shape, block_size, KvKind::Standard)
+    }
+
+    /// A layout of the given kind. For [`KvKind::Latent`] the shape must have one KV
+    /// head of `head_dim = kv_lora_rank + rope_dim` ([`ModelShape::latent`] builds it);
+    /// a block is then `[block_size][head_dim]` per layer.
+    ///
+    /// ```
+    /// use pagedkv::layout::shape::{DType, KvKind, ModelShape};
+    /// use pagedkv::KvLayout;
+    ///
+    /// // DeepSeek-V3: 61 layers, 128 query heads, latent 512 + rope 64, bf16.
+    /// let shape = ModelShape::latent(61, 128, 512, 64, DType::BF16);
+    /// let kind = KvKind::Latent { kv_lora_rank: 512, rope_dim: 64 };
+    /// let layout = KvLayout::with_kind(shape, 64, kind)?;
+    /// assert_eq!(layout.token_bytes(), 61 * 576 * 2); // 70,272 bytes per token
+    /// assert_eq!(layout.block_bytes_per_layer(), 64 * 576 * 2);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Self::new`]; [`Error::InvalidConfig`] for a latent kind whose
+    /// `kv_lora_rank` is 0 or whose shape is not one head of the latent width.
+    pub fn with_kind(shape: ModelShape, block_size: usize, kind: KvKind) -> Result<Self> {
         shape.validate()?;
         if block_size == 0 || block_size > MAX_BLOCK_SIZE {
             return Err(Error::config(
@@ -67,12 +99,34 @@ impl KvLayout {
                 format!("{block_size} tokens; must be in 1..={MAX_BLOCK_SIZE}"),
             ));
         }
+        if let KvKind::Latent {
+            kv_lora_rank,
+            rope_dim,
+        } = kind
+        {
+            if kv_lora_rank == 0 {
+                return Err(Error::config("kv_lora_rank", "must be positive"));
+            }
+            if shape.num_kv_heads != 1 || Some(shape.head_dim) != kind.latent_dim() {
+                return Err(Error::config(
+                    "head_dim",
+                    format!(
+                        "a latent cache is one vector of kv_lora_rank {kv_lora_rank} + rope_dim {rope_dim} per token; the shape has {} KV heads of {} (use ModelShape::latent)",
+                        shape.num_kv_heads, shape.head_dim
+                    ),
+                ));
+            }
+        }
         let token = shape.head_dim;
         let head = block_size * token;
-        let kv = shape.num_kv_heads * head;
-        let block = 2 * kv;
+        let half = shape.num_kv_heads * head;
+        let (kv, block) = match kind {
+            KvKind::Standard => (half, 2 * half),
+            KvKind::Latent { .. } => (0, half),
+        };
         Ok(KvLayout {
             shape,
+            kind,
             block_size,
             strides: Strides {
                 block,
@@ -86,6 +140,16 @@ impl KvLayout {
     /// The model shape.
     pub const fn shape(&self) -> &ModelShape {
         &self.shape
+    }
+
+    /// Standard K/V or latent (MLA).
+    pub const fn kind(&self) -> KvKind {
+        self.kind
+    }
+
+    /// Whether this is a latent (MLA) layout.
+    pub const fn is_latent(&self) -> bool {
+        matches!(self.kind, KvKind::Latent { .. })
     }
 
     /// Tokens per block.
@@ -108,7 +172,8 @@ impl KvLayout {
         self.strides
     }
 
-    /// Elements of one block in one layer (K and V, all KV heads).
+    /// Elements of one block in one layer (K and V, all KV heads; or the latent
+    /// vectors).
     pub const fn block_elems_per_layer(&self) -> usize {
         self.strides.block
     }
@@ -123,9 +188,13 @@ impl KvLayout {
         self.block_bytes_per_layer() * self.shape.num_layers
     }
 
-    /// Bytes of one token's K and V over all layers.
+    /// Bytes of one token's K and V (or latent vector) over all layers.
     pub const fn token_bytes(&self) -> usize {
-        self.shape.kv_bytes_per_token()
+        self.kind.vectors_per_head()
+            * self.shape.num_layers
+            * self.shape.num_kv_heads
+            * self.shape.head_dim
+            * self.shape.kv_dtype.size_bytes()
     }
 
     /// Bytes of one layer region holding `num_blocks` blocks.
@@ -144,6 +213,8 @@ impl KvLayout {
     }
 
     /// Element offset, inside a layer region, of `(block, kv, head, token, dim)`.
+    ///
+    /// In a latent layout `head` is 0 and `kv` does not matter (its stride is 0).
     ///
     /// Arguments are not range-checked here: callers validate block ids against the
     /// arena, and `head`, `token`, `dim` against the shape, before addressing memory.
@@ -242,6 +313,58 @@ mod tests {
             l.locate(&table, 32),
             Err(Error::CorruptBlockTable(_))
         ));
+    }
+
+    #[test]
+    fn latent_layout_is_one_vector_per_token() {
+        // DeepSeek-V3 in bf16: 61 layers x 576 x 2 bytes per token.
+        let kind = KvKind::Latent {
+            kv_lora_rank: 512,
+            rope_dim: 64,
+        };
+        let shape = ModelShape::latent(61, 128, 512, 64, DType::BF16);
+        let l = KvLayout::with_kind(shape, 16, kind).unwrap();
+        assert!(l.is_latent() && l.kind() == kind);
+        let s = l.strides();
+        assert_eq!(
+            (s.token, s.head, s.kv, s.block),
+            (576, 16 * 576, 0, 16 * 576)
+        );
+        assert_eq!(l.token_bytes(), 70_272);
+        assert_eq!(l.block_bytes_per_layer(), 16 * 576 * 2);
+        assert_eq!(l.block_bytes(), l.token_bytes() * 16);
+        assert_eq!(
+            l.elem_offset(BlockId(3), Kv::K, 0, 5),
+            3 * 16 * 576 + 5 * 576
+        );
+        assert_eq!(
+            l.elem_offset(BlockId(3), Kv::V, 0, 5),
+            l.elem_offset(BlockId(3), Kv::K, 0, 5)
+        );
+        // The standard layout of the same shape is twice as large.
+        let std = KvLayout::new(shape, 16).unwrap();
+        assert_eq!(std.token_bytes(), 2 * l.token_bytes());
+        // The shape must be one head of the latent width.
+        for bad in [
+            ModelShape::latent(61, 128, 512, 32, DType::BF16),
+            ModelShape {
+                num_kv_heads: 2,
+                ..shape
+            },
+        ] {
+            assert!(matches!(
+                KvLayout::with_kind(bad, 16, kind),
+                Err(Error::InvalidConfig {
+                    field: "head_dim",
+                    ..
+                })
+            ));
+        }
+        let zero = KvKind::Latent {
+            kv_lora_rank: 0,
+            rope_dim: 576,
+        };
+        assert!(KvLayout::with_kind(shape, 16, zero).is_err());
     }
 
     #[test]

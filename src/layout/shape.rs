@@ -59,6 +59,51 @@ impl std::fmt::Display for DType {
     }
 }
 
+/// What one token of one layer puts in the cache.
+///
+/// A [`ModelShape`] alone describes the standard form; a [`crate::layout::KvLayout`]
+/// carries the kind, so that every existing `ModelShape` keeps its meaning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvKind {
+    /// A key and a value vector of `head_dim` per KV head.
+    #[default]
+    Standard,
+    /// Multi-head latent attention (DeepSeek-V2/V3/R1, Kimi K2): one vector of
+    /// `kv_lora_rank + rope_dim` elements per token, shared by every query head, with
+    /// no K/V split. Its first `kv_lora_rank` elements (the compressed latent `c`) are
+    /// the values of the absorbed form; the whole vector (`c` and the roped key part)
+    /// is the key.
+    Latent {
+        /// `kv_lora_rank`: the compressed latent (512 for DeepSeek-V3).
+        kv_lora_rank: usize,
+        /// `qk_rope_head_dim`: the decoupled rotary key (64 for DeepSeek-V3).
+        rope_dim: usize,
+    },
+}
+
+impl KvKind {
+    /// Vectors of `head_dim` one token of one layer caches per KV head: 2 (K and V) in
+    /// the standard form, 1 (the latent) otherwise.
+    pub const fn vectors_per_head(&self) -> usize {
+        match self {
+            KvKind::Standard => 2,
+            KvKind::Latent { .. } => 1,
+        }
+    }
+
+    /// Width of the latent vector, `kv_lora_rank + rope_dim` (`None` for the standard
+    /// form).
+    pub const fn latent_dim(&self) -> Option<usize> {
+        match self {
+            KvKind::Standard => None,
+            KvKind::Latent {
+                kv_lora_rank,
+                rope_dim,
+            } => Some(*kv_lora_rank + *rope_dim),
+        }
+    }
+}
+
 /// The part of a model's shape that decides the size of its KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ModelShape {
@@ -110,7 +155,28 @@ impl ModelShape {
         self.num_q_heads / self.num_kv_heads
     }
 
-    /// Bytes of K and V for one token across all layers.
+    /// The shape of a latent (MLA) cache: one "KV head" whose `head_dim` is the
+    /// latent width `kv_lora_rank + rope_dim`, read by `num_q_heads` query heads. Pair
+    /// it with [`KvKind::Latent`] in [`crate::layout::KvLayout::with_kind`].
+    pub const fn latent(
+        num_layers: usize,
+        num_q_heads: usize,
+        kv_lora_rank: usize,
+        rope_dim: usize,
+        kv_dtype: DType,
+    ) -> Self {
+        ModelShape {
+            num_layers,
+            num_q_heads,
+            num_kv_heads: 1,
+            head_dim: kv_lora_rank + rope_dim,
+            kv_dtype,
+        }
+    }
+
+    /// Bytes of K and V for one token across all layers, in the standard form (a
+    /// latent cache holds half of this for its shape: see
+    /// [`crate::layout::KvLayout::token_bytes`]).
     pub const fn kv_bytes_per_token(&self) -> usize {
         2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.size_bytes()
     }
@@ -253,6 +319,71 @@ impl ModelConfig {
             .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
         Self::from_json_str(&text)
     }
+
+    /// What the cache holds per token and layer: a latent for latent-attention (MLA)
+    /// configs (`kv_lora_rank`), K and V per KV head otherwise.
+    pub fn kv_kind(&self) -> KvKind {
+        match &self.arch.mla {
+            Some(m) => KvKind::Latent {
+                kv_lora_rank: m.kv_lora_rank,
+                rope_dim: m.qk_rope_head_dim,
+            },
+            None => KvKind::Standard,
+        }
+    }
+
+    /// The shape of the cache: [`Self::shape`] for standard attention, and for MLA
+    /// [`ModelShape::latent`] (one vector of `kv_lora_rank + qk_rope_head_dim` per
+    /// token and layer; `num_key_value_heads` and `head_dim` do not enter).
+    ///
+    /// # Errors
+    /// [`Error::ModelConfig`] when the latent width overflows or is not a valid shape.
+    pub fn cache_shape(&self) -> Result<ModelShape> {
+        let s = self.shape;
+        match self.kv_kind() {
+            KvKind::Standard => Ok(s),
+            KvKind::Latent {
+                kv_lora_rank,
+                rope_dim,
+            } => {
+                let width = kv_lora_rank.checked_add(rope_dim).ok_or_else(|| {
+                    Error::ModelConfig(format!(
+                        "kv_lora_rank {kv_lora_rank} + qk_rope_head_dim {rope_dim} overflows"
+                    ))
+                })?;
+                let shape = ModelShape {
+                    num_layers: s.num_layers,
+                    num_q_heads: s.num_q_heads,
+                    num_kv_heads: 1,
+                    head_dim: width,
+                    kv_dtype: s.kv_dtype,
+                };
+                shape
+                    .validate()
+                    .map_err(|e| Error::ModelConfig(format!("latent cache: {e}")))?;
+                Ok(shape)
+            }
+        }
+    }
+
+    /// The layout of this model's whole (unsharded) cache in `kv_dtype` with blocks of
+    /// `block_size` tokens: standard or latent as the config says.
+    ///
+    /// ```
+    /// use pagedkv::{DType, ModelConfig};
+    ///
+    /// let v3 = ModelConfig::from_json_str(include_str!("../../tests/data/deepseek-v3.json"))?;
+    /// let layout = v3.kv_layout(DType::BF16, 64)?;
+    /// assert_eq!(layout.token_bytes(), 61 * (512 + 64) * 2);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Self::cache_shape`]; [`Error::InvalidConfig`] for a bad block size.
+    pub fn kv_layout(&self, kv_dtype: DType, block_size: usize) -> Result<super::KvLayout> {
+        let shape = self.cache_shape()?.with_dtype(kv_dtype);
+        super::KvLayout::with_kind(shape, block_size, self.kv_kind())
+    }
 }
 
 /// Architectures whose weights the reader counts exactly. Anything else is read as a
@@ -336,7 +467,8 @@ pub struct MoeConfig {
 pub struct MlaConfig {
     /// `q_lora_rank` (`None`: a full query projection).
     pub q_lora_rank: Option<usize>,
-    /// `kv_lora_rank`: the latent the cache would hold.
+    /// `kv_lora_rank`: the latent the cache holds (with the rope part, see
+    /// [`KvKind::Latent`]).
     pub kv_lora_rank: usize,
     /// `qk_nope_head_dim`.
     pub qk_nope_head_dim: usize,

@@ -11,6 +11,7 @@ use std::sync::{Arc, OnceLock};
 const COMMON_SRC: &str = include_str!("../../../kernels/common.cuh");
 const ATTENTION_SRC: &str = include_str!("../../../kernels/paged_attention.cu");
 const CACHE_OPS_SRC: &str = include_str!("../../../kernels/cache_ops.cu");
+const MLA_SRC: &str = include_str!("../../../kernels/mla_decode.cu");
 
 /// Threads per CTA of the attention kernels (the `NUM_THREADS` define).
 pub const ATTENTION_THREADS: u32 = 128;
@@ -124,6 +125,59 @@ impl AttentionSpec {
     }
 }
 
+/// One specialisation of the MLA decode kernels (`mla_decode` and `mla_decode_merge`
+/// in `kernels/mla_decode.cu`), over a latent cache
+/// ([`crate::layout::shape::KvKind::Latent`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MlaSpec {
+    /// Latent elements that are also the values (512 for DeepSeek-V3).
+    pub kv_lora_rank: usize,
+    /// Roped key elements after them (64).
+    pub rope_dim: usize,
+    /// Tokens per page.
+    pub block_size: usize,
+    /// Cache dtype.
+    pub dtype: DType,
+    /// Query heads per CTA, one warp each.
+    pub heads_per_cta: usize,
+}
+
+impl MlaSpec {
+    /// Checks what the kernel's `static_assert`s would reject, before compiling.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] naming the field.
+    pub fn check(&self) -> Result<()> {
+        let latent = self.kv_lora_rank + self.rope_dim;
+        if self.kv_lora_rank == 0 || self.kv_lora_rank % 32 != 0 || latent % 32 != 0 {
+            return Err(Error::Unsupported(format!(
+                "MLA decode needs kv_lora_rank and kv_lora_rank + rope_dim multiples of 32 (one slice per lane), not {} and {latent}",
+                self.kv_lora_rank
+            )));
+        }
+        if self.block_size == 0 || self.block_size > crate::layout::MAX_BLOCK_SIZE {
+            return Err(Error::Unsupported(format!(
+                "block size {} out of range",
+                self.block_size
+            )));
+        }
+        let page = self.block_size * latent * self.dtype.size_bytes();
+        if page % 16 != 0 || page > 40 * 1024 {
+            return Err(Error::Unsupported(format!(
+                "a page of {} latents of {latent} in {} is {page} bytes; the kernel stages whole 16-byte vectors in at most 40 KiB of shared memory",
+                self.block_size, self.dtype
+            )));
+        }
+        if !(1..=32).contains(&self.heads_per_cta) {
+            return Err(Error::Unsupported(format!(
+                "{} heads per CTA (1..=32, one warp each)",
+                self.heads_per_cta
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// A kernel module: which source and which specialisation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelSpec {
@@ -131,6 +185,8 @@ pub enum KernelSpec {
     Attention(AttentionSpec),
     /// `kernels/cache_ops.cu`: `copy_blocks` and every `reshape_and_cache_<in>_<cache>`.
     CacheOps,
+    /// `kernels/mla_decode.cu` with its defines.
+    Mla(MlaSpec),
 }
 
 /// The dtype code the kernels use (see `kernels/common.cuh`).
@@ -149,6 +205,7 @@ impl KernelSpec {
         let body = match self {
             KernelSpec::Attention(_) => ATTENTION_SRC,
             KernelSpec::CacheOps => CACHE_OPS_SRC,
+            KernelSpec::Mla(_) => MLA_SRC,
         };
         format!("{COMMON_SRC}\n{body}")
     }
@@ -158,6 +215,7 @@ impl KernelSpec {
         match self {
             KernelSpec::Attention(_) => "paged_attention.cu",
             KernelSpec::CacheOps => "cache_ops.cu",
+            KernelSpec::Mla(_) => "mla_decode.cu",
         }
     }
 
@@ -181,6 +239,13 @@ impl KernelSpec {
                 d
             }
             KernelSpec::CacheOps => Vec::new(),
+            KernelSpec::Mla(m) => vec![
+                format!("-DKV_LORA_RANK={}", m.kv_lora_rank),
+                format!("-DROPE_DIM={}", m.rope_dim),
+                format!("-DBLOCK_SIZE={}", m.block_size),
+                format!("-DKV_DTYPE={}", dtype_code(m.dtype)),
+                format!("-DHEADS_PER_CTA={}", m.heads_per_cta),
+            ],
         }
     }
 
@@ -188,6 +253,7 @@ impl KernelSpec {
     pub fn entry_points(&self) -> Vec<&'static str> {
         match self {
             KernelSpec::Attention(_) => vec!["paged_attention_decode", "paged_attention_merge"],
+            KernelSpec::Mla(_) => vec!["mla_decode", "mla_decode_merge"],
             KernelSpec::CacheOps => vec![
                 "copy_blocks",
                 "reshape_and_cache_f32_f32",
@@ -244,6 +310,17 @@ pub fn catalog() -> Vec<KernelSpec> {
             dtype: DType::BF16,
             unroll,
             vec_bytes: 0,
+        }));
+    }
+    // MLA decode on DeepSeek-V3's latent (512 + 64) in 16-token pages: bf16 and fp8
+    // with 8 heads per CTA, and bf16 with 16.
+    for (dtype, heads_per_cta) in [(DType::BF16, 8), (DType::Fp8E4M3, 8), (DType::BF16, 16)] {
+        out.push(KernelSpec::Mla(MlaSpec {
+            kv_lora_rank: 512,
+            rope_dim: 64,
+            block_size: 16,
+            dtype,
+            heads_per_cta,
         }));
     }
     // ...and 8- against 16-byte loads for fp8 at GQA 8.
@@ -364,6 +441,10 @@ impl KernelSpec {
                 a.head_dim, a.block_size, a.gqa_group, a.dtype, a.unroll, a.vec_bytes
             ),
             KernelSpec::CacheOps => "cache_ops".to_string(),
+            KernelSpec::Mla(m) => format!(
+                "mla-r{}-p{}-bs{}-{}-h{}",
+                m.kv_lora_rank, m.rope_dim, m.block_size, m.dtype, m.heads_per_cta
+            ),
         };
         format!("{tag}-{}-{h:016x}.cubin", arch.sm())
     }
@@ -425,8 +506,10 @@ pub fn compile(spec: &KernelSpec, arch: Arch) -> Result<Arc<CompiledModule>> {
 /// # Errors
 /// As [`compile`].
 pub fn compile_uncached(spec: &KernelSpec, arch: Arch) -> Result<CompiledModule> {
-    if let KernelSpec::Attention(a) = spec {
-        a.check()?;
+    match spec {
+        KernelSpec::Attention(a) => a.check()?,
+        KernelSpec::Mla(m) => m.check()?,
+        KernelSpec::CacheOps => {}
     }
     if !super::nvrtc_present() {
         return Err(Error::CudaUnavailable(
@@ -588,10 +671,46 @@ ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
     #[test]
     fn every_catalog_spec_passes_its_checks() {
         for spec in catalog() {
-            if let KernelSpec::Attention(a) = spec {
-                a.check().unwrap();
+            match spec {
+                KernelSpec::Attention(a) => a.check().unwrap(),
+                KernelSpec::Mla(m) => m.check().unwrap(),
+                KernelSpec::CacheOps => {}
             }
             assert!(!spec.entry_points().is_empty());
+        }
+    }
+
+    #[test]
+    fn mla_specs_the_kernel_rejects_are_refused_before_compiling() {
+        let ok = MlaSpec {
+            kv_lora_rank: 512,
+            rope_dim: 64,
+            block_size: 16,
+            dtype: DType::BF16,
+            heads_per_cta: 8,
+        };
+        ok.check().unwrap();
+        for bad in [
+            MlaSpec {
+                kv_lora_rank: 500,
+                ..ok
+            },
+            MlaSpec { rope_dim: 60, ..ok },
+            // 64 tokens x 576 x 2 bytes = 72 KiB of shared memory.
+            MlaSpec {
+                block_size: 64,
+                ..ok
+            },
+            MlaSpec {
+                heads_per_cta: 0,
+                ..ok
+            },
+            MlaSpec {
+                heads_per_cta: 33,
+                ..ok
+            },
+        ] {
+            assert!(matches!(bad.check(), Err(Error::Unsupported(_))), "{bad:?}");
         }
     }
 }

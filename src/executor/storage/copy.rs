@@ -39,10 +39,16 @@ pub(crate) fn for_each_token_run(
     let head_bytes = super::head_bytes(layout);
     let heads = layout.shape().num_kv_heads;
     let elem = layout.dtype().size_bytes();
+    // A latent layout has one vector per token, carried in the `k` buffer.
+    let halves: &[Kv] = if layout.is_latent() {
+        &[Kv::K]
+    } else {
+        &[Kv::K, Kv::V]
+    };
     for (t, (block, off)) in places.into_iter().enumerate() {
         for h in 0..heads {
             let buf = (t * heads + h) * head_bytes;
-            for kv in [Kv::K, Kv::V] {
+            for &kv in halves {
                 let region = layout.elem_offset(block, kv, h, off) * elem;
                 run(TokenRun {
                     kv,

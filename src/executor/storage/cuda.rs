@@ -1014,6 +1014,13 @@ impl Storage for CudaStorage {
 
     fn write_slots(&mut self, layer: usize, slots: &[Slot], k: &[u8], v: &[u8]) -> Result<()> {
         check_token_io(&self.layout, layer, slots.len(), k.len(), v.len())?;
+        if self.layout.is_latent() {
+            // `reshape_and_cache` in kernels/cache_ops.cu writes a K and a V vector per
+            // token; a latent layout has one, and `v` is empty.
+            return Err(Error::Unsupported(
+                "CudaStorage::write_slots of a latent (MLA) layout: the cache-write kernel has no latent form yet".into(),
+            ));
+        }
         let d = self.layout.dtype();
         self.reshape_and_cache(layer, slots, k, v, d, 1.0, 1.0)
     }

@@ -43,13 +43,16 @@ pub trait Storage {
 
     /// Writes K and V of `slots.len()` tokens for one layer. `k` and `v` hold
     /// `[tokens, kv_heads, head_dim]` elements already in the cache dtype, as bytes.
+    /// For a latent (MLA) layout `k` holds the `[tokens, kv_lora_rank + rope_dim]`
+    /// latent vectors and `v` is empty.
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`], [`Error::BlockOutOfRange`], checked before any write.
     fn write_slots(&mut self, layer: usize, slots: &[Slot], k: &[u8], v: &[u8]) -> Result<()>;
 
     /// Reads the first `num_tokens` tokens of a block table for one layer into
-    /// contiguous `[tokens, kv_heads, head_dim]` byte buffers.
+    /// contiguous `[tokens, kv_heads, head_dim]` byte buffers (for a latent layout:
+    /// the latent vectors into `k`, and an empty `v`).
     ///
     /// # Errors
     /// [`Error::CorruptBlockTable`] when the table does not cover the tokens,
@@ -502,6 +505,22 @@ pub(crate) fn check_token_io(
         });
     }
     let want = tokens * layout.shape().num_kv_heads * head_bytes(layout);
+    if layout.is_latent() {
+        // One vector per token: it travels in `k`, and `v` has no half to fill.
+        for (what, expected, got) in [
+            ("latent bytes for the tokens (in k)", want, k),
+            ("V bytes of a latent layout (it has no V half)", 0, v),
+        ] {
+            if got != expected {
+                return Err(Error::ShapeMismatch {
+                    what,
+                    expected,
+                    got,
+                });
+            }
+        }
+        return Ok(());
+    }
     for got in [k, v] {
         if got != want {
             return Err(Error::ShapeMismatch {
