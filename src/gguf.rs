@@ -607,6 +607,10 @@ impl GgufFile {
                 arch: ModelArch {
                     model_type: Some(arch.clone()),
                     known: crate::layout::shape::KNOWN_MODEL_TYPES.contains(&arch.as_str()),
+                    // Llama-family blocks: a norm before attention and one before the MLP;
+                    // Qwen2 puts biases on q, k and v.
+                    norms_per_layer: 2,
+                    attention_bias: arch == "qwen2",
                     ..ModelArch::default()
                 },
             },

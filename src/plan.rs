@@ -400,15 +400,26 @@ impl ModelSpec {
         Self::from_json_str(&text)
     }
 
-    /// A built-in name ([`builtin::NAMES`]) or else a path to a `config.json`.
+    /// A built-in name ([`builtin::NAMES`]), a `.gguf` file (shape from its metadata; its
+    /// quantization is not read: weights count at 16 bits unless overridden), or else a
+    /// path to a `config.json`.
     ///
     /// # Errors
     /// As [`Self::from_file`] when the name is not built in.
     pub fn resolve(name_or_path: &str) -> Result<Self> {
-        match builtin::by_name(name_or_path) {
-            Some(text) => Self::from_json_str(text),
-            None => Self::from_file(name_or_path),
+        if let Some(text) = builtin::by_name(name_or_path) {
+            return Self::from_json_str(text);
         }
+        if name_or_path.ends_with(".gguf") {
+            // The shape from the GGUF's metadata; its per-tensor quantization is not
+            // read, so weights count at 16 bits unless the caller says otherwise.
+            let config = ModelConfig::from_gguf_file(name_or_path, DType::BF16)?;
+            return Ok(ModelSpec {
+                config,
+                attention_bias: false,
+            });
+        }
+        Self::from_file(name_or_path)
     }
 
     /// The precision of the linear layers the config states (`quantization_config`),

@@ -245,4 +245,17 @@ fn smollm2_gguf_gives_its_model_config() {
     let m = f.model_info(DType::BF16).unwrap();
     assert_eq!((m.rope_theta, m.rope_dim), (100_000.0, 64));
     assert!((m.rms_norm_eps - 1e-5).abs() < 1e-9);
+    // The planner takes the same file (`plan --model file.gguf`).
+    let spec = pagedkv::plan::ModelSpec::resolve(path.to_str().unwrap()).unwrap();
+    let mut input = pagedkv::plan::PlanInput::new(spec, 24 << 30);
+    input.context_tokens = 8192;
+    input.concurrency = 64;
+    let plan = input.plan().unwrap();
+    // 30 layers x 3 KV heads x 64 dims x (K and V) x 2 bytes.
+    assert_eq!(plan.kv_bytes_per_token, 30 * 3 * 64 * 2 * 2);
+    // Embedding 49,152 x 576 (tied) + 30 x (attention 576 x (576 + 2 x 192 + 576) +
+    // MLP 3 x 576 x 1,536 + two norms of 576) + the final norm.
+    let per_layer = 576 * (576 + 2 * 192 + 576) + 3 * 576 * 1536 + 2 * 576;
+    assert_eq!(plan.params, 49_152 * 576 + 30 * per_layer + 576);
+    assert!(plan.verdict.fits());
 }
