@@ -74,6 +74,42 @@ impl Hasher for SeqIdHasher {
     }
 }
 
+/// One flag per block of the arena: a set of blocks that answers `contains` with one
+/// byte read (no hashing: asked on every release of a shared block).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct BlockFlags(Vec<bool>);
+
+impl BlockFlags {
+    pub(crate) fn new(num_blocks: usize) -> Self {
+        BlockFlags(vec![false; num_blocks])
+    }
+
+    /// Sets the flag of `b`; returns whether it was clear.
+    pub(crate) fn insert(&mut self, b: BlockId) -> bool {
+        match self.0.get_mut(b.index()) {
+            Some(f) => !std::mem::replace(f, true),
+            None => false,
+        }
+    }
+
+    /// Clears the flag of `b`; returns whether it was set.
+    pub(crate) fn remove(&mut self, b: &BlockId) -> bool {
+        self.0
+            .get_mut(b.index())
+            .is_some_and(|f| std::mem::replace(f, false))
+    }
+
+    #[inline]
+    pub(crate) fn contains(&self, b: &BlockId) -> bool {
+        self.0.get(b.index()).copied().unwrap_or(false)
+    }
+
+    /// Follows the arena to `num_blocks` (new blocks unflagged).
+    pub(crate) fn resize(&mut self, num_blocks: usize) {
+        self.0.resize(num_blocks, false);
+    }
+}
+
 /// The map from sequence ids to their tables.
 pub(crate) type SeqMap<V> = HashMap<SeqId, V, BuildHasherDefault<SeqIdHasher>>;
 
@@ -173,7 +209,7 @@ pub struct KvCacheManager {
     /// Shared blocks whose holders hold different lengths (after a truncation into a
     /// shared block): when one of them lets go, the fill is recomputed from the
     /// tables. Rare, so a set and a scan.
-    pub(crate) fill_dirty: std::collections::HashSet<BlockId>,
+    pub(crate) fill_dirty: BlockFlags,
     pub(crate) live_token_slots: usize,
     pub(crate) peak_used_blocks: usize,
     /// The prefix cache (see `manager/prefix.rs`).
@@ -221,7 +257,7 @@ impl KvCacheManager {
             pool: BlockPool::new(config.num_blocks)?,
             seqs: SeqMap::default(),
             block_fill: vec![0; config.num_blocks],
-            fill_dirty: Default::default(),
+            fill_dirty: BlockFlags::new(config.num_blocks),
             live_token_slots: 0,
             peak_used_blocks: 0,
             prefix: PrefixIndex::new(

@@ -800,6 +800,7 @@ mod tests {
         kv.prefix.resize(4).unwrap();
         kv.pool.resize(4).unwrap();
         kv.block_fill.truncate(4);
+        kv.fill_dirty.resize(4);
         kv.check_invariants().unwrap();
     }
 }
