@@ -10,7 +10,9 @@
 //! end of the step, then new ones are admitted. Admission, appends and frees are all
 //! timed; the figure is the time of the whole replay over the decode tokens appended.
 //!
-//! Before criterion runs, a summary table (median of interleaved replays) prints
+//! The paged manager runs twice per setting: through the per-sequence calls
+//! (`append`, `append_tokens`) and through the batch decode step (`append_batch`,
+//! `append_tokens_batch`, by handle). Before criterion runs, a summary table (median of interleaved replays) prints
 //! ns per appended token and the ratio to the bare list.
 //!
 //! `cargo bench --bench trace -- --warm-up-time 1 --measurement-time 3`
@@ -21,7 +23,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use pagedkv::{
     AdmitOptions, BlockId, BlockPool, CacheAllocator, CacheConfig, ContiguousCache, CopyPlan,
-    DType, KvCacheManager, KvLayout, ModelShape, SeqId, Slot,
+    DType, KvCacheManager, KvLayout, ModelShape, SeqHandle, SeqId, Slot,
 };
 
 const SEED: u64 = 18;
@@ -191,21 +193,32 @@ fn manager() -> KvCacheManager {
 }
 
 /// The paged manager through the per-sequence calls: `admit` + `append` (prefix
-/// caching off: no token ids), or `admit_tokens` + `append_tokens` (on).
+/// caching off: no token ids), or `admit_tokens` + `append_tokens` (on); or, with
+/// `batch`, the decode step as one `append_batch` / `append_tokens_batch` call over
+/// the running sequences' handles (taken once at admission).
 struct Paged {
     kv: KvCacheManager,
     prefix: bool,
+    batch: bool,
     slots: Vec<Slot>,
     copies: CopyPlan,
+    /// Handle of each trace sequence, set at admission (batch mode).
+    handles: Vec<Option<SeqHandle>>,
+    step_handles: Vec<SeqHandle>,
+    step_tokens: Vec<u32>,
 }
 
 impl Paged {
-    fn new(prefix: bool) -> Self {
+    fn new(prefix: bool, batch: bool) -> Self {
         Paged {
             kv: manager(),
             prefix,
+            batch,
             slots: Vec::new(),
             copies: CopyPlan::new(),
+            handles: vec![None; NUM_SEQS],
+            step_handles: Vec::with_capacity(MAX_RUNNING),
+            step_tokens: Vec::with_capacity(MAX_RUNNING),
         }
     }
 }
@@ -223,8 +236,38 @@ impl Replay for Paged {
                 .admit(id, trace.seqs[i].prompt, &mut self.slots)
                 .unwrap();
         }
+        if self.batch {
+            self.handles[i] = Some(self.kv.handle(id).unwrap());
+        }
     }
     fn step(&mut self, trace: &Trace, running: &[usize], done: &[usize], slots: &mut Vec<Slot>) {
+        if self.batch {
+            self.step_handles.clear();
+            self.step_handles
+                .extend(running.iter().map(|&i| self.handles[i].unwrap()));
+            if self.prefix {
+                self.step_tokens.clear();
+                self.step_tokens.extend(
+                    running
+                        .iter()
+                        .zip(done)
+                        .map(|(&i, &j)| trace.decode_token(i, j)),
+                );
+                self.kv
+                    .append_tokens_batch(
+                        &self.step_handles,
+                        &self.step_tokens,
+                        slots,
+                        &mut self.copies,
+                    )
+                    .unwrap();
+            } else {
+                self.kv
+                    .append_batch(&self.step_handles, slots, &mut self.copies)
+                    .unwrap();
+            }
+            return;
+        }
         for (&i, &j) in running.iter().zip(done) {
             let id = SeqId(i as u64);
             if self.prefix {
@@ -303,9 +346,7 @@ impl Bare {
 impl Replay for Bare {
     fn admit(&mut self, trace: &Trace, i: usize) {
         self.slots.clear();
-        self.tables[i].reserve(
-            (trace.seqs[i].prompt + trace.seqs[i].decode).div_ceil(BLOCK_SIZE),
-        );
+        self.tables[i].reserve((trace.seqs[i].prompt + trace.seqs[i].decode).div_ceil(BLOCK_SIZE));
         for _ in 0..trace.seqs[i].prompt {
             let s = self.push_token(i);
             self.slots.push(s);
@@ -357,8 +398,14 @@ impl ReplayBox for Bare {
 fn variants() -> Vec<(&'static str, Factory)> {
     vec![
         ("bare_free_list", |t| Box::new(Bare::new(t))),
-        ("paged_prefix_off", |_| Box::new(Paged::new(false))),
-        ("paged_prefix_on", |_| Box::new(Paged::new(true))),
+        ("paged_prefix_off", |_| Box::new(Paged::new(false, false))),
+        ("paged_prefix_off_batch", |_| {
+            Box::new(Paged::new(false, true))
+        }),
+        ("paged_prefix_on", |_| Box::new(Paged::new(true, false))),
+        ("paged_prefix_on_batch", |_| {
+            Box::new(Paged::new(true, true))
+        }),
         ("contiguous", |_| {
             Box::new(Contiguous {
                 cc: ContiguousCache::new(layout(), NUM_BLOCKS, PROMPT_MAX + DECODE_MAX).unwrap(),

@@ -7,6 +7,7 @@ mod builder;
 mod defrag;
 pub mod preempt;
 mod prefix;
+mod seqs;
 mod shared;
 mod swap;
 
@@ -21,7 +22,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, SeqId};
+use crate::ids::{BlockId, SeqHandle, SeqId};
 use crate::layout::plans::CopyPlan;
 use crate::layout::{KvLayout, Slot};
 use crate::pool::prefix::index::PrefixIndex;
@@ -201,7 +202,9 @@ pub struct KvCacheManager {
     pub(crate) layout: KvLayout,
     pub(crate) config: CacheConfig,
     pub(crate) pool: BlockPool,
-    pub(crate) seqs: SeqMap<Sequence>,
+    /// Resident sequences (and those with a swap in flight), by handle; the `SeqId`
+    /// map sits at the edge (see `manager/seqs.rs`).
+    pub(crate) seqs: seqs::Seqs,
     /// Filled token slots of each live block: the most any holder has allocated in
     /// it (a shared block counts once). Exact at all times; `check_invariants`
     /// recomputes it from the tables.
@@ -255,7 +258,7 @@ impl KvCacheManager {
             layout,
             config,
             pool: BlockPool::new(config.num_blocks)?,
-            seqs: SeqMap::default(),
+            seqs: seqs::Seqs::default(),
             block_fill: vec![0; config.num_blocks],
             fill_dirty: BlockFlags::new(config.num_blocks),
             live_token_slots: 0,
@@ -306,6 +309,132 @@ impl KvCacheManager {
 
     pub(crate) fn seq(&self, seq: SeqId) -> Result<&Sequence> {
         self.seqs.get(&seq).ok_or_else(|| self.absent_error(seq))
+    }
+
+    /// The handle of `seq` for the per-step batch calls ([`Self::append_batch`],
+    /// [`Self::append_tokens_batch`]): look it up once (at admission, after a swap-in)
+    /// and keep it while the sequence runs. It stays valid until the sequence is freed
+    /// or swapped out; every other call keeps it (truncation, copy-on-write, commit).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is swapped out.
+    #[inline]
+    pub fn handle(&self, seq: SeqId) -> Result<SeqHandle> {
+        self.seqs.handle(&seq).ok_or_else(|| self.absent_error(seq))
+    }
+
+    /// The decode step of a whole batch in one call: appends one token to every
+    /// sequence of `seqs` and commits it, as [`Self::append`]`(seq, 1, ..)` does for
+    /// each in order, and writes the step's slot mapping into `slots` (cleared first;
+    /// slot `k` belongs to `seqs[k]`). Copy-on-writes go into `copies` (appended). The
+    /// sequences are reached by handle: no id is hashed and no sequence moves.
+    ///
+    /// ```
+    /// use pagedkv::{CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::F16 };
+    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
+    /// let mut running = Vec::new();
+    /// for id in 0..4 {
+    ///     kv.admit(SeqId(id), 16, &mut slots)?;
+    ///     running.push(kv.handle(SeqId(id))?);
+    /// }
+    /// kv.append_batch(&running, &mut slots, &mut copies)?; // one token each
+    /// assert_eq!(slots.len(), 4);
+    /// assert_eq!(kv.num_tokens(SeqId(3))?, 17);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::StaleHandle`]; [`Error::DuplicateInBatch`] when a sequence is listed
+    /// twice; for any sequence, the errors of [`Self::append`]; [`Error::OutOfBlocks`]
+    /// when the blocks the appends need one by one (each needs at most one: a new
+    /// last block or a copy of a shared one) are not available. Every sequence is
+    /// checked before any changes: on error nothing changed.
+    pub fn append_batch(
+        &mut self,
+        seqs: &[SeqHandle],
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<()> {
+        self.append_batch_inner(seqs, None, slots, copies)
+    }
+
+    /// [`Self::append_batch`] with the sampled token ids (`tokens[k]` for `seqs[k]`),
+    /// as [`Self::append_tokens`] does per sequence: a block a token completes is
+    /// registered in the prefix cache.
+    ///
+    /// # Errors
+    /// As [`Self::append_batch`]; [`Error::ShapeMismatch`] when `tokens` and `seqs`
+    /// differ in length. Nothing changed on error.
+    pub fn append_tokens_batch(
+        &mut self,
+        seqs: &[SeqHandle],
+        tokens: &[u32],
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<()> {
+        if tokens.len() != seqs.len() {
+            return Err(Error::ShapeMismatch {
+                what: "token ids of the batch (one per sequence)",
+                expected: seqs.len(),
+                got: tokens.len(),
+            });
+        }
+        self.append_batch_inner(seqs, Some(tokens), slots, copies)
+    }
+
+    fn append_batch_inner(
+        &mut self,
+        seqs: &[SeqHandle],
+        tokens: Option<&[u32]>,
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<()> {
+        slots.clear();
+        // Check every sequence first, so that a failed call changes nothing.
+        let max_len = self.max_seq_len();
+        self.seqs.begin_batch();
+        for &h in seqs {
+            let (seq, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
+            swap::check_resident(seq, s)?;
+            if s.scheduled > 0 {
+                return Err(Error::SequenceState {
+                    seq,
+                    state: "holding an uncommitted reservation",
+                    needed: "committed (commit first; commit(seq, 0) cancels)",
+                });
+            }
+            if s.computed >= max_len {
+                return Err(Error::TooLong {
+                    tokens: s.computed + 1,
+                    limit: max_len,
+                });
+            }
+            if !self.seqs.mark(h) {
+                return Err(Error::DuplicateInBatch(seq));
+            }
+        }
+        // One append takes at most one block; count exactly only when that bound
+        // does not settle it.
+        if seqs.len() > self.num_available_blocks() {
+            let needed = seqs
+                .iter()
+                .filter_map(|&h| self.seqs.at(h))
+                .map(|(_, s)| self.reserve_cost(s, s.computed + 1).0)
+                .sum();
+            self.ensure_available(needed)?;
+        }
+        slots.reserve(seqs.len());
+        // Nothing below fails on a consistent manager: every sequence was checked and
+        // the blocks are available.
+        for (k, &h) in seqs.iter().enumerate() {
+            let ids = tokens.and_then(|t| t.get(k..k + 1));
+            self.reserve_at(h, 1, 0, true, ids, slots, copies)?;
+        }
+        Ok(())
     }
 
     /// Whether a new sequence of `num_tokens` tokens fits while keeping the watermark.
@@ -438,7 +567,9 @@ impl KvCacheManager {
     /// or has a swap in flight; [`Error::CommitPastReservation`] when `n` is more than
     /// the reservation. Nothing changed on error.
     pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<usize> {
-        let s = self.resident(seq)?;
+        let h = self.handle(seq)?;
+        let (_, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
+        swap::check_resident(seq, s)?;
         if n > s.scheduled {
             return Err(Error::CommitPastReservation {
                 seq,
@@ -446,12 +577,11 @@ impl KvCacheManager {
                 reserved: s.scheduled,
             });
         }
-        let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let bs = self.block_size();
+        let s = self.seqs.at_mut(h).ok_or(Error::StaleHandle(h))?;
         s.computed += n;
         s.scheduled = 0;
-        let registered = self.extend_chain(&mut s);
-        self.seqs.insert(seq, s);
-        Ok(registered)
+        Ok(prefix::extend_chain_in(&mut self.prefix, bs, s))
     }
 
     /// Blocks [`Self::reserve`]`(seq, n, lookahead, ..)` would take from the pool now
@@ -515,20 +645,24 @@ impl KvCacheManager {
         let new_len = target.max(s.num_tokens);
         let new_blocks = self.layout.blocks_for_tokens(new_len) - s.table.len();
         let written_end = self.layout.blocks_for_tokens(target).min(s.table.len());
-        let replaced = (first..written_end)
-            .filter(|&i| self.is_protected(s.table[i]))
+        let replaced = s
+            .table
+            .get(first..written_end)
+            .unwrap_or(&[])
+            .iter()
+            .filter(|&&b| self.is_protected(b))
             .count();
-        (new_blocks + replaced, first)
+        (new_blocks + replaced, replaced)
     }
 
     /// Shared (by a fork or a prefix hit) or registered: writes must go elsewhere.
+    #[inline]
     fn is_protected(&self, b: BlockId) -> bool {
         self.pool.refcount(b).unwrap_or(0) > 1 || self.prefix.is_registered(b)
     }
 
-    /// The one slot-handing path: reserve `n + lookahead` slots after the computed
-    /// tokens, then commit the `n` at once when `commit_now` (with their ids when
-    /// `tokens` is given).
+    /// The one slot-handing path, by id: [`Self::reserve_at`] after one lookup at the
+    /// edge. Clears `slots` first.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn reserve_inner(
         &mut self,
@@ -541,7 +675,29 @@ impl KvCacheManager {
         copies: &mut CopyPlan,
     ) -> Result<usize> {
         slots.clear();
-        let s = self.resident(seq)?;
+        let h = self.handle(seq)?;
+        self.reserve_at(h, n, lookahead, commit_now, tokens, slots, copies)
+    }
+
+    /// The one slot-handing path: reserve `n + lookahead` slots after the computed
+    /// tokens of the sequence `h` names, then commit the `n` at once when `commit_now`
+    /// (with their ids when `tokens` is given). Appends the slots to `slots` (not
+    /// cleared). Reaches the sequence by index and changes it in place (split borrows
+    /// of the manager's fields); only a copy-on-write takes it out of its slot, so that
+    /// the release of the old block does not count this sequence among its holders.
+    #[allow(clippy::too_many_arguments)]
+    fn reserve_at(
+        &mut self,
+        h: SeqHandle,
+        n: usize,
+        lookahead: usize,
+        commit_now: bool,
+        tokens: Option<&[u32]>,
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<usize> {
+        let (seq, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
+        swap::check_resident(seq, s)?;
         if s.scheduled > 0 {
             return Err(Error::SequenceState {
                 seq,
@@ -550,33 +706,88 @@ impl KvCacheManager {
             });
         }
         let target = self.reserve_target(s, n, lookahead)?;
-        let (needed, first) = self.reserve_cost(s, target);
-        if needed == 0 && s.prefix.is_none() && s.computed == s.num_tokens && commit_now {
-            // The common decode case: the tokens land in the sequence's own blocks and
-            // no prefix-cache bookkeeping follows the sequence.
-            let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
-            fill_slots(
-                &self.layout,
-                s,
-                target,
-                slots,
-                &mut self.block_fill,
-                &mut self.live_token_slots,
-            );
-            s.computed = target;
-            return Ok(0);
+        let (needed, replaced) = self.reserve_cost(s, target);
+        if needed > 0 {
+            self.ensure_available(needed)?;
         }
-        self.ensure_available(needed)?;
         // Every step below succeeds: `ensure_available` reserved enough blocks.
         let bs = self.block_size();
-        let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if replaced > 0 {
+            self.replace_protected(h, target, copies)?;
+        }
+        let KvCacheManager {
+            layout,
+            pool,
+            prefix,
+            seqs,
+            block_fill,
+            live_token_slots,
+            peak_used_blocks,
+            ..
+        } = self;
+        let s = seqs.at_mut(h).ok_or(Error::StaleHandle(h))?;
+        let new_len = target.max(s.num_tokens);
+        let want = layout.blocks_for_tokens(new_len);
+        if s.table.len() < want {
+            s.table.reserve(want - s.table.len());
+            while s.table.len() < want {
+                s.table.push(alloc_block_in(pool, prefix, block_fill)?);
+            }
+            *peak_used_blocks = (*peak_used_blocks).max(pool.num_live());
+        }
+        // Slots of the reserved positions; fills count every allocated slot.
+        slots.reserve(target - s.computed);
+        for pos in s.computed..target {
+            let b = s.table[pos / bs];
+            let off = pos % bs;
+            slots.push(layout.slot(b, off));
+            let fill = &mut block_fill[b.index()];
+            if usize::from(*fill) <= off {
+                *live_token_slots += off + 1 - usize::from(*fill);
+                *fill = (off + 1) as u16;
+            }
+        }
+        s.num_tokens = new_len;
+        if let Some(ids) = tokens {
+            prefix::record_ids(s, ids, bs);
+        }
+        if commit_now {
+            s.computed += n;
+        } else {
+            s.scheduled = n;
+        }
+        Ok(prefix::extend_chain_in(prefix, bs, s))
+    }
+
+    /// Copy-on-write before a reservation up to `target`: every block from the first
+    /// uncomputed one up to `target` that is shared or registered is replaced by a
+    /// fresh block (copied when it holds computed tokens). The caller checked that the
+    /// blocks are available.
+    fn replace_protected(
+        &mut self,
+        h: SeqHandle,
+        target: usize,
+        copies: &mut CopyPlan,
+    ) -> Result<()> {
+        let bs = self.block_size();
+        // Out of its slot while old blocks are released: a release that recounts a
+        // block's holders must not count this sequence.
+        let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
+        let first = s.computed / bs;
         let written_end = self.layout.blocks_for_tokens(target).min(s.table.len());
+        let mut result = Ok(());
         for i in first..written_end {
             let old = s.table[i];
             if !self.is_protected(old) {
                 continue;
             }
-            let new = self.alloc_block()?;
+            let new = match self.alloc_block() {
+                Ok(b) => b,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            };
             if s.computed > i * bs {
                 copies.push(old, new);
             }
@@ -584,39 +795,14 @@ impl KvCacheManager {
             let fill = s.num_tokens.saturating_sub(i * bs).min(bs);
             self.block_fill[new.index()] = fill as u16;
             self.live_token_slots += fill;
-            self.release_block(old)?;
             s.table[i] = new;
-        }
-        let new_len = target.max(s.num_tokens);
-        while s.table.len() < self.layout.blocks_for_tokens(new_len) {
-            let b = self.alloc_block()?;
-            s.table.push(b);
-        }
-        // Slots of the reserved positions; fills count every allocated slot.
-        slots.reserve(target - s.computed);
-        for pos in s.computed..target {
-            let b = s.table[pos / bs];
-            let off = pos % bs;
-            slots.push(self.layout.slot(b, off));
-            let fill = &mut self.block_fill[b.index()];
-            if usize::from(*fill) <= off {
-                self.live_token_slots += off + 1 - usize::from(*fill);
-                *fill = (off + 1) as u16;
+            if let Err(e) = self.release_block(old) {
+                result = Err(e);
+                break;
             }
         }
-        s.num_tokens = new_len;
-        if let Some(ids) = tokens {
-            prefix::record_ids(&mut s, ids, bs);
-        }
-        if commit_now {
-            s.computed += n;
-        } else {
-            s.scheduled = n;
-        }
-        let registered = self.extend_chain(&mut s);
-        self.seqs.insert(seq, s);
-        self.note_usage();
-        Ok(registered)
+        self.seqs.put(h, s);
+        result
     }
 
     /// Extends `s` to `new_len` tokens over blocks already in its table, emitting slots.
@@ -648,7 +834,9 @@ impl KvCacheManager {
                 len: s.num_tokens,
             });
         }
-        let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let h = self.handle(seq)?;
+        // Out of its slot while blocks are released (see `replace_protected`).
+        let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
         let keep = self.layout.blocks_for_tokens(new_len);
         let mut result = Ok(());
         while s.table.len() > keep {
@@ -676,7 +864,7 @@ impl KvCacheManager {
             s.scheduled = new_len - s.computed;
         }
         self.prefix_after_truncate(&mut s, new_len);
-        self.seqs.insert(seq, s);
+        self.seqs.put(h, s);
         result
     }
 
@@ -834,12 +1022,7 @@ impl KvCacheManager {
 
     /// Takes one block for a table, evicting a cached block when none is free.
     pub(crate) fn alloc_block(&mut self) -> Result<BlockId> {
-        if self.pool.num_free() == 0 {
-            self.evict_one()?;
-        }
-        let b = self.pool.allocate()?;
-        self.block_fill[b.index()] = 0;
-        Ok(b)
+        alloc_block_in(&mut self.pool, &mut self.prefix, &mut self.block_fill)
     }
 
     /// Drops one table reference to `b`; a registered block is kept cached at zero.
@@ -908,6 +1091,7 @@ impl KvCacheManager {
     /// A message describing the first violation.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.pool.check_invariants()?;
+        self.seqs.check()?;
         let mut refs = vec![0u32; self.num_blocks()];
         let mut fills = vec![0u16; self.num_blocks()];
         let bs = self.block_size();
@@ -963,6 +1147,25 @@ impl KvCacheManager {
         self.check_prefix_invariants()?;
         self.check_tier_invariants()
     }
+}
+
+/// Takes one block for a table, evicting a cached block when none is free (split
+/// borrows: callers hold a sequence of the slab meanwhile).
+#[inline]
+fn alloc_block_in(
+    pool: &mut BlockPool,
+    prefix: &mut PrefixIndex,
+    block_fill: &mut [u16],
+) -> Result<BlockId> {
+    if pool.num_free() == 0 {
+        let victim = prefix
+            .pop_victim()
+            .ok_or(Error::OutOfBlocks { needed: 1, free: 0 })?;
+        pool.evict(victim)?;
+    }
+    let b = pool.allocate()?;
+    block_fill[b.index()] = 0;
+    Ok(b)
 }
 
 /// Extends `s` to `new_len` tokens over blocks already in its table, emitting slots and

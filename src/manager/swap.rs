@@ -348,6 +348,22 @@ fn check_group(seqs: &[SeqId]) -> Result<()> {
     Ok(())
 }
 
+/// Fails unless `s` (sequence `seq`) has no swap in flight.
+#[inline]
+pub(crate) fn check_resident(seq: SeqId, s: &Sequence) -> Result<()> {
+    match s.in_flight {
+        None => Ok(()),
+        Some(f) => Err(state_error(
+            seq,
+            match f.direction {
+                SwapDirection::Out => "swapping out",
+                SwapDirection::In => "swapping in",
+            },
+            "resident with no swap in flight",
+        )),
+    }
+}
+
 fn state_error(seq: SeqId, state: &'static str, needed: &'static str) -> Error {
     Error::SequenceState { seq, state, needed }
 }
@@ -396,17 +412,8 @@ impl KvCacheManager {
     /// The sequence if it is resident with no swap in flight (it may be changed).
     pub(crate) fn resident(&self, seq: SeqId) -> Result<&Sequence> {
         let s = self.seq(seq)?;
-        match s.in_flight {
-            None => Ok(s),
-            Some(f) => Err(state_error(
-                seq,
-                match f.direction {
-                    SwapDirection::Out => "swapping out",
-                    SwapDirection::In => "swapping in",
-                },
-                "resident with no swap in flight",
-            )),
-        }
+        check_resident(seq, s)?;
+        Ok(s)
     }
 
     /// [`Self::resident`] and not in this step's batch: no uncommitted reservation
