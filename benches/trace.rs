@@ -13,7 +13,7 @@
 //! The paged manager runs twice per setting: through the per-sequence calls
 //! (`append`, `append_tokens`) and through the batch decode step (`append_batch`,
 //! `append_tokens_batch`, by handle). Before criterion runs, a summary table (median of interleaved replays) prints
-//! ns per appended token and the ratio to the bare list.
+//! ns per appended token and the ratio to the bare list (`TRACE_SUMMARY=0` skips it).
 //!
 //! `cargo bench --bench trace -- --warm-up-time 1 --measurement-time 3`
 
@@ -453,7 +453,10 @@ fn summary(trace: &Trace) {
 
 fn bench_trace(c: &mut Criterion) {
     let trace = Trace::generate();
-    summary(&trace);
+    // `TRACE_SUMMARY=0` skips the table (when profiling one criterion bench).
+    if std::env::var("TRACE_SUMMARY").as_deref() != Ok("0") {
+        summary(&trace);
+    }
     let mut g = c.benchmark_group("trace");
     g.sample_size(10);
     g.sampling_mode(SamplingMode::Flat);

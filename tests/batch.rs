@@ -87,12 +87,22 @@ impl Pair {
                 self.next += 1;
                 let len = 9 + usize::from(tail);
                 let prompt: Vec<u32> = (0..len as u32)
-                    .map(|t| if t < 8 { u32::from(prefix) * 100 + t } else { 1_000 + t })
+                    .map(|t| {
+                        if t < 8 {
+                            u32::from(prefix) * 100 + t
+                        } else {
+                            1_000 + t
+                        }
+                    })
                     .collect();
                 let (r1, r2) = if ids {
                     (
-                        self.batch.admit_tokens(id, &prompt, &opts, &mut s1).map(drop),
-                        self.single.admit_tokens(id, &prompt, &opts, &mut s2).map(drop),
+                        self.batch
+                            .admit_tokens(id, &prompt, &opts, &mut s1)
+                            .map(drop),
+                        self.single
+                            .admit_tokens(id, &prompt, &opts, &mut s2)
+                            .map(drop),
                     )
                 } else {
                     (
@@ -243,7 +253,11 @@ fn refused_batches_change_nothing() {
         Err(Error::OutOfBlocks { needed: 1, free: 0 })
     ));
     assert_eq!(kv.stats(), full);
-    assert_eq!(kv.num_tokens(SeqId(2)).unwrap(), 3, "seq 2 got nothing either");
+    assert_eq!(
+        kv.num_tokens(SeqId(2)).unwrap(),
+        3,
+        "seq 2 got nothing either"
+    );
     // Seq 2 alone fits its last block.
     kv.append_batch(&[h2], &mut slots, &mut copies).unwrap();
     assert_eq!(slots.len(), 1);

@@ -640,8 +640,7 @@ impl KvCacheManager {
     /// Blocks from that index on that are shared or registered are replaced: copied
     /// when they hold computed tokens, taken fresh otherwise.
     fn reserve_cost(&self, s: &Sequence, target: usize) -> (usize, usize) {
-        let bs = self.block_size();
-        let first = s.computed / bs;
+        let first = self.layout.block_index(s.computed);
         let new_len = target.max(s.num_tokens);
         let new_blocks = self.layout.blocks_for_tokens(new_len) - s.table.len();
         let written_end = self.layout.blocks_for_tokens(target).min(s.table.len());
@@ -738,8 +737,8 @@ impl KvCacheManager {
         // Slots of the reserved positions; fills count every allocated slot.
         slots.reserve(target - s.computed);
         for pos in s.computed..target {
-            let b = s.table[pos / bs];
-            let off = pos % bs;
+            let b = s.table[layout.block_index(pos)];
+            let off = layout.block_offset(pos);
             slots.push(layout.slot(b, off));
             let fill = &mut block_fill[b.index()];
             if usize::from(*fill) <= off {
@@ -838,12 +837,8 @@ impl KvCacheManager {
         // Out of its slot while blocks are released (see `replace_protected`).
         let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
         let keep = self.layout.blocks_for_tokens(new_len);
-        let mut result = Ok(());
-        while s.table.len() > keep {
-            if let Some(b) = s.table.pop() {
-                result = result.and(self.release_block(b));
-            }
-        }
+        let result = self.release_table(s.table.get(keep..).unwrap_or(&[]));
+        s.table.truncate(keep);
         let tail = new_len % self.block_size();
         if let Some(&last) = s.table.last() {
             if tail != 0 {
@@ -881,9 +876,7 @@ impl KvCacheManager {
             return Err(Error::DuplicateSequence(child));
         }
         let c = p.clone();
-        for &b in &c.table {
-            self.pool.incref(b)?;
-        }
+        self.pool.incref_all(&c.table)?;
         self.seqs.insert(child, c);
         Ok(())
     }
@@ -901,11 +894,7 @@ impl KvCacheManager {
         }
         self.resident(seq)?;
         let s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
-        let mut result = Ok(());
-        for &b in s.table.iter().rev() {
-            result = result.and(self.release_block(b));
-        }
-        result
+        self.release_table(&s.table)
     }
 
     /// The block table of `seq`: bookkeeping (it is there, in flight or not, while the
@@ -1025,7 +1014,24 @@ impl KvCacheManager {
         alloc_block_in(&mut self.pool, &mut self.prefix, &mut self.block_fill)
     }
 
+    /// Drops one table reference to each of `table`'s blocks, last first (a table
+    /// taken out of the slab). Every block is processed; the first error is returned
+    /// (it means the manager's own state was corrupt).
+    pub(crate) fn release_table(&mut self, table: &[BlockId]) -> Result<()> {
+        let mut first_error = None;
+        for &b in table.iter().rev() {
+            // `if let` reads the tag only: folding a large `Result` per block through
+            // `and` was most of the cost of a free.
+            if let Err(e) = self.release_block(b) {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
     /// Drops one table reference to `b`; a registered block is kept cached at zero.
+    /// Whether it is registered is a flag read, not an index lookup.
+    #[inline]
     pub(crate) fn release_block(&mut self, b: BlockId) -> Result<()> {
         let registered = self.prefix.is_registered(b);
         let rc = if registered {
@@ -1041,15 +1047,20 @@ impl KvCacheManager {
                 self.prefix.on_cached(b);
             }
         } else if self.fill_dirty.contains(&b) {
-            // The holder that let go may have held the most: recount (the caller has
-            // taken it out of the map).
-            let want = self.holders_fill(b);
-            self.set_fill(b, want);
-            if rc == 1 {
-                self.fill_dirty.remove(&b);
-            }
+            self.recount_fill(b, rc);
         }
         Ok(())
+    }
+
+    /// A holder let go of shared block `b`, whose holders hold different lengths: it
+    /// may have held the most, so recount (the caller has taken it out of the slab).
+    #[cold]
+    fn recount_fill(&mut self, b: BlockId, rc: u32) {
+        let want = self.holders_fill(b);
+        self.set_fill(b, want);
+        if rc == 1 {
+            self.fill_dirty.remove(&b);
+        }
     }
 
     /// The most slots any sequence in the map holds in block `b` (a scan of every
@@ -1178,11 +1189,10 @@ fn fill_slots(
     block_fill: &mut [u16],
     live_token_slots: &mut usize,
 ) {
-    let bs = layout.block_size();
     slots.reserve(new_len - s.num_tokens);
     for pos in s.num_tokens..new_len {
-        let b = s.table[pos / bs];
-        let off = pos % bs;
+        let b = s.table[layout.block_index(pos)];
+        let off = layout.block_offset(pos);
         slots.push(layout.slot(b, off));
         let fill = &mut block_fill[b.index()];
         if usize::from(*fill) <= off {

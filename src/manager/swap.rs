@@ -168,7 +168,7 @@ pub(crate) struct Tiers {
     disk_fill: Vec<u16>,
     disk_cursor: usize,
     device_cursor: usize,
-    pub(crate) swapped: HashMap<SeqId, SwappedSeq>,
+    pub(crate) swapped: super::SeqMap<SwappedSeq>,
     pending: BTreeMap<SwapTicket, Pending>,
     next_ticket: u64,
     next_admission: u64,
@@ -186,7 +186,7 @@ impl Tiers {
             disk_fill: vec![0; config.num_disk_slots],
             disk_cursor: 0,
             device_cursor: 0,
-            swapped: HashMap::new(),
+            swapped: super::SeqMap::default(),
             pending: BTreeMap::new(),
             next_ticket: 0,
             next_admission: 0,
@@ -721,9 +721,7 @@ impl KvCacheManager {
                         result = result.and(Err(Error::UnknownSequence(id)));
                         continue;
                     };
-                    for &b in s.table.iter().rev() {
-                        result = result.and(self.release_block(b));
-                    }
+                    result = result.and(self.release_table(&s.table));
                     self.tiers.swapped.insert(
                         id,
                         SwappedSeq {
@@ -779,9 +777,7 @@ impl KvCacheManager {
             Pending::In { seqs, .. } => {
                 for (id, old) in seqs {
                     if let Some(s) = self.seqs.remove(&id) {
-                        for &b in s.table.iter().rev() {
-                            result = result.and(self.release_block(b));
-                        }
+                        result = result.and(self.release_table(&s.table));
                     }
                     self.tiers.swapped.insert(id, old);
                 }
