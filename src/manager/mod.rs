@@ -351,8 +351,9 @@ impl KvCacheManager {
     /// [`Error::StaleHandle`]; [`Error::DuplicateInBatch`] when a sequence is listed
     /// twice; for any sequence, the errors of [`Self::append`]; [`Error::OutOfBlocks`]
     /// when the blocks the appends need one by one (each needs at most one: a new
-    /// last block or a copy of a shared one) are not available. Every sequence is
-    /// checked before any changes: on error nothing changed.
+    /// last block or a copy of a shared one; a block shared by two sequences of the
+    /// batch counts for both) are not available. Every sequence is checked before any
+    /// changes: on error nothing changed.
     pub fn append_batch(
         &mut self,
         seqs: &[SeqHandle],
@@ -396,6 +397,7 @@ impl KvCacheManager {
         slots.clear();
         // Check every sequence first, so that a failed call changes nothing.
         let max_len = self.max_seq_len();
+        let mut needed = 0;
         self.seqs.begin_batch();
         for &h in seqs {
             let (seq, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
@@ -413,20 +415,16 @@ impl KvCacheManager {
                     limit: max_len,
                 });
             }
+            // Exact, and it brings each sequence's last block's counters into the
+            // cache in a loop whose iterations do not wait on each other.
+            needed += self.reserve_cost(s, s.computed + 1).0;
             if !self.seqs.mark(h) {
                 return Err(Error::DuplicateInBatch(seq));
             }
         }
-        // One append takes at most one block; count exactly only when that bound
-        // does not settle it.
-        if seqs.len() > self.num_available_blocks() {
-            let needed = seqs
-                .iter()
-                .filter_map(|&h| self.seqs.at(h))
-                .map(|(_, s)| self.reserve_cost(s, s.computed + 1).0)
-                .sum();
-            self.ensure_available(needed)?;
-        }
+        // Each sequence's need is counted as if it were alone: a block shared by two
+        // of them is counted for both, though the second append finds it private.
+        self.ensure_available(needed)?;
         slots.reserve(seqs.len());
         // Nothing below fails on a consistent manager: every sequence was checked and
         // the blocks are available.
@@ -735,17 +733,14 @@ impl KvCacheManager {
             *peak_used_blocks = (*peak_used_blocks).max(pool.num_live());
         }
         // Slots of the reserved positions; fills count every allocated slot.
-        slots.reserve(target - s.computed);
-        for pos in s.computed..target {
-            let b = s.table[layout.block_index(pos)];
-            let off = layout.block_offset(pos);
-            slots.push(layout.slot(b, off));
-            let fill = &mut block_fill[b.index()];
-            if usize::from(*fill) <= off {
-                *live_token_slots += off + 1 - usize::from(*fill);
-                *fill = (off + 1) as u16;
-            }
-        }
+        push_slots(
+            layout,
+            &s.table,
+            s.computed..target,
+            slots,
+            block_fill,
+            live_token_slots,
+        );
         s.num_tokens = new_len;
         if let Some(ids) = tokens {
             prefix::record_ids(s, ids, bs);
@@ -1189,16 +1184,42 @@ fn fill_slots(
     block_fill: &mut [u16],
     live_token_slots: &mut usize,
 ) {
-    slots.reserve(new_len - s.num_tokens);
-    for pos in s.num_tokens..new_len {
-        let b = s.table[layout.block_index(pos)];
-        let off = layout.block_offset(pos);
-        slots.push(layout.slot(b, off));
-        let fill = &mut block_fill[b.index()];
-        if usize::from(*fill) <= off {
-            *live_token_slots += off + 1 - usize::from(*fill);
-            *fill = (off + 1) as u16;
-        }
-    }
+    push_slots(
+        layout,
+        &s.table,
+        s.num_tokens..new_len,
+        slots,
+        block_fill,
+        live_token_slots,
+    );
     s.num_tokens = new_len;
+}
+
+/// Pushes the slots of positions `range` of `table` and raises each block's fill to
+/// cover them. Block by block: per token only the slot is written.
+#[inline]
+fn push_slots(
+    layout: &KvLayout,
+    table: &[BlockId],
+    range: std::ops::Range<usize>,
+    slots: &mut Vec<Slot>,
+    block_fill: &mut [u16],
+    live_token_slots: &mut usize,
+) {
+    slots.reserve(range.len());
+    let bs = layout.block_size();
+    let mut pos = range.start;
+    while pos < range.end {
+        let b = table[layout.block_index(pos)];
+        let off = layout.block_offset(pos);
+        let end = (off + (range.end - pos)).min(bs);
+        let base = layout.slot(b, 0).0;
+        slots.extend((off..end).map(|o| Slot(base + o as u64)));
+        let fill = &mut block_fill[b.index()];
+        if usize::from(*fill) < end {
+            *live_token_slots += end - usize::from(*fill);
+            *fill = end as u16;
+        }
+        pos += end - off;
+    }
 }
