@@ -37,6 +37,12 @@ pub enum Error {
     /// out) since the handle was made.
     #[error("{0} is stale: its sequence was freed or swapped out")]
     StaleHandle(SeqHandle),
+    /// The manager holds as many sequences as its handles can name.
+    #[error("more than {limit} sequences")]
+    TooManySequences {
+        /// Sequences a manager can hold.
+        limit: usize,
+    },
     /// A sequence is listed twice in one batch call.
     #[error("sequence {0} is listed twice in one batch")]
     DuplicateInBatch(SeqId),

@@ -468,6 +468,7 @@ impl KvCacheManager {
         }
         let needed = self.layout.blocks_for_tokens(num_tokens);
         self.ensure_available(needed)?;
+        self.seqs.reserve_room(1)?;
         let mut s = Sequence {
             table: Vec::with_capacity(needed + 1),
             admission: self.tiers.next_admission(),
@@ -479,7 +480,7 @@ impl KvCacheManager {
         }
         self.fill_tokens(&mut s, num_tokens, slots);
         s.computed = num_tokens;
-        self.seqs.insert(seq, s);
+        self.seqs.insert(seq, s)?;
         self.note_usage();
         Ok(())
     }
@@ -871,8 +872,9 @@ impl KvCacheManager {
             return Err(Error::DuplicateSequence(child));
         }
         let c = p.clone();
+        self.seqs.reserve_room(1)?;
         self.pool.incref_all(&c.table)?;
-        self.seqs.insert(child, c);
+        self.seqs.insert(child, c)?;
         Ok(())
     }
 

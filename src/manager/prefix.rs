@@ -322,6 +322,7 @@ impl KvCacheManager {
         let table: Vec<BlockId> = hit.blocks[..valid].to_vec();
         let revived = self.count_evictable(&table);
         self.ensure_available(revived)?;
+        self.seqs.reserve_room(1)?;
         for &b in &table {
             let revive = self.pool.state(b)? == BlockState::Cached;
             if revive {
@@ -356,7 +357,7 @@ impl KvCacheManager {
             admission: self.tiers.next_admission(),
             ..Sequence::default()
         };
-        self.seqs.insert(seq, s);
+        self.seqs.insert(seq, s)?;
         self.note_usage();
         Ok(Admission {
             cached_tokens: cached,

@@ -8,6 +8,7 @@
 //! that is refused rather than pointed at whoever reuses the slot.
 
 use super::{SeqMap, Sequence};
+use crate::error::{Error, Result};
 use crate::ids::{SeqHandle, SeqId};
 
 #[derive(Debug, Clone)]
@@ -95,35 +96,50 @@ impl Seqs {
         }
     }
 
+    /// Makes sure `n` sequences can be inserted without growing past the handle
+    /// space (`u32` slot indices): calls that add sequences check this before they
+    /// change anything. Adds vacant slots, which nobody observes.
+    ///
+    /// # Errors
+    /// [`Error::TooManySequences`].
+    pub(crate) fn reserve_room(&mut self, n: usize) -> Result<()> {
+        while self.vacant.len() < n {
+            let i = u32::try_from(self.slots.len())
+                .ok()
+                .filter(|&i| i < u32::MAX)
+                .ok_or(Error::TooManySequences {
+                    limit: u32::MAX as usize,
+                })?;
+            self.slots.push(Slot {
+                id: SeqId::default(),
+                generation: 0,
+                stamp: 0,
+                seq: None,
+            });
+            self.vacant.push(i);
+        }
+        Ok(())
+    }
+
     /// Adds `id`; a sequence already under `id` is replaced in place (same handle).
-    pub(crate) fn insert(&mut self, id: SeqId, seq: Sequence) -> SeqHandle {
+    ///
+    /// # Errors
+    /// [`Error::TooManySequences`] (never after [`Self::reserve_room`]).
+    pub(crate) fn insert(&mut self, id: SeqId, seq: Sequence) -> Result<SeqHandle> {
         if let Some(h) = self.handle(&id) {
             self.slots[h.index as usize].seq = Some(seq);
-            return h;
+            return Ok(h);
         }
-        let index = match self.vacant.pop() {
-            Some(i) => {
-                let slot = &mut self.slots[i as usize];
-                slot.id = id;
-                slot.seq = Some(seq);
-                i
-            }
-            None => {
-                let i = u32::try_from(self.slots.len()).expect("fewer than 2^32 sequences");
-                self.slots.push(Slot {
-                    id,
-                    generation: 0,
-                    stamp: 0,
-                    seq: Some(seq),
-                });
-                i
-            }
-        };
+        self.reserve_room(1)?;
+        let index = self.vacant.pop().ok_or(Error::TooManySequences {
+            limit: u32::MAX as usize,
+        })?;
+        let slot = &mut self.slots[index as usize];
+        slot.id = id;
+        slot.seq = Some(seq);
+        let generation = slot.generation;
         self.index.insert(id, index);
-        SeqHandle {
-            index,
-            generation: self.slots[index as usize].generation,
-        }
+        Ok(SeqHandle { index, generation })
     }
 
     /// Removes `id`; its handle goes stale.

@@ -610,6 +610,7 @@ impl KvCacheManager {
         }
         let (distinct, index) = distinct_with_counts(hosts_in_order);
         self.ensure_available(distinct.len())?;
+        self.seqs.reserve_room(seqs.len())?;
         // Prefer one run of free device blocks; evictable blocks fill in the rest.
         let n_free = distinct.len().min(self.pool.num_free());
         let mut devs = pick_free_run(&self.pool, n_free, self.tiers.device_cursor);
@@ -665,7 +666,7 @@ impl KvCacheManager {
                     computed: old.computed,
                     scheduled: 0,
                 },
-            );
+            )?;
             saved.push((id, old));
         }
         // Each new device block holds what the group's longest holder holds in it.
