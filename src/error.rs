@@ -3,7 +3,7 @@
 //! Every variant carries the numbers a caller needs to act on it. A call that returns
 //! an error has left every structure it touched as it was before the call.
 
-use crate::ids::{BlockId, SeqId};
+use crate::ids::{BlockId, SeqHandle, SeqId};
 
 /// Result alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -33,6 +33,19 @@ pub enum Error {
     /// No sequence with this id is known.
     #[error("unknown sequence {0}")]
     UnknownSequence(SeqId),
+    /// A [`crate::SeqHandle`] whose sequence has left the device (freed or swapped
+    /// out) since the handle was made.
+    #[error("{0} is stale: its sequence was freed or swapped out")]
+    StaleHandle(SeqHandle),
+    /// The manager holds as many sequences as its handles can name.
+    #[error("more than {limit} sequences")]
+    TooManySequences {
+        /// Sequences a manager can hold.
+        limit: usize,
+    },
+    /// A sequence is listed twice in one batch call.
+    #[error("sequence {0} is listed twice in one batch")]
+    DuplicateInBatch(SeqId),
     /// A sequence with this id already exists.
     #[error("sequence {0} already exists")]
     DuplicateSequence(SeqId),

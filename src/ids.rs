@@ -56,3 +56,20 @@ id_type!(
     DiskSlot(u32),
     "slot "
 );
+
+/// A resident sequence's place in a `KvCacheManager`, for the calls that run once per
+/// sequence per step (`append_batch`): reaching the sequence through it costs an index
+/// and a generation compare, no hashing. Obtained from `KvCacheManager::handle`; valid
+/// from admission (or swap-in) until the sequence is freed (or swapped out). A handle
+/// kept past that is refused (`Error::StaleHandle`), never pointed at another sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SeqHandle {
+    pub(crate) index: u32,
+    pub(crate) generation: u32,
+}
+
+impl std::fmt::Display for SeqHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "handle {}.{}", self.index, self.generation)
+    }
+}

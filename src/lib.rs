@@ -39,7 +39,7 @@ pub use export::{
     export_blocks, export_sequence, exported_len, import_sequence, ExportHeader, ExportView,
     ImportedSequence,
 };
-pub use ids::{BlockId, DiskSlot, PinId, SeqId, SwapTicket};
+pub use ids::{BlockId, DiskSlot, PinId, SeqHandle, SeqId, SwapTicket};
 pub use layout::plans::{BlockCopy, CopyPlan, MovePlan, SwapDirection, SwapPair, SwapPlan};
 pub use layout::shape::{DType, KvKind, ModelConfig, ModelShape};
 pub use layout::{Kv, KvLayout, Slot};

@@ -58,8 +58,14 @@ pub struct KvLayout {
     shape: ModelShape,
     kind: KvKind,
     block_size: usize,
+    /// `log2(block_size)` when it is a power of two (as every engine's is), else
+    /// [`NOT_POW2`]: the per-token paths then shift instead of dividing.
+    block_shift: u32,
     strides: Strides,
 }
+
+/// [`KvLayout::block_shift`] of a block size that is not a power of two.
+const NOT_POW2: u32 = u32::MAX;
 
 impl KvLayout {
     /// A layout for `shape` with pages of `block_size` tokens.
@@ -128,6 +134,11 @@ impl KvLayout {
             shape,
             kind,
             block_size,
+            block_shift: if block_size.is_power_of_two() {
+                block_size.trailing_zeros()
+            } else {
+                NOT_POW2
+            },
             strides: Strides {
                 block,
                 kv,
@@ -208,8 +219,34 @@ impl KvLayout {
     }
 
     /// Blocks needed to hold `tokens` tokens.
+    #[inline]
     pub const fn blocks_for_tokens(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.block_size)
+        if self.block_shift == NOT_POW2 {
+            tokens.div_ceil(self.block_size)
+        } else {
+            (tokens >> self.block_shift) + (tokens & (self.block_size - 1) != 0) as usize
+        }
+    }
+
+    /// The table index of token position `pos` (`pos / block_size`, a shift when the
+    /// block size is a power of two: this is on the per-token path).
+    #[inline]
+    pub const fn block_index(&self, pos: usize) -> usize {
+        if self.block_shift == NOT_POW2 {
+            pos / self.block_size
+        } else {
+            pos >> self.block_shift
+        }
+    }
+
+    /// The offset of token position `pos` in its block (`pos % block_size`).
+    #[inline]
+    pub const fn block_offset(&self, pos: usize) -> usize {
+        if self.block_shift == NOT_POW2 {
+            pos % self.block_size
+        } else {
+            pos & (self.block_size - 1)
+        }
     }
 
     /// Element offset, inside a layer region, of `(block, kv, head, token, dim)`.
@@ -236,14 +273,14 @@ impl KvLayout {
     /// [`Error::CorruptBlockTable`] when the table does not cover `pos`.
     #[inline]
     pub fn locate(&self, table: &[BlockId], pos: usize) -> Result<(BlockId, usize)> {
-        let b = table.get(pos / self.block_size).ok_or_else(|| {
+        let b = table.get(self.block_index(pos)).ok_or_else(|| {
             Error::CorruptBlockTable(format!(
                 "token {pos} needs entry {} but the table has {}",
                 pos / self.block_size,
                 table.len()
             ))
         })?;
-        Ok((*b, pos % self.block_size))
+        Ok((*b, self.block_offset(pos)))
     }
 
     /// The flat slot of `(block, offset)`: `block * block_size + offset`.

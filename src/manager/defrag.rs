@@ -415,6 +415,7 @@ impl KvCacheManager {
         self.prefix.resize(num_blocks)?;
         self.block_fill.resize(num_blocks, 0);
         self.block_fill.shrink_to_fit();
+        self.fill_dirty.resize(num_blocks);
         self.config.num_blocks = num_blocks;
         self.pool.reorder_free_low_first();
         Ok(())

@@ -7,6 +7,7 @@ mod builder;
 mod defrag;
 pub mod preempt;
 mod prefix;
+mod seqs;
 mod shared;
 mod swap;
 
@@ -21,7 +22,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, SeqId};
+use crate::ids::{BlockId, SeqHandle, SeqId};
 use crate::layout::plans::CopyPlan;
 use crate::layout::{KvLayout, Slot};
 use crate::pool::prefix::index::PrefixIndex;
@@ -71,6 +72,42 @@ impl Hasher for SeqIdHasher {
     }
     fn write_u64(&mut self, n: u64) {
         self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// One flag per block of the arena: a set of blocks that answers `contains` with one
+/// byte read (no hashing: asked on every release of a shared block).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct BlockFlags(Vec<bool>);
+
+impl BlockFlags {
+    pub(crate) fn new(num_blocks: usize) -> Self {
+        BlockFlags(vec![false; num_blocks])
+    }
+
+    /// Sets the flag of `b`; returns whether it was clear.
+    pub(crate) fn insert(&mut self, b: BlockId) -> bool {
+        match self.0.get_mut(b.index()) {
+            Some(f) => !std::mem::replace(f, true),
+            None => false,
+        }
+    }
+
+    /// Clears the flag of `b`; returns whether it was set.
+    pub(crate) fn remove(&mut self, b: &BlockId) -> bool {
+        self.0
+            .get_mut(b.index())
+            .is_some_and(|f| std::mem::replace(f, false))
+    }
+
+    #[inline]
+    pub(crate) fn contains(&self, b: &BlockId) -> bool {
+        self.0.get(b.index()).copied().unwrap_or(false)
+    }
+
+    /// Follows the arena to `num_blocks` (new blocks unflagged).
+    pub(crate) fn resize(&mut self, num_blocks: usize) {
+        self.0.resize(num_blocks, false);
     }
 }
 
@@ -165,7 +202,9 @@ pub struct KvCacheManager {
     pub(crate) layout: KvLayout,
     pub(crate) config: CacheConfig,
     pub(crate) pool: BlockPool,
-    pub(crate) seqs: SeqMap<Sequence>,
+    /// Resident sequences (and those with a swap in flight), by handle; the `SeqId`
+    /// map sits at the edge (see `manager/seqs.rs`).
+    pub(crate) seqs: seqs::Seqs,
     /// Filled token slots of each live block: the most any holder has allocated in
     /// it (a shared block counts once). Exact at all times; `check_invariants`
     /// recomputes it from the tables.
@@ -173,7 +212,7 @@ pub struct KvCacheManager {
     /// Shared blocks whose holders hold different lengths (after a truncation into a
     /// shared block): when one of them lets go, the fill is recomputed from the
     /// tables. Rare, so a set and a scan.
-    pub(crate) fill_dirty: std::collections::HashSet<BlockId>,
+    pub(crate) fill_dirty: BlockFlags,
     pub(crate) live_token_slots: usize,
     pub(crate) peak_used_blocks: usize,
     /// The prefix cache (see `manager/prefix.rs`).
@@ -219,9 +258,9 @@ impl KvCacheManager {
             layout,
             config,
             pool: BlockPool::new(config.num_blocks)?,
-            seqs: SeqMap::default(),
+            seqs: seqs::Seqs::default(),
             block_fill: vec![0; config.num_blocks],
-            fill_dirty: Default::default(),
+            fill_dirty: BlockFlags::new(config.num_blocks),
             live_token_slots: 0,
             peak_used_blocks: 0,
             prefix: PrefixIndex::new(
@@ -272,6 +311,130 @@ impl KvCacheManager {
         self.seqs.get(&seq).ok_or_else(|| self.absent_error(seq))
     }
 
+    /// The handle of `seq` for the per-step batch calls ([`Self::append_batch`],
+    /// [`Self::append_tokens_batch`]): look it up once (at admission, after a swap-in)
+    /// and keep it while the sequence runs. It stays valid until the sequence is freed
+    /// or swapped out; every other call keeps it (truncation, copy-on-write, commit).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is swapped out.
+    #[inline]
+    pub fn handle(&self, seq: SeqId) -> Result<SeqHandle> {
+        self.seqs.handle(&seq).ok_or_else(|| self.absent_error(seq))
+    }
+
+    /// The decode step of a whole batch in one call: appends one token to every
+    /// sequence of `seqs` and commits it, as [`Self::append`]`(seq, 1, ..)` does for
+    /// each in order, and writes the step's slot mapping into `slots` (cleared first;
+    /// slot `k` belongs to `seqs[k]`). Copy-on-writes go into `copies` (appended). The
+    /// sequences are reached by handle: no id is hashed and no sequence moves.
+    ///
+    /// ```
+    /// use pagedkv::{CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::F16 };
+    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
+    /// let mut running = Vec::new();
+    /// for id in 0..4 {
+    ///     kv.admit(SeqId(id), 16, &mut slots)?;
+    ///     running.push(kv.handle(SeqId(id))?);
+    /// }
+    /// kv.append_batch(&running, &mut slots, &mut copies)?; // one token each
+    /// assert_eq!(slots.len(), 4);
+    /// assert_eq!(kv.num_tokens(SeqId(3))?, 17);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::StaleHandle`]; [`Error::DuplicateInBatch`] when a sequence is listed
+    /// twice; for any sequence, the errors of [`Self::append`]; [`Error::OutOfBlocks`]
+    /// when the blocks the appends need one by one (each needs at most one: a new
+    /// last block or a copy of a shared one; a block shared by two sequences of the
+    /// batch counts for both) are not available. Every sequence is checked before any
+    /// changes: on error nothing changed.
+    pub fn append_batch(
+        &mut self,
+        seqs: &[SeqHandle],
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<()> {
+        self.append_batch_inner(seqs, None, slots, copies)
+    }
+
+    /// [`Self::append_batch`] with the sampled token ids (`tokens[k]` for `seqs[k]`),
+    /// as [`Self::append_tokens`] does per sequence: a block a token completes is
+    /// registered in the prefix cache.
+    ///
+    /// # Errors
+    /// As [`Self::append_batch`]; [`Error::ShapeMismatch`] when `tokens` and `seqs`
+    /// differ in length. Nothing changed on error.
+    pub fn append_tokens_batch(
+        &mut self,
+        seqs: &[SeqHandle],
+        tokens: &[u32],
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<()> {
+        if tokens.len() != seqs.len() {
+            return Err(Error::ShapeMismatch {
+                what: "token ids of the batch (one per sequence)",
+                expected: seqs.len(),
+                got: tokens.len(),
+            });
+        }
+        self.append_batch_inner(seqs, Some(tokens), slots, copies)
+    }
+
+    fn append_batch_inner(
+        &mut self,
+        seqs: &[SeqHandle],
+        tokens: Option<&[u32]>,
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<()> {
+        slots.clear();
+        // Check every sequence first, so that a failed call changes nothing.
+        let max_len = self.max_seq_len();
+        let mut needed = 0;
+        self.seqs.begin_batch();
+        for &h in seqs {
+            let (seq, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
+            swap::check_resident(seq, s)?;
+            if s.scheduled > 0 {
+                return Err(Error::SequenceState {
+                    seq,
+                    state: "holding an uncommitted reservation",
+                    needed: "committed (commit first; commit(seq, 0) cancels)",
+                });
+            }
+            if s.computed >= max_len {
+                return Err(Error::TooLong {
+                    tokens: s.computed + 1,
+                    limit: max_len,
+                });
+            }
+            // Exact, and it brings each sequence's last block's counters into the
+            // cache in a loop whose iterations do not wait on each other.
+            needed += self.reserve_cost(s, s.computed + 1).0;
+            if !self.seqs.mark(h) {
+                return Err(Error::DuplicateInBatch(seq));
+            }
+        }
+        // Each sequence's need is counted as if it were alone: a block shared by two
+        // of them is counted for both, though the second append finds it private.
+        self.ensure_available(needed)?;
+        slots.reserve(seqs.len());
+        // Nothing below fails on a consistent manager: every sequence was checked and
+        // the blocks are available.
+        for (k, &h) in seqs.iter().enumerate() {
+            let ids = tokens.and_then(|t| t.get(k..k + 1));
+            self.reserve_at(h, 1, 0, true, ids, slots, copies)?;
+        }
+        Ok(())
+    }
+
     /// Whether a new sequence of `num_tokens` tokens fits while keeping the watermark.
     pub fn can_admit(&self, num_tokens: usize) -> bool {
         num_tokens <= self.max_seq_len()
@@ -305,6 +468,7 @@ impl KvCacheManager {
         }
         let needed = self.layout.blocks_for_tokens(num_tokens);
         self.ensure_available(needed)?;
+        self.seqs.reserve_room(1)?;
         let mut s = Sequence {
             table: Vec::with_capacity(needed + 1),
             admission: self.tiers.next_admission(),
@@ -316,7 +480,7 @@ impl KvCacheManager {
         }
         self.fill_tokens(&mut s, num_tokens, slots);
         s.computed = num_tokens;
-        self.seqs.insert(seq, s);
+        self.seqs.insert(seq, s)?;
         self.note_usage();
         Ok(())
     }
@@ -402,7 +566,9 @@ impl KvCacheManager {
     /// or has a swap in flight; [`Error::CommitPastReservation`] when `n` is more than
     /// the reservation. Nothing changed on error.
     pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<usize> {
-        let s = self.resident(seq)?;
+        let h = self.handle(seq)?;
+        let (_, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
+        swap::check_resident(seq, s)?;
         if n > s.scheduled {
             return Err(Error::CommitPastReservation {
                 seq,
@@ -410,12 +576,11 @@ impl KvCacheManager {
                 reserved: s.scheduled,
             });
         }
-        let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let bs = self.block_size();
+        let s = self.seqs.at_mut(h).ok_or(Error::StaleHandle(h))?;
         s.computed += n;
         s.scheduled = 0;
-        let registered = self.extend_chain(&mut s);
-        self.seqs.insert(seq, s);
-        Ok(registered)
+        Ok(prefix::extend_chain_in(&mut self.prefix, bs, s))
     }
 
     /// Blocks [`Self::reserve`]`(seq, n, lookahead, ..)` would take from the pool now
@@ -474,25 +639,28 @@ impl KvCacheManager {
     /// Blocks from that index on that are shared or registered are replaced: copied
     /// when they hold computed tokens, taken fresh otherwise.
     fn reserve_cost(&self, s: &Sequence, target: usize) -> (usize, usize) {
-        let bs = self.block_size();
-        let first = s.computed / bs;
+        let first = self.layout.block_index(s.computed);
         let new_len = target.max(s.num_tokens);
         let new_blocks = self.layout.blocks_for_tokens(new_len) - s.table.len();
         let written_end = self.layout.blocks_for_tokens(target).min(s.table.len());
-        let replaced = (first..written_end)
-            .filter(|&i| self.is_protected(s.table[i]))
+        let replaced = s
+            .table
+            .get(first..written_end)
+            .unwrap_or(&[])
+            .iter()
+            .filter(|&&b| self.is_protected(b))
             .count();
-        (new_blocks + replaced, first)
+        (new_blocks + replaced, replaced)
     }
 
     /// Shared (by a fork or a prefix hit) or registered: writes must go elsewhere.
+    #[inline]
     fn is_protected(&self, b: BlockId) -> bool {
         self.pool.refcount(b).unwrap_or(0) > 1 || self.prefix.is_registered(b)
     }
 
-    /// The one slot-handing path: reserve `n + lookahead` slots after the computed
-    /// tokens, then commit the `n` at once when `commit_now` (with their ids when
-    /// `tokens` is given).
+    /// The one slot-handing path, by id: [`Self::reserve_at`] after one lookup at the
+    /// edge. Clears `slots` first.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn reserve_inner(
         &mut self,
@@ -505,7 +673,29 @@ impl KvCacheManager {
         copies: &mut CopyPlan,
     ) -> Result<usize> {
         slots.clear();
-        let s = self.resident(seq)?;
+        let h = self.handle(seq)?;
+        self.reserve_at(h, n, lookahead, commit_now, tokens, slots, copies)
+    }
+
+    /// The one slot-handing path: reserve `n + lookahead` slots after the computed
+    /// tokens of the sequence `h` names, then commit the `n` at once when `commit_now`
+    /// (with their ids when `tokens` is given). Appends the slots to `slots` (not
+    /// cleared). Reaches the sequence by index and changes it in place (split borrows
+    /// of the manager's fields); only a copy-on-write takes it out of its slot, so that
+    /// the release of the old block does not count this sequence among its holders.
+    #[allow(clippy::too_many_arguments)]
+    fn reserve_at(
+        &mut self,
+        h: SeqHandle,
+        n: usize,
+        lookahead: usize,
+        commit_now: bool,
+        tokens: Option<&[u32]>,
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<usize> {
+        let (seq, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
+        swap::check_resident(seq, s)?;
         if s.scheduled > 0 {
             return Err(Error::SequenceState {
                 seq,
@@ -514,33 +704,85 @@ impl KvCacheManager {
             });
         }
         let target = self.reserve_target(s, n, lookahead)?;
-        let (needed, first) = self.reserve_cost(s, target);
-        if needed == 0 && s.prefix.is_none() && s.computed == s.num_tokens && commit_now {
-            // The common decode case: the tokens land in the sequence's own blocks and
-            // no prefix-cache bookkeeping follows the sequence.
-            let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
-            fill_slots(
-                &self.layout,
-                s,
-                target,
-                slots,
-                &mut self.block_fill,
-                &mut self.live_token_slots,
-            );
-            s.computed = target;
-            return Ok(0);
+        let (needed, replaced) = self.reserve_cost(s, target);
+        if needed > 0 {
+            self.ensure_available(needed)?;
         }
-        self.ensure_available(needed)?;
         // Every step below succeeds: `ensure_available` reserved enough blocks.
         let bs = self.block_size();
-        let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if replaced > 0 {
+            self.replace_protected(h, target, copies)?;
+        }
+        let KvCacheManager {
+            layout,
+            pool,
+            prefix,
+            seqs,
+            block_fill,
+            live_token_slots,
+            peak_used_blocks,
+            ..
+        } = self;
+        let s = seqs.at_mut(h).ok_or(Error::StaleHandle(h))?;
+        let new_len = target.max(s.num_tokens);
+        let want = layout.blocks_for_tokens(new_len);
+        if s.table.len() < want {
+            s.table.reserve(want - s.table.len());
+            while s.table.len() < want {
+                s.table.push(alloc_block_in(pool, prefix, block_fill)?);
+            }
+            *peak_used_blocks = (*peak_used_blocks).max(pool.num_live());
+        }
+        // Slots of the reserved positions; fills count every allocated slot.
+        push_slots(
+            layout,
+            &s.table,
+            s.computed..target,
+            slots,
+            block_fill,
+            live_token_slots,
+        );
+        s.num_tokens = new_len;
+        if let Some(ids) = tokens {
+            prefix::record_ids(s, ids, bs);
+        }
+        if commit_now {
+            s.computed += n;
+        } else {
+            s.scheduled = n;
+        }
+        Ok(prefix::extend_chain_in(prefix, bs, s))
+    }
+
+    /// Copy-on-write before a reservation up to `target`: every block from the first
+    /// uncomputed one up to `target` that is shared or registered is replaced by a
+    /// fresh block (copied when it holds computed tokens). The caller checked that the
+    /// blocks are available.
+    fn replace_protected(
+        &mut self,
+        h: SeqHandle,
+        target: usize,
+        copies: &mut CopyPlan,
+    ) -> Result<()> {
+        let bs = self.block_size();
+        // Out of its slot while old blocks are released: a release that recounts a
+        // block's holders must not count this sequence.
+        let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
+        let first = s.computed / bs;
         let written_end = self.layout.blocks_for_tokens(target).min(s.table.len());
+        let mut result = Ok(());
         for i in first..written_end {
             let old = s.table[i];
             if !self.is_protected(old) {
                 continue;
             }
-            let new = self.alloc_block()?;
+            let new = match self.alloc_block() {
+                Ok(b) => b,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            };
             if s.computed > i * bs {
                 copies.push(old, new);
             }
@@ -548,39 +790,14 @@ impl KvCacheManager {
             let fill = s.num_tokens.saturating_sub(i * bs).min(bs);
             self.block_fill[new.index()] = fill as u16;
             self.live_token_slots += fill;
-            self.release_block(old)?;
             s.table[i] = new;
-        }
-        let new_len = target.max(s.num_tokens);
-        while s.table.len() < self.layout.blocks_for_tokens(new_len) {
-            let b = self.alloc_block()?;
-            s.table.push(b);
-        }
-        // Slots of the reserved positions; fills count every allocated slot.
-        slots.reserve(target - s.computed);
-        for pos in s.computed..target {
-            let b = s.table[pos / bs];
-            let off = pos % bs;
-            slots.push(self.layout.slot(b, off));
-            let fill = &mut self.block_fill[b.index()];
-            if usize::from(*fill) <= off {
-                self.live_token_slots += off + 1 - usize::from(*fill);
-                *fill = (off + 1) as u16;
+            if let Err(e) = self.release_block(old) {
+                result = Err(e);
+                break;
             }
         }
-        s.num_tokens = new_len;
-        if let Some(ids) = tokens {
-            prefix::record_ids(&mut s, ids, bs);
-        }
-        if commit_now {
-            s.computed += n;
-        } else {
-            s.scheduled = n;
-        }
-        let registered = self.extend_chain(&mut s);
-        self.seqs.insert(seq, s);
-        self.note_usage();
-        Ok(registered)
+        self.seqs.put(h, s);
+        result
     }
 
     /// Extends `s` to `new_len` tokens over blocks already in its table, emitting slots.
@@ -612,14 +829,12 @@ impl KvCacheManager {
                 len: s.num_tokens,
             });
         }
-        let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let h = self.handle(seq)?;
+        // Out of its slot while blocks are released (see `replace_protected`).
+        let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
         let keep = self.layout.blocks_for_tokens(new_len);
-        let mut result = Ok(());
-        while s.table.len() > keep {
-            if let Some(b) = s.table.pop() {
-                result = result.and(self.release_block(b));
-            }
-        }
+        let result = self.release_table(s.table.get(keep..).unwrap_or(&[]));
+        s.table.truncate(keep);
         let tail = new_len % self.block_size();
         if let Some(&last) = s.table.last() {
             if tail != 0 {
@@ -640,7 +855,7 @@ impl KvCacheManager {
             s.scheduled = new_len - s.computed;
         }
         self.prefix_after_truncate(&mut s, new_len);
-        self.seqs.insert(seq, s);
+        self.seqs.put(h, s);
         result
     }
 
@@ -657,10 +872,9 @@ impl KvCacheManager {
             return Err(Error::DuplicateSequence(child));
         }
         let c = p.clone();
-        for &b in &c.table {
-            self.pool.incref(b)?;
-        }
-        self.seqs.insert(child, c);
+        self.seqs.reserve_room(1)?;
+        self.pool.incref_all(&c.table)?;
+        self.seqs.insert(child, c)?;
         Ok(())
     }
 
@@ -677,11 +891,7 @@ impl KvCacheManager {
         }
         self.resident(seq)?;
         let s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
-        let mut result = Ok(());
-        for &b in s.table.iter().rev() {
-            result = result.and(self.release_block(b));
-        }
-        result
+        self.release_table(&s.table)
     }
 
     /// The block table of `seq`: bookkeeping (it is there, in flight or not, while the
@@ -798,15 +1008,27 @@ impl KvCacheManager {
 
     /// Takes one block for a table, evicting a cached block when none is free.
     pub(crate) fn alloc_block(&mut self) -> Result<BlockId> {
-        if self.pool.num_free() == 0 {
-            self.evict_one()?;
+        alloc_block_in(&mut self.pool, &mut self.prefix, &mut self.block_fill)
+    }
+
+    /// Drops one table reference to each of `table`'s blocks, last first (a table
+    /// taken out of the slab). Every block is processed; the first error is returned
+    /// (it means the manager's own state was corrupt).
+    pub(crate) fn release_table(&mut self, table: &[BlockId]) -> Result<()> {
+        let mut first_error = None;
+        for &b in table.iter().rev() {
+            // `if let` reads the tag only: folding a large `Result` per block through
+            // `and` was most of the cost of a free.
+            if let Err(e) = self.release_block(b) {
+                first_error.get_or_insert(e);
+            }
         }
-        let b = self.pool.allocate()?;
-        self.block_fill[b.index()] = 0;
-        Ok(b)
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Drops one table reference to `b`; a registered block is kept cached at zero.
+    /// Whether it is registered is a flag read, not an index lookup.
+    #[inline]
     pub(crate) fn release_block(&mut self, b: BlockId) -> Result<()> {
         let registered = self.prefix.is_registered(b);
         let rc = if registered {
@@ -822,15 +1044,20 @@ impl KvCacheManager {
                 self.prefix.on_cached(b);
             }
         } else if self.fill_dirty.contains(&b) {
-            // The holder that let go may have held the most: recount (the caller has
-            // taken it out of the map).
-            let want = self.holders_fill(b);
-            self.set_fill(b, want);
-            if rc == 1 {
-                self.fill_dirty.remove(&b);
-            }
+            self.recount_fill(b, rc);
         }
         Ok(())
+    }
+
+    /// A holder let go of shared block `b`, whose holders hold different lengths: it
+    /// may have held the most, so recount (the caller has taken it out of the slab).
+    #[cold]
+    fn recount_fill(&mut self, b: BlockId, rc: u32) {
+        let want = self.holders_fill(b);
+        self.set_fill(b, want);
+        if rc == 1 {
+            self.fill_dirty.remove(&b);
+        }
     }
 
     /// The most slots any sequence in the map holds in block `b` (a scan of every
@@ -872,6 +1099,7 @@ impl KvCacheManager {
     /// A message describing the first violation.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.pool.check_invariants()?;
+        self.seqs.check()?;
         let mut refs = vec![0u32; self.num_blocks()];
         let mut fills = vec![0u16; self.num_blocks()];
         let bs = self.block_size();
@@ -929,6 +1157,25 @@ impl KvCacheManager {
     }
 }
 
+/// Takes one block for a table, evicting a cached block when none is free (split
+/// borrows: callers hold a sequence of the slab meanwhile).
+#[inline]
+fn alloc_block_in(
+    pool: &mut BlockPool,
+    prefix: &mut PrefixIndex,
+    block_fill: &mut [u16],
+) -> Result<BlockId> {
+    if pool.num_free() == 0 {
+        let victim = prefix
+            .pop_victim()
+            .ok_or(Error::OutOfBlocks { needed: 1, free: 0 })?;
+        pool.evict(victim)?;
+    }
+    let b = pool.allocate()?;
+    block_fill[b.index()] = 0;
+    Ok(b)
+}
+
 /// Extends `s` to `new_len` tokens over blocks already in its table, emitting slots and
 /// keeping the per-block fill counts (split borrows, so the hot path needs no `&mut self`).
 fn fill_slots(
@@ -939,17 +1186,42 @@ fn fill_slots(
     block_fill: &mut [u16],
     live_token_slots: &mut usize,
 ) {
-    let bs = layout.block_size();
-    slots.reserve(new_len - s.num_tokens);
-    for pos in s.num_tokens..new_len {
-        let b = s.table[pos / bs];
-        let off = pos % bs;
-        slots.push(layout.slot(b, off));
-        let fill = &mut block_fill[b.index()];
-        if usize::from(*fill) <= off {
-            *live_token_slots += off + 1 - usize::from(*fill);
-            *fill = (off + 1) as u16;
-        }
-    }
+    push_slots(
+        layout,
+        &s.table,
+        s.num_tokens..new_len,
+        slots,
+        block_fill,
+        live_token_slots,
+    );
     s.num_tokens = new_len;
+}
+
+/// Pushes the slots of positions `range` of `table` and raises each block's fill to
+/// cover them. Block by block: per token only the slot is written.
+#[inline]
+fn push_slots(
+    layout: &KvLayout,
+    table: &[BlockId],
+    range: std::ops::Range<usize>,
+    slots: &mut Vec<Slot>,
+    block_fill: &mut [u16],
+    live_token_slots: &mut usize,
+) {
+    slots.reserve(range.len());
+    let bs = layout.block_size();
+    let mut pos = range.start;
+    while pos < range.end {
+        let b = table[layout.block_index(pos)];
+        let off = layout.block_offset(pos);
+        let end = (off + (range.end - pos)).min(bs);
+        let base = layout.slot(b, 0).0;
+        slots.extend((off..end).map(|o| Slot(base + o as u64)));
+        let fill = &mut block_fill[b.index()];
+        if usize::from(*fill) < end {
+            *live_token_slots += end - usize::from(*fill);
+            *fill = end as u16;
+        }
+        pos += end - off;
+    }
 }

@@ -102,6 +102,68 @@ pub(crate) fn record_ids(s: &mut Sequence, ids: &[u32], bs: usize) {
     p.ids.extend_from_slice(&ids[skip..]);
 }
 
+/// Registers every block of `s` that is full, computed and whose ids are known, in
+/// order after its chain; returns how many were registered. A block whose content is
+/// already registered elsewhere (a duplicate) stops the sequence's registration for
+/// good (see the module docs). Called after every slot-handing call: the common case
+/// (no block completed) is one comparison, so the work is per block, not per token.
+#[inline]
+pub(crate) fn extend_chain_in(prefix: &mut PrefixIndex, bs: usize, s: &mut Sequence) -> usize {
+    let Some(p) = s.prefix.as_deref_mut() else {
+        return 0;
+    };
+    if p.ids.len() < bs || (p.chain + 1) * bs > s.computed {
+        return 0;
+    }
+    let (mut registered, mut used) = (0, 0);
+    let mut ok = true;
+    while p.ids.len() - used >= bs && (p.chain + 1) * bs <= s.computed {
+        // `register_next` reads the block's ids from `p.ids`, so lend them out.
+        let ids = std::mem::take(&mut p.ids);
+        ok = register_next(prefix, &s.table, p, &ids[used..used + bs]);
+        p.ids = ids;
+        if !ok {
+            break;
+        }
+        registered += 1;
+        used += bs;
+    }
+    if ok {
+        p.ids.drain(..used);
+    } else {
+        s.prefix = None;
+        s.registration_stopped = true;
+    }
+    registered
+}
+
+/// Registers `table[p.chain]`, now full with `ids`, as the next link of the chain.
+fn register_next(
+    prefix: &mut PrefixIndex,
+    table: &[BlockId],
+    p: &mut SeqPrefix,
+    ids: &[u32],
+) -> bool {
+    let Some(&b) = table.get(p.chain) else {
+        return false;
+    };
+    // The chain must still be what this sequence holds (a swap or move elsewhere may
+    // have replaced blocks).
+    if p.chain > 0 && table.get(p.chain - 1).and_then(|&pb| prefix.hash_of(pb)) != p.last {
+        return false;
+    }
+    let key = p.keys.get(p.chain);
+    let hash = prefix
+        .hasher()
+        .block(p.last.unwrap_or(p.ns.seed), ids, key.map_or(&[][..], |k| k));
+    if !prefix.register(b, hash, p.last, &p.ns, key, ids, p.priority) {
+        return false;
+    }
+    p.chain += 1;
+    p.last = Some(hash);
+    true
+}
+
 impl KvCacheManager {
     /// A manager whose prefix cache is tuned by `prefix` (shorthand for
     /// [`KvCacheManager::builder`] with [`crate::manager::CacheBuilder::prefix`]).
@@ -260,6 +322,7 @@ impl KvCacheManager {
         let table: Vec<BlockId> = hit.blocks[..valid].to_vec();
         let revived = self.count_evictable(&table);
         self.ensure_available(revived)?;
+        self.seqs.reserve_room(1)?;
         for &b in &table {
             let revive = self.pool.state(b)? == BlockState::Cached;
             if revive {
@@ -294,7 +357,7 @@ impl KvCacheManager {
             admission: self.tiers.next_admission(),
             ..Sequence::default()
         };
-        self.seqs.insert(seq, s);
+        self.seqs.insert(seq, s)?;
         self.note_usage();
         Ok(Admission {
             cached_tokens: cached,
@@ -444,7 +507,8 @@ impl KvCacheManager {
             });
         }
         let default_ns = self.prefix.namespace(&AdmitOptions::default())?;
-        let mut s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let h = self.handle(seq)?;
+        let s = self.seqs.at_mut(h).ok_or(Error::StaleHandle(h))?;
         let p = s.prefix.get_or_insert_with(|| {
             Box::new(SeqPrefix {
                 ns: default_ns,
@@ -458,9 +522,7 @@ impl KvCacheManager {
         let skip = known_start.saturating_sub(first).min(ids.len());
         p.ids.truncate(first.max(known_start) - known_start);
         p.ids.extend_from_slice(&ids[skip..]);
-        let registered = self.extend_chain(&mut s);
-        self.seqs.insert(seq, s);
-        Ok(registered)
+        Ok(extend_chain_in(&mut self.prefix, bs, s))
     }
 
     /// Leading tokens of `tokens` that [`Self::admit_tokens`] would serve from the cache
@@ -648,68 +710,6 @@ impl KvCacheManager {
         }
     }
 
-    /// Registers every block of `s` that is full, computed and whose ids are known,
-    /// in order after its chain; returns how many were registered. A block whose
-    /// content is already registered elsewhere (a duplicate) stops the sequence's
-    /// registration for good (see the module docs).
-    pub(crate) fn extend_chain(&mut self, s: &mut Sequence) -> usize {
-        let bs = self.block_size();
-        let Some(mut p) = s.prefix.take() else {
-            return 0;
-        };
-        let ids = std::mem::take(&mut p.ids);
-        let (mut registered, mut used) = (0, 0);
-        let mut ok = true;
-        while ids.len() - used >= bs && (p.chain + 1) * bs <= s.computed {
-            ok = self.register_next(&s.table, &mut p, &ids[used..used + bs]);
-            if !ok {
-                break;
-            }
-            registered += 1;
-            used += bs;
-        }
-        if ok {
-            p.ids = ids;
-            p.ids.drain(..used);
-            s.prefix = Some(p);
-        } else {
-            s.registration_stopped = true;
-        }
-        registered
-    }
-
-    /// Registers `table[p.chain]`, now full with `ids`, as the next link of the chain.
-    fn register_next(&mut self, table: &[BlockId], p: &mut SeqPrefix, ids: &[u32]) -> bool {
-        let Some(&b) = table.get(p.chain) else {
-            return false;
-        };
-        // The chain must still be what this sequence holds (a swap or move elsewhere
-        // may have replaced blocks).
-        if p.chain > 0
-            && table
-                .get(p.chain - 1)
-                .and_then(|&pb| self.prefix.hash_of(pb))
-                != p.last
-        {
-            return false;
-        }
-        let key = p.keys.get(p.chain);
-        let hash = self.prefix.hasher().block(
-            p.last.unwrap_or(p.ns.seed),
-            ids,
-            key.map_or(&[][..], |k| k),
-        );
-        if !self
-            .prefix
-            .register(b, hash, p.last, &p.ns, key, ids, p.priority)
-        {
-            return false;
-        }
-        p.chain += 1;
-        p.last = Some(hash);
-        true
-    }
-
     /// The prefix half of [`Self::check_invariants`]: the index against the pool, and
     /// every tracked sequence's chain against its table: the chain covers only
     /// computed tokens (known ids may run ahead: a prompt's are known at admission),
@@ -800,6 +800,7 @@ mod tests {
         kv.prefix.resize(4).unwrap();
         kv.pool.resize(4).unwrap();
         kv.block_fill.truncate(4);
+        kv.fill_dirty.resize(4);
         kv.check_invariants().unwrap();
     }
 }

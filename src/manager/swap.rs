@@ -168,7 +168,7 @@ pub(crate) struct Tiers {
     disk_fill: Vec<u16>,
     disk_cursor: usize,
     device_cursor: usize,
-    pub(crate) swapped: HashMap<SeqId, SwappedSeq>,
+    pub(crate) swapped: super::SeqMap<SwappedSeq>,
     pending: BTreeMap<SwapTicket, Pending>,
     next_ticket: u64,
     next_admission: u64,
@@ -186,7 +186,7 @@ impl Tiers {
             disk_fill: vec![0; config.num_disk_slots],
             disk_cursor: 0,
             device_cursor: 0,
-            swapped: HashMap::new(),
+            swapped: super::SeqMap::default(),
             pending: BTreeMap::new(),
             next_ticket: 0,
             next_admission: 0,
@@ -348,6 +348,22 @@ fn check_group(seqs: &[SeqId]) -> Result<()> {
     Ok(())
 }
 
+/// Fails unless `s` (sequence `seq`) has no swap in flight.
+#[inline]
+pub(crate) fn check_resident(seq: SeqId, s: &Sequence) -> Result<()> {
+    match s.in_flight {
+        None => Ok(()),
+        Some(f) => Err(state_error(
+            seq,
+            match f.direction {
+                SwapDirection::Out => "swapping out",
+                SwapDirection::In => "swapping in",
+            },
+            "resident with no swap in flight",
+        )),
+    }
+}
+
 fn state_error(seq: SeqId, state: &'static str, needed: &'static str) -> Error {
     Error::SequenceState { seq, state, needed }
 }
@@ -396,17 +412,8 @@ impl KvCacheManager {
     /// The sequence if it is resident with no swap in flight (it may be changed).
     pub(crate) fn resident(&self, seq: SeqId) -> Result<&Sequence> {
         let s = self.seq(seq)?;
-        match s.in_flight {
-            None => Ok(s),
-            Some(f) => Err(state_error(
-                seq,
-                match f.direction {
-                    SwapDirection::Out => "swapping out",
-                    SwapDirection::In => "swapping in",
-                },
-                "resident with no swap in flight",
-            )),
-        }
+        check_resident(seq, s)?;
+        Ok(s)
     }
 
     /// [`Self::resident`] and not in this step's batch: no uncommitted reservation
@@ -603,6 +610,7 @@ impl KvCacheManager {
         }
         let (distinct, index) = distinct_with_counts(hosts_in_order);
         self.ensure_available(distinct.len())?;
+        self.seqs.reserve_room(seqs.len())?;
         // Prefer one run of free device blocks; evictable blocks fill in the rest.
         let n_free = distinct.len().min(self.pool.num_free());
         let mut devs = pick_free_run(&self.pool, n_free, self.tiers.device_cursor);
@@ -658,7 +666,7 @@ impl KvCacheManager {
                     computed: old.computed,
                     scheduled: 0,
                 },
-            );
+            )?;
             saved.push((id, old));
         }
         // Each new device block holds what the group's longest holder holds in it.
@@ -714,9 +722,7 @@ impl KvCacheManager {
                         result = result.and(Err(Error::UnknownSequence(id)));
                         continue;
                     };
-                    for &b in s.table.iter().rev() {
-                        result = result.and(self.release_block(b));
-                    }
+                    result = result.and(self.release_table(&s.table));
                     self.tiers.swapped.insert(
                         id,
                         SwappedSeq {
@@ -772,9 +778,7 @@ impl KvCacheManager {
             Pending::In { seqs, .. } => {
                 for (id, old) in seqs {
                     if let Some(s) = self.seqs.remove(&id) {
-                        for &b in s.table.iter().rev() {
-                            result = result.and(self.release_block(b));
-                        }
+                        result = result.and(self.release_table(&s.table));
                     }
                     self.tiers.swapped.insert(id, old);
                 }

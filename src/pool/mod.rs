@@ -198,6 +198,37 @@ impl BlockPool {
         Ok(*rc)
     }
 
+    /// Adds a reference to every block of `blocks` (a fork), all or none.
+    ///
+    /// # Errors
+    /// As [`Self::incref`] for the first block that cannot take one more reference;
+    /// nothing changed then.
+    pub fn incref_all(&mut self, blocks: &[BlockId]) -> Result<()> {
+        // Check every block first. Only a corrupt table lists a block twice; one
+        // listed more than twice near `u32::MAX` is still reported by the checked
+        // increment below, after the earlier increments.
+        for &b in blocks {
+            self.check(b)?;
+            if self.state[b.index()] != BlockState::Live {
+                return Err(Error::CorruptBlockTable(format!(
+                    "incref of non-live block {b}"
+                )));
+            }
+            if self.refcount[b.index()] >= u32::MAX - 1 {
+                return Err(Error::CorruptBlockTable(format!(
+                    "refcount overflow on block {b}"
+                )));
+            }
+        }
+        for &b in blocks {
+            let rc = &mut self.refcount[b.index()];
+            *rc = rc.checked_add(1).ok_or_else(|| {
+                Error::CorruptBlockTable(format!("refcount overflow on block {b}"))
+            })?;
+        }
+        Ok(())
+    }
+
     /// Drops a reference; at zero the block goes to the free list. Returns the new count.
     ///
     /// # Errors

@@ -116,6 +116,9 @@ pub(crate) struct Lookup {
 pub(crate) struct PrefixIndex {
     block_size: usize,
     entries: Vec<Option<Entry>>,
+    /// `registered[b] == entries[b].is_some()`, one byte per block: the question
+    /// every block release asks, answered without touching the (large) entry.
+    registered: Vec<bool>,
     /// `block_size` token ids per block, meaningful for registered blocks.
     tokens: Vec<u32>,
     by_hash: HashIndex,
@@ -150,6 +153,7 @@ impl PrefixIndex {
         Ok(PrefixIndex {
             block_size,
             entries: vec![None; num_blocks],
+            registered: vec![false; num_blocks],
             tokens: vec![0; num_blocks * block_size],
             by_hash: HashIndex::default(),
             candidates: BTreeSet::new(),
@@ -317,8 +321,10 @@ impl PrefixIndex {
             .unwrap_or(&[])
     }
 
+    /// Whether `b` has an entry (a flag read, no lookup: on every block release).
+    #[inline]
     pub(crate) fn is_registered(&self, b: BlockId) -> bool {
-        self.entry(b).is_some()
+        self.registered.get(b.index()).copied().unwrap_or(false)
     }
 
     pub(crate) fn hash_of(&self, b: BlockId) -> Option<BlockHash> {
@@ -420,6 +426,7 @@ impl PrefixIndex {
             }
         };
         let clock = self.tick();
+        self.registered[b.index()] = true;
         self.entries[b.index()] = Some(Entry {
             hash,
             parent,
@@ -491,6 +498,7 @@ impl PrefixIndex {
         let (_, key, id) = self.candidates.pop_first()?;
         let b = BlockId(id);
         let e = self.entries.get_mut(b.index())?.take()?;
+        self.registered[b.index()] = false;
         self.by_hash.remove(&e.hash);
         self.config.policy.on_evict(key);
         self.counters.evicted_blocks += 1;
@@ -588,6 +596,8 @@ impl PrefixIndex {
         let Some(e) = self.entries[src.index()].take() else {
             return Ok(());
         };
+        self.registered[src.index()] = false;
+        self.registered[dst.index()] = true;
         let bs = self.block_size;
         self.tokens
             .copy_within(src.index() * bs..src.index() * bs + bs, dst.index() * bs);
@@ -645,6 +655,7 @@ impl PrefixIndex {
             ));
         }
         self.entries.resize(num_blocks, None);
+        self.registered.resize(num_blocks, false);
         self.tokens.resize(num_blocks * self.block_size, 0);
         Ok(())
     }
@@ -723,8 +734,22 @@ impl PrefixIndex {
         let mut registered = 0;
         let (mut pinned, mut pinned_cached) = (0, 0);
         let mut candidates = 0;
+        if self.registered.len() != self.entries.len() {
+            return Err(format!(
+                "{} registered flags for {} entries",
+                self.registered.len(),
+                self.entries.len()
+            ));
+        }
         for (i, slot) in self.entries.iter().enumerate() {
             let b = BlockId(i as u32);
+            if self.registered[i] != slot.is_some() {
+                return Err(format!(
+                    "block {b}: registered flag {} but entry present {}",
+                    self.registered[i],
+                    slot.is_some()
+                ));
+            }
             let state = pool.state(b).map_err(|e| e.to_string())?;
             let Some(e) = slot else {
                 if state == BlockState::Cached {

@@ -1,0 +1,287 @@
+//! The batch decode step (`append_batch`, `append_tokens_batch`) against the
+//! per-sequence calls, and the handles it runs on.
+//!
+//! The model-based test drives two managers with the same random actions; on one every
+//! decode step is a batch call by handle, on the other one `append` (or
+//! `append_tokens`) per sequence. Slots, copies, tables, counters and prefix-cache
+//! counters must agree after every step, and both must pass `check_invariants`.
+
+use pagedkv::{
+    AdmitOptions, CopyPlan, DType, Error, KvCacheManager, KvLayout, ModelShape, SeqHandle, SeqId,
+};
+use proptest::prelude::*;
+
+const BS: usize = 4;
+
+fn manager(num_blocks: usize) -> KvCacheManager {
+    let shape = ModelShape {
+        num_layers: 1,
+        num_q_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 4,
+        kv_dtype: DType::F16,
+    };
+    KvCacheManager::builder(KvLayout::new(shape, BS).unwrap())
+        .num_blocks(num_blocks)
+        .watermark_blocks(0)
+        .build()
+        .unwrap()
+}
+
+#[derive(Debug, Clone)]
+enum Action {
+    /// Admit a prompt (with ids: one of two shared prefixes plus a tail; or without).
+    Admit { ids: bool, prefix: u8, tail: u8 },
+    /// One decode step over every running sequence.
+    Step,
+    /// Fork a running sequence (its next append copies the shared last block).
+    Fork(u8),
+    /// Truncate a running sequence by a few tokens.
+    Truncate(u8, u8),
+    /// Free a running sequence.
+    Free(u8),
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        2 => (any::<bool>(), 0u8..3, 0u8..10)
+            .prop_map(|(ids, prefix, tail)| Action::Admit { ids, prefix, tail }),
+        6 => Just(Action::Step),
+        1 => any::<u8>().prop_map(Action::Fork),
+        1 => (any::<u8>(), 1u8..6).prop_map(|(k, n)| Action::Truncate(k, n)),
+        1 => any::<u8>().prop_map(Action::Free),
+    ]
+}
+
+struct Pair {
+    batch: KvCacheManager,
+    single: KvCacheManager,
+    /// Running sequences: id, whether its ids are known, and its handle in `batch`.
+    running: Vec<(SeqId, bool, SeqHandle)>,
+    next: u64,
+    clock: u32,
+}
+
+impl Pair {
+    fn check(&self) {
+        self.batch.check_invariants().unwrap();
+        self.single.check_invariants().unwrap();
+        assert_eq!(self.batch.stats(), self.single.stats());
+        assert_eq!(self.batch.prefix_stats(), self.single.prefix_stats());
+        for &(id, _, h) in &self.running {
+            assert_eq!(
+                self.batch.block_table(id).unwrap(),
+                self.single.block_table(id).unwrap()
+            );
+            assert_eq!(self.batch.handle(id).unwrap(), h, "handles stay put");
+        }
+    }
+
+    fn apply(&mut self, a: &Action) {
+        let (mut s1, mut s2) = (Vec::new(), Vec::new());
+        let (mut c1, mut c2) = (CopyPlan::new(), CopyPlan::new());
+        let opts = AdmitOptions::default();
+        match *a {
+            Action::Admit { ids, prefix, tail } => {
+                let id = SeqId(self.next);
+                self.next += 1;
+                let len = 9 + usize::from(tail);
+                let prompt: Vec<u32> = (0..len as u32)
+                    .map(|t| {
+                        if t < 8 {
+                            u32::from(prefix) * 100 + t
+                        } else {
+                            1_000 + t
+                        }
+                    })
+                    .collect();
+                let (r1, r2) = if ids {
+                    (
+                        self.batch
+                            .admit_tokens(id, &prompt, &opts, &mut s1)
+                            .map(drop),
+                        self.single
+                            .admit_tokens(id, &prompt, &opts, &mut s2)
+                            .map(drop),
+                    )
+                } else {
+                    (
+                        self.batch.admit(id, len, &mut s1),
+                        self.single.admit(id, len, &mut s2),
+                    )
+                };
+                assert_eq!(r1, r2);
+                if r1.is_ok() {
+                    let h = self.batch.handle(id).unwrap();
+                    self.running.push((id, ids, h));
+                }
+            }
+            Action::Step => {
+                self.clock += 1;
+                let handles: Vec<SeqHandle> = self.running.iter().map(|r| r.2).collect();
+                let all_ids = self.running.iter().all(|r| r.1);
+                let tokens: Vec<u32> = (0..self.running.len() as u32)
+                    .map(|k| 5_000 + self.clock * 7 + k)
+                    .collect();
+                let before = (self.batch.stats(), self.batch.prefix_stats());
+                let r1 = if all_ids {
+                    self.batch
+                        .append_tokens_batch(&handles, &tokens, &mut s1, &mut c1)
+                } else {
+                    self.batch.append_batch(&handles, &mut s1, &mut c1)
+                };
+                match r1 {
+                    Ok(()) => {
+                        for (k, &(id, _, _)) in self.running.iter().enumerate() {
+                            let mut one = Vec::new();
+                            if all_ids {
+                                self.single
+                                    .append_tokens(id, &tokens[k..k + 1], &mut one, &mut c2)
+                                    .unwrap();
+                            } else {
+                                self.single.append(id, 1, &mut one, &mut c2).unwrap();
+                            }
+                            s2.extend_from_slice(&one);
+                        }
+                        assert_eq!(s1, s2);
+                        assert_eq!(c1, c2);
+                    }
+                    Err(e) => {
+                        assert!(matches!(e, Error::OutOfBlocks { .. }), "{e}");
+                        assert_eq!(
+                            (self.batch.stats(), self.batch.prefix_stats()),
+                            before,
+                            "a failed batch changes nothing"
+                        );
+                        // Drop the newest sequence on both sides to make room.
+                        if let Some((id, _, _)) = self.running.pop() {
+                            self.batch.free(id).unwrap();
+                            self.single.free(id).unwrap();
+                        }
+                    }
+                }
+            }
+            Action::Fork(k) => {
+                if self.running.is_empty() {
+                    return;
+                }
+                let (parent, ids, _) = self.running[usize::from(k) % self.running.len()];
+                let child = SeqId(self.next);
+                self.next += 1;
+                let r1 = self.batch.fork(parent, child);
+                assert_eq!(r1, self.single.fork(parent, child));
+                if r1.is_ok() {
+                    let h = self.batch.handle(child).unwrap();
+                    self.running.push((child, ids, h));
+                }
+            }
+            Action::Truncate(k, n) => {
+                if self.running.is_empty() {
+                    return;
+                }
+                let (id, _, _) = self.running[usize::from(k) % self.running.len()];
+                let len = self.batch.num_tokens(id).unwrap();
+                let new_len = len.saturating_sub(usize::from(n)).max(1);
+                assert_eq!(
+                    self.batch.truncate(id, new_len),
+                    self.single.truncate(id, new_len)
+                );
+            }
+            Action::Free(k) => {
+                if self.running.is_empty() {
+                    return;
+                }
+                let (id, _, h) = self
+                    .running
+                    .swap_remove(usize::from(k) % self.running.len());
+                self.batch.free(id).unwrap();
+                self.single.free(id).unwrap();
+                assert_eq!(
+                    self.batch.append_batch(&[h], &mut s1, &mut c1),
+                    Err(Error::StaleHandle(h))
+                );
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn batch_step_matches_per_sequence_calls(actions in proptest::collection::vec(action(), 1..120)) {
+        let mut p = Pair {
+            batch: manager(48),
+            single: manager(48),
+            running: Vec::new(),
+            next: 0,
+            clock: 0,
+        };
+        for a in &actions {
+            p.apply(a);
+            p.check();
+        }
+    }
+}
+
+#[test]
+fn refused_batches_change_nothing() {
+    let mut kv = manager(8);
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+    kv.admit(SeqId(1), 4, &mut slots).unwrap();
+    kv.admit(SeqId(2), 3, &mut slots).unwrap();
+    let (h1, h2) = (kv.handle(SeqId(1)).unwrap(), kv.handle(SeqId(2)).unwrap());
+    let before = kv.stats();
+
+    // Listed twice.
+    assert_eq!(
+        kv.append_batch(&[h1, h2, h1], &mut slots, &mut copies),
+        Err(Error::DuplicateInBatch(SeqId(1)))
+    );
+    // Token ids that do not match the batch.
+    assert!(matches!(
+        kv.append_tokens_batch(&[h1, h2], &[7], &mut slots, &mut copies),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    assert_eq!(kv.stats(), before);
+
+    // Out of blocks: seq 1 needs a new block, seq 2 does not; fill the arena first.
+    kv.admit(SeqId(3), 6 * BS, &mut slots).unwrap();
+    assert_eq!(kv.num_available_blocks(), 0);
+    let full = kv.stats();
+    assert!(matches!(
+        kv.append_batch(&[h2, h1], &mut slots, &mut copies),
+        Err(Error::OutOfBlocks { needed: 1, free: 0 })
+    ));
+    assert_eq!(kv.stats(), full);
+    assert_eq!(
+        kv.num_tokens(SeqId(2)).unwrap(),
+        3,
+        "seq 2 got nothing either"
+    );
+    // Seq 2 alone fits its last block.
+    kv.append_batch(&[h2], &mut slots, &mut copies).unwrap();
+    assert_eq!(slots.len(), 1);
+    kv.check_invariants().unwrap();
+
+    // One holding an uncommitted reservation.
+    kv.free(SeqId(3)).unwrap();
+    kv.reserve(SeqId(2), 1, 0, &mut slots, &mut copies).unwrap();
+    let reserved = kv.stats();
+    assert!(matches!(
+        kv.append_batch(&[h1, h2], &mut slots, &mut copies),
+        Err(Error::SequenceState { .. })
+    ));
+    assert_eq!(kv.stats(), reserved);
+    assert_eq!(kv.num_tokens(SeqId(1)).unwrap(), 4);
+    kv.commit(SeqId(2), 1).unwrap();
+
+    // A freed sequence's handle is stale even once its slot is reused.
+    kv.free(SeqId(1)).unwrap();
+    kv.admit(SeqId(4), 1, &mut slots).unwrap();
+    assert_eq!(
+        kv.append_batch(&[h1], &mut slots, &mut copies),
+        Err(Error::StaleHandle(h1))
+    );
+    assert_ne!(kv.handle(SeqId(4)).unwrap(), h1);
+    kv.check_invariants().unwrap();
+}
