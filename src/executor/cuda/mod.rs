@@ -17,7 +17,8 @@ mod nvrtc;
 
 pub use nvrtc::{
     catalog, compile, compile_uncached, parse_ptxas_log, write_cubin, Arch, AttentionSpec,
-    CompiledModule, KernelResources, KernelSpec, ATTENTION_THREADS, CUBIN_DIR_ENV,
+    CompiledModule, KernelResources, KernelSpec, PrefillSpec, ATTENTION_THREADS, CUBIN_DIR_ENV,
+    PREFILL_WARPS,
 };
 
 use crate::error::{Error, Result};
