@@ -104,10 +104,16 @@ fn prefill_matches_the_f64_reference() {
                 let (out, lse) = prefill
                     .prefill_host(&gpu, 0, &q, &qsl, &tables, &params)
                     .unwrap();
-                assert!(out.iter().all(|x| x.is_finite()), "{name}: unwritten output");
+                assert!(
+                    out.iter().all(|x| x.is_finite()),
+                    "{name}: unwritten output"
+                );
                 let e = rel_err(&out, &want.out);
                 // f32 accumulation over exactly decoded K/V: far under 1e-4.
-                assert!(e < 1e-4, "{name} window {window:?} alibi {alibi}: rel err {e}");
+                assert!(
+                    e < 1e-4,
+                    "{name} window {window:?} alibi {alibi}: rel err {e}"
+                );
                 for (a, b) in lse.iter().zip(&want.lse) {
                     assert!(
                         (*a as f64 - b).abs() <= 1e-3 * b.abs().max(1.0),

@@ -375,7 +375,10 @@ fn regions_span_several_granules_and_shrink_really_unmaps() {
     let mut host = HostStorage::with_host_tier(l, blocks, 8).unwrap();
     fill_same(&mut gpu, &mut host, 21);
     let (mapped, chunks) = gpu.mapped_bytes(0).unwrap();
-    assert!(mapped >= blocks * l.block_bytes_per_layer() && chunks >= 2, "{mapped} B in {chunks}");
+    assert!(
+        mapped >= blocks * l.block_bytes_per_layer() && chunks >= 2,
+        "{mapped} B in {chunks}"
+    );
     // A copy plan and a swap whose blocks sit in different chunks.
     let mut plan = CopyPlan::new();
     for (s, d) in [(0, 199), (150, 3), (64, 130)] {
@@ -389,7 +392,10 @@ fn regions_span_several_granules_and_shrink_really_unmaps() {
     gpu.resize(20).unwrap();
     host.resize(20).unwrap();
     let (after, chunks_after) = gpu.mapped_bytes(0).unwrap();
-    assert!(after < mapped && chunks_after < chunks, "{after} B in {chunks_after} chunks");
+    assert!(
+        after < mapped && chunks_after < chunks,
+        "{after} B in {chunks_after} chunks"
+    );
     let free_after = gpu.context().mem_get_info().unwrap().0;
     // Both layers gave their tail back to the device (allow for other tenants' noise
     // by asking for half of it).
@@ -432,7 +438,11 @@ fn a_region_past_4_gib_addresses_its_far_blocks() {
     gpu.write_slots(0, &slots, &k, &v).unwrap();
     let want = gpu.block_bytes(0, far).unwrap();
     // Block 0 must be untouched: a 32-bit offset would have wrapped onto it.
-    assert!(gpu.block_bytes(0, BlockId(0)).unwrap().iter().all(|&b| b == 0));
+    assert!(gpu
+        .block_bytes(0, BlockId(0))
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
     let (mut rk, mut rv) = (vec![0; per_block], vec![0; per_block]);
     gpu.read_tokens(0, &[far], l.block_size(), &mut rk, &mut rv)
         .unwrap();
@@ -553,7 +563,10 @@ fn swap_in_then_read_at_once_on_the_compute_and_a_callers_stream() {
     }
     let got = stream.clone_dtoh(&staged).unwrap();
     stream.synchronize().unwrap();
-    assert!(got == host.block_bytes(0, BlockId(4)).unwrap(), "caller's stream raced");
+    assert!(
+        got == host.block_bytes(0, BlockId(4)).unwrap(),
+        "caller's stream raced"
+    );
     assert!(gpu.is_layer_ready(0).unwrap());
     assert_same(&gpu, &host, "swap-in consumed at once");
     assert!(gpu.is_swap_complete().unwrap());

@@ -160,7 +160,8 @@ pub fn replay_tiling(
         layout.block_size(),
     );
     let fp8 = s.kv_dtype == DType::Fp8E4M3;
-    let scale_log2 = params.scale * if fp8 { params.k_scale } else { 1.0 } * std::f32::consts::LOG2_E;
+    let scale_log2 =
+        params.scale * if fp8 { params.k_scale } else { 1.0 } * std::f32::consts::LOG2_E;
     let v_scale = if fp8 { params.v_scale } else { 1.0 };
     let region = storage.region(layer);
     let (q_tile, kv_tile) = (q_tile.max(1), kv_tile.max(1));
@@ -198,8 +199,12 @@ pub fn replay_tiling(
                     let off = layout.elem_offset(blk, kv, kv_head, pos % bs) + i;
                     decode_one_f64(s.kv_dtype, region, off, 1.0) as f32
                 };
-                let kt: Vec<f32> = (0..kv_tile * d).map(|x| elem(Kv::K, x / d, x % d)).collect();
-                let vt: Vec<f32> = (0..kv_tile * d).map(|x| elem(Kv::V, x / d, x % d)).collect();
+                let kt: Vec<f32> = (0..kv_tile * d)
+                    .map(|x| elem(Kv::K, x / d, x % d))
+                    .collect();
+                let vt: Vec<f32> = (0..kv_tile * d)
+                    .map(|x| elem(Kv::V, x / d, x % d))
+                    .collect();
                 for r in 0..rows {
                     let p = p_first + r / g;
                     let wstart = if window != 0 && p + 1 > window {
@@ -471,11 +476,11 @@ mod tests {
         let t = PrefillTiles::plan(&qsl, 4).unwrap();
         assert_eq!(t.seq, vec![0, 0, 2, 2, 2, 2, 3]);
         assert_eq!(t.q0, vec![0, 4, 5, 9, 13, 17, 21]);
-        let mut seen = vec![0; 22];
+        let mut seen = [0; 22];
         for (&s, &q0) in t.seq.iter().zip(&t.q0) {
             let end = qsl[s as usize + 1];
-            for x in q0 as usize..(q0 as usize + 4).min(end) {
-                seen[x] += 1;
+            for n in &mut seen[q0 as usize..(q0 as usize + 4).min(end)] {
+                *n += 1;
             }
         }
         assert!(seen.iter().all(|&n| n == 1));
@@ -564,17 +569,23 @@ mod tests {
                 }
                 for (window, alibi) in [(None, false), (Some(5), true), (Some(40), false)] {
                     params.sliding_window = window;
-                    params.alibi_slopes = alibi.then(|| {
-                        (0..2 * group).map(|h| 0.1 * (h + 1) as f32).collect()
-                    });
+                    params.alibi_slopes =
+                        alibi.then(|| (0..2 * group).map(|h| 0.1 * (h + 1) as f32).collect());
                     let want = paged_prefill_reference(&st, 0, &q, &qsl, &tables, &params).unwrap();
                     for (q_tile, kv_tile) in [(16 / group, 32), (3, 5), (1, 1)] {
                         let (out, lse) =
-                            replay_tiling(&st, 0, &q, &qsl, &tables, &params, q_tile, kv_tile).unwrap();
+                            replay_tiling(&st, 0, &q, &qsl, &tables, &params, q_tile, kv_tile)
+                                .unwrap();
                         let e = rel_err(&out, &want.out);
-                        assert!(e < 1e-5, "{dtype} g{group} {window:?} tiles {q_tile}/{kv_tile}: {e}");
+                        assert!(
+                            e < 1e-5,
+                            "{dtype} g{group} {window:?} tiles {q_tile}/{kv_tile}: {e}"
+                        );
                         for (a, b) in lse.iter().zip(&want.lse) {
-                            assert!((*a as f64 - b).abs() < 1e-4 * b.abs().max(1.0), "lse {a} vs {b}");
+                            assert!(
+                                (*a as f64 - b).abs() < 1e-4 * b.abs().max(1.0),
+                                "lse {a} vs {b}"
+                            );
                         }
                     }
                 }
@@ -593,8 +604,12 @@ mod tests {
         // Arena shrunk below the tables, wrong q length, bad offsets, bad layer.
         assert!(validate_prefill(&l, 2, 0, q.len(), &qsl, &tables, &p).is_err());
         assert!(validate_prefill(&l, st.num_blocks(), 0, q.len() - 1, &qsl, &tables, &p).is_err());
-        assert!(validate_prefill(&l, st.num_blocks(), 0, q.len(), &[0, 3, 9], &tables, &p).is_err());
-        assert!(validate_prefill(&l, st.num_blocks(), 0, q.len(), &[1, 4, 9], &tables, &p).is_err());
+        assert!(
+            validate_prefill(&l, st.num_blocks(), 0, q.len(), &[0, 3, 9], &tables, &p).is_err()
+        );
+        assert!(
+            validate_prefill(&l, st.num_blocks(), 0, q.len(), &[1, 4, 9], &tables, &p).is_err()
+        );
         assert!(validate_prefill(&l, st.num_blocks(), 1, q.len(), &qsl, &tables, &p).is_err());
     }
 }

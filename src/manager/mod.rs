@@ -10,9 +10,9 @@ mod prefix;
 mod shared;
 mod swap;
 
+pub use builder::CacheBuilder;
 pub use defrag::{DefragCounters, DefragOptions, FragStats, PendingDefrag, PendingResize};
 pub use preempt::CostModel;
-pub use builder::CacheBuilder;
 pub use prefix::PrefixHit;
 pub use shared::SharedKvCacheManager;
 pub use swap::{PendingTierMove, SwapJob, TierBlock, TierConfig, TierStats};

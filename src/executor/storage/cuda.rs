@@ -276,9 +276,7 @@ struct CudaFence(CudaEvent);
 
 impl FenceEvent for CudaFence {
     fn is_complete(&self) -> Result<bool> {
-        self.0
-            .try_is_complete()
-            .map_err(driver_err("cuEventQuery"))
+        self.0.try_is_complete().map_err(driver_err("cuEventQuery"))
     }
 
     fn wait(&self) -> Result<()> {
@@ -526,7 +524,9 @@ impl CudaStorage {
     /// [`Error::ShapeMismatch`] for a bad layer; [`Error::Cuda`].
     pub fn is_layer_ready(&self, layer: usize) -> Result<bool> {
         self.check_layer(layer)?;
-        self.fences.layer(layer).map_or(Ok(true), SwapFence::is_complete)
+        self.fences
+            .layer(layer)
+            .map_or(Ok(true), SwapFence::is_complete)
     }
 
     /// Whether every swap enqueued so far has landed: the fence of the latest one,
@@ -536,7 +536,9 @@ impl CudaStorage {
     /// # Errors
     /// [`Error::Cuda`].
     pub fn is_swap_complete(&self) -> Result<bool> {
-        self.fences.latest().map_or(Ok(true), SwapFence::is_complete)
+        self.fences
+            .latest()
+            .map_or(Ok(true), SwapFence::is_complete)
     }
 
     /// The fence after which the last swap that touched `layer` has landed
@@ -560,9 +562,9 @@ impl CudaStorage {
         match fence.event() {
             None => Ok(()),
             Some(e) => match e.as_any().downcast_ref::<CudaFence>() {
-                Some(CudaFence(event)) => stream
-                    .wait(event)
-                    .map_err(driver_err("cuStreamWaitEvent")),
+                Some(CudaFence(event)) => {
+                    stream.wait(event).map_err(driver_err("cuStreamWaitEvent"))
+                }
                 None => fence.wait(),
             },
         }
@@ -920,7 +922,10 @@ impl CudaStorage {
             .ok_or_else(|| Error::config("swap plan", "byte offsets overflow"))?;
         for layer in layers {
             self.enqueue_layer_copies(plan.direction(), layer, &runs)?;
-            let event = self.ctx.new_event(None).map_err(driver_err("cuEventCreate"))?;
+            let event = self
+                .ctx
+                .new_event(None)
+                .map_err(driver_err("cuEventCreate"))?;
             event
                 .record(&self.transfer)
                 .map_err(driver_err("cuEventRecord"))?;
@@ -971,21 +976,36 @@ impl CudaStorage {
                         // transfer stream orders these with later swaps and the fences
                         // order them with compute.
                         SwapDirection::Out => unsafe {
-                            sys::cuMemcpyDtoHAsync_v2(dst as *mut std::ffi::c_void, src, run.bytes, stream)
+                            sys::cuMemcpyDtoHAsync_v2(
+                                dst as *mut std::ffi::c_void,
+                                src,
+                                run.bytes,
+                                stream,
+                            )
                         },
                         // SAFETY: as above, with the roles of the two sides exchanged.
                         SwapDirection::In => unsafe {
-                            sys::cuMemcpyHtoDAsync_v2(dst, src as *const std::ffi::c_void, run.bytes, stream)
+                            sys::cuMemcpyHtoDAsync_v2(
+                                dst,
+                                src as *const std::ffi::c_void,
+                                run.bytes,
+                                stream,
+                            )
                         },
                     };
-                    r.result()
-                        .map_err(driver_err("cuMemcpyAsync(swap)"))?;
+                    r.result().map_err(driver_err("cuMemcpyAsync(swap)"))?;
                 }
                 Ok(())
             }
             IssueMode::Batch(n) => {
-                let mut srcs: Vec<u64> = runs.iter().map(|r| src_base + r.src_offset as u64).collect();
-                let mut dsts: Vec<u64> = runs.iter().map(|r| dst_base + r.dst_offset as u64).collect();
+                let mut srcs: Vec<u64> = runs
+                    .iter()
+                    .map(|r| src_base + r.src_offset as u64)
+                    .collect();
+                let mut dsts: Vec<u64> = runs
+                    .iter()
+                    .map(|r| dst_base + r.dst_offset as u64)
+                    .collect();
                 let mut sizes: Vec<usize> = runs.iter().map(|r| r.bytes).collect();
                 let (dev_loc, host_loc) = (
                     sys::CUmemLocation {
@@ -1097,6 +1117,100 @@ impl CudaStorage {
     }
 }
 
+/// A copy plan validated against a [`CudaStorage`] and uploaded, so it can be
+/// launched any number of times without host work ([`CudaStorage::copy_blocks_uploaded`]).
+#[derive(Debug)]
+pub struct DeviceCopyPlan {
+    pairs: Option<CudaSlice<u32>>,
+    copies: usize,
+    /// One past the largest block id it names.
+    blocks_needed: usize,
+}
+
+impl DeviceCopyPlan {
+    /// Copies in the plan.
+    pub fn len(&self) -> usize {
+        self.copies
+    }
+
+    /// Whether the plan copies nothing.
+    pub fn is_empty(&self) -> bool {
+        self.copies == 0
+    }
+}
+
+impl CudaStorage {
+    /// Validates `plan` (as [`Storage::copy_blocks`] does) and uploads its pairs on the
+    /// compute stream.
+    ///
+    /// # Errors
+    /// As [`Storage::copy_blocks`]; [`Error::TooLong`] past `i32::MAX` copies.
+    pub fn upload_copy_plan(&self, plan: &CopyPlan) -> Result<DeviceCopyPlan> {
+        validate_copy_plan(plan, self.num_blocks)?;
+        if plan.len() > i32::MAX as usize {
+            return Err(Error::TooLong {
+                tokens: plan.len(),
+                limit: i32::MAX as usize,
+            });
+        }
+        if plan.is_empty() {
+            return Ok(DeviceCopyPlan {
+                pairs: None,
+                copies: 0,
+                blocks_needed: 0,
+            });
+        }
+        let pairs: Vec<u32> = plan
+            .copies()
+            .iter()
+            .flat_map(|c| [c.src.0, c.dst.0])
+            .collect();
+        let blocks_needed = pairs.iter().map(|&b| b as usize + 1).max().unwrap_or(0);
+        Ok(DeviceCopyPlan {
+            pairs: Some(self.htod(&pairs)?),
+            copies: plan.len(),
+            blocks_needed,
+        })
+    }
+
+    /// Launches an uploaded copy plan: one `copy_blocks` kernel over every layer, after
+    /// the layers' last swaps. No host work beyond the launch.
+    ///
+    /// # Errors
+    /// [`Error::BlockOutOfRange`] when the arena shrank below the plan since it was
+    /// uploaded; [`Error::Cuda`].
+    pub fn copy_blocks_uploaded(&mut self, plan: &DeviceCopyPlan) -> Result<()> {
+        let Some(d_pairs) = &plan.pairs else {
+            return Ok(());
+        };
+        if plan.blocks_needed > self.num_blocks {
+            return Err(Error::BlockOutOfRange {
+                block: BlockId(plan.blocks_needed as u32 - 1),
+                num_blocks: self.num_blocks,
+            });
+        }
+        for layer in 0..self.layout.num_layers() {
+            self.wait_layer(layer)?;
+        }
+        let block_bytes = self.layout.block_bytes_per_layer() as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (plan.copies as u32, self.layout.num_layers() as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.compute.launch_builder(&self.kernels.copy_blocks);
+        b.arg(&self.layer_bases).arg(d_pairs).arg(&block_bytes);
+        // SAFETY: arguments match `copy_blocks` in kernels/cache_ops.cu. Bounds: the
+        // grid is (plan length, layers); `d_pairs` holds 2 ids per copy and
+        // `layer_bases` one address per layer; every id was checked below `num_blocks`
+        // at upload and is still below it (checked above), and each region maps at
+        // least `num_blocks * block_bytes` bytes, so reads and writes stay inside the
+        // regions; no destination is a source, so CTAs never touch each other's bytes.
+        unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel(copy_blocks)"))?;
+        Ok(())
+    }
+}
+
 /// Allocation properties (pinned device memory on `device`) and read-write access
 /// for that device, as the VMM calls take them.
 fn vmm_props(device: usize) -> (sys::CUmemAllocationProp, sys::CUmemAccessDesc) {
@@ -1138,41 +1252,8 @@ impl Storage for CudaStorage {
     }
 
     fn copy_blocks(&mut self, plan: &CopyPlan) -> Result<()> {
-        validate_copy_plan(plan, self.num_blocks)?;
-        if plan.is_empty() {
-            return Ok(());
-        }
-        if plan.len() > i32::MAX as usize {
-            return Err(Error::TooLong {
-                tokens: plan.len(),
-                limit: i32::MAX as usize,
-            });
-        }
-        let pairs: Vec<u32> = plan
-            .copies()
-            .iter()
-            .flat_map(|c| [c.src.0, c.dst.0])
-            .collect();
-        let d_pairs = self.htod(&pairs)?;
-        for layer in 0..self.layout.num_layers() {
-            self.wait_layer(layer)?;
-        }
-        let block_bytes = self.layout.block_bytes_per_layer() as u64;
-        let cfg = LaunchConfig {
-            grid_dim: (plan.len() as u32, self.layout.num_layers() as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.compute.launch_builder(&self.kernels.copy_blocks);
-        b.arg(&self.layer_bases).arg(&d_pairs).arg(&block_bytes);
-        // SAFETY: arguments match `copy_blocks` in kernels/cache_ops.cu. Bounds: the
-        // grid is (plan length, layers); `d_pairs` holds 2 ids per copy and
-        // `layer_bases` one address per layer; every id was checked below `num_blocks`
-        // and each region maps at least `num_blocks * block_bytes` bytes, so reads and
-        // writes stay inside the regions; no destination is a source, so CTAs never
-        // touch each other's bytes.
-        unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel(copy_blocks)"))?;
-        Ok(())
+        let uploaded = self.upload_copy_plan(plan)?;
+        self.copy_blocks_uploaded(&uploaded)
     }
 
     fn write_slots(&mut self, layer: usize, slots: &[Slot], k: &[u8], v: &[u8]) -> Result<()> {

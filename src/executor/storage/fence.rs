@@ -138,6 +138,8 @@ impl FenceEvent for AllFences {
 
 /// Which completion point covers which layer: the storage records one fence per
 /// enqueued swap and tells the ledger which layers it covered.
+// Only `CudaStorage` uses it; the unit tests run without the feature too.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 #[derive(Debug, Clone)]
 pub(crate) struct FenceLedger<F> {
     /// The latest fence recorded after a copy of each layer.
@@ -147,6 +149,7 @@ pub(crate) struct FenceLedger<F> {
     latest: Option<F>,
 }
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 impl<F: Clone> FenceLedger<F> {
     pub(crate) fn new(num_layers: usize) -> Self {
         FenceLedger {
@@ -251,7 +254,10 @@ pub(crate) mod tests {
         stream.finish_up_to(1);
         let old_rule = ledger.layer(3).map(done).unwrap_or(true);
         assert!(old_rule, "the highest layer's copy did finish");
-        assert!(!done(ledger.latest().unwrap()), "layer 0 is still in flight");
+        assert!(
+            !done(ledger.latest().unwrap()),
+            "layer 0 is still in flight"
+        );
         assert!(!done(ledger.layer(0).unwrap()));
         assert!(ledger.layer(1).is_none() && ledger.layer(2).is_none());
         stream.finish_up_to(2);
@@ -297,13 +303,18 @@ pub(crate) mod tests {
 
     #[test]
     fn all_of_several_completes_with_the_slowest() {
-        let (a, b) = (Arc::new(FakeStream::default()), Arc::new(FakeStream::default()));
+        let (a, b) = (
+            Arc::new(FakeStream::default()),
+            Arc::new(FakeStream::default()),
+        );
         let f = SwapFence::all(vec![a.record(), SwapFence::complete(), b.record()]);
         a.finish_up_to(1);
         assert!(!f.is_complete().unwrap());
         b.finish_up_to(1);
         assert!(f.is_complete().unwrap());
-        assert!(SwapFence::all(vec![SwapFence::complete()]).event().is_none());
+        assert!(SwapFence::all(vec![SwapFence::complete()])
+            .event()
+            .is_none());
     }
 
     #[test]

@@ -14,7 +14,7 @@ mod host;
 pub(crate) mod vmm_plan;
 
 #[cfg(feature = "cuda")]
-pub use cuda::{ArenaSize, CudaStorage, CudaStorageConfig};
+pub use cuda::{ArenaSize, CudaStorage, CudaStorageConfig, DeviceCopyPlan};
 pub use fence::{FenceEvent, SwapFence};
 pub use host::HostStorage;
 

@@ -146,7 +146,11 @@ mod tests {
     fn check_plan(mapped: usize, target: usize, g: usize, max: usize) -> Vec<usize> {
         let plan = plan_growth(mapped, target, g, max);
         let sum: usize = plan.iter().sum();
-        assert_eq!(mapped + sum, target.div_ceil(g) * g, "covers the tail exactly");
+        assert_eq!(
+            mapped + sum,
+            target.div_ceil(g) * g,
+            "covers the tail exactly"
+        );
         for w in plan.windows(2) {
             assert!(w[0] >= w[1], "largest first: {plan:?}");
         }
@@ -167,7 +171,10 @@ mod tests {
         // Granule-sized chunks would take 57360.
         assert_eq!(80 * per_layer / (2 * MIB), 57360);
         // A 1.25 GiB region is exactly two chunks.
-        assert_eq!(check_plan(0, GIB + 256 * MIB, 2 * MIB, GIB), vec![GIB, 256 * MIB]);
+        assert_eq!(
+            check_plan(0, GIB + 256 * MIB, 2 * MIB, GIB),
+            vec![GIB, 256 * MIB]
+        );
     }
 
     #[test]
@@ -175,7 +182,10 @@ mod tests {
         let plan = check_plan(0, 5 * GIB + 6 * MIB, 2 * MIB, GIB);
         assert_eq!(plan, [vec![GIB; 5], vec![4 * MIB, 2 * MIB]].concat());
         // Growing a mapped region by one granule maps one granule.
-        assert_eq!(check_plan(5 * GIB, 5 * GIB + 2 * MIB, 2 * MIB, GIB), vec![2 * MIB]);
+        assert_eq!(
+            check_plan(5 * GIB, 5 * GIB + 2 * MIB, 2 * MIB, GIB),
+            vec![2 * MIB]
+        );
         // Unaligned targets round up; nothing to do when already mapped.
         assert_eq!(check_plan(0, 1, 2 * MIB, GIB), vec![2 * MIB]);
         assert!(plan_growth(4 * MIB, 4 * MIB, 2 * MIB, GIB).is_empty());
@@ -213,7 +223,10 @@ mod tests {
         assert_eq!(plan_shrink(&chunks, 0).keep, 0);
         // Growth after a shrink appends to what is left.
         let after = plan_shrink(&chunks, GIB + MIB).mapped_after;
-        assert_eq!(check_plan(after, whole, 2 * MIB, GIB), vec![256 * MIB, 2 * MIB]);
+        assert_eq!(
+            check_plan(after, whole, 2 * MIB, GIB),
+            vec![256 * MIB, 2 * MIB]
+        );
         // Granule-backed regions (the old layout) shrink to the granule.
         let granules = vec![2 * MIB; 8];
         assert_eq!(plan_shrink(&granules, 5 * MIB).mapped_after, 6 * MIB);

@@ -359,8 +359,7 @@ fn run_job<S: Storage>(
     for layer in 0..num_layers {
         let step = {
             let mut s = storage.lock();
-            s.swap_layer(layer, &job.plan)
-                .and_then(|()| s.swap_fence())
+            s.swap_layer(layer, &job.plan).and_then(|()| s.swap_fence())
         };
         match step {
             Ok(fence) => {
@@ -433,9 +432,9 @@ mod tests {
     use super::*;
     use crate::executor::storage::fence::tests::FakeStream;
     use crate::executor::storage::HostStorage;
-    use crate::layout::shape::{DType, ModelShape};
     use crate::ids::BlockId;
     use crate::layout::plans::CopyPlan;
+    use crate::layout::shape::{DType, ModelShape};
     use crate::layout::{KvLayout, Slot};
     use crate::manager::{CacheConfig, KvCacheManager, TierConfig};
 
@@ -494,7 +493,10 @@ mod tests {
     fn drain_until(engine: &mut TransferEngine<Async>, seq: SeqId, layer: usize) {
         let start = std::time::Instant::now();
         while engine.layer_fence(seq, layer).is_none() {
-            assert!(start.elapsed().as_secs() < 20, "worker never issued layer {layer}");
+            assert!(
+                start.elapsed().as_secs() < 20,
+                "worker never issued layer {layer}"
+            );
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
@@ -543,7 +545,11 @@ mod tests {
         assert!(!engine.is_layer_ready(SeqId(1), 1));
         assert!(!engine.is_done(job.ticket));
         // The fences are the storage's, so a GPU caller could wait on them instead.
-        assert!(engine.layer_fence(SeqId(1), 0).unwrap().is_complete().unwrap());
+        assert!(engine
+            .layer_fence(SeqId(1), 0)
+            .unwrap()
+            .is_complete()
+            .unwrap());
         stream.finish_up_to(3);
         assert!(engine.is_layer_ready(SeqId(1), 2));
         assert!(engine.is_done(job.ticket));
