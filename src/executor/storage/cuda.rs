@@ -2,21 +2,35 @@
 //!
 //! - **Arena.** One region per layer, each a virtual-address range reserved once for
 //!   the largest size the arena may reach (`cuMemAddressReserve`) and backed by
-//!   physical chunks of the device's allocation granularity (`cuMemCreate`,
-//!   `cuMemMap`, `cuMemSetAccess`). Growing maps chunks at the tail; shrinking unmaps
-//!   and releases them (`cuMemUnmap`, `cuMemRelease`). Live blocks never move and
-//!   region addresses never change, so a resize copies nothing and the per-layer base
-//!   pointers uploaded once stay valid.
+//!   physical chunks (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`) planned by
+//!   [`super::vmm_plan`]: power-of-two multiples of the allocation granularity up to
+//!   1 GiB, largest first, so a 100+ GiB arena costs a few hundred driver calls, not
+//!   tens of thousands. Growing maps chunks at the tail (in granules past the big
+//!   ones); shrinking unmaps and releases whole tail chunks (`cuMemUnmap`,
+//!   `cuMemRelease`). Live blocks never move and region addresses never change, so a
+//!   resize copies nothing and the per-layer base pointers uploaded once stay valid.
 //! - **Streams.** Kernels and K/V writes run on the compute stream; swaps run on a
 //!   separate transfer stream so they overlap compute. Ordering between the two is by
 //!   events only (no device-wide synchronisation): a swap waits for the compute work
-//!   queued before it; compute on a layer waits for the swap-in of that layer, so a
+//!   queued before it; a swap-out's reads finish before compute may overwrite the
+//!   blocks; compute on a layer waits for the last swap that touched it, so a
 //!   swapped-in sequence can be consumed layer by layer as it arrives.
-//! - **Host tier.** One page-locked region per layer (`cuMemHostAlloc`); swaps are
-//!   `cuMemcpyAsync` of merged runs ([`SwapPlan::runs`]) on the transfer stream. Copy
-//!   engines reach full PCIe/C2C bandwidth on pinned memory without taking SMs from
-//!   compute, and merged runs keep the call count low; `cuMemcpyBatchAsync` would
-//!   save per-call overhead for plans of many short runs but needs a 12.8+ driver.
+//! - **Completion.** Each enqueued swap layer records a fresh event, handed out as a
+//!   [`SwapFence`] ([`Storage::swap_fence`], [`CudaStorage::layer_fence`]); the rules of
+//!   which fence covers what are pure code in [`super::fence`], unit-tested on the CPU.
+//!   A caller's own stream waits on one with [`CudaStorage::wait_fence_on`].
+//! - **Host tier and batched transfers.** One page-locked region per layer
+//!   (`cuMemHostAlloc`); a swap copies merged runs ([`SwapPlan::runs`]) with the copy
+//!   engines: one `cuMemcpyBatchAsync` per layer for several runs on a 13.0+ driver,
+//!   else one `cuMemcpyAsync` per run. Why not a gather/scatter kernel for scattered
+//!   runs: host<->device bytes through a kernel need mapped pinned memory and take SMs
+//!   from compute, while the copy engines reach PCIe/C2C bandwidth on their own; the
+//!   per-call cost the batch call removes is host overhead, which the driver can only
+//!   amortise. Device-to-device copies (`copy_blocks`) are a kernel already, one launch
+//!   per plan. This choice is reasoned, not measured: no GPU was available when it
+//!   was made; `examples/gpu_bench.rs` reports swap GB/s and host enqueue time beside
+//!   one pinned memcpy of the same bytes, which is the measurement that should confirm
+//!   or overturn it.
 
 use super::copy::{for_each_token_run, table_places};
 use super::fence::{FenceEvent, FenceLedger, SwapFence};
@@ -585,7 +599,7 @@ impl CudaStorage {
     }
 
     /// Bytes of physical memory mapped behind `layer`'s region, and in how many
-    /// chunks (see [`super::vmm_plan`]).
+    /// chunks (see the module docs).
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] for a bad layer.
