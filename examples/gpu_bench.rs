@@ -1,11 +1,21 @@
-//! GPU figures for pagedkv in one run, printed as one JSON object:
+//! GPU figures for pagedkv in one run, printed as one JSON object. Every figure has
+//! its baseline from the same run beside it, and device time is separated from host
+//! time: each timed loop is enqueued behind a host-released gate (a `cuLaunchHostFunc`
+//! that waits for the loop to be fully queued), so the events between the loop's ends
+//! time execution only, never the host's enqueue rate, which is reported apart
+//! (`host_us_per_call`).
 //!
 //! - decode attention bandwidth (K/V bytes read / kernel time) for batch 64 x 4096
 //!   tokens and batch 1 x 32k, 64 query / 8 KV heads, head dim 128, page 16: bf16 on
 //!   scattered (paged) blocks, the same kernel on consecutive blocks (contiguous), and
-//!   fp8 beside bf16;
-//! - `copy_blocks` and swap-out GB/s beside one device memcpy / one pinned memcpy of
-//!   the same bytes.
+//!   fp8 beside bf16; beside each, a device memcpy of the same bytes. Cache and
+//!   queries hold random non-zero values; small cases rotate over several disjoint
+//!   batches so that at least 512 MiB is read per lap (the H200's L2 is 50 MiB);
+//! - `copy_blocks`: the launch of an uploaded plan (device time), and the whole call
+//!   with host validation and upload (host time), beside a device memcpy of the same
+//!   bytes;
+//! - swap-out of scattered blocks to pinned memory beside one pinned memcpy of the same
+//!   bytes (one run).
 //!
 //! Without a GPU it says so and exits 0. `gpu_bench --write-cubins DIR [--arch 90]`
 //! needs only NVRTC: it prebuilds every kernel this bench and the GPU tests use into
@@ -19,12 +29,21 @@ mod gpu {
     use pagedkv::executor::cuda::AttentionSpec;
     use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
     use pagedkv::{
-        BlockId, CopyPlan, DType, Error, KvLayout, ModelShape, PaddedTables, Result, Storage,
+        BlockId, CopyPlan, DType, Error, KvLayout, ModelShape, PaddedTables, Result, Slot, Storage,
         SwapDirection, SwapPlan,
     };
     use serde_json::{json, Value};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
 
     const ITERS: usize = 20;
+    /// Bytes each decode lap reads at least (rotating over disjoint batches).
+    const LAP_BYTES: usize = 512 << 20;
+
+    fn cuda_err(e: impl std::fmt::Display) -> Error {
+        Error::Cuda(e.to_string())
+    }
 
     fn shape(dtype: DType) -> ModelShape {
         ModelShape {
@@ -36,35 +55,83 @@ mod gpu {
         }
     }
 
-    /// Milliseconds per iteration of `f`, timed with events on `stream`.
-    fn time_ms(
-        ctx: &std::sync::Arc<cudarc::driver::CudaContext>,
-        stream: &cudarc::driver::CudaStream,
-        mut f: impl FnMut() -> Result<()>,
-    ) -> Result<f64> {
-        let ev = |_| {
-            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| Error::Cuda(e.to_string()))
-        };
-        let (start, end) = (ev(0)?, ev(1)?);
-        f()?; // warm-up
-        start
-            .record(stream)
-            .map_err(|e| Error::Cuda(e.to_string()))?;
-        for _ in 0..ITERS {
-            f()?;
+    /// Holds a stream until released from the host (or 30 s pass, so a mistake cannot
+    /// hang the bench): work queued behind it runs back to back once released.
+    struct Gate(Arc<AtomicBool>);
+
+    unsafe extern "C" fn wait_for_gate(user: *mut std::ffi::c_void) {
+        // SAFETY: `user` is the pointer `Gate::block` leaked from an Arc<AtomicBool>;
+        // this callback runs once and takes that reference back.
+        let flag = unsafe { Arc::from_raw(user as *const AtomicBool) };
+        let start = Instant::now();
+        while !flag.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(30) {
+            std::hint::spin_loop();
         }
-        end.record(stream).map_err(|e| Error::Cuda(e.to_string()))?;
-        end.synchronize().map_err(|e| Error::Cuda(e.to_string()))?;
-        let ms = start
-            .elapsed_ms(&end)
-            .map_err(|e| Error::Cuda(e.to_string()))?;
-        Ok(ms as f64 / ITERS as f64)
     }
 
-    /// Tables for `batch` sequences of `ctx` tokens: scattered blocks (a seeded
-    /// shuffle of the arena) or consecutive blocks per sequence.
-    fn tables(batch: usize, ctx: usize, num_blocks: usize, scattered: bool) -> PaddedTables {
+    impl Gate {
+        fn block(stream: &cudarc::driver::CudaStream) -> Result<Gate> {
+            let flag = Arc::new(AtomicBool::new(false));
+            let user = Arc::into_raw(Arc::clone(&flag)) as *mut std::ffi::c_void;
+            // SAFETY: the callback takes back the Arc leaked above; the stream is live.
+            unsafe { sys::cuLaunchHostFunc(stream.cu_stream(), Some(wait_for_gate), user) }
+                .result()
+                .map_err(cuda_err)?;
+            Ok(Gate(flag))
+        }
+
+        fn release(&self) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+
+    /// Device milliseconds per iteration of `f` (events on `stream` around `ITERS`
+    /// calls queued behind a gate) and host microseconds per call (the enqueue loop's
+    /// wall time). `f` must queue only asynchronous work (no pageable uploads: those
+    /// wait for the stream, i.e. for the gate).
+    fn time_split(
+        ctx: &Arc<cudarc::driver::CudaContext>,
+        stream: &cudarc::driver::CudaStream,
+        mut f: impl FnMut(usize) -> Result<()>,
+    ) -> Result<(f64, f64)> {
+        let ev = || {
+            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(cuda_err)
+        };
+        let (start, end) = (ev()?, ev()?);
+        f(0)?; // warm-up: module load, scratch allocation, first touch
+        stream.synchronize().map_err(cuda_err)?;
+        let gate = Gate::block(stream)?;
+        start.record(stream).map_err(cuda_err)?;
+        let t0 = Instant::now();
+        let mut queued = Ok(());
+        for i in 0..ITERS {
+            queued = f(i);
+            if queued.is_err() {
+                break;
+            }
+        }
+        let host = t0.elapsed();
+        end.record(stream).map_err(cuda_err)?;
+        gate.release();
+        queued?;
+        end.synchronize().map_err(cuda_err)?;
+        let ms = start.elapsed_ms(&end).map_err(cuda_err)?;
+        Ok((
+            ms as f64 / ITERS as f64,
+            host.as_secs_f64() * 1e6 / ITERS as f64,
+        ))
+    }
+
+    /// Tables for `batch` sequences of `ctx` tokens starting at arena block `first`:
+    /// scattered blocks (a seeded shuffle of the whole arena) or consecutive blocks.
+    fn tables(
+        batch: usize,
+        ctx: usize,
+        num_blocks: usize,
+        first: usize,
+        scattered: bool,
+    ) -> PaddedTables {
         let per = ctx.div_ceil(16);
         let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
         if scattered {
@@ -77,11 +144,65 @@ mod gpu {
             }
         }
         PaddedTables {
-            tables: ids[..batch * per].to_vec(),
+            tables: ids[first..first + batch * per].to_vec(),
             context_lens: vec![ctx as u32; batch],
             batch,
             max_blocks: per,
         }
+    }
+
+    struct Rng(u64);
+    impl Rng {
+        /// Uniform in [-1, 1), never exactly zero in practice.
+        fn f32(&mut self) -> f32 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        }
+    }
+
+    /// Writes random values into every slot of layer 0 (in the cache dtype).
+    fn fill_random(storage: &mut CudaStorage, seed: u64) -> Result<()> {
+        let layout = *storage.layout();
+        let dtype = layout.dtype();
+        let per_token = layout.shape().num_kv_heads * layout.shape().head_dim;
+        let total = (storage.num_blocks() * layout.block_size()) as u64;
+        let chunk = 1u64 << 16;
+        let mut rng = Rng(seed | 1);
+        let mut vals = vec![0f32; chunk as usize * per_token];
+        let mut k = vec![0u8; vals.len() * dtype.size_bytes()];
+        let mut v = k.clone();
+        let mut at = 0;
+        while at < total {
+            let n = chunk.min(total - at) as usize;
+            let slots: Vec<Slot> = (at..at + n as u64).map(Slot).collect();
+            let m = n * per_token;
+            for buf in [&mut k, &mut v] {
+                vals[..m].iter_mut().for_each(|x| *x = rng.f32());
+                pagedkv::layout::convert::encode(
+                    dtype,
+                    &vals[..m],
+                    1.0,
+                    &mut buf[..m * dtype.size_bytes()],
+                )?;
+            }
+            let b = m * dtype.size_bytes();
+            storage.write_slots(0, &slots, &k[..b], &v[..b])?;
+            at += n as u64;
+        }
+        storage.sync_compute()
+    }
+
+    /// Device memcpy of `bytes` between two fresh buffers: the bandwidth ceiling.
+    fn memcpy_baseline(storage: &CudaStorage, bytes: usize) -> Result<(f64, f64)> {
+        let stream = storage.compute_stream().clone();
+        let src = stream.alloc_zeros::<u8>(bytes).map_err(cuda_err)?;
+        let mut dst = stream.alloc_zeros::<u8>(bytes).map_err(cuda_err)?;
+        let ctx = storage.context().clone();
+        time_split(&ctx, &stream, |_| {
+            stream.memcpy_dtod(&src, &mut dst).map_err(cuda_err)
+        })
     }
 
     fn decode_case(
@@ -93,43 +214,63 @@ mod gpu {
         vec_bytes: u32,
     ) -> Result<Value> {
         let layout = KvLayout::new(shape(dtype), 16)?;
-        let num_blocks = batch * ctx.div_ceil(16) + 64;
-        let storage = CudaStorage::new(layout, CudaStorageConfig::blocks(num_blocks))?;
+        let per_batch = batch * ctx.div_ceil(16);
+        let kv_bytes = batch * ctx * 8 * 128 * 2 * dtype.size_bytes();
+        let laps = LAP_BYTES.div_ceil(kv_bytes).clamp(1, 8);
+        let num_blocks = laps * per_batch + 64;
+        let mut storage = CudaStorage::new(layout, CudaStorageConfig::blocks(num_blocks))?;
+        fill_random(&mut storage, 0x5eed ^ batch as u64 ^ ctx as u64)?;
         let spec = AttentionSpec {
             unroll,
             vec_bytes,
             ..AttentionSpec::for_layout(&layout)
         };
         let mut attn = CudaAttention::with_spec(&storage, spec)?;
-        let t = tables(batch, ctx, num_blocks, scattered);
-        let dt = attn.upload_tables(&storage, Tables::Padded(&t))?;
-        let plan = attn.plan(&storage, &dt);
+        let dts = (0..laps)
+            .map(|r| {
+                let t = tables(batch, ctx, num_blocks, r * per_batch, scattered);
+                attn.upload_tables(&storage, Tables::Padded(&t))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let plan = attn.plan(&storage, &dts[0]);
         let stream = storage.compute_stream().clone();
         let cuda = storage.context().clone();
         let rows = batch * 64;
-        let q = stream
-            .alloc_zeros::<f32>(rows * 128)
-            .map_err(|e| Error::Cuda(e.to_string()))?;
-        let mut out = stream
-            .alloc_zeros::<f32>(rows * 128)
-            .map_err(|e| Error::Cuda(e.to_string()))?;
-        let mut lse = stream
-            .alloc_zeros::<f32>(rows)
-            .map_err(|e| Error::Cuda(e.to_string()))?;
+        let mut rng = Rng(0x9e37);
+        let qh: Vec<f32> = (0..rows * 128).map(|_| rng.f32()).collect();
+        let q = stream.clone_htod(&qh).map_err(cuda_err)?;
+        let mut out = stream.alloc_zeros::<f32>(rows * 128).map_err(cuda_err)?;
+        let mut lse = stream.alloc_zeros::<f32>(rows).map_err(cuda_err)?;
         let params = AttentionParams::new(128);
-        let ms = time_ms(&cuda, &stream, || {
-            attn.decode(&storage, 0, &q, &dt, &params, None, &mut out, &mut lse)
-                .map(|_| ())
+        let (ms, host_us) = time_split(&cuda, &stream, |i| {
+            attn.decode(
+                &storage,
+                0,
+                &q,
+                &dts[i % laps],
+                &params,
+                None,
+                &mut out,
+                &mut lse,
+            )
+            .map(|_| ())
         })?;
-        let kv_bytes = (batch * ctx * 8 * 128 * 2 * dtype.size_bytes()) as f64;
+        let (memcpy_ms, _) = memcpy_baseline(&storage, kv_bytes)?;
+        let gbs = |ms: f64| kv_bytes as f64 / (ms * 1e-3) / 1e9;
         Ok(json!({
             "dtype": dtype.name(), "batch": batch, "context": ctx,
             "layout": if scattered { "paged (scattered blocks)" } else { "contiguous (consecutive blocks)" },
             "unroll": if unroll == 0 { "default".to_string() } else { unroll.to_string() },
             "vec_bytes": if vec_bytes == 0 { "default".to_string() } else { vec_bytes.to_string() },
             "splits": plan.num_splits, "tokens_per_split": plan.tokens_per_split,
-            "kernel_us": ms * 1e3, "kv_bytes": kv_bytes,
-            "bandwidth_gb_s": kv_bytes / (ms * 1e-3) / 1e9,
+            "rotating_batches": laps,
+            "kernel_us": ms * 1e3, "host_us_per_call": host_us, "kv_bytes": kv_bytes,
+            "bandwidth_gb_s": gbs(ms),
+            // A memcpy reads and writes: its bandwidth counts both, as decode's K/V
+            // read is compared with the copy engine's read + write of the same bytes.
+            "memcpy_same_bytes_us": memcpy_ms * 1e3,
+            "memcpy_read_write_gb_s": 2.0 * gbs(memcpy_ms),
+            "decode_vs_memcpy_time": memcpy_ms / ms,
         }))
     }
 
@@ -144,25 +285,36 @@ mod gpu {
                 ..CudaStorageConfig::blocks(num_blocks)
             },
         )?;
+        fill_random(&mut storage, 7)?;
         let bpl = layout.block_bytes_per_layer();
         let bytes = n * bpl;
-        let t = tables(1, 2 * n * 16, 2 * n, true).tables;
+        let t = tables(1, 2 * n * 16, 2 * n, 0, true).tables;
         let mut plan = CopyPlan::new();
         for i in 0..n {
             plan.push(BlockId(t[i]), BlockId(t[n + i]));
         }
         let compute = storage.compute_stream().clone();
         let ctx = storage.context().clone();
-        let copy_ms = time_ms(&ctx, &compute, || storage.copy_blocks(&plan))?;
+        let uploaded = storage.upload_copy_plan(&plan)?;
+        let (copy_ms, copy_launch_host_us) =
+            time_split(&ctx, &compute, |_| storage.copy_blocks_uploaded(&uploaded))?;
+        // The whole call (validation, pageable upload of the pairs, launch), host time:
+        // its upload waits for the stream, so it cannot run behind a gate.
+        let t0 = Instant::now();
+        for _ in 0..ITERS {
+            storage.copy_blocks(&plan)?;
+        }
+        storage.sync_compute()?;
+        let copy_call_us = t0.elapsed().as_secs_f64() * 1e6 / ITERS as f64;
         let base = storage.region_ptr(0)?;
-        let memcpy_ms = time_ms(&ctx, &compute, || {
+        let (memcpy_ms, _) = time_split(&ctx, &compute, |_| {
             // SAFETY: both ranges lie in layer 0's mapped region (3n blocks mapped;
             // [0, n) and [2n, 3n) blocks) and do not overlap.
             unsafe {
                 sys::cuMemcpyDtoDAsync_v2(base + 2 * bytes as u64, base, bytes, compute.cu_stream())
             }
             .result()
-            .map_err(|e| Error::Cuda(e.to_string()))
+            .map_err(cuda_err)
         })?;
         let mut swap = SwapPlan::new(SwapDirection::Out);
         for (i, &d) in t[..n].iter().enumerate() {
@@ -170,20 +322,24 @@ mod gpu {
         }
         let runs = swap.runs().len();
         let transfer = storage.transfer_stream().clone();
-        let swap_ms = time_ms(&ctx, &transfer, || storage.swap(&swap))?;
+        let (swap_ms, swap_host_us) = time_split(&ctx, &transfer, |_| storage.swap(&swap))?;
         let mut contiguous = SwapPlan::new(SwapDirection::Out);
         for i in 0..n as u32 {
             contiguous.push(BlockId(i), BlockId(i));
         }
-        let pinned_ms = time_ms(&ctx, &transfer, || storage.swap(&contiguous))?;
+        let (pinned_ms, _) = time_split(&ctx, &transfer, |_| storage.swap(&contiguous))?;
         let gbs = |ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
         Ok(json!({
             "bytes": bytes, "blocks": n,
-            "copy_blocks_gb_s": gbs(copy_ms), "device_memcpy_gb_s": gbs(memcpy_ms),
-            "copy_blocks_vs_memcpy": memcpy_ms / copy_ms,
+            "copy_blocks_kernel_us": copy_ms * 1e3, "copy_blocks_gb_s": gbs(copy_ms),
+            "copy_blocks_launch_host_us": copy_launch_host_us,
+            "copy_blocks_whole_call_host_us": copy_call_us,
+            "device_memcpy_gb_s": gbs(memcpy_ms),
+            "copy_blocks_vs_memcpy_time": memcpy_ms / copy_ms,
             "swap_out_scattered_gb_s": gbs(swap_ms), "swap_runs": runs,
+            "swap_enqueue_host_us": swap_host_us,
             "pinned_memcpy_one_run_gb_s": gbs(pinned_ms),
-            "swap_vs_pinned_memcpy": pinned_ms / swap_ms,
+            "swap_vs_pinned_memcpy_time": pinned_ms / swap_ms,
         }))
     }
 
@@ -208,6 +364,7 @@ mod gpu {
         )?;
         Ok(json!({
             "device": probe.device().name, "sms": probe.device().num_sms,
+            "iters": ITERS,
             "decode": decode, "copy_and_swap": copy_and_swap()?,
         }))
     }

@@ -33,7 +33,7 @@ pub mod plan;
 pub use baseline::{CacheAllocator, ContiguousCache};
 pub use error::{Error, Result};
 pub use executor::shard::ShardedStorage;
-pub use executor::storage::{HostStorage, Storage};
+pub use executor::storage::{HostStorage, Storage, SwapFence};
 pub use executor::tier::{DiskTier, TransferEngine, TransferEvent};
 pub use export::{
     export_blocks, export_sequence, exported_len, import_sequence, ExportHeader, ExportView,

@@ -325,3 +325,249 @@ fn per_layer_swaps_and_host_block_io_match_host_storage() {
         Err(Error::ShapeMismatch { .. })
     ));
 }
+
+// ---- VMM at scale and stream ordering (issue 20, items 3 and 4) -----------------
+
+/// 64 KiB per block and layer (8 KV heads x 128 x 16 tokens x bf16 x K and V), so a
+/// few hundred blocks span several 2 MiB granules.
+fn wide_layout(layers: usize, dtype: DType) -> KvLayout {
+    KvLayout::new(
+        ModelShape {
+            num_layers: layers,
+            num_q_heads: 8,
+            num_kv_heads: 8,
+            head_dim: 128,
+            kv_dtype: dtype,
+        },
+        16,
+    )
+    .unwrap()
+}
+
+/// Fills every slot of both storages with the same random bytes.
+fn fill_same(gpu: &mut CudaStorage, host: &mut HostStorage, seed: u64) {
+    let l = *host.layout();
+    let mut rng = Rng(seed);
+    let slots: Vec<Slot> = (0..(host.num_blocks() * l.block_size()) as u64)
+        .map(Slot)
+        .collect();
+    let n = slots.len() * l.shape().num_kv_heads * l.shape().head_dim * l.dtype().size_bytes();
+    for layer in 0..l.num_layers() {
+        let (k, v) = (rng.bytes(n), rng.bytes(n));
+        gpu.write_slots(layer, &slots, &k, &v).unwrap();
+        host.write_slots(layer, &slots, &k, &v).unwrap();
+    }
+}
+
+#[test]
+fn regions_span_several_granules_and_shrink_really_unmaps() {
+    let test = "regions_span_several_granules_and_shrink_really_unmaps";
+    let l = wide_layout(2, DType::BF16);
+    let blocks = 200; // 12.5 MiB per layer: chunks of 8 + 4 + 2 MiB
+    let config = CudaStorageConfig {
+        max_blocks: Some(4096),
+        host_blocks: 8,
+        ..CudaStorageConfig::blocks(blocks)
+    };
+    let Some(mut gpu) = storage_or_skip(test, l, config) else {
+        return;
+    };
+    let mut host = HostStorage::with_host_tier(l, blocks, 8).unwrap();
+    fill_same(&mut gpu, &mut host, 21);
+    let (mapped, chunks) = gpu.mapped_bytes(0).unwrap();
+    assert!(
+        mapped >= blocks * l.block_bytes_per_layer() && chunks >= 2,
+        "{mapped} B in {chunks}"
+    );
+    // A copy plan and a swap whose blocks sit in different chunks.
+    let mut plan = CopyPlan::new();
+    for (s, d) in [(0, 199), (150, 3), (64, 130)] {
+        plan.push(BlockId(s), BlockId(d));
+    }
+    gpu.copy_blocks(&plan).unwrap();
+    host.copy_blocks(&plan).unwrap();
+    assert_same(&gpu, &host, "copies across chunks");
+
+    let free_before = gpu.context().mem_get_info().unwrap().0;
+    gpu.resize(20).unwrap();
+    host.resize(20).unwrap();
+    let (after, chunks_after) = gpu.mapped_bytes(0).unwrap();
+    assert!(
+        after < mapped && chunks_after < chunks,
+        "{after} B in {chunks_after} chunks"
+    );
+    let free_after = gpu.context().mem_get_info().unwrap().0;
+    // Both layers gave their tail back to the device (allow for other tenants' noise
+    // by asking for half of it).
+    let released = 2 * (mapped - after);
+    assert!(
+        free_after >= free_before + released / 2,
+        "free {free_before} -> {free_after}, released {released}"
+    );
+    assert_same(&gpu, &host, "after shrink");
+    // Growing again maps fresh chunks and zeroes them; old bytes stay.
+    gpu.resize(300).unwrap();
+    host.resize(300).unwrap();
+    assert_same(&gpu, &host, "after regrowth");
+}
+
+#[test]
+fn a_region_past_4_gib_addresses_its_far_blocks() {
+    let test = "a_region_past_4_gib_addresses_its_far_blocks";
+    let l = wide_layout(1, DType::F16);
+    let bpl = l.block_bytes_per_layer();
+    // 4 GiB + 4 MiB mapped; 64 GiB of address space reserved (reserve is cheap).
+    let blocks = (4usize << 30) / bpl + 64;
+    let config = CudaStorageConfig {
+        max_blocks: Some((64usize << 30) / bpl),
+        host_blocks: 4,
+        ..CudaStorageConfig::blocks(blocks)
+    };
+    let Some(mut gpu) = storage_or_skip(test, l, config) else {
+        return;
+    };
+    assert!(gpu.reserved_bytes_per_layer() >= 64 << 30);
+    let far = BlockId(blocks as u32 - 1);
+    assert!(far.index() * bpl > 1 << 32);
+    let mut rng = Rng(22);
+    let per_block = l.block_size() * l.shape().num_kv_heads * l.shape().head_dim * 2;
+    let (k, v) = (rng.bytes(per_block), rng.bytes(per_block));
+    let slots: Vec<Slot> = (0..l.block_size() as u64)
+        .map(|t| Slot(far.0 as u64 * l.block_size() as u64 + t))
+        .collect();
+    gpu.write_slots(0, &slots, &k, &v).unwrap();
+    let want = gpu.block_bytes(0, far).unwrap();
+    // Block 0 must be untouched: a 32-bit offset would have wrapped onto it.
+    assert!(gpu
+        .block_bytes(0, BlockId(0))
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
+    let (mut rk, mut rv) = (vec![0; per_block], vec![0; per_block]);
+    gpu.read_tokens(0, &[far], l.block_size(), &mut rk, &mut rv)
+        .unwrap();
+    assert!(rk == k && rv == v, "far block read back");
+    // Copy far -> near and near -> far, swap the far block out and back in elsewhere.
+    let mut plan = CopyPlan::new();
+    plan.push(far, BlockId(1));
+    gpu.copy_blocks(&plan).unwrap();
+    assert!(gpu.block_bytes(0, BlockId(1)).unwrap() == want);
+    let mut out = SwapPlan::new(SwapDirection::Out);
+    out.push(far, BlockId(3));
+    gpu.swap(&out).unwrap();
+    let mut back = SwapPlan::new(SwapDirection::In);
+    back.push(BlockId(blocks as u32 - 2), BlockId(3));
+    gpu.swap(&back).unwrap();
+    assert!(gpu.block_bytes(0, BlockId(blocks as u32 - 2)).unwrap() == want);
+    assert!(gpu.host_block_bytes(0, BlockId(3)).unwrap() == want);
+}
+
+/// A swap plan of every other block (many runs: the batched path on 13.0 drivers).
+fn scattered(direction: SwapDirection, blocks: usize, host_base: u32) -> SwapPlan {
+    let mut p = SwapPlan::new(direction);
+    for (i, b) in (0..blocks as u32).step_by(2).enumerate() {
+        p.push(BlockId(b), BlockId(host_base + i as u32));
+    }
+    p
+}
+
+#[test]
+fn swap_out_then_overwrite_the_source_with_no_host_sync() {
+    // If the compute stream did not wait for the swap-out's fence, the copy_blocks
+    // below (queued at once) would overwrite the blocks while they are read.
+    let test = "swap_out_then_overwrite_the_source_with_no_host_sync";
+    let l = wide_layout(4, DType::BF16);
+    let blocks = 512; // 32 MiB per layer, 128 MiB swapped out
+    let config = CudaStorageConfig {
+        host_blocks: blocks,
+        ..CudaStorageConfig::blocks(blocks)
+    };
+    let Some(mut gpu) = storage_or_skip(test, l, config) else {
+        return;
+    };
+    let mut host = HostStorage::with_host_tier(l, blocks, blocks).unwrap();
+    fill_same(&mut gpu, &mut host, 23);
+    let out = scattered(SwapDirection::Out, blocks, 0);
+    let mut clobber = CopyPlan::new();
+    for b in (0..blocks as u32).step_by(2) {
+        clobber.push(BlockId(b + 1), BlockId(b));
+    }
+    gpu.swap(&out).unwrap();
+    gpu.copy_blocks(&clobber).unwrap(); // no sync in between
+    host.swap(&out).unwrap();
+    host.copy_blocks(&clobber).unwrap();
+    assert_same(&gpu, &host, "swap-out raced by copy_blocks");
+}
+
+#[test]
+fn swap_in_then_read_at_once_on_the_compute_and_a_callers_stream() {
+    let test = "swap_in_then_read_at_once_on_the_compute_and_a_callers_stream";
+    let l = wide_layout(4, DType::BF16);
+    let blocks = 512;
+    let config = CudaStorageConfig {
+        host_blocks: blocks,
+        ..CudaStorageConfig::blocks(blocks)
+    };
+    let Some(mut gpu) = storage_or_skip(test, l, config) else {
+        return;
+    };
+    let mut host = HostStorage::with_host_tier(l, blocks, blocks).unwrap();
+    fill_same(&mut gpu, &mut host, 24);
+    // Put distinct bytes in the host tier: swap out everything, then scribble on the
+    // device so a read that runs before the swap-in lands sees the wrong bytes.
+    let mut all_out = SwapPlan::new(SwapDirection::Out);
+    for b in 0..blocks as u32 {
+        all_out.push(BlockId(b), BlockId(b));
+    }
+    gpu.swap(&all_out).unwrap();
+    host.swap(&all_out).unwrap();
+    let mut scribble = CopyPlan::new();
+    for b in (0..blocks as u32).step_by(2) {
+        scribble.push(BlockId(b + 1), BlockId(b));
+    }
+    gpu.copy_blocks(&scribble).unwrap();
+    host.copy_blocks(&scribble).unwrap();
+    let back = scattered(SwapDirection::In, blocks, 1);
+    // Per layer, last layer first, then consumers queued with no host sync:
+    // copy_blocks on the compute stream (waits per layer) ...
+    for layer in (0..4).rev() {
+        gpu.swap_layer(layer, &back).unwrap();
+    }
+    host.swap(&back).unwrap();
+    let mut consume = CopyPlan::new();
+    consume.push(BlockId(0), BlockId(1));
+    consume.push(BlockId(2), BlockId(3));
+    gpu.copy_blocks(&consume).unwrap();
+    host.copy_blocks(&consume).unwrap();
+    // ... and a caller's own stream that waits on layer 0's fence, then copies out.
+    let stream = gpu.context().new_stream().unwrap();
+    gpu.wait_fence_on(&gpu.layer_fence(0).unwrap(), &stream)
+        .unwrap();
+    let bpl = l.block_bytes_per_layer();
+    let region = gpu.region_ptr(0).unwrap();
+    let mut staged = stream.alloc_zeros::<u8>(bpl).unwrap();
+    {
+        let (dst, _guard) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut staged, &stream);
+        // SAFETY: block 4 of layer 0 is mapped (`blocks` > 4); `staged` holds `bpl`
+        // bytes; both stay alive until the stream is synchronised below.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoDAsync_v2(
+                dst,
+                region + 4 * bpl as u64,
+                bpl,
+                stream.cu_stream(),
+            )
+        }
+        .result()
+        .unwrap();
+    }
+    let got = stream.clone_dtoh(&staged).unwrap();
+    stream.synchronize().unwrap();
+    assert!(
+        got == host.block_bytes(0, BlockId(4)).unwrap(),
+        "caller's stream raced"
+    );
+    assert!(gpu.is_layer_ready(0).unwrap());
+    assert_same(&gpu, &host, "swap-in consumed at once");
+    assert!(gpu.is_swap_complete().unwrap());
+}

@@ -31,6 +31,10 @@ fn describe(spec: &KernelSpec) -> String {
             "attention d{} bs{} g{} {} u{} v{}",
             a.head_dim, a.block_size, a.gqa_group, a.dtype, a.unroll, a.vec_bytes
         ),
+        KernelSpec::Prefill(p) => format!(
+            "prefill d{} bs{} g{} {}",
+            p.head_dim, p.block_size, p.gqa_group, p.dtype
+        ),
         KernelSpec::CacheOps => "cache_ops".to_string(),
         KernelSpec::Mla(m) => format!(
             "mla r{} p{} bs{} {} h{}",
@@ -191,5 +195,67 @@ fn edge_specialisations_the_host_check_accepts_compile() {
             panic!("{spec:?} passed the host check but failed to compile: {e}")
         });
         assert!(!m.cubin.is_empty());
+    }
+}
+
+#[test]
+fn prefill_edge_specialisations_the_host_check_accepts_compile() {
+    if !nvrtc_or_skip("prefill_edge_specialisations_the_host_check_accepts_compile") {
+        return;
+    }
+    use pagedkv::executor::cuda::PrefillSpec;
+    use pagedkv::DType;
+    let base = PrefillSpec {
+        head_dim: 128,
+        block_size: 16,
+        gqa_group: 1,
+        dtype: DType::BF16,
+    };
+    for spec in [
+        PrefillSpec {
+            gqa_group: 16,
+            ..base
+        },
+        PrefillSpec {
+            head_dim: 32,
+            dtype: DType::Fp8E4M3,
+            ..base
+        },
+        PrefillSpec {
+            head_dim: 96,
+            gqa_group: 3,
+            dtype: DType::F32,
+            ..base
+        },
+        PrefillSpec {
+            block_size: 1,
+            ..base
+        },
+    ] {
+        spec.check().unwrap();
+        let m = compile_uncached(&KernelSpec::Prefill(spec), Arch::SM90).unwrap_or_else(|e| {
+            panic!("{spec:?} passed the host check but failed to compile: {e}")
+        });
+        assert!(!m.cubin.is_empty());
+    }
+    for bad in [
+        PrefillSpec {
+            head_dim: 100,
+            ..base
+        },
+        PrefillSpec {
+            head_dim: 256,
+            ..base
+        },
+        PrefillSpec {
+            gqa_group: 0,
+            ..base
+        },
+        PrefillSpec {
+            gqa_group: 32,
+            ..base
+        },
+    ] {
+        assert!(bad.check().is_err(), "{bad:?}");
     }
 }

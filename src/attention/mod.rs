@@ -33,6 +33,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod cuda_prefill;
 mod kernel_plan;
 mod kernels;
 pub mod mla;

@@ -320,6 +320,15 @@ impl<S: Storage> Storage for ShardedStorage<S> {
             .unwrap_or(0)
     }
 
+    fn swap_fence(&self) -> Result<crate::executor::storage::SwapFence> {
+        let fences = self
+            .shards
+            .iter()
+            .map(Storage::swap_fence)
+            .collect::<Result<Vec<_>>>()?;
+        Ok(crate::executor::storage::SwapFence::all(fences))
+    }
+
     fn swap(&mut self, plan: &SwapPlan) -> Result<()> {
         validate_swap_plan(plan, self.num_blocks(), self.num_host_blocks())?;
         for s in &mut self.shards {

@@ -19,7 +19,8 @@ pub mod sass;
 
 pub use nvrtc::{
     catalog, compile, compile_uncached, parse_ptxas_log, write_cubin, Arch, AttentionSpec,
-    CompiledModule, KernelResources, KernelSpec, MlaSpec, ATTENTION_THREADS, CUBIN_DIR_ENV,
+    CompiledModule, KernelResources, KernelSpec, MlaSpec, PrefillSpec, ATTENTION_THREADS,
+    CUBIN_DIR_ENV, PREFILL_WARPS,
 };
 
 use crate::error::{Error, Result};

@@ -11,6 +11,7 @@ use std::sync::{Arc, OnceLock};
 const COMMON_SRC: &str = include_str!("../../../kernels/common.cuh");
 const ATTENTION_SRC: &str = include_str!("../../../kernels/paged_attention.cu");
 const CACHE_OPS_SRC: &str = include_str!("../../../kernels/cache_ops.cu");
+const PREFILL_SRC: &str = include_str!("../../../kernels/paged_prefill.cu");
 const MLA_SRC: &str = include_str!("../../../kernels/mla_decode.cu");
 
 /// Threads per CTA of the attention kernels (the `NUM_THREADS` define).
@@ -178,6 +179,85 @@ impl MlaSpec {
     }
 }
 
+/// Warps per CTA of `paged_prefill` (the kernel's `NUM_WARPS` default).
+pub const PREFILL_WARPS: u32 = 4;
+
+/// One specialisation of `kernels/paged_prefill.cu` (`paged_prefill`): variable-length
+/// query chunks over the block tables, causal within the chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PrefillSpec {
+    /// Elements per head; a multiple of 32, at most 128.
+    pub head_dim: usize,
+    /// Tokens per page.
+    pub block_size: usize,
+    /// Query heads per KV head.
+    pub gqa_group: usize,
+    /// Cache dtype.
+    pub dtype: DType,
+}
+
+impl PrefillSpec {
+    /// The specialisation for `layout`.
+    pub fn for_layout(layout: &crate::layout::KvLayout) -> Self {
+        let shape = layout.shape();
+        PrefillSpec {
+            head_dim: shape.head_dim,
+            block_size: layout.block_size(),
+            gqa_group: shape.group_size(),
+            dtype: shape.kv_dtype,
+        }
+    }
+
+    /// Query tokens per CTA (the kernel's `Q_TILE`): 16 query rows per CTA in all.
+    pub fn q_tile(&self) -> usize {
+        (16 / self.gqa_group.max(1)).max(1)
+    }
+
+    /// Keys per shared-memory tile (the kernel's `KV_TILE`).
+    pub fn kv_tile(&self) -> usize {
+        if self.head_dim > 128 {
+            16
+        } else {
+            32
+        }
+    }
+
+    /// Static shared memory of one CTA, in bytes (q rows, padded K tile, V tile, f32).
+    pub fn shared_bytes(&self) -> usize {
+        let rows = self.q_tile() * self.gqa_group;
+        4 * (rows * self.head_dim + self.kv_tile() * (2 * self.head_dim + 1))
+    }
+
+    /// Checks what the kernel's `static_assert`s would reject, before compiling.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] naming the field.
+    pub fn check(&self) -> Result<()> {
+        if self.head_dim == 0 || self.head_dim % 32 != 0 || self.head_dim > 128 {
+            return Err(Error::Unsupported(format!(
+                "CUDA prefill needs head_dim a multiple of 32 up to 128, not {}",
+                self.head_dim
+            )));
+        }
+        if self.gqa_group == 0 || self.shared_bytes() > 48 * 1024 {
+            return Err(Error::Unsupported(format!(
+                "CUDA prefill with GQA group {} at head_dim {} needs {} bytes of static shared \
+                 memory (at most 48 KiB)",
+                self.gqa_group,
+                self.head_dim,
+                self.shared_bytes()
+            )));
+        }
+        if self.block_size == 0 || self.block_size > crate::layout::MAX_BLOCK_SIZE {
+            return Err(Error::Unsupported(format!(
+                "block size {} out of range",
+                self.block_size
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// A kernel module: which source and which specialisation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelSpec {
@@ -185,6 +265,8 @@ pub enum KernelSpec {
     Attention(AttentionSpec),
     /// `kernels/cache_ops.cu`: `copy_blocks` and every `reshape_and_cache_<in>_<cache>`.
     CacheOps,
+    /// `kernels/paged_prefill.cu` with its defines.
+    Prefill(PrefillSpec),
     /// `kernels/mla_decode.cu` with its defines.
     Mla(MlaSpec),
 }
@@ -203,6 +285,7 @@ impl KernelSpec {
     /// The full source handed to NVRTC (`common.cuh` prepended).
     pub fn source(&self) -> String {
         let body = match self {
+            KernelSpec::Prefill(_) => PREFILL_SRC,
             KernelSpec::Attention(_) => ATTENTION_SRC,
             KernelSpec::CacheOps => CACHE_OPS_SRC,
             KernelSpec::Mla(_) => MLA_SRC,
@@ -213,6 +296,7 @@ impl KernelSpec {
     /// File name shown in compiler messages.
     pub fn file_name(&self) -> &'static str {
         match self {
+            KernelSpec::Prefill(_) => "paged_prefill.cu",
             KernelSpec::Attention(_) => "paged_attention.cu",
             KernelSpec::CacheOps => "cache_ops.cu",
             KernelSpec::Mla(_) => "mla_decode.cu",
@@ -238,6 +322,13 @@ impl KernelSpec {
                 }
                 d
             }
+            KernelSpec::Prefill(p) => vec![
+                format!("-DHEAD_DIM={}", p.head_dim),
+                format!("-DBLOCK_SIZE={}", p.block_size),
+                format!("-DGQA_GROUP={}", p.gqa_group),
+                format!("-DKV_DTYPE={}", dtype_code(p.dtype)),
+                format!("-DNUM_WARPS={PREFILL_WARPS}"),
+            ],
             KernelSpec::CacheOps => Vec::new(),
             KernelSpec::Mla(m) => vec![
                 format!("-DKV_LORA_RANK={}", m.kv_lora_rank),
@@ -270,6 +361,7 @@ impl KernelSpec {
                 "rope_and_cache_f32_bf16",
                 "rope_and_cache_f32_fp8",
             ],
+            KernelSpec::Prefill(_) => vec!["paged_prefill"],
         }
     }
 }
@@ -322,6 +414,19 @@ pub fn catalog() -> Vec<KernelSpec> {
             dtype,
             heads_per_cta,
         }));
+    }
+    // Prefill: the decode catalog's dtypes, head dims and groups.
+    for dtype in [DType::F16, DType::BF16, DType::Fp8E4M3] {
+        for head_dim in [64, 128] {
+            for gqa_group in [1, 4, 8] {
+                out.push(KernelSpec::Prefill(PrefillSpec {
+                    head_dim,
+                    block_size: 16,
+                    gqa_group,
+                    dtype,
+                }));
+            }
+        }
     }
     // ...and 8- against 16-byte loads for fp8 at GQA 8.
     for vec_bytes in [8, 16] {
@@ -441,6 +546,10 @@ impl KernelSpec {
                 a.head_dim, a.block_size, a.gqa_group, a.dtype, a.unroll, a.vec_bytes
             ),
             KernelSpec::CacheOps => "cache_ops".to_string(),
+            KernelSpec::Prefill(p) => format!(
+                "prefill-d{}-bs{}-g{}-{}",
+                p.head_dim, p.block_size, p.gqa_group, p.dtype
+            ),
             KernelSpec::Mla(m) => format!(
                 "mla-r{}-p{}-bs{}-{}-h{}",
                 m.kv_lora_rank, m.rope_dim, m.block_size, m.dtype, m.heads_per_cta
@@ -509,6 +618,7 @@ pub fn compile_uncached(spec: &KernelSpec, arch: Arch) -> Result<CompiledModule>
     match spec {
         KernelSpec::Attention(a) => a.check()?,
         KernelSpec::Mla(m) => m.check()?,
+        KernelSpec::Prefill(p) => p.check()?,
         KernelSpec::CacheOps => {}
     }
     if !super::nvrtc_present() {
@@ -528,6 +638,8 @@ pub fn compile_uncached(spec: &KernelSpec, arch: Arch) -> Result<CompiledModule>
         format!("--gpu-architecture={}", arch.sm()),
         "-std=c++17".to_string(),
         "--ptxas-options=-v".to_string(),
+        // Line info for compute-sanitizer and profilers; it changes no instruction.
+        "-lineinfo".to_string(),
     ];
     options.extend(spec.defines());
     // The kernels need no CUDA headers; an include path is passed on when set (by
@@ -674,6 +786,7 @@ ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
             match spec {
                 KernelSpec::Attention(a) => a.check().unwrap(),
                 KernelSpec::Mla(m) => m.check().unwrap(),
+                KernelSpec::Prefill(p) => p.check().unwrap(),
                 KernelSpec::CacheOps => {}
             }
             assert!(!spec.entry_points().is_empty());

@@ -2,23 +2,41 @@
 //!
 //! - **Arena.** One region per layer, each a virtual-address range reserved once for
 //!   the largest size the arena may reach (`cuMemAddressReserve`) and backed by
-//!   physical chunks of the device's allocation granularity (`cuMemCreate`,
-//!   `cuMemMap`, `cuMemSetAccess`). Growing maps chunks at the tail; shrinking unmaps
-//!   and releases them (`cuMemUnmap`, `cuMemRelease`). Live blocks never move and
-//!   region addresses never change, so a resize copies nothing and the per-layer base
-//!   pointers uploaded once stay valid.
+//!   physical chunks (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`) planned by
+//!   [`super::vmm_plan`]: power-of-two multiples of the allocation granularity up to
+//!   1 GiB, largest first, so a 100+ GiB arena costs a few hundred driver calls, not
+//!   tens of thousands. Growing maps chunks at the tail (in granules past the big
+//!   ones); shrinking unmaps and releases whole tail chunks (`cuMemUnmap`,
+//!   `cuMemRelease`). Live blocks never move and region addresses never change, so a
+//!   resize copies nothing and the per-layer base pointers uploaded once stay valid.
 //! - **Streams.** Kernels and K/V writes run on the compute stream; swaps run on a
 //!   separate transfer stream so they overlap compute. Ordering between the two is by
 //!   events only (no device-wide synchronisation): a swap waits for the compute work
-//!   queued before it; compute on a layer waits for the swap-in of that layer, so a
+//!   queued before it; a swap-out's reads finish before compute may overwrite the
+//!   blocks; compute on a layer waits for the last swap that touched it, so a
 //!   swapped-in sequence can be consumed layer by layer as it arrives.
-//! - **Host tier.** One page-locked region per layer (`cuMemHostAlloc`); swaps are
-//!   `cuMemcpyAsync` of merged runs ([`SwapPlan::runs`]) on the transfer stream. Copy
-//!   engines reach full PCIe/C2C bandwidth on pinned memory without taking SMs from
-//!   compute, and merged runs keep the call count low; `cuMemcpyBatchAsync` would
-//!   save per-call overhead for plans of many short runs but needs a 12.8+ driver.
+//! - **Completion.** Each enqueued swap layer records a fresh event, handed out as a
+//!   [`SwapFence`] ([`Storage::swap_fence`], [`CudaStorage::layer_fence`]); the rules of
+//!   which fence covers what are pure code in [`super::fence`], unit-tested on the CPU.
+//!   A caller's own stream waits on one with [`CudaStorage::wait_fence_on`].
+//! - **Host tier and batched transfers.** One page-locked region per layer
+//!   (`cuMemHostAlloc`); a swap copies merged runs ([`SwapPlan::runs`]) with the copy
+//!   engines: one `cuMemcpyBatchAsync` per layer for several runs on a 13.0+ driver,
+//!   else one `cuMemcpyAsync` per run. Why not a gather/scatter kernel for scattered
+//!   runs: host<->device bytes through a kernel need mapped pinned memory and take SMs
+//!   from compute, while the copy engines reach PCIe/C2C bandwidth on their own; the
+//!   per-call cost the batch call removes is host overhead, which the driver can only
+//!   amortise. Device-to-device copies (`copy_blocks`) are a kernel already, one launch
+//!   per plan. This choice is reasoned, not measured: no GPU was available when it
+//!   was made; `examples/gpu_bench.rs` reports swap GB/s and host enqueue time beside
+//!   one pinned memcpy of the same bytes, which is the measurement that should confirm
+//!   or overturn it.
 
 use super::copy::{for_each_token_run, table_places};
+use super::fence::{FenceEvent, FenceLedger, SwapFence};
+use super::vmm_plan::{
+    issue_mode, layer_copy_runs, plan_growth, plan_shrink, IssueMode, MAX_CHUNK_BYTES,
+};
 use super::{check_token_io, validate_copy_plan, validate_swap_plan, Storage};
 use crate::error::{Error, Result};
 use crate::executor::cuda::{compile, driver_err, open_device, DeviceInfo, KernelSpec};
@@ -76,36 +94,45 @@ impl CudaStorageConfig {
     }
 }
 
-/// One layer's region: a reserved address range and the chunks mapped at its start.
+/// One layer's region: a reserved address range and the chunks mapped at its start,
+/// sized by [`plan_growth`] (power-of-two multiples of the granularity, largest first).
 #[derive(Debug)]
 struct VmmRegion {
     base: sys::CUdeviceptr,
     reserved_bytes: usize,
-    chunk_bytes: usize,
-    chunks: Vec<sys::CUmemGenericAllocationHandle>,
+    granularity: usize,
+    /// Handles and sizes, in mapping order from `base`.
+    chunks: Vec<(sys::CUmemGenericAllocationHandle, usize)>,
 }
 
 impl VmmRegion {
-    fn reserve(reserved_bytes: usize, chunk_bytes: usize) -> Result<Self> {
+    fn reserve(reserved_bytes: usize, granularity: usize) -> Result<Self> {
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: `base` is a valid out-pointer; size and alignment are multiples of the
         // allocation granularity as cuMemAddressReserve requires.
-        unsafe { sys::cuMemAddressReserve(&mut base, reserved_bytes, chunk_bytes, 0, 0) }
+        unsafe { sys::cuMemAddressReserve(&mut base, reserved_bytes, granularity, 0, 0) }
             .result()
             .map_err(driver_err("cuMemAddressReserve"))?;
         Ok(VmmRegion {
             base,
             reserved_bytes,
-            chunk_bytes,
+            granularity,
             chunks: Vec::new(),
         })
     }
 
     fn mapped_bytes(&self) -> usize {
-        self.chunks.len() * self.chunk_bytes
+        self.chunks.iter().map(|&(_, n)| n).sum()
     }
 
-    /// Maps chunks until at least `bytes` are backed. On failure the region is as it was.
+    fn chunk_sizes(&self) -> Vec<usize> {
+        self.chunks.iter().map(|&(_, n)| n).collect()
+    }
+
+    /// Maps chunks until at least `bytes` are backed, in as few chunks as
+    /// [`plan_growth`] allows; when the device refuses a large chunk (fragmented
+    /// physical memory), the rest is planned again with chunks half as large, down to
+    /// the granularity. On failure the region is as it was.
     fn grow_to(
         &mut self,
         bytes: usize,
@@ -113,22 +140,30 @@ impl VmmRegion {
         access: &sys::CUmemAccessDesc,
     ) -> Result<()> {
         let before = self.chunks.len();
-        while self.mapped_bytes() < bytes {
-            if let Err(e) = self.map_one(prop, access) {
-                self.shrink_to_chunks(before);
-                return Err(e);
+        let mut max_chunk = MAX_CHUNK_BYTES;
+        'plan: loop {
+            for size in plan_growth(self.mapped_bytes(), bytes, self.granularity, max_chunk) {
+                if let Err(e) = self.map_one(size, prop, access) {
+                    if size > self.granularity && matches!(e, Error::Cuda(_)) {
+                        max_chunk = size / 2;
+                        continue 'plan;
+                    }
+                    self.release_past(before);
+                    return Err(e);
+                }
             }
+            return Ok(());
         }
-        Ok(())
     }
 
     fn map_one(
         &mut self,
+        size: usize,
         prop: &sys::CUmemAllocationProp,
         access: &sys::CUmemAccessDesc,
     ) -> Result<()> {
         let at = self.base + self.mapped_bytes() as u64;
-        if self.mapped_bytes() + self.chunk_bytes > self.reserved_bytes {
+        if self.mapped_bytes() + size > self.reserved_bytes {
             return Err(Error::config(
                 "num_blocks",
                 format!(
@@ -139,13 +174,13 @@ impl VmmRegion {
         }
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: `handle` is a valid out-pointer; `prop` describes pinned device memory
-        // of this context's device; the size is one granularity-sized chunk.
-        unsafe { sys::cuMemCreate(&mut handle, self.chunk_bytes, prop, 0) }
+        // of this context's device; the size is a multiple of the granularity.
+        unsafe { sys::cuMemCreate(&mut handle, size, prop, 0) }
             .result()
             .map_err(driver_err("cuMemCreate"))?;
-        // SAFETY: `[at, at + chunk)` lies inside this region's reservation (checked
+        // SAFETY: `[at, at + size)` lies inside this region's reservation (checked
         // above) and is not mapped (chunks are mapped in order from the base).
-        let mapped = unsafe { sys::cuMemMap(at, self.chunk_bytes, 0, handle, 0) }
+        let mapped = unsafe { sys::cuMemMap(at, size, 0, handle, 0) }
             .result()
             .map_err(driver_err("cuMemMap"));
         if let Err(e) = mapped {
@@ -154,33 +189,40 @@ impl VmmRegion {
             return Err(e);
         }
         // SAFETY: the range was just mapped; `access` is one valid descriptor.
-        let access_set = unsafe { sys::cuMemSetAccess(at, self.chunk_bytes, access, 1) }
+        let access_set = unsafe { sys::cuMemSetAccess(at, size, access, 1) }
             .result()
             .map_err(driver_err("cuMemSetAccess"));
         if let Err(e) = access_set {
             // SAFETY: undoes the map and create above; nothing else refers to them.
             unsafe {
-                let _ = sys::cuMemUnmap(at, self.chunk_bytes);
+                let _ = sys::cuMemUnmap(at, size);
                 let _ = sys::cuMemRelease(handle);
             }
             return Err(e);
         }
-        self.chunks.push(handle);
+        self.chunks.push((handle, size));
         Ok(())
+    }
+
+    /// Releases whole chunks from the tail while the rest still backs `bytes`
+    /// ([`plan_shrink`]). Callers make sure no queued work touches them.
+    fn shrink_to(&mut self, bytes: usize) {
+        let plan = plan_shrink(&self.chunk_sizes(), bytes);
+        self.release_past(plan.keep);
     }
 
     /// Unmaps and releases chunks past the first `keep`. Callers make sure no queued
     /// work touches them. Errors here cannot leave memory in use; they are ignored.
-    fn shrink_to_chunks(&mut self, keep: usize) {
+    fn release_past(&mut self, keep: usize) {
         while self.chunks.len() > keep {
-            let Some(handle) = self.chunks.pop() else {
+            let Some((handle, size)) = self.chunks.pop() else {
                 break;
             };
             let at = self.base + self.mapped_bytes() as u64;
-            // SAFETY: `[at, at + chunk)` is the last mapped chunk, backed by `handle`;
+            // SAFETY: `[at, at + size)` is the last mapped chunk, backed by `handle`;
             // no queued work uses it (the caller synchronised the streams).
             unsafe {
-                let _ = sys::cuMemUnmap(at, self.chunk_bytes);
+                let _ = sys::cuMemUnmap(at, size);
                 let _ = sys::cuMemRelease(handle);
             }
         }
@@ -189,7 +231,7 @@ impl VmmRegion {
 
 impl Drop for VmmRegion {
     fn drop(&mut self) {
-        self.shrink_to_chunks(0);
+        self.release_past(0);
         // SAFETY: the reservation was made in `reserve` with this size and nothing is
         // mapped in it any more. A failure cannot be reported from Drop; it is ignored.
         let _ = unsafe { sys::cuMemAddressFree(self.base, self.reserved_bytes) };
@@ -233,10 +275,33 @@ pub struct CudaStorage {
     host: Vec<PinnedHostSlice<u8>>,
     host_ptrs: Vec<usize>,
     kernels: CacheKernels,
-    /// Recorded on the transfer stream after each layer's part of the last swap.
-    layer_ready: Vec<CudaEvent>,
+    /// One fence (a fresh CUDA event) per enqueued swap layer, and which layers each
+    /// covers: see [`super::fence`] for the rules.
+    fences: FenceLedger<SwapFence>,
     /// Recorded on the compute stream before a swap, which waits on it.
     compute_mark: CudaEvent,
+    /// `cuDriverGetVersion`, which decides whether swaps use `cuMemcpyBatchAsync`.
+    driver_version: i32,
+}
+
+/// A CUDA event recorded on the transfer stream after a swap's copies: the device side
+/// of a [`SwapFence`] that `CudaStorage` hands out.
+struct CudaFence(CudaEvent);
+
+impl FenceEvent for CudaFence {
+    fn is_complete(&self) -> Result<bool> {
+        self.0.try_is_complete().map_err(driver_err("cuEventQuery"))
+    }
+
+    fn wait(&self) -> Result<()> {
+        self.0
+            .synchronize()
+            .map_err(driver_err("cuEventSynchronize"))
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 impl std::fmt::Debug for CudaStorage {
@@ -391,9 +456,11 @@ impl CudaStorage {
             copy_blocks: f("copy_blocks")?,
             reshape,
         };
-        let layer_ready = (0..layers)
-            .map(|_| ctx.new_event(None).map_err(driver_err("cuEventCreate")))
-            .collect::<Result<Vec<_>>>()?;
+        let mut driver_version = 0i32;
+        // SAFETY: valid out-pointer.
+        unsafe { sys::cuDriverGetVersion(&mut driver_version) }
+            .result()
+            .map_err(driver_err("cuDriverGetVersion"))?;
         let compute_mark = ctx.new_event(None).map_err(driver_err("cuEventCreate"))?;
 
         let storage = CudaStorage {
@@ -410,16 +477,12 @@ impl CudaStorage {
             host,
             host_ptrs,
             kernels,
-            layer_ready,
+            fences: FenceLedger::new(layers),
             compute_mark,
+            driver_version,
         };
-        // Warm-up: touch the whole arena once and make sure the events have a first
-        // record, so later waits and queries have something to refer to.
+        // Warm-up: touch the whole arena once.
         storage.zero_range(0, region_bytes)?;
-        for e in &storage.layer_ready {
-            e.record(&storage.transfer)
-                .map_err(driver_err("cuEventRecord"))?;
-        }
         storage
             .compute
             .synchronize()
@@ -469,40 +532,86 @@ impl CudaStorage {
             })
     }
 
-    /// Whether `layer` of the last swap has arrived (true when nothing is in flight).
+    /// Whether the last swap that touched `layer` has landed (true when none did).
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] for a bad layer; [`Error::Cuda`].
     pub fn is_layer_ready(&self, layer: usize) -> Result<bool> {
         self.check_layer(layer)?;
-        self.layer_ready[layer]
-            .try_is_complete()
-            .map_err(driver_err("cuEventQuery"))
+        self.fences
+            .layer(layer)
+            .map_or(Ok(true), SwapFence::is_complete)
     }
 
-    /// Whether every layer of the last swap plan has arrived (the plan's event: layers
-    /// are recorded in order on one stream, so the last layer's event is the plan's).
+    /// Whether every swap enqueued so far has landed: the fence of the latest one,
+    /// which covers all earlier ones (one in-order transfer stream), whatever layers
+    /// they touched and in whatever order.
     ///
     /// # Errors
     /// [`Error::Cuda`].
     pub fn is_swap_complete(&self) -> Result<bool> {
-        match self.layer_ready.last() {
-            Some(e) => e.try_is_complete().map_err(driver_err("cuEventQuery")),
-            None => Ok(true),
+        self.fences
+            .latest()
+            .map_or(Ok(true), SwapFence::is_complete)
+    }
+
+    /// The fence after which the last swap that touched `layer` has landed
+    /// ([`SwapFence::complete`] when none is in flight).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for a bad layer.
+    pub fn layer_fence(&self, layer: usize) -> Result<SwapFence> {
+        self.check_layer(layer)?;
+        Ok(self.fences.layer(layer).cloned().unwrap_or_default())
+    }
+
+    /// Makes `stream` wait (on the GPU; the host does not block) until `fence` has
+    /// passed, so an engine's own stream can read swapped-in blocks without a host
+    /// synchronisation. A fence that is not this backend's (a combined fence of
+    /// several storages) is waited for on the host instead.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn wait_fence_on(&self, fence: &SwapFence, stream: &CudaStream) -> Result<()> {
+        match fence.event() {
+            None => Ok(()),
+            Some(e) => match e.as_any().downcast_ref::<CudaFence>() {
+                Some(CudaFence(event)) => {
+                    stream.wait(event).map_err(driver_err("cuStreamWaitEvent"))
+                }
+                None => fence.wait(),
+            },
         }
     }
 
-    /// Makes the compute stream wait (on the GPU; the host does not block) until
-    /// `layer` of the last swap has arrived. Every method of this storage that reads
-    /// or writes a layer on the compute stream does this itself.
+    /// Makes the compute stream wait (on the GPU; the host does not block) until the
+    /// last swap that touched `layer` has landed. Every method of this storage that
+    /// reads or writes a layer on the compute stream does this itself.
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] for a bad layer; [`Error::Cuda`].
     pub fn wait_layer(&self, layer: usize) -> Result<()> {
         self.check_layer(layer)?;
-        self.compute
-            .wait(&self.layer_ready[layer])
-            .map_err(driver_err("cuStreamWaitEvent"))
+        match self.fences.layer(layer) {
+            Some(f) => self.wait_fence_on(f, &self.compute),
+            None => Ok(()),
+        }
+    }
+
+    /// Bytes of physical memory mapped behind `layer`'s region, and in how many
+    /// chunks (see the module docs).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for a bad layer.
+    pub fn mapped_bytes(&self, layer: usize) -> Result<(usize, usize)> {
+        self.check_layer(layer)?;
+        let r = &self.regions[layer];
+        Ok((r.mapped_bytes(), r.chunks.len()))
+    }
+
+    /// Bytes of address space reserved per layer (what [`Self::max_blocks`] can use).
+    pub fn reserved_bytes_per_layer(&self) -> usize {
+        self.regions.first().map_or(0, |r| r.reserved_bytes)
     }
 
     /// Blocks the host until every queued swap has finished (stream, not device,
@@ -805,12 +914,16 @@ impl CudaStorage {
     }
 
     /// Enqueues the runs of a validated swap plan for `layers` on the transfer stream,
-    /// recording each layer's event.
-    fn enqueue_swap(&self, plan: &SwapPlan, layers: std::ops::Range<usize>) -> Result<()> {
+    /// recording one fence (a fresh event) after each layer's copies; the last one is
+    /// the swap's and covers every layer it enqueued.
+    fn enqueue_swap(&mut self, plan: &SwapPlan, layers: std::ops::Range<usize>) -> Result<()> {
         if plan.is_empty() {
             return Ok(());
         }
         self.bind()?;
+        // Fences already passed need no event any more.
+        self.fences
+            .forget_completed(|f| f.is_complete().unwrap_or(false));
         // The swap sees everything queued on compute before it...
         self.compute_mark
             .record(&self.compute)
@@ -819,52 +932,136 @@ impl CudaStorage {
             .wait(&self.compute_mark)
             .map_err(driver_err("cuStreamWaitEvent"))?;
         let bpl = self.layout.block_bytes_per_layer();
-        let runs = plan.runs();
-        let stream = self.transfer.cu_stream();
+        let runs = layer_copy_runs(&plan.runs(), bpl)
+            .ok_or_else(|| Error::config("swap plan", "byte offsets overflow"))?;
         for layer in layers {
-            let dev = self.regions[layer].base;
-            let host = self.host_ptrs[layer];
-            for &(src, dst, len) in &runs {
-                let (src, dst, bytes) =
-                    (src as usize * bpl, dst as usize * bpl, len as usize * bpl);
-                let r = match plan.direction() {
-                    // SAFETY: the plan was validated by the caller: device runs lie
-                    // below `num_blocks` (mapped), host runs below `num_host_blocks`
-                    // (inside the pinned region of `host_blocks * bpl` bytes, alive as
-                    // long as `self`); the transfer stream orders these with later
-                    // swaps and the events below order them with compute.
-                    SwapDirection::Out => unsafe {
-                        sys::cuMemcpyDtoHAsync_v2(
-                            (host + dst) as *mut std::ffi::c_void,
-                            dev + src as u64,
-                            bytes,
-                            stream,
-                        )
-                    },
-                    // SAFETY: as above, with the roles of the two sides exchanged.
-                    SwapDirection::In => unsafe {
-                        sys::cuMemcpyHtoDAsync_v2(
-                            dev + dst as u64,
-                            (host + src) as *const std::ffi::c_void,
-                            bytes,
-                            stream,
-                        )
-                    },
-                };
-                r.result().map_err(driver_err("cuMemcpyAsync(swap)"))?;
-            }
-            self.layer_ready[layer]
+            self.enqueue_layer_copies(plan.direction(), layer, &runs)?;
+            let event = self
+                .ctx
+                .new_event(None)
+                .map_err(driver_err("cuEventCreate"))?;
+            event
                 .record(&self.transfer)
                 .map_err(driver_err("cuEventRecord"))?;
             // ...and a swap-out finishes reading a layer's device blocks before compute
             // may reuse them. A swap-in is waited for per layer, by whoever touches it.
             if plan.direction() == SwapDirection::Out {
                 self.compute
-                    .wait(&self.layer_ready[layer])
+                    .wait(&event)
                     .map_err(driver_err("cuStreamWaitEvent"))?;
             }
+            let fence = SwapFence::pending(Arc::new(CudaFence(event)));
+            self.fences.recorded([layer], fence);
         }
         Ok(())
+    }
+
+    /// One layer's copies of a swap: one `cuMemcpyAsync` for a single run, one
+    /// `cuMemcpyBatchAsync` for several when the driver has it (see
+    /// [`super::vmm_plan::issue_mode`]).
+    fn enqueue_layer_copies(
+        &self,
+        direction: SwapDirection,
+        layer: usize,
+        runs: &[super::vmm_plan::CopyRun],
+    ) -> Result<()> {
+        let dev = self.regions[layer].base;
+        let host = self.host_ptrs[layer] as u64;
+        let stream = self.transfer.cu_stream();
+        // Device and host addresses share one 64-bit space (unified addressing, which
+        // every sm_80+ device on a 64-bit host has).
+        let (src_base, dst_base) = match direction {
+            SwapDirection::Out => (dev, host),
+            SwapDirection::In => (host, dev),
+        };
+        match issue_mode(runs.len(), self.driver_version) {
+            IssueMode::Nothing => Ok(()),
+            IssueMode::PerRun(_) => {
+                for run in runs {
+                    let (src, dst) = (
+                        src_base + run.src_offset as u64,
+                        dst_base + run.dst_offset as u64,
+                    );
+                    let r = match direction {
+                        // SAFETY: the plan was validated by the caller: device runs lie
+                        // below `num_blocks` (mapped), host runs below
+                        // `num_host_blocks` (inside the pinned region of
+                        // `host_blocks * bpl` bytes, alive as long as `self`); the
+                        // transfer stream orders these with later swaps and the fences
+                        // order them with compute.
+                        SwapDirection::Out => unsafe {
+                            sys::cuMemcpyDtoHAsync_v2(
+                                dst as *mut std::ffi::c_void,
+                                src,
+                                run.bytes,
+                                stream,
+                            )
+                        },
+                        // SAFETY: as above, with the roles of the two sides exchanged.
+                        SwapDirection::In => unsafe {
+                            sys::cuMemcpyHtoDAsync_v2(
+                                dst,
+                                src as *const std::ffi::c_void,
+                                run.bytes,
+                                stream,
+                            )
+                        },
+                    };
+                    r.result().map_err(driver_err("cuMemcpyAsync(swap)"))?;
+                }
+                Ok(())
+            }
+            IssueMode::Batch(n) => {
+                let mut srcs: Vec<u64> = runs
+                    .iter()
+                    .map(|r| src_base + r.src_offset as u64)
+                    .collect();
+                let mut dsts: Vec<u64> = runs
+                    .iter()
+                    .map(|r| dst_base + r.dst_offset as u64)
+                    .collect();
+                let mut sizes: Vec<usize> = runs.iter().map(|r| r.bytes).collect();
+                let (dev_loc, host_loc) = (
+                    sys::CUmemLocation {
+                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                        id: self.info.ordinal as i32,
+                    },
+                    sys::CUmemLocation {
+                        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+                        id: 0,
+                    },
+                );
+                let (src_loc, dst_loc) = match direction {
+                    SwapDirection::Out => (dev_loc, host_loc),
+                    SwapDirection::In => (host_loc, dev_loc),
+                };
+                let mut attrs = [sys::CUmemcpyAttributes {
+                    // Sources are read in stream order: the swap waited for compute.
+                    srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                    srcLocHint: src_loc,
+                    dstLocHint: dst_loc,
+                    flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+                }];
+                let mut attr_idx = [0usize];
+                // SAFETY: the three arrays hold `n` entries each and outlive the call
+                // (the driver copies the descriptors; the bytes they name are validated
+                // as in the per-run path above). One attribute applies from copy 0.
+                unsafe {
+                    sys::cuMemcpyBatchAsync_v2(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        n,
+                        attrs.as_mut_ptr(),
+                        attr_idx.as_mut_ptr(),
+                        1,
+                        stream,
+                    )
+                }
+                .result()
+                .map_err(driver_err("cuMemcpyBatchAsync(swap)"))
+            }
+        }
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
@@ -934,6 +1131,100 @@ impl CudaStorage {
     }
 }
 
+/// A copy plan validated against a [`CudaStorage`] and uploaded, so it can be
+/// launched any number of times without host work ([`CudaStorage::copy_blocks_uploaded`]).
+#[derive(Debug)]
+pub struct DeviceCopyPlan {
+    pairs: Option<CudaSlice<u32>>,
+    copies: usize,
+    /// One past the largest block id it names.
+    blocks_needed: usize,
+}
+
+impl DeviceCopyPlan {
+    /// Copies in the plan.
+    pub fn len(&self) -> usize {
+        self.copies
+    }
+
+    /// Whether the plan copies nothing.
+    pub fn is_empty(&self) -> bool {
+        self.copies == 0
+    }
+}
+
+impl CudaStorage {
+    /// Validates `plan` (as [`Storage::copy_blocks`] does) and uploads its pairs on the
+    /// compute stream.
+    ///
+    /// # Errors
+    /// As [`Storage::copy_blocks`]; [`Error::TooLong`] past `i32::MAX` copies.
+    pub fn upload_copy_plan(&self, plan: &CopyPlan) -> Result<DeviceCopyPlan> {
+        validate_copy_plan(plan, self.num_blocks)?;
+        if plan.len() > i32::MAX as usize {
+            return Err(Error::TooLong {
+                tokens: plan.len(),
+                limit: i32::MAX as usize,
+            });
+        }
+        if plan.is_empty() {
+            return Ok(DeviceCopyPlan {
+                pairs: None,
+                copies: 0,
+                blocks_needed: 0,
+            });
+        }
+        let pairs: Vec<u32> = plan
+            .copies()
+            .iter()
+            .flat_map(|c| [c.src.0, c.dst.0])
+            .collect();
+        let blocks_needed = pairs.iter().map(|&b| b as usize + 1).max().unwrap_or(0);
+        Ok(DeviceCopyPlan {
+            pairs: Some(self.htod(&pairs)?),
+            copies: plan.len(),
+            blocks_needed,
+        })
+    }
+
+    /// Launches an uploaded copy plan: one `copy_blocks` kernel over every layer, after
+    /// the layers' last swaps. No host work beyond the launch.
+    ///
+    /// # Errors
+    /// [`Error::BlockOutOfRange`] when the arena shrank below the plan since it was
+    /// uploaded; [`Error::Cuda`].
+    pub fn copy_blocks_uploaded(&mut self, plan: &DeviceCopyPlan) -> Result<()> {
+        let Some(d_pairs) = &plan.pairs else {
+            return Ok(());
+        };
+        if plan.blocks_needed > self.num_blocks {
+            return Err(Error::BlockOutOfRange {
+                block: BlockId(plan.blocks_needed as u32 - 1),
+                num_blocks: self.num_blocks,
+            });
+        }
+        for layer in 0..self.layout.num_layers() {
+            self.wait_layer(layer)?;
+        }
+        let block_bytes = self.layout.block_bytes_per_layer() as u64;
+        let cfg = LaunchConfig {
+            grid_dim: (plan.copies as u32, self.layout.num_layers() as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.compute.launch_builder(&self.kernels.copy_blocks);
+        b.arg(&self.layer_bases).arg(d_pairs).arg(&block_bytes);
+        // SAFETY: arguments match `copy_blocks` in kernels/cache_ops.cu. Bounds: the
+        // grid is (plan length, layers); `d_pairs` holds 2 ids per copy and
+        // `layer_bases` one address per layer; every id was checked below `num_blocks`
+        // at upload and is still below it (checked above), and each region maps at
+        // least `num_blocks * block_bytes` bytes, so reads and writes stay inside the
+        // regions; no destination is a source, so CTAs never touch each other's bytes.
+        unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel(copy_blocks)"))?;
+        Ok(())
+    }
+}
+
 /// Allocation properties (pinned device memory on `device`) and read-write access
 /// for that device, as the VMM calls take them.
 fn vmm_props(device: usize) -> (sys::CUmemAllocationProp, sys::CUmemAccessDesc) {
@@ -975,41 +1266,8 @@ impl Storage for CudaStorage {
     }
 
     fn copy_blocks(&mut self, plan: &CopyPlan) -> Result<()> {
-        validate_copy_plan(plan, self.num_blocks)?;
-        if plan.is_empty() {
-            return Ok(());
-        }
-        if plan.len() > i32::MAX as usize {
-            return Err(Error::TooLong {
-                tokens: plan.len(),
-                limit: i32::MAX as usize,
-            });
-        }
-        let pairs: Vec<u32> = plan
-            .copies()
-            .iter()
-            .flat_map(|c| [c.src.0, c.dst.0])
-            .collect();
-        let d_pairs = self.htod(&pairs)?;
-        for layer in 0..self.layout.num_layers() {
-            self.wait_layer(layer)?;
-        }
-        let block_bytes = self.layout.block_bytes_per_layer() as u64;
-        let cfg = LaunchConfig {
-            grid_dim: (plan.len() as u32, self.layout.num_layers() as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.compute.launch_builder(&self.kernels.copy_blocks);
-        b.arg(&self.layer_bases).arg(&d_pairs).arg(&block_bytes);
-        // SAFETY: arguments match `copy_blocks` in kernels/cache_ops.cu. Bounds: the
-        // grid is (plan length, layers); `d_pairs` holds 2 ids per copy and
-        // `layer_bases` one address per layer; every id was checked below `num_blocks`
-        // and each region maps at least `num_blocks * block_bytes` bytes, so reads and
-        // writes stay inside the regions; no destination is a source, so CTAs never
-        // touch each other's bytes.
-        unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel(copy_blocks)"))?;
-        Ok(())
+        let uploaded = self.upload_copy_plan(plan)?;
+        self.copy_blocks_uploaded(&uploaded)
     }
 
     fn write_slots(&mut self, layer: usize, slots: &[Slot], k: &[u8], v: &[u8]) -> Result<()> {
@@ -1087,6 +1345,10 @@ impl Storage for CudaStorage {
         self.enqueue_swap(plan, 0..self.layout.num_layers())
     }
 
+    fn swap_fence(&self) -> Result<SwapFence> {
+        Ok(self.fences.latest().cloned().unwrap_or_default())
+    }
+
     fn swap_layer(&mut self, layer: usize, plan: &SwapPlan) -> Result<()> {
         CudaStorage::swap_layer(self, layer, plan)
     }
@@ -1122,7 +1384,7 @@ impl Storage for CudaStorage {
             for i in 0..self.regions.len() {
                 if let Err(e) = self.regions[i].grow_to(new_bytes, &prop, &access) {
                     for (r, &keep) in self.regions.iter_mut().zip(&before) {
-                        r.shrink_to_chunks(keep);
+                        r.release_past(keep);
                     }
                     return Err(e);
                 }
@@ -1131,8 +1393,7 @@ impl Storage for CudaStorage {
             self.sync_compute()?;
         } else {
             for r in &mut self.regions {
-                let keep = new_bytes.div_ceil(r.chunk_bytes);
-                r.shrink_to_chunks(keep);
+                r.shrink_to(new_bytes);
             }
         }
         self.num_blocks = num_blocks;

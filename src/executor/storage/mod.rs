@@ -9,10 +9,13 @@
 mod copy;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod fence;
 mod host;
+pub(crate) mod vmm_plan;
 
 #[cfg(feature = "cuda")]
-pub use cuda::{ArenaSize, CudaStorage, CudaStorageConfig};
+pub use cuda::{ArenaSize, CudaStorage, CudaStorageConfig, DeviceCopyPlan};
+pub use fence::{FenceEvent, SwapFence};
 pub use host::HostStorage;
 
 use crate::error::{Error, Result};
@@ -86,6 +89,19 @@ pub trait Storage {
     fn swap_layer(&mut self, layer: usize, plan: &SwapPlan) -> Result<()> {
         let _ = (layer, plan);
         Err(Error::Unsupported("per-layer swap".into()))
+    }
+
+    /// The completion point of every swap this storage has enqueued so far: complete
+    /// once their copies have landed. [`Self::swap`] and [`Self::swap_layer`] may
+    /// return before the bytes move (`CudaStorage` only enqueues them); a reader of the
+    /// moved blocks waits for this fence first (or, on a GPU, makes its stream wait on
+    /// it). The [`crate::TransferEngine`] takes one after every layer it enqueues.
+    ///
+    /// # Errors
+    /// Backend failures. The default, for storages whose swaps finish before they
+    /// return, is [`SwapFence::complete`].
+    fn swap_fence(&self) -> Result<SwapFence> {
+        Ok(SwapFence::complete())
     }
 
     /// Copies one host-tier block, every layer one after the other
@@ -204,6 +220,7 @@ macro_rules! delegate_storage {
     (@check num_host_blocks $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
     (@check swap $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
     (@check swap_layer $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check swap_fence $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
     (@check read_host_block $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
     (@check write_host_block $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
     (@check resize $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
@@ -228,6 +245,7 @@ macro_rules! delegate_storage {
     (@one $f:tt num_host_blocks [num_host_blocks $($r:ident)*]) => {};
     (@one $f:tt swap [swap $($r:ident)*]) => {};
     (@one $f:tt swap_layer [swap_layer $($r:ident)*]) => {};
+    (@one $f:tt swap_fence [swap_fence $($r:ident)*]) => {};
     (@one $f:tt read_host_block [read_host_block $($r:ident)*]) => {};
     (@one $f:tt write_host_block [write_host_block $($r:ident)*]) => {};
     (@one $f:tt resize [resize $($r:ident)*]) => {};
@@ -299,6 +317,11 @@ macro_rules! delegate_storage {
             $crate::executor::storage::Storage::swap_layer(&mut self.$f, layer, plan)
         }
     };
+    (@fwd $f:tt swap_fence) => {
+        fn swap_fence(&self) -> $crate::error::Result<$crate::executor::storage::SwapFence> {
+            $crate::executor::storage::Storage::swap_fence(&self.$f)
+        }
+    };
     (@fwd $f:tt read_host_block) => {
         fn read_host_block(
             &self,
@@ -334,7 +357,7 @@ macro_rules! delegate_storage {
             $crate::delegate_storage!(
                 @each $field [$($($skip)*)?]
                 layout num_blocks copy_blocks write_slots read_tokens num_host_blocks
-                swap swap_layer read_host_block write_host_block resize
+                swap swap_layer swap_fence read_host_block write_host_block resize
             );
         }
     };

@@ -1,0 +1,126 @@
+//! The CUDA paged prefill kernel (`kernels/paged_prefill.cu`) against the `f64`
+//! reference `paged_prefill_reference`, on the same random non-zero K/V: chunked
+//! prefill over a cached prefix, whole prompts, single-token chunks, GQA, f16/bf16/fp8,
+//! sliding windows and ALiBi. Outputs are poisoned with NaN before the launch. Skips
+//! with a visible line without a GPU (and fails then under `PAGEDKV_REQUIRE_GPU=1`).
+#![cfg(feature = "cuda")]
+
+mod cuda_common;
+
+use cuda_common::{skip, storage_or_skip, Rng};
+use pagedkv::attention::cuda_prefill::CudaPrefill;
+use pagedkv::attention::reference::paged_prefill_reference;
+use pagedkv::attention::AttentionParams;
+use pagedkv::executor::storage::CudaStorageConfig;
+use pagedkv::{DType, Error, HostStorage, KvLayout, ModelShape, PaddedTables, Slot, Storage};
+
+fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+#[test]
+fn prefill_matches_the_f64_reference() {
+    let test = "prefill_matches_the_f64_reference";
+    // (cached prefix + chunk) contexts and chunk lengths: a chunk after a long prefix,
+    // a whole prompt, a decode-like single token, an empty chunk, one past tile bounds.
+    let ctxs = [700usize, 129, 40, 33, 300];
+    let qlens = [100usize, 129, 1, 0, 37];
+    for dtype in [DType::F16, DType::BF16, DType::Fp8E4M3] {
+        for (head_dim, group) in [(128, 8), (64, 1), (128, 4)] {
+            let kv_heads = 2;
+            let shape = ModelShape {
+                num_layers: 1,
+                num_q_heads: kv_heads * group,
+                num_kv_heads: kv_heads,
+                head_dim,
+                kv_dtype: dtype,
+            };
+            let layout = KvLayout::new(shape, 16).unwrap();
+            let bs = layout.block_size();
+            let needed: usize = ctxs.iter().map(|c| c.div_ceil(bs)).sum();
+            let num_blocks = needed + 5;
+            let name = format!("{test} ({dtype} d{head_dim} g{group})");
+            let Some(mut gpu) =
+                storage_or_skip(&name, layout, CudaStorageConfig::blocks(num_blocks))
+            else {
+                return;
+            };
+            let prefill = match CudaPrefill::new(&gpu) {
+                Ok(p) => p,
+                Err(Error::CudaUnavailable(why)) => {
+                    skip(&name, &why);
+                    return;
+                }
+                Err(e) => panic!("{name}: {e}"),
+            };
+            let mut host = HostStorage::new(layout, num_blocks).unwrap();
+            let mut rng = Rng(0x5eed ^ head_dim as u64 ^ ((group as u64) << 8));
+            // Random non-zero cache contents (fp8 through the CPU encoder's scale).
+            let slots: Vec<Slot> = (0..(num_blocks * bs) as u64).map(Slot).collect();
+            let n = slots.len() * kv_heads * head_dim;
+            let k: Vec<f32> = (0..n).map(|_| rng.f32() * 2.0).collect();
+            let v: Vec<f32> = (0..n).map(|_| rng.f32() * 2.0).collect();
+            let kb = cuda_common::encode(dtype, &k, 1.0);
+            let vb = cuda_common::encode(dtype, &v, 1.0);
+            gpu.write_slots(0, &slots, &kb, &vb).unwrap();
+            host.write_slots(0, &slots, &kb, &vb).unwrap();
+            // Tables over shuffled blocks.
+            let mut order: Vec<u32> = (0..num_blocks as u32).collect();
+            rng.shuffle(&mut order);
+            let max_blocks = ctxs.iter().map(|c| c.div_ceil(bs)).max().unwrap();
+            let mut tables = vec![0u32; ctxs.len() * max_blocks];
+            let mut next = 0;
+            for (i, c) in ctxs.iter().enumerate() {
+                for j in 0..c.div_ceil(bs) {
+                    tables[i * max_blocks + j] = order[next];
+                    next += 1;
+                }
+            }
+            let tables = PaddedTables {
+                tables,
+                context_lens: ctxs.iter().map(|&c| c as u32).collect(),
+                batch: ctxs.len(),
+                max_blocks,
+            };
+            let mut qsl = vec![0usize];
+            for q in qlens {
+                qsl.push(qsl.last().unwrap() + q);
+            }
+            let q: Vec<f32> = (0..qsl[ctxs.len()] * shape.num_q_heads * head_dim)
+                .map(|_| rng.f32())
+                .collect();
+            for (window, alibi) in [(None, false), (Some(64), true)] {
+                let mut params = AttentionParams::new(head_dim);
+                params.sliding_window = window;
+                params.alibi_slopes =
+                    alibi.then(|| pagedkv::attention::alibi_slopes(shape.num_q_heads));
+                if dtype == DType::Fp8E4M3 {
+                    params.k_scale = 0.5;
+                    params.v_scale = 1.5;
+                }
+                let want = paged_prefill_reference(&host, 0, &q, &qsl, &tables, &params).unwrap();
+                let (out, lse) = prefill
+                    .prefill_host(&gpu, 0, &q, &qsl, &tables, &params)
+                    .unwrap();
+                assert!(
+                    out.iter().all(|x| x.is_finite()),
+                    "{name}: unwritten output"
+                );
+                let e = rel_err(&out, &want.out);
+                // f32 accumulation over exactly decoded K/V: far under 1e-4.
+                assert!(
+                    e < 1e-4,
+                    "{name} window {window:?} alibi {alibi}: rel err {e}"
+                );
+                for (a, b) in lse.iter().zip(&want.lse) {
+                    assert!(
+                        (*a as f64 - b).abs() <= 1e-3 * b.abs().max(1.0),
+                        "{name}: lse {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
