@@ -482,6 +482,7 @@ fn ids_that_arrive_late_resume_registration() {
             .unwrap(),
         8
     );
+    assert!(kv.is_registering(SeqId(1)).unwrap());
     // Ids after a gap of unknown ones are refused and change nothing.
     assert!(matches!(
         kv.add_token_ids(SeqId(1), 10, &[1]),

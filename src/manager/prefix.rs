@@ -463,6 +463,16 @@ impl KvCacheManager {
             .map(|_| ())
     }
 
+    /// Whether `seq` still registers its full computed blocks in the prefix cache.
+    /// Registration stops for good after a duplicate block (its content was already
+    /// registered elsewhere) or a swap-in; [`Self::add_token_ids`] is refused then.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is swapped out.
+    pub fn is_registering(&self, seq: SeqId) -> Result<bool> {
+        Ok(!self.seq(seq)?.registration_stopped)
+    }
+
     /// Records the token ids of positions `first..first + ids.len()` of `seq` that
     /// were not known when their slots were handed out (asynchronous scheduling samples
     /// ids after the step is launched; a plain [`Self::append`] gives none; a
