@@ -209,7 +209,7 @@ impl CacheBuilder {
         kv.prefix = PrefixIndex::new(self.config.num_blocks, self.layout.block_size(), prefix)?;
         kv.tiers = Tiers::new(self.tiers)?;
         if self.sliding_window == Some(0) {
-            return Err(crate::Error::config(
+            return Err(crate::error::Error::config(
                 "sliding_window",
                 "a window of 0 tokens",
             ));
