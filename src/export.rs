@@ -568,6 +568,11 @@ pub fn export_sequence<S: Storage + ?Sized>(
 ) -> Result<usize> {
     check_storage(manager, storage)?;
     let (table, computed) = manager.readable_blocks(seq)?;
+    if table.first() == Some(&BlockId::RELEASED) {
+        return Err(Error::Unsupported(format!(
+            "export of {seq}: its sliding window gave its first blocks back"
+        )));
+    }
     export_blocks(storage, table, computed, token_ids, out)
 }
 

@@ -26,6 +26,12 @@ id_type!(
 );
 
 impl BlockId {
+    /// The table entry of a block a sliding-window sequence gave back: its tokens fell
+    /// out of the window, so no kernel reads it (`u32::MAX`, outside every arena). Only
+    /// a table's leading entries are ever `RELEASED`; validation accepts them only
+    /// before the first token a query reads.
+    pub const RELEASED: BlockId = BlockId(u32::MAX);
+
     /// The id as an index.
     #[inline]
     pub const fn index(self) -> usize {

@@ -1153,7 +1153,7 @@ impl PlanInput {
         let kv_budget = usable.saturating_sub(weights_and_reserve);
         let block_bytes = layout.block_bytes() as u64;
         let num_blocks = kv_budget / block_bytes;
-        let blocks_per_request = layout.blocks_for_tokens(self.context_tokens) as u64;
+        let blocks_per_request = self.blocks_per_request(&layout);
         let max_concurrency = num_blocks / blocks_per_request;
         let needed_blocks = blocks_per_request
             .checked_mul(self.concurrency as u64)
@@ -1218,6 +1218,24 @@ impl PlanInput {
         })
     }
 
+    /// Whole-model blocks one request of `context_tokens` holds. Full-attention layers
+    /// hold the whole context; sliding-window layers (a manager with
+    /// `CacheBuilder::sliding_window`) at most `ceil(window / block_size) + 1` blocks:
+    /// KV bytes = layer block bytes x (full layers x blocks(context) + window layers x
+    /// min(blocks(context), ceil(window / block_size) + 1)), rounded up to whole-model
+    /// blocks.
+    fn blocks_per_request(&self, layout: &KvLayout) -> u64 {
+        let full = layout.blocks_for_tokens(self.context_tokens) as u64;
+        let layers = layout.num_layers() as u64;
+        let (windowed, window) = window_layers(&self.model.config.arch, layout.num_layers());
+        if windowed == 0 || layers == 0 {
+            return full;
+        }
+        let windowed = windowed as u64;
+        let in_window = full.min(window.div_ceil(self.block_size) as u64 + 1);
+        ((layers - windowed) * full + windowed * in_window).div_ceil(layers)
+    }
+
     /// What the plan assumed or left out, in words, for the output.
     fn notes(&self) -> Vec<String> {
         let spec = &self.model;
@@ -1261,18 +1279,10 @@ impl PlanInput {
             }
         }
         if let Some(w) = arch.sliding_window {
-            let windowed = arch
-                .layer_types
-                .iter()
-                .filter(|t| *t == "sliding_attention")
-                .count();
-            let layers = if arch.layer_types.is_empty() {
-                "every layer".to_string()
-            } else {
-                format!("{windowed} of {} layers", arch.layer_types.len())
-            };
+            let total = spec.config.shape.num_layers;
+            let (windowed, _) = window_layers(arch, total);
             notes.push(format!(
-                "sliding window of {w} tokens on {layers}: KV sized for the full context on every layer (an overestimate)"
+                "sliding window of {w} tokens on {windowed} of {total} layers: those layers sized for at most ceil({w} / block) + 1 blocks per request (a manager with sliding_window frees the rest)"
             ));
         }
         if arch.mtp_layers > 0 {
@@ -1801,4 +1811,25 @@ impl fmt::Display for Plan {
             }
         }
     }
+}
+
+/// Sliding-window layers of `arch` out of `num_layers`, and the window: the
+/// `sliding_attention` entries of `layer_types` when the config lists them; Gemma-2
+/// (whose configs do not) alternates, local on even layers (`ceil(n / 2)`); any other
+/// model with a `sliding_window` applies it on every layer (Mistral-7B-v0.1).
+pub fn window_layers(arch: &crate::layout::shape::ModelArch, num_layers: usize) -> (usize, usize) {
+    let Some(w) = arch.sliding_window else {
+        return (0, 0);
+    };
+    let n = if !arch.layer_types.is_empty() {
+        arch.layer_types
+            .iter()
+            .filter(|t| *t == "sliding_attention")
+            .count()
+    } else if arch.model_type.as_deref() == Some("gemma2") {
+        num_layers.div_ceil(2)
+    } else {
+        num_layers
+    };
+    (n.min(num_layers), w)
 }

@@ -968,3 +968,29 @@ fn deepseek_v2_lite_plan_by_hand() {
     i.concurrency = 43;
     assert!(i.plan().unwrap().verdict.fits());
 }
+
+#[test]
+fn gemma2_9b_sizes_window_layers_by_their_window() {
+    // Gemma-2-9B: 42 layers alternating local (window 4,096, even layers) and global;
+    // 8 KV heads of 256 in bf16: 2 x 42 x 8 x 256 x 2 B = 344,064 B a token.
+    let mut i = PlanInput::new(data("gemma-2-9b.json"), 80 * GIB);
+    i.context_tokens = 8192;
+    i.concurrency = 1;
+    let plan = i.plan().unwrap();
+    assert_eq!(plan.kv_bytes_per_token, 344_064);
+    assert_eq!(plan.block_bytes, 344_064 * 16);
+    // 8,192 tokens = 512 blocks on the 21 global layers; the 21 local layers hold at
+    // most ceil(4096 / 16) + 1 = 257: (21 x 512 + 21 x 257) / 42 = 384.5 -> 385
+    // whole-model blocks (every layer full: 512).
+    assert_eq!(plan.blocks_per_request, 385);
+    assert_eq!(plan.max_concurrency, plan.num_blocks / 385);
+    assert!(plan.notes.iter().any(|n| n.contains("21 of 42 layers")));
+    // Below the window nothing is saved: 2,048 tokens = 128 blocks on every layer.
+    i.context_tokens = 2048;
+    assert_eq!(i.plan().unwrap().blocks_per_request, 128);
+    // Without the window every layer holds the whole context.
+    let mut full = i.clone();
+    full.model.config.arch.sliding_window = None;
+    full.context_tokens = 8192;
+    assert_eq!(full.plan().unwrap().blocks_per_request, 512);
+}

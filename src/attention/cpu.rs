@@ -888,7 +888,7 @@ pub fn paged_decode_split(
     lse: Option<&mut [f32]>,
 ) -> Result<()> {
     let layout = storage.layout();
-    let batch = check_paged(layout, storage.num_blocks(), layer, tables, params)?;
+    let batch = check_paged(layout, storage.num_blocks(), layer, tables, params, None)?;
     check_decode_q(layout, batch, q.len())?;
     check_split(split_tokens)?;
     let s = layout.shape();
@@ -941,7 +941,14 @@ pub fn paged_prefill(
     lse: Option<&mut [f32]>,
 ) -> Result<()> {
     let layout = storage.layout();
-    check_paged(layout, storage.num_blocks(), layer, tables, params)?;
+    check_paged(
+        layout,
+        storage.num_blocks(),
+        layer,
+        tables,
+        params,
+        Some(query_start_loc),
+    )?;
     let tokens = check_prefill_q(layout, tables, query_start_loc, q.len())?;
     let split = split_tokens.unwrap_or(usize::MAX);
     check_split(split)?;

@@ -99,7 +99,14 @@ pub fn validate_prefill(
     tables: &PaddedTables,
     params: &AttentionParams,
 ) -> Result<PrefillShape> {
-    let batch = check_paged(layout, num_blocks, layer, tables, params)?;
+    let batch = check_paged(
+        layout,
+        num_blocks,
+        layer,
+        tables,
+        params,
+        Some(query_start_loc),
+    )?;
     let tokens = check_prefill_q(layout, tables, query_start_loc, q_len)?;
     if tokens > u32::MAX as usize {
         return Err(Error::TooLong {

@@ -187,6 +187,7 @@ pub(crate) fn check_paged(
     layer: usize,
     tables: &PaddedTables,
     params: &AttentionParams,
+    query_start_loc: Option<&[usize]>,
 ) -> Result<usize> {
     layout.shape().validate()?;
     if layout.is_latent() {
@@ -202,8 +203,15 @@ pub(crate) fn check_paged(
         });
     }
     params.validate(layout.shape().num_q_heads)?;
-    // The same table checks that guard kernel launches.
-    crate::tables::validate_tables(layout, num_blocks, tables)?;
+    // The same table checks that guard kernel launches; holes a sliding window left
+    // are accepted only before the window of each row's first query.
+    crate::tables::validate_tables_window(
+        layout,
+        num_blocks,
+        tables,
+        params.sliding_window,
+        query_start_loc,
+    )?;
     Ok(tables.batch)
 }
 

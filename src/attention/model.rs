@@ -436,7 +436,14 @@ impl TinyModel {
     ) -> Result<()> {
         self.check_storage(storage)?;
         let layout = *storage.layout();
-        check_paged(&layout, storage.num_blocks(), 0, tables, &self.params)?;
+        check_paged(
+            &layout,
+            storage.num_blocks(),
+            0,
+            tables,
+            &self.params,
+            Some(query_start_loc),
+        )?;
         let (h, d) = (self.hidden, self.shape.head_dim);
         let (qd, kvd) = (self.shape.num_q_heads * d, self.shape.num_kv_heads * d);
         let tokens = super::check_prefill_q(

@@ -29,7 +29,7 @@ pub fn paged_decode_reference(
     params: &AttentionParams,
 ) -> Result<DecodeOutput> {
     let layout = storage.layout();
-    let batch = check_paged(layout, storage.num_blocks(), layer, tables, params)?;
+    let batch = check_paged(layout, storage.num_blocks(), layer, tables, params, None)?;
     check_decode_q(layout, batch, q.len())?;
     let s = layout.shape();
     let (qh, d) = (s.num_q_heads, s.head_dim);
@@ -84,7 +84,14 @@ pub fn paged_prefill_reference(
     params: &AttentionParams,
 ) -> Result<DecodeOutput> {
     let layout = storage.layout();
-    let batch = check_paged(layout, storage.num_blocks(), layer, tables, params)?;
+    let batch = check_paged(
+        layout,
+        storage.num_blocks(),
+        layer,
+        tables,
+        params,
+        Some(query_start_loc),
+    )?;
     let tokens = check_prefill_q(layout, tables, query_start_loc, q.len())?;
     let s = layout.shape();
     let (qh, d) = (s.num_q_heads, s.head_dim);

@@ -43,6 +43,7 @@ pub struct CacheBuilder {
     record_events: Option<bool>,
     event_channel: Option<crossbeam_channel::Sender<PrefixEvent>>,
     max_pinned_blocks: Option<usize>,
+    sliding_window: Option<usize>,
 }
 
 impl KvCacheManager {
@@ -60,6 +61,7 @@ impl KvCacheManager {
             record_events: None,
             event_channel: None,
             max_pinned_blocks: None,
+            sliding_window: None,
         }
     }
 }
@@ -142,12 +144,49 @@ impl CacheBuilder {
         self
     }
 
+    /// A sliding window of `tokens` for every layer of this manager (one KV-cache
+    /// group of window layers): as a sequence's computed tokens advance, each block
+    /// entirely before the window of its next query (the query at position `p` reads
+    /// `p + 1 - tokens ..= p`) goes back to the pool and its table entry becomes
+    /// [`crate::ids::BlockId::RELEASED`]. A decoding sequence then holds at most
+    /// `ceil(tokens / block_size) + 1` blocks.
+    ///
+    /// What a window manager does not do: serve or register prefix-cache hits (a hit
+    /// would need the blocks before the window, which are gone, and a released
+    /// registered block would leave a cached parent above live children), swap out a
+    /// sequence that has released blocks (preemption recomputes it instead), export
+    /// such a sequence, or truncate it below its window.
+    ///
+    /// ```
+    /// use pagedkv::{CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::F16 };
+    /// let mut kv = KvCacheManager::builder(KvLayout::new(shape, 16)?)
+    ///     .num_blocks(64)
+    ///     .sliding_window(64)
+    ///     .build()?;
+    /// let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
+    /// kv.admit(SeqId(1), 300, &mut slots)?;
+    /// for _ in 0..20 {
+    ///     kv.append(SeqId(1), 1, &mut slots, &mut copies)?;
+    /// }
+    /// // 320 tokens: 20 blocks without the window; the last query (position 319)
+    /// // reads 256..=319, 4 blocks.
+    /// assert_eq!(kv.stats().used_blocks, 4);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    pub fn sliding_window(mut self, tokens: usize) -> Self {
+        self.sliding_window = Some(tokens);
+        self
+    }
+
     /// The manager.
     ///
     /// # Errors
     /// [`crate::Error::InvalidConfig`] for an empty arena, a watermark not below it, a
-    /// `max_num_blocks` below it, pins past the arena, or tiers past the `u32` id
-    /// space.
+    /// `max_num_blocks` below it, pins past the arena, tiers past the `u32` id
+    /// space, or a sliding window of 0 tokens.
     pub fn build(self) -> Result<KvCacheManager> {
         let mut kv = KvCacheManager::new(self.layout, self.config)?;
         let mut prefix = self
@@ -170,6 +209,13 @@ impl CacheBuilder {
         }
         kv.prefix = PrefixIndex::new(self.config.num_blocks, self.layout.block_size(), prefix)?;
         kv.tiers = Tiers::new(self.tiers)?;
+        if self.sliding_window == Some(0) {
+            return Err(crate::error::Error::config(
+                "sliding_window",
+                "a window of 0 tokens",
+            ));
+        }
+        kv.window = self.sliding_window;
         Ok(kv)
     }
 }

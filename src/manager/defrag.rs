@@ -262,11 +262,11 @@ impl KvCacheManager {
 
         let (mut tables, mut runs_total, mut runs_max) = (0usize, 0usize, 0usize);
         for s in self.seqs.values() {
-            if s.table.is_empty() {
+            let live = &s.table[s.released..];
+            if live.is_empty() {
                 continue;
             }
-            let runs = 1 + s
-                .table
+            let runs = 1 + live
                 .windows(2)
                 .filter(|w| w[0].0.checked_add(1) != Some(w[1].0))
                 .count();
@@ -537,7 +537,8 @@ impl KvCacheManager {
             move_map[(m.src.0 - base) as usize] = m.dst.0;
         }
         for table in self.device_tables_mut() {
-            for b in table.iter_mut() {
+            // `BlockId::RELEASED` holes are never in the move range.
+            for b in table.iter_mut().filter(|b| **b != BlockId::RELEASED) {
                 if let Some(&dst) = b.0.checked_sub(base).and_then(|i| move_map.get(i as usize)) {
                     if dst != u32::MAX {
                         b.0 = dst;

@@ -121,7 +121,12 @@ pub(crate) type SeqMap<V> = HashMap<SeqId, V, BuildHasherDefault<SeqIdHasher>>;
 /// slots (allocated, never context). The table covers exactly `num_tokens`.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Sequence {
+    /// One entry per block of `num_tokens`; the first `released` are
+    /// [`BlockId::RELEASED`] (given back by a sliding window).
     pub(crate) table: Vec<BlockId>,
+    /// Leading table entries given back because every token in them fell out of the
+    /// sliding window (always 0 without one). Holes are only ever a prefix.
+    pub(crate) released: usize,
     /// Allocated token slots.
     pub(crate) num_tokens: usize,
     /// Tokens whose K/V the engine reported written ([`KvCacheManager::commit`]).
@@ -221,6 +226,9 @@ pub struct KvCacheManager {
     pub(crate) tiers: swap::Tiers,
     /// Cumulative defragmentation counters.
     pub(crate) defrag_counters: defrag::DefragCounters,
+    /// Sliding window in tokens: blocks entirely before the window of a sequence's
+    /// next query are given back (see [`CacheBuilder::sliding_window`]).
+    pub(crate) window: Option<usize>,
 }
 
 impl KvCacheManager {
@@ -270,6 +278,7 @@ impl KvCacheManager {
             )?,
             tiers: swap::Tiers::new(TierConfig::default())?,
             defrag_counters: defrag::DefragCounters::default(),
+            window: None,
         })
     }
 
@@ -482,6 +491,8 @@ impl KvCacheManager {
         s.computed = num_tokens;
         self.seqs.insert(seq, s)?;
         self.note_usage();
+        // Nothing leaves the window here: the prompt's own queries, computed in the
+        // step after this call, read it from position 0.
         Ok(())
     }
 
@@ -580,7 +591,11 @@ impl KvCacheManager {
         let s = self.seqs.at_mut(h).ok_or(Error::StaleHandle(h))?;
         s.computed += n;
         s.scheduled = 0;
-        Ok(prefix::extend_chain_in(&mut self.prefix, bs, s))
+        let computed = s.computed;
+        let registered = prefix::extend_chain_in(&mut self.prefix, bs, s);
+        // The step is computed: the next query sits at `computed`.
+        self.release_out_of_window(h, computed)?;
+        Ok(registered)
     }
 
     /// Blocks [`Self::reserve`]`(seq, n, lookahead, ..)` would take from the pool now
@@ -746,12 +761,74 @@ impl KvCacheManager {
         if let Some(ids) = tokens {
             prefix::record_ids(s, ids, bs);
         }
+        // This step's first query: the engine computes the step after this call.
+        let first_query = s.computed;
         if commit_now {
             s.computed += n;
         } else {
             s.scheduled = n;
         }
-        Ok(prefix::extend_chain_in(prefix, bs, s))
+        let registered = prefix::extend_chain_in(prefix, bs, s);
+        if self.window.is_some() {
+            self.release_out_of_window(h, first_query)?;
+        }
+        Ok(registered)
+    }
+
+    /// The sliding window, in tokens (`None`: every layer attends to the whole
+    /// context and nothing is given back).
+    pub fn sliding_window(&self) -> Option<usize> {
+        self.window
+    }
+
+    /// The first table index the query at position `query` reads under the window:
+    /// it reads keys `query + 1 - window ..= query` (see
+    /// [`crate::attention::AttentionParams::window_start`]).
+    fn first_block_in_window(&self, query: usize) -> usize {
+        match self.window {
+            Some(w) => (query + 1).saturating_sub(w) / self.block_size(),
+            None => 0,
+        }
+    }
+
+    /// Gives back the blocks of sequence `h` that lie entirely before the window of
+    /// the query at position `query` (the earliest query still to be computed),
+    /// leaving [`BlockId::RELEASED`] holes. Called whenever `computed` grows: by
+    /// `commit` with the new count, by the one-call paths with the step's first
+    /// position (their step is computed after the call). O(1) amortised per token:
+    /// each block is released once.
+    fn release_out_of_window(&mut self, h: SeqHandle, query: usize) -> Result<()> {
+        let (_, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
+        let keep_from = self.first_block_in_window(query).min(s.table.len());
+        if keep_from <= s.released {
+            return Ok(());
+        }
+        // Out of its slot while blocks are released (see `replace_protected`).
+        let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
+        let mut result = Ok(());
+        for i in s.released..keep_from {
+            let b = std::mem::replace(&mut s.table[i], BlockId::RELEASED);
+            if let Err(e) = self.release_block(b) {
+                result = result.and(Err(e));
+            }
+        }
+        s.released = keep_from;
+        self.seqs.put(h, s);
+        result
+    }
+
+    /// Fails when a truncation of `s` to `new_len` would leave its next query with
+    /// keys in blocks the window already gave back.
+    fn check_truncate_window(&self, seq: SeqId, s: &Sequence, new_len: usize) -> Result<()> {
+        let computed = s.computed.min(new_len);
+        if s.released > 0 && self.first_block_in_window(computed) < s.released {
+            return Err(Error::SequenceState {
+                seq,
+                state: "holding no blocks for the window of that length (given back)",
+                needed: "a length whose window starts after the released blocks",
+            });
+        }
+        Ok(())
     }
 
     /// Copy-on-write before a reservation up to `target`: every block from the first
@@ -829,6 +906,7 @@ impl KvCacheManager {
                 len: s.num_tokens,
             });
         }
+        self.check_truncate_window(seq, s, new_len)?;
         let h = self.handle(seq)?;
         // Out of its slot while blocks are released (see `replace_protected`).
         let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
@@ -873,7 +951,7 @@ impl KvCacheManager {
         }
         let c = p.clone();
         self.seqs.reserve_room(1)?;
-        self.pool.incref_all(&c.table)?;
+        self.pool.incref_all(&c.table[c.released..])?;
         self.seqs.insert(child, c)?;
         Ok(())
     }
@@ -891,7 +969,7 @@ impl KvCacheManager {
         }
         self.resident(seq)?;
         let s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
-        self.release_table(&s.table)
+        self.release_table(&s.table[s.released..])
     }
 
     /// The block table of `seq`: bookkeeping (it is there, in flight or not, while the
@@ -908,6 +986,8 @@ impl KvCacheManager {
     /// attention inputs): the blocks that hold its computed tokens and their number.
     /// A sequence is readable when it has device blocks and no swap in flight: a
     /// swap-in's bytes have not landed, a swap-out's blocks are about to be freed.
+    /// Under a sliding window the leading entries may be [`BlockId::RELEASED`]: only
+    /// blocks before the window of the next query are.
     ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is swapped out or
@@ -959,6 +1039,13 @@ impl KvCacheManager {
                 seq,
                 end: range.end,
                 len: s.num_tokens,
+            });
+        }
+        if range.start < s.released * self.block_size() && !range.is_empty() {
+            return Err(Error::SequenceState {
+                seq,
+                state: "holding no blocks for those positions (given back by the window)",
+                needed: "positions inside the sliding window",
             });
         }
         for pos in range {
@@ -1117,7 +1204,22 @@ impl KvCacheManager {
                     s.table.len()
                 ));
             }
-            for (i, &b) in s.table.iter().enumerate() {
+            if s.released > s.table.len()
+                || s.released > self.first_block_in_window(s.computed)
+                || s.table[..s.released]
+                    .iter()
+                    .any(|&b| b != BlockId::RELEASED)
+            {
+                return Err(format!(
+                    "sequence {id}: {} released blocks of {} with {} computed tokens \
+                     (window {:?})",
+                    s.released,
+                    s.table.len(),
+                    s.computed,
+                    self.window
+                ));
+            }
+            for (i, &b) in s.table.iter().enumerate().skip(s.released) {
                 match refs.get_mut(b.index()) {
                     Some(r) => *r += 1,
                     None => return Err(format!("sequence {id} points outside the arena at {b}")),

@@ -218,6 +218,11 @@ impl KvCacheManager {
             &mut hit.blocks,
         );
         hit.collision = found.collision;
+        if self.window.is_some() {
+            // A window manager serves no hits (see `CacheBuilder::sliding_window`).
+            hit.blocks.clear();
+            hit.collision = false;
+        }
         for &b in &hit.blocks {
             hit.hashes.push(self.prefix.hash_of(b).unwrap_or_default());
         }
@@ -342,18 +347,22 @@ impl KvCacheManager {
         }
         self.prefix.note_query(len, valid, hit.collision);
         let cached = valid * bs;
-        let s = Sequence {
-            table,
-            num_tokens: cached,
-            computed: cached,
-            prefix: Some(Box::new(SeqPrefix {
+        // A window manager registers nothing: its blocks leave before the sequence ends.
+        let prefix = self.window.is_none().then(|| {
+            Box::new(SeqPrefix {
                 ns,
                 keys: hit.keys.clone(),
                 priority: hit.priority,
                 chain: valid,
                 last: valid.checked_sub(1).map(|i| hit.hashes[i]),
                 ids: tokens[cached..].to_vec(),
-            })),
+            })
+        });
+        let s = Sequence {
+            table,
+            num_tokens: cached,
+            computed: cached,
+            prefix,
             admission: self.tiers.next_admission(),
             ..Sequence::default()
         };

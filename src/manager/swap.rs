@@ -515,7 +515,15 @@ impl KvCacheManager {
         check_group(seqs)?;
         let mut tables = Vec::with_capacity(seqs.len());
         for &id in seqs {
-            tables.push(&self.idle(id)?.table);
+            let s = self.idle(id)?;
+            if s.released > 0 {
+                return Err(state_error(
+                    id,
+                    "missing blocks its sliding window gave back",
+                    "whole (recompute it instead of swapping)",
+                ));
+            }
+            tables.push(&s.table);
         }
         let (distinct, index) = distinct_with_counts(tables.iter().flat_map(|t| t.iter().copied()));
         let free = self.tiers.host.num_free();
@@ -665,6 +673,8 @@ impl KvCacheManager {
                     registration_stopped: true,
                     computed: old.computed,
                     scheduled: 0,
+                    // Only whole sequences are swapped (see `swap_out_group`).
+                    released: 0,
                 },
             )?;
             saved.push((id, old));

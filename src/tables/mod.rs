@@ -5,7 +5,7 @@
 
 mod validate;
 
-pub use validate::{validate_csr, validate_tables, MAX_CONTEXT_TOKENS};
+pub use validate::{validate_csr, validate_tables, validate_tables_window, MAX_CONTEXT_TOKENS};
 
 use crate::error::{Error, Result};
 use crate::ids::SeqId;
@@ -170,11 +170,15 @@ impl KvCacheManager {
     /// for an entry naming a block that is not live.
     pub fn check_padded(&self, tables: &PaddedTables) -> Result<()> {
         // Shapes, coverage and arena bounds: the checks that guard kernel launches.
-        validate_tables(&self.layout, self.num_blocks(), tables)?;
+        // Under the manager's window, holes before a decode query's window pass.
+        validate_tables_window(&self.layout, self.num_blocks(), tables, self.window, None)?;
         for (row, &ctx) in tables.context_lens.iter().enumerate() {
             let used = self.layout.blocks_for_tokens(ctx as usize);
             for &b in &tables.row(row)[..used] {
-                self.check_live(crate::ids::BlockId(b))?;
+                let b = crate::ids::BlockId(b);
+                if b != crate::ids::BlockId::RELEASED {
+                    self.check_live(b)?;
+                }
             }
         }
         Ok(())

@@ -19,6 +19,7 @@ fn check_row(
     row: usize,
     entries: &[u32],
     context: usize,
+    first_read_block: usize,
 ) -> Result<()> {
     if context > MAX_CONTEXT_TOKENS {
         return Err(Error::TooLong {
@@ -33,10 +34,22 @@ fn check_row(
             entries.len()
         )));
     }
-    if let Some(&b) = entries[..needed]
+    // Before the window: never read, so a hole a sliding window left is fine there.
+    let before = first_read_block.min(needed);
+    if let Some(&b) = entries[..before]
+        .iter()
+        .find(|&&b| b as usize >= num_blocks && BlockId(b) != BlockId::RELEASED)
+    {
+        return Err(Error::BlockOutOfRange {
+            block: BlockId(b),
+            num_blocks,
+        });
+    }
+    if let Some(&b) = entries[before..needed]
         .iter()
         .find(|&&b| b as usize >= num_blocks)
     {
+        // A hole inside the window is outside the arena like any other id.
         return Err(Error::BlockOutOfRange {
             block: BlockId(b),
             num_blocks,
@@ -75,6 +88,40 @@ pub fn validate_tables(
     num_blocks: usize,
     tables: &PaddedTables,
 ) -> Result<usize> {
+    validate_tables_window(layout, num_blocks, tables, None, None)
+}
+
+/// [`validate_tables`] for attention under a sliding window of `window` tokens: entries
+/// of blocks entirely before the window of a row's first query are never read, so
+/// there (and only there) [`BlockId::RELEASED`] holes are accepted. A row's queries
+/// are its last tokens: one per row for decode (`query_start_loc: None`), or
+/// `query_start_loc[i + 1] - query_start_loc[i]` for prefill. Without a window it is
+/// [`validate_tables`].
+///
+/// ```
+/// use pagedkv::tables::validate_tables_window;
+/// use pagedkv::{BlockId, DType, Error, KvLayout, ModelShape, PaddedTables};
+///
+/// let shape = ModelShape { num_layers: 1, num_q_heads: 8, num_kv_heads: 2, head_dim: 64, kv_dtype: DType::F16 };
+/// let layout = KvLayout::new(shape, 16)?;
+/// // 40 tokens, window 16: the decode query at 39 reads 24..40, blocks 1 and 2.
+/// let hole = BlockId::RELEASED.0;
+/// let mut t = PaddedTables { tables: vec![hole, 4, 5], context_lens: vec![40], batch: 1, max_blocks: 3 };
+/// assert_eq!(validate_tables_window(&layout, 10, &t, Some(16), None)?, 40);
+/// t.tables = vec![3, hole, 5]; // a hole inside the window: refused
+/// assert!(validate_tables_window(&layout, 10, &t, Some(16), None).is_err());
+/// # Ok::<(), Error>(())
+/// ```
+///
+/// # Errors
+/// As [`validate_tables`]; a hole inside the window is [`Error::BlockOutOfRange`].
+pub fn validate_tables_window(
+    layout: &KvLayout,
+    num_blocks: usize,
+    tables: &PaddedTables,
+    window: Option<usize>,
+    query_start_loc: Option<&[usize]>,
+) -> Result<usize> {
     let cells = tables
         .batch
         .checked_mul(tables.max_blocks)
@@ -107,7 +154,23 @@ pub fn validate_tables(
     let mut longest = 0;
     for (i, &len) in tables.context_lens.iter().enumerate() {
         let row = &tables.tables[i * tables.max_blocks..(i + 1) * tables.max_blocks];
-        check_row(layout, num_blocks, i, row, len as usize)?;
+        let first_read = match window {
+            None => 0,
+            Some(w) => {
+                // A malformed `query_start_loc` is refused later; reading it as
+                // more queries only makes this check stricter.
+                let queries = match query_start_loc {
+                    None => 1,
+                    Some(loc) => match (loc.get(i), loc.get(i + 1)) {
+                        (Some(&a), Some(&b)) if b >= a => b - a,
+                        _ => usize::MAX,
+                    },
+                };
+                let first_query = (len as usize).saturating_sub(queries.max(1));
+                (first_query + 1).saturating_sub(w) / layout.block_size()
+            }
+        };
+        check_row(layout, num_blocks, i, row, len as usize, first_read)?;
         longest = longest.max(len as usize);
     }
     Ok(longest)
@@ -171,7 +234,14 @@ pub fn validate_csr(layout: &KvLayout, num_blocks: usize, tables: &CsrTables) ->
             }
             (n, l) => (n - 1).saturating_mul(bs).saturating_add(l),
         };
-        check_row(layout, num_blocks, i, &tables.indices[start..end], context)?;
+        check_row(
+            layout,
+            num_blocks,
+            i,
+            &tables.indices[start..end],
+            context,
+            0,
+        )?;
         longest = longest.max(context);
     }
     Ok(longest)
