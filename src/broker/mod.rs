@@ -510,19 +510,7 @@ impl<S: Storage> Broker<S> {
     ) -> Result<ModelId> {
         let name = name.into();
         let bpc = self.blocks_per_chunk(kv.layout())?;
-        if storage.layout() != kv.layout() {
-            return Err(Error::config(
-                "storage",
-                "the storage's layout differs from the manager's",
-            ));
-        }
-        if storage.num_blocks() != kv.num_blocks() {
-            return Err(Error::ShapeMismatch {
-                what: "storage blocks",
-                expected: kv.num_blocks(),
-                got: storage.num_blocks(),
-            });
-        }
+        crate::executor::check_storage(&kv, &storage)?;
         if kv.num_blocks() % bpc != 0 {
             return Err(Error::config(
                 "num_blocks",

@@ -21,7 +21,7 @@ use storage::Storage;
 use tier::DiskTier;
 
 /// Fails unless `storage` holds the manager's arena (same layout, same size).
-fn check_storage<S: Storage + ?Sized>(kv: &KvCacheManager, storage: &S) -> Result<()> {
+pub(crate) fn check_storage<S: Storage + ?Sized>(kv: &KvCacheManager, storage: &S) -> Result<()> {
     if storage.layout() != kv.layout() {
         return Err(Error::config(
             "storage",

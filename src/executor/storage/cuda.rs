@@ -897,20 +897,7 @@ impl CudaStorage {
     }
 
     fn check_host_block(&self, block: BlockId, len: usize) -> Result<()> {
-        if block.index() >= self.num_host_blocks {
-            return Err(Error::BlockOutOfRange {
-                block,
-                num_blocks: self.num_host_blocks,
-            });
-        }
-        if len != self.layout.block_bytes() {
-            return Err(Error::ShapeMismatch {
-                what: "bytes of one host-tier block (all layers)",
-                expected: self.layout.block_bytes(),
-                got: len,
-            });
-        }
-        Ok(())
+        super::check_host_block_io(&self.layout, self.num_host_blocks, block, len)
     }
 
     /// Enqueues the runs of a validated swap plan for `layers` on the transfer stream,

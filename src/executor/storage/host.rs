@@ -168,19 +168,7 @@ impl HostStorage {
     /// Checks a host-tier block id and a whole-block buffer length; returns the bytes
     /// of the block per layer.
     fn check_host_block_io(&self, block: BlockId, len: usize) -> Result<usize> {
-        if block.index() >= self.num_host_blocks {
-            return Err(Error::BlockOutOfRange {
-                block,
-                num_blocks: self.num_host_blocks,
-            });
-        }
-        if len != self.layout.block_bytes() {
-            return Err(Error::ShapeMismatch {
-                what: "bytes of one host-tier block",
-                expected: self.layout.block_bytes(),
-                got: len,
-            });
-        }
+        super::check_host_block_io(&self.layout, self.num_host_blocks, block, len)?;
         Ok(self.layout.block_bytes_per_layer())
     }
 

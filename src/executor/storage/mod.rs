@@ -432,6 +432,31 @@ pub fn auto(
     }
 }
 
+/// Checks a host-tier block id against the tier's size and a whole-block buffer length
+/// (every layer, K and V): what `read_host_block`/`write_host_block` of every backend
+/// accept.
+pub(crate) fn check_host_block_io(
+    layout: &KvLayout,
+    num_host_blocks: usize,
+    block: BlockId,
+    len: usize,
+) -> Result<()> {
+    if block.index() >= num_host_blocks {
+        return Err(Error::BlockOutOfRange {
+            block,
+            num_blocks: num_host_blocks,
+        });
+    }
+    if len != layout.block_bytes() {
+        return Err(Error::ShapeMismatch {
+            what: "bytes of one host-tier block (all layers)",
+            expected: layout.block_bytes(),
+            got: len,
+        });
+    }
+    Ok(())
+}
+
 /// Checks a swap plan against the sizes of both tiers: ids in range, no destination
 /// written twice.
 ///
