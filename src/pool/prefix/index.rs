@@ -15,13 +15,16 @@
 //! registered parent that its sequence holds, and a block with registered children is
 //! never evicted: the block a parent hash names cannot change while a child names it.
 //!
-//! Eviction candidates are cached, unpinned leaves (no registered children) in one
-//! ordered set keyed by `(priority, policy key, block)`: O(log n) per change.
+//! Eviction candidates are cached, unpinned leaves (no registered children), ordered by
+//! `(priority, policy key, block)`: in a sorted intrusive list when they arrive in order
+//! (O(1), the usual case under `LruPolicy`), in an ordered set otherwise (O(log n)); see
+//! `candidates`.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
+use super::candidates::Candidates;
 use super::{
     AdmitOptions, BlockHash, EvictionCandidate, Medium, PrefixConfig, PrefixEvent, PrefixHasher,
     PrefixStats,
@@ -122,7 +125,7 @@ pub(crate) struct PrefixIndex {
     /// `block_size` token ids per block, meaningful for registered blocks.
     tokens: Vec<u32>,
     by_hash: HashIndex,
-    candidates: BTreeSet<(i32, u64, u32)>,
+    candidates: Candidates,
     pins: HashMap<PinId, BlockHash>,
     next_pin: u64,
     pinned_blocks: usize,
@@ -156,7 +159,7 @@ impl PrefixIndex {
             registered: vec![false; num_blocks],
             tokens: vec![0; num_blocks * block_size],
             by_hash: HashIndex::default(),
-            candidates: BTreeSet::new(),
+            candidates: Candidates::new(num_blocks),
             pins: HashMap::new(),
             next_pin: 0,
             pinned_blocks: 0,
@@ -362,7 +365,7 @@ impl PrefixIndex {
             e.priority = priority;
             let (candidate, pinned) = (e.candidate.take(), e.pins > 0);
             if let Some((p, k)) = candidate {
-                self.candidates.remove(&(p, k, b.0));
+                self.candidates.remove(p, k, b.0);
             }
             if pinned {
                 self.pinned_cached -= 1;
@@ -420,7 +423,7 @@ impl PrefixIndex {
                 if let Some((p, k)) = candidate {
                     // Unreachable while parents are held by the registering sequence;
                     // kept so the candidate set never holds a non-leaf.
-                    self.candidates.remove(&(p, k, pb.0));
+                    self.candidates.remove(p, k, pb.0);
                 }
                 depth
             }
@@ -480,7 +483,7 @@ impl PrefixIndex {
         if let Some(e) = self.entry_mut(b) {
             e.candidate = Some((priority, key));
         }
-        self.candidates.insert((priority, key, b.0));
+        self.candidates.insert(priority, key, b.0);
     }
 
     /// Takes the next victim out of the index; the caller evicts it from the pool.
@@ -540,7 +543,7 @@ impl PrefixIndex {
                     self.pinned_cached += 1;
                 }
                 if let Some((p, k)) = e.candidate.take() {
-                    self.candidates.remove(&(p, k, b.0));
+                    self.candidates.remove(p, k, b.0);
                 }
             }
         }
@@ -603,8 +606,8 @@ impl PrefixIndex {
             .copy_within(src.index() * bs..src.index() * bs + bs, dst.index() * bs);
         self.by_hash.insert(e.hash, dst);
         if let Some((p, k)) = e.candidate {
-            self.candidates.remove(&(p, k, src.0));
-            self.candidates.insert((p, k, dst.0));
+            self.candidates.remove(p, k, src.0);
+            self.candidates.insert(p, k, dst.0);
         }
         self.emit(PrefixEvent::BlockRemoved {
             hash: e.hash,
@@ -656,6 +659,7 @@ impl PrefixIndex {
         }
         self.entries.resize(num_blocks, None);
         self.registered.resize(num_blocks, false);
+        self.candidates.resize(num_blocks);
         self.tokens.resize(num_blocks * self.block_size, 0);
         Ok(())
     }
@@ -822,7 +826,7 @@ impl PrefixIndex {
             let should = e.cached && e.pins == 0 && e.children == 0;
             let is = e
                 .candidate
-                .is_some_and(|(p, k)| self.candidates.contains(&(p, k, i as u32)));
+                .is_some_and(|(p, k)| self.candidates.contains(p, k, i as u32));
             if should != is {
                 return Err(format!("block #{i}: candidate {is}, should be {should}"));
             }
@@ -833,6 +837,7 @@ impl PrefixIndex {
                 self.by_hash.len()
             ));
         }
+        self.candidates.check()?;
         if candidates != self.candidates.len() {
             return Err(format!(
                 "{candidates} flagged candidates, {} in the set",

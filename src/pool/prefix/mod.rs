@@ -25,6 +25,7 @@
 //! the call that fills them returns, so an engine that drops a step it was given must
 //! not leave those blocks' K/V unwritten and then free the sequence into the cache.
 
+mod candidates;
 mod hash;
 pub(crate) mod index;
 mod policy;
