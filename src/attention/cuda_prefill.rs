@@ -71,6 +71,96 @@ impl PrefillTiles {
     }
 }
 
+/// The kernel's default `Q_TILE` and `KV_TILE` for a layout (what `PrefillSpec`
+/// compiles): 16 query rows per CTA (`16 / group` tokens, at least one), and 32 keys
+/// per shared-memory tile (16 past head dim 128). [`replay_tiling`] takes these to
+/// replay a launch as the GPU would run it.
+pub fn kernel_tile_sizes(layout: &KvLayout) -> (usize, usize) {
+    let s = layout.shape();
+    let q_tile = (16 / s.group_size().max(1)).max(1);
+    let kv_tile = if s.head_dim > 128 { 16 } else { 32 };
+    (q_tile, kv_tile)
+}
+
+/// One launch of a chunked prefill over a batch (see [`plan_chunks`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillChunk {
+    /// The batch's tables with each context cut after this chunk (the computed prefix,
+    /// earlier chunks and this one): what the kernel and the host attention take.
+    pub tables: PaddedTables,
+    /// Offsets of each sequence's queries among the chunk's packed tokens (batch + 1).
+    pub query_start_loc: Vec<usize>,
+    /// For each sequence, the positions its queries hold (`ctx - qlen .. ctx` of this
+    /// chunk's context); the caller packs the tokens (and K/V) of these positions.
+    pub positions: Vec<std::ops::Range<usize>>,
+}
+
+/// Cuts the uncomputed tail of every sequence of `tables` into launches of at most
+/// `chunk_tokens` query tokens per sequence (0: one launch with every tail whole).
+/// Sequence `i` has `computed[i]` leading tokens whose K/V is already cached (a prefix
+/// cache hit, or earlier chunks) and `tables.context_lens[i]` tokens in all. Launch `c`
+/// holds positions `computed[i] + c * chunk_tokens ..` up to the next chunk boundary or
+/// the context's end; its queries attend to the cached prefix and the earlier chunks
+/// (whose K/V the caller has written by then) and causally within the chunk. A sequence
+/// whose tail is done has no queries in the later launches. No tail at all: no launch.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] when `computed` does not have one entry per sequence;
+/// [`Error::InvalidConfig`] when a sequence has more computed tokens than its context.
+pub fn plan_chunks(
+    tables: &PaddedTables,
+    computed: &[usize],
+    chunk_tokens: usize,
+) -> Result<Vec<PrefillChunk>> {
+    if computed.len() != tables.batch || tables.context_lens.len() != tables.batch {
+        return Err(Error::ShapeMismatch {
+            what: "computed token counts (one per sequence)",
+            expected: tables.batch,
+            got: computed.len(),
+        });
+    }
+    let mut longest = 0;
+    for (i, (&c, &ctx)) in computed.iter().zip(&tables.context_lens).enumerate() {
+        if c > ctx as usize {
+            return Err(Error::config(
+                "computed",
+                format!("sequence {i} has {c} computed tokens but a context of {ctx}"),
+            ));
+        }
+        longest = longest.max(ctx as usize - c);
+    }
+    if longest == 0 {
+        return Ok(Vec::new());
+    }
+    let chunk = if chunk_tokens == 0 {
+        longest
+    } else {
+        chunk_tokens
+    };
+    let launches = longest.div_ceil(chunk);
+    let mut out = Vec::with_capacity(launches);
+    for c in 0..launches {
+        let mut t = tables.clone();
+        let mut qsl = Vec::with_capacity(tables.batch + 1);
+        qsl.push(0);
+        let mut positions = Vec::with_capacity(tables.batch);
+        for (i, &done) in computed.iter().enumerate() {
+            let ctx = tables.context_lens[i] as usize;
+            let start = (done + c * chunk).min(ctx);
+            let end = (start + chunk).min(ctx);
+            t.context_lens[i] = end as u32;
+            qsl.push(qsl[i] + end - start);
+            positions.push(start..end);
+        }
+        out.push(PrefillChunk {
+            tables: t,
+            query_start_loc: qsl,
+            positions,
+        });
+    }
+    Ok(out)
+}
+
 /// What a launch needs to know after validation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefillShape {
@@ -597,6 +687,68 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn chunks_cover_every_tail_token_once_in_order() {
+        let tables = PaddedTables {
+            tables: vec![0; 3 * 4],
+            context_lens: vec![37, 9, 20],
+            batch: 3,
+            max_blocks: 4,
+        };
+        let computed = [5, 9, 0];
+        for chunk in [0, 1, 7, 16, 40] {
+            let plan = plan_chunks(&tables, &computed, chunk).unwrap();
+            let mut next = computed.to_vec();
+            for launch in &plan {
+                for i in 0..3 {
+                    let r = &launch.positions[i];
+                    // Each launch continues where the last one stopped, ends at its
+                    // context, and counts its queries in query_start_loc.
+                    assert_eq!(r.start, next[i]);
+                    assert_eq!(r.end, launch.tables.context_lens[i] as usize);
+                    assert_eq!(
+                        launch.query_start_loc[i + 1] - launch.query_start_loc[i],
+                        r.len()
+                    );
+                    assert!(chunk == 0 || r.len() <= chunk);
+                    next[i] = r.end;
+                }
+                assert_eq!(launch.tables.tables, tables.tables);
+            }
+            let want: Vec<usize> = tables.context_lens.iter().map(|&c| c as usize).collect();
+            assert_eq!(next, want, "chunk {chunk}");
+            let longest: usize = 32; // sequence 0: 37 - 5
+            let launches = if chunk == 0 { 1 } else { longest.div_ceil(chunk) };
+            assert_eq!(plan.len(), launches, "chunk {chunk}");
+        }
+        assert!(plan_chunks(&tables, &[37, 9, 20], 4).unwrap().is_empty());
+        assert!(matches!(
+            plan_chunks(&tables, &[0, 0], 4),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        assert!(matches!(
+            plan_chunks(&tables, &[0, 10, 0], 4),
+            Err(Error::InvalidConfig { .. })
+        ));
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn tile_sizes_are_the_compiled_specs() {
+        for (head_dim, group) in [(64, 1), (64, 4), (128, 8), (128, 32), (256, 2)] {
+            let shape = ModelShape {
+                num_layers: 1,
+                num_q_heads: 2 * group,
+                num_kv_heads: 2,
+                head_dim,
+                kv_dtype: DType::BF16,
+            };
+            let layout = KvLayout::new(shape, 16).unwrap();
+            let spec = crate::executor::cuda::PrefillSpec::for_layout(&layout);
+            assert_eq!(kernel_tile_sizes(&layout), (spec.q_tile(), spec.kv_tile()));
         }
     }
 

@@ -24,6 +24,111 @@ use crate::layout::shape::ModelShape;
 use crate::layout::Slot;
 use crate::tables::PaddedTables;
 
+/// Where a [`TinyModel`] keeps its K/V and runs its attention: the cache write of one
+/// layer's new tokens and paged attention over the tables. [`HostStorage`] runs them on
+/// the CPU ([`reshape_and_cache`], [`paged_prefill`] and [`paged_decode_split`] with
+/// the fixed [`MODEL_SPLIT_TOKENS`]); the serve example's `--backend cuda` runs the CUDA
+/// kernels behind the same calls. The model's matrix products stay on the CPU.
+pub trait ModelAttention: Storage {
+    /// Writes `k` and `v` (`[tokens, kv_heads, head_dim]`, `f32`) of one layer into
+    /// `slots`, converting to the cache dtype (fp8 with the scales of `params`).
+    ///
+    /// # Errors
+    /// Shape and slot errors before any write; backend failures.
+    fn write_kv(
+        &mut self,
+        layer: usize,
+        slots: &[Slot],
+        k: &[f32],
+        v: &[f32],
+        params: &AttentionParams,
+    ) -> Result<()>;
+
+    /// Prefill attention of one layer: the queries of `query_start_loc` (the last
+    /// positions of each context) over the cached prefix and themselves, causal, into
+    /// `out` (`[tokens, q_heads, head_dim]`).
+    ///
+    /// # Errors
+    /// As [`paged_prefill`].
+    fn prefill(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        query_start_loc: &[usize],
+        tables: &PaddedTables,
+        params: &AttentionParams,
+        out: &mut [f32],
+    ) -> Result<()>;
+
+    /// Decode attention of one layer: one query per sequence at its last position.
+    ///
+    /// # Errors
+    /// As [`paged_decode_split`].
+    fn decode(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        tables: &PaddedTables,
+        params: &AttentionParams,
+        out: &mut [f32],
+    ) -> Result<()>;
+}
+
+impl ModelAttention for HostStorage {
+    fn write_kv(
+        &mut self,
+        layer: usize,
+        slots: &[Slot],
+        k: &[f32],
+        v: &[f32],
+        params: &AttentionParams,
+    ) -> Result<()> {
+        reshape_and_cache(self, layer, slots, k, v, params.k_scale, params.v_scale)
+    }
+
+    fn prefill(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        query_start_loc: &[usize],
+        tables: &PaddedTables,
+        params: &AttentionParams,
+        out: &mut [f32],
+    ) -> Result<()> {
+        paged_prefill(
+            self,
+            layer,
+            q,
+            query_start_loc,
+            tables,
+            params,
+            Some(MODEL_SPLIT_TOKENS),
+            out,
+            None,
+        )
+    }
+
+    fn decode(
+        &mut self,
+        layer: usize,
+        q: &[f32],
+        tables: &PaddedTables,
+        params: &AttentionParams,
+        out: &mut [f32],
+    ) -> Result<()> {
+        paged_decode_split(
+            self,
+            layer,
+            q,
+            tables,
+            params,
+            MODEL_SPLIT_TOKENS,
+            out,
+            None,
+        )
+    }
+}
+
 /// Hidden size of [`TinyModel::new`].
 pub const DEFAULT_HIDDEN: usize = 128;
 /// Vocabulary of [`TinyModel::new`].
@@ -328,9 +433,9 @@ impl TinyModel {
     ///
     /// # Errors
     /// As [`Self::embed`] and [`Self::prefill`].
-    pub fn prefill_tokens(
+    pub fn prefill_tokens<A: ModelAttention + ?Sized>(
         &self,
-        storage: &mut HostStorage,
+        storage: &mut A,
         tables: &PaddedTables,
         query_start_loc: &[usize],
         tokens: &[u32],
@@ -347,9 +452,9 @@ impl TinyModel {
     ///
     /// # Errors
     /// As [`Self::embed`] and [`Self::decode_step`].
-    pub fn decode_tokens(
+    pub fn decode_tokens<A: ModelAttention + ?Sized>(
         &self,
-        storage: &mut HostStorage,
+        storage: &mut A,
         tables: &PaddedTables,
         tokens: &[u32],
         hidden_out: &mut [f32],
@@ -360,7 +465,7 @@ impl TinyModel {
         Ok(self.next_tokens(hidden_out))
     }
 
-    fn check_storage(&self, storage: &HostStorage) -> Result<()> {
+    fn check_storage<A: ModelAttention + ?Sized>(&self, storage: &A) -> Result<()> {
         let s = storage.layout().shape();
         let m = &self.shape;
         if (s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim)
@@ -383,9 +488,9 @@ impl TinyModel {
     /// # Errors
     /// Before anything is written: [`Error::InvalidConfig`] when the storage does not fit
     /// the model, and the errors of [`paged_prefill`].
-    pub fn prefill(
+    pub fn prefill<A: ModelAttention + ?Sized>(
         &self,
-        storage: &mut HostStorage,
+        storage: &mut A,
         tables: &PaddedTables,
         query_start_loc: &[usize],
         hidden_in: &[f32],
@@ -408,9 +513,9 @@ impl TinyModel {
     ///
     /// # Errors
     /// As [`Self::prefill`]; [`Error::InvalidConfig`] for a sequence with no context.
-    pub fn decode_step(
+    pub fn decode_step<A: ModelAttention + ?Sized>(
         &self,
-        storage: &mut HostStorage,
+        storage: &mut A,
         tables: &PaddedTables,
         hidden_in: &[f32],
         hidden_out: &mut [f32],
@@ -425,9 +530,9 @@ impl TinyModel {
         self.forward(storage, tables, &qsl, true, hidden_in, hidden_out)
     }
 
-    fn forward(
+    fn forward<A: ModelAttention + ?Sized>(
         &self,
-        storage: &mut HostStorage,
+        storage: &mut A,
         tables: &PaddedTables,
         query_start_loc: &[usize],
         decode: bool,
@@ -489,37 +594,17 @@ impl TinyModel {
             matmul(&xn, &w.wq, h, qd, &mut q);
             matmul(&xn, &w.wk, h, kvd, &mut k);
             matmul(&xn, &w.wv, h, kvd, &mut v);
-            reshape_and_cache(
-                storage,
-                layer,
-                &slots,
-                &k,
-                &v,
-                self.params.k_scale,
-                self.params.v_scale,
-            )?;
+            storage.write_kv(layer, &slots, &k, &v, &self.params)?;
             if decode {
-                paged_decode_split(
-                    storage,
-                    layer,
-                    &q,
-                    tables,
-                    &self.params,
-                    MODEL_SPLIT_TOKENS,
-                    &mut attn,
-                    None,
-                )?;
+                storage.decode(layer, &q, tables, &self.params, &mut attn)?;
             } else {
-                paged_prefill(
-                    storage,
+                storage.prefill(
                     layer,
                     &q,
                     query_start_loc,
                     tables,
                     &self.params,
-                    Some(MODEL_SPLIT_TOKENS),
                     &mut attn,
-                    None,
                 )?;
             }
             matmul(&attn, &w.wo, qd, h, &mut proj);
