@@ -9,13 +9,18 @@
 //! cargo run --release --example serve -- --json        # {"paged": {...}, "contiguous": {...}, ...}
 //! cargo run --release --example serve -- --elastic     # shrink the arena mid-trace, then grow it
 //! cargo run --release --example serve -- --svg kv.svg  # KV memory over time, paged vs contiguous
+//! cargo run --release --example serve -- --backend cuda  # the same runs on CudaStorage + CUDA kernels, checked against the host
 //! cargo run --release --example serve -- --help
 //! ```
+
+#[path = "serve_gpu/mod.rs"]
+mod gpu;
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use gpu::{ModelCache, StorageKind};
 use indicatif::{ProgressBar, ProgressStyle};
 use pagedkv::attention::model::{SplitMix64, TinyModel};
 use pagedkv::chart::{EventKind, MemoryChart, Timeline};
@@ -87,6 +92,14 @@ struct Args {
     /// Write an SVG of KV memory over time (paged vs contiguous) to this path.
     #[arg(long)]
     svg: Option<std::path::PathBuf>,
+    /// Where the arenas live: `host`, or `cuda` (CudaStorage, the cache-write, prefill
+    /// and decode kernels; the runs are repeated on the host and must agree).
+    #[arg(long, value_enum, default_value_t = StorageKind::Host)]
+    backend: StorageKind,
+    /// The attention model prefills prompts in launches of at most this many tokens
+    /// (0: the whole uncached tail at once).
+    #[arg(long, default_value_t = 0)]
+    prefill_chunk: usize,
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
@@ -312,8 +325,10 @@ impl WriteBatch {
 /// checked) and, when the attention model runs, its own cache (the scaled-down shape,
 /// same blocks). Every plan runs on both, so one set of block tables serves both.
 struct Mirror {
-    main: HostStorage,
-    model: Option<HostStorage>,
+    main: gpu::Arena,
+    model: Option<Box<dyn ModelCache>>,
+    /// The model's prefill launches hold at most this many tokens (0: no limit).
+    prefill_chunk: usize,
 }
 
 // Plans run on both storages; token I/O goes to the arena only (the model writes its
@@ -335,18 +350,6 @@ pagedkv::delegate_storage! {
     fn resize(&mut self, num_blocks: usize) -> pagedkv::Result<()> {
         self.main.resize(num_blocks)?;
         self.model.as_mut().map_or(Ok(()), |m| m.resize(num_blocks))
-    }
-}
-
-impl Mirror {
-    /// The same storages, each with a host tier of `blocks` blocks to swap to.
-    fn with_host_tier(self, blocks: usize) -> pagedkv::Result<Self> {
-        let tiered =
-            |s: HostStorage| HostStorage::with_host_tier(*s.layout(), s.num_blocks(), blocks);
-        Ok(Mirror {
-            main: tiered(self.main)?,
-            model: self.model.map(tiered).transpose()?,
-        })
     }
 }
 
@@ -419,6 +422,8 @@ struct Summary {
     alloc_seconds: f64,
     wall_seconds: f64,
     kv_checksum: u64,
+    /// Hash of the running sequences of every step.
+    schedule_hash: u64,
     /// Hash of every sequence's attention-model outputs (next-token ids and final
     /// hidden state bits), or 0 without the model.
     model_checksum: u64,
@@ -452,6 +457,7 @@ impl Summary {
             "wall_seconds": self.wall_seconds,
             "tokens_per_second": self.tokens_generated as f64 / self.wall_seconds.max(1e-9),
             "kv_checksum": self.kv_checksum,
+            "schedule_hash": self.schedule_hash,
             "model_checksum": self.model_checksum,
             "model_seconds": self.model_seconds,
         });
@@ -609,7 +615,16 @@ impl<'a> Sim<'a> {
                 load_steps += 1;
             }
             self.timeline.record(self.step, &stats, 0)?;
+            // Which sequences ran in which step: the scheduling decisions in one word.
+            let mut h = mix(self.sum.schedule_hash ^ self.step);
+            for r in &self.running {
+                h = mix(h ^ r.seq.0);
+            }
+            self.sum.schedule_hash = h;
             self.step += 1;
+        }
+        if let Some(m) = &self.store.model {
+            m.verify()?;
         }
         let steps = self.step as f64;
         let s = &mut self.sum;
@@ -691,17 +706,18 @@ impl<'a> Sim<'a> {
             let vocab = model.vocab_size() as u32;
             let tail: Vec<u32> = req.prompt[cached..].iter().map(|t| t % vocab).collect();
             fill_tables(self.backend.alloc(), &[first], &mut self.tables)?;
-            self.hidden.resize(tail.len() * model.hidden_size(), 0.0);
             let store = self
                 .store
                 .model
                 .as_mut()
                 .ok_or(pagedkv::Error::Unsupported("no model cache".into()))?;
-            model.prefill_tokens(
-                store,
+            gpu::prefill_chunked(
+                model,
+                store.as_mut(),
                 &self.tables,
-                &[0, tail.len()],
+                cached,
                 &tail,
+                self.store.prefill_chunk,
                 &mut self.hidden,
             )?;
             self.model_time += t.elapsed();
@@ -786,7 +802,7 @@ impl<'a> Sim<'a> {
             .model
             .as_mut()
             .ok_or(pagedkv::Error::Unsupported("no model cache".into()))?;
-        let next = model.decode_tokens(store, &self.tables, &tokens, &mut self.hidden)?;
+        let next = model.decode_tokens(store.as_mut(), &self.tables, &tokens, &mut self.hidden)?;
         let h = model.hidden_size();
         for (i, run) in self.running.iter_mut().enumerate() {
             let mut x = run.model_hash ^ u64::from(next[i]);
@@ -1061,8 +1077,98 @@ impl<'a> Sim<'a> {
 /// One line of the summary table: how to print a figure.
 type Row = Box<dyn Fn(&Summary) -> String>;
 
+/// The runs of one backend, with what describes them.
+struct Outcome {
+    config: ModelConfig,
+    layout: KvLayout,
+    num_blocks: usize,
+    trace: Vec<Request>,
+    runs: Vec<(&'static str, Summary, Timeline)>,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    let checks = gpu::SharedChecks::default();
+    checks.borrow_mut().tolerance = gpu::tolerance(args.max_len);
+    // The GPU runs first (a missing GPU fails at once), then the host runs they must
+    // agree with.
+    let out = match args.backend {
+        StorageKind::Host => simulate(&args, StorageKind::Host, &checks)?,
+        StorageKind::Cuda => {
+            let dev = match simulate(&args, StorageKind::Cuda, &checks) {
+                Ok(dev) => dev,
+                Err(e) => {
+                    eprintln!(
+                        "serve --backend cuda failed (there is no fallback to the host): {e}"
+                    );
+                    std::process::exit(1);
+                }
+            };
+            let host = simulate(&args, StorageKind::Host, &checks)?;
+            let figures = |o: &Outcome| -> Vec<(String, serde_json::Value)> {
+                o.runs
+                    .iter()
+                    .map(|r| (r.0.to_string(), r.1.json()))
+                    .collect()
+            };
+            if let Err(e) = gpu::compare_runs(&figures(&host), &figures(&dev)) {
+                eprintln!("serve --backend cuda: the GPU runs differ from the host runs: {e}");
+                std::process::exit(1);
+            }
+            dev
+        }
+    };
+    let Outcome {
+        config,
+        layout,
+        num_blocks,
+        trace,
+        runs,
+    } = out;
+    if let Some(path) = &args.svg {
+        let title = format!(
+            "{}: {} blocks of {} tokens, paged vs contiguous",
+            config.name, num_blocks, args.block_size
+        );
+        let paged_tl = runs[0].2.clone();
+        let contig_tl = runs[runs.len() - 1].2.clone();
+        MemoryChart::new(title, &layout, num_blocks, paged_tl, contig_tl).write_svg(path)?;
+    }
+    let cuda = (args.backend == StorageKind::Cuda).then(|| checks.borrow().clone());
+    if args.json {
+        let mut out = serde_json::Map::new();
+        for (name, s, _) in &runs {
+            out.insert((*name).to_string(), s.json());
+        }
+        if let Some(c) = &cuda {
+            out.insert("cuda_checks".into(), c.json());
+        }
+        println!("{}", serde_json::Value::Object(out));
+        return Ok(());
+    }
+    print_table(&args, &config, &layout, num_blocks, &trace, &runs);
+    if let Some(c) = &cuda {
+        println!(
+            "GPU path: {} prefill and {} decode launches each within {:.1e} (relative L2) of the host attention path on the same bytes (largest {:.1e} / {:.1e}); the model cache equalled its host shadow byte for byte after {} runs; every run made the host run's scheduling decisions and left the same K/V checksum. Attention time: GPU calls (with their copies) {:.2} s, host {:.2} s.",
+            c.prefill_launches,
+            c.decode_launches,
+            c.tolerance,
+            c.prefill_max_rel_err,
+            c.decode_max_rel_err,
+            c.cache_compares,
+            c.gpu_attention_seconds,
+            c.host_attention_seconds
+        );
+    }
+    Ok(())
+}
+
+/// Runs the trace on every configuration the arguments ask for, with `kind`'s storages.
+fn simulate(
+    args: &Args,
+    kind: StorageKind,
+    checks: &gpu::SharedChecks,
+) -> Result<Outcome, Box<dyn std::error::Error>> {
     let config = match pagedkv::layout::shape::builtin::by_name(&args.model) {
         Some(text) => ModelConfig::from_json_str(text)?,
         None => ModelConfig::from_file(&args.model)?,
@@ -1116,22 +1222,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             args.seed,
         )?)
     };
-    let mirror = |num_blocks| -> pagedkv::Result<Mirror> {
+    let mirror = |num_blocks, host_blocks| -> pagedkv::Result<Mirror> {
         let model_cache = match &model {
-            Some(m) => Some(HostStorage::new(
+            Some(m) => Some(gpu::model_cache(
+                kind,
                 KvLayout::new(*m.shape(), args.block_size)?,
                 num_blocks,
+                host_blocks,
+                checks,
             )?),
             None => None,
         };
         Ok(Mirror {
-            main: HostStorage::new(layout, num_blocks)?,
+            main: gpu::arena(kind, layout, num_blocks, host_blocks)?,
             model: model_cache,
+            prefill_chunk: args.prefill_chunk,
         })
     };
     for &(name, prefix_cache) in paged_runs {
         let mut kv = KvCacheManager::new(layout, cfg)?;
-        let mut store = mirror(num_blocks)?;
+        let mut store = mirror(num_blocks, 0)?;
         bar.set_prefix(name);
         let backend = Backend::Paged {
             kv: &mut kv,
@@ -1156,7 +1266,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             num_disk_slots: 0,
         };
         let mut kv = KvCacheManager::with_tiers(layout, cfg, tiers)?;
-        let mut store = mirror(squeezed)?.with_host_tier(num_blocks)?;
+        let mut store = mirror(squeezed, num_blocks)?;
         let prefill = match (args.prefill_tokens_per_s, &model) {
             (Some(rate), _) => rate,
             (None, Some(m)) => measure_prefill(m, args.block_size)?,
@@ -1177,7 +1287,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         runs.push(("paged_overload", sum, tl));
     }
     let mut contiguous = ContiguousCache::new(layout, num_blocks, args.max_len)?;
-    let mut store = mirror(num_blocks)?;
+    let mut store = mirror(num_blocks, 0)?;
     bar.set_prefix("contiguous");
     let backend = Backend::Contiguous(&mut contiguous);
     let (c, ctl) =
@@ -1191,31 +1301,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     {
         return Err("the runs left different K/V bytes".into());
     }
-    if runs
-        .iter()
-        .any(|r| r.1.model_checksum != runs[0].1.model_checksum)
+    // On the GPU a token's model outputs depend on whether the prefill or the decode
+    // kernel computed it (a prefix-cache hit can hold decode-computed K/V that another
+    // run recomputes by prefill), so only the host runs must match bit for bit; each
+    // GPU launch was checked against the host path instead.
+    if kind == StorageKind::Host
+        && runs
+            .iter()
+            .any(|r| r.1.model_checksum != runs[0].1.model_checksum)
     {
         return Err("the attention model's outputs differ between runs".into());
     }
-    if let Some(path) = &args.svg {
-        let title = format!(
-            "{}: {} blocks of {} tokens, paged vs contiguous",
-            config.name, num_blocks, args.block_size
-        );
-        let paged_tl = runs[0].2.clone();
-        let contig_tl = runs[runs.len() - 1].2.clone();
-        MemoryChart::new(title, &layout, num_blocks, paged_tl, contig_tl).write_svg(path)?;
-    }
-    if args.json {
-        let mut out = serde_json::Map::new();
-        for (name, s, _) in &runs {
-            out.insert((*name).to_string(), s.json());
-        }
-        println!("{}", serde_json::Value::Object(out));
-        return Ok(());
-    }
-    print_table(&args, &config, &layout, num_blocks, &trace, &runs);
-    Ok(())
+    Ok(Outcome {
+        config,
+        layout,
+        num_blocks,
+        trace,
+        runs,
+    })
 }
 
 fn print_table(

@@ -721,7 +721,11 @@ mod tests {
             let want: Vec<usize> = tables.context_lens.iter().map(|&c| c as usize).collect();
             assert_eq!(next, want, "chunk {chunk}");
             let longest: usize = 32; // sequence 0: 37 - 5
-            let launches = if chunk == 0 { 1 } else { longest.div_ceil(chunk) };
+            let launches = if chunk == 0 {
+                1
+            } else {
+                longest.div_ceil(chunk)
+            };
             assert_eq!(plan.len(), launches, "chunk {chunk}");
         }
         assert!(plan_chunks(&tables, &[37, 9, 20], 4).unwrap().is_empty());

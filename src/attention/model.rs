@@ -598,14 +598,7 @@ impl TinyModel {
             if decode {
                 storage.decode(layer, &q, tables, &self.params, &mut attn)?;
             } else {
-                storage.prefill(
-                    layer,
-                    &q,
-                    query_start_loc,
-                    tables,
-                    &self.params,
-                    &mut attn,
-                )?;
+                storage.prefill(layer, &q, query_start_loc, tables, &self.params, &mut attn)?;
             }
             matmul(&attn, &w.wo, qd, h, &mut proj);
             for (a, b) in x.iter_mut().zip(&proj) {
