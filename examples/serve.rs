@@ -1183,7 +1183,7 @@ fn simulate(
         )
         .into());
     }
-    let trace = make_trace(&args);
+    let trace = make_trace(args);
     let bar = if args.quiet || args.json {
         ProgressBar::hidden()
     } else {

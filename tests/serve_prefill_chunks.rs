@@ -17,7 +17,9 @@
 //! per sequence). `tests/cuda_prefill.rs` and `tests/cuda_attention.rs` run those on a
 //! GPU, and `serve --backend cuda` runs this whole path there.
 
-#[allow(dead_code)]
+// The example's own items this test does not use (without `cuda` the module allows
+// dead code itself).
+#[cfg_attr(feature = "cuda", allow(dead_code))]
 #[path = "../examples/serve_gpu/mod.rs"]
 mod serve_gpu;
 
@@ -134,8 +136,8 @@ fn chunked_launches_replayed_as_the_kernel_tiles_match_the_host_path() {
 
         // The host attention path over the whole tails at once.
         let mut whole = HostStorage::new(layout, num_blocks).unwrap();
-        for i in 0..3 {
-            write(&mut whole, i, 0..ctxs[i], true);
+        for (i, &c) in ctxs.iter().enumerate() {
+            write(&mut whole, i, 0..c, true);
         }
         let mut want = vec![0f32; q.len()];
         paged_prefill(&whole, 0, &q, &qsl, &full, &params, None, &mut want, None).unwrap();
@@ -143,14 +145,18 @@ fn chunked_launches_replayed_as_the_kernel_tiles_match_the_host_path() {
         let exact: Vec<f32> = exact.out.iter().map(|&x| x as f32).collect();
         assert!(rel_err(&want, &exact) < 1e-5);
 
+        // The prefix is cached; the tails are still NaN until their launch.
+        let cached_prefix = || {
+            let mut st = HostStorage::new(layout, num_blocks).unwrap();
+            for (i, (&done, &c)) in computed.iter().zip(&ctxs).enumerate() {
+                write(&mut st, i, 0..done, true);
+                write(&mut st, i, done..c, false);
+            }
+            st
+        };
         let (q_tile, kv_tile) = kernel_tile_sizes(&layout);
         for chunk in [0, 1, 5, 16, 37] {
-            // The prefix is cached; the tails are still NaN until their launch.
-            let mut st = HostStorage::new(layout, num_blocks).unwrap();
-            for i in 0..3 {
-                write(&mut st, i, 0..computed[i], true);
-                write(&mut st, i, computed[i]..ctxs[i], false);
-            }
+            let mut st = cached_prefix();
             let mut got = vec![f32::NAN; q.len()];
             let launches = plan_chunks(&full, &computed, chunk).unwrap();
             for launch in &launches {
@@ -191,11 +197,7 @@ fn chunked_launches_replayed_as_the_kernel_tiles_match_the_host_path() {
             // A launch that reads past its context reads NaN: cutting the context one
             // token later than planned must show.
             if chunk == 5 {
-                let mut st = HostStorage::new(layout, num_blocks).unwrap();
-                for i in 0..3 {
-                    write(&mut st, i, 0..computed[i], true);
-                    write(&mut st, i, computed[i]..ctxs[i], false);
-                }
+                let mut st = cached_prefix();
                 let launch = &launches[0];
                 let mut cq = Vec::new();
                 let mut wrong = launch.tables.clone();

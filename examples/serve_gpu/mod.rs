@@ -376,6 +376,7 @@ impl<D: Device> Checked<D> {
 
     /// The device half, for what the checks do not cover (and for tests that plant
     /// a difference).
+    #[allow(dead_code)] // the example does not; tests/serve_prefill_chunks.rs does
     pub fn device_mut(&mut self) -> &mut D {
         &mut self.dev
     }

@@ -703,18 +703,18 @@ mod tests {
             let plan = plan_chunks(&tables, &computed, chunk).unwrap();
             let mut next = computed.to_vec();
             for launch in &plan {
-                for i in 0..3 {
+                for (i, done) in next.iter_mut().enumerate() {
                     let r = &launch.positions[i];
                     // Each launch continues where the last one stopped, ends at its
                     // context, and counts its queries in query_start_loc.
-                    assert_eq!(r.start, next[i]);
+                    assert_eq!(r.start, *done);
                     assert_eq!(r.end, launch.tables.context_lens[i] as usize);
                     assert_eq!(
                         launch.query_start_loc[i + 1] - launch.query_start_loc[i],
                         r.len()
                     );
                     assert!(chunk == 0 || r.len() <= chunk);
-                    next[i] = r.end;
+                    *done = r.end;
                 }
                 assert_eq!(launch.tables.tables, tables.tables);
             }
