@@ -124,3 +124,103 @@ fn prefill_matches_the_f64_reference() {
         }
     }
 }
+
+/// Speculative verification: `k` draft queries per sequence through the prefill kernel
+/// must give what `k` successive one-token launches of the decode kernel give (two
+/// kernels that share no code), per draft row.
+#[test]
+fn multi_query_verification_matches_successive_decode_launches() {
+    use pagedkv::attention::cuda::{CudaAttention, Tables};
+    use pagedkv::attention::cuda_prefill::verify_query_start_loc;
+    let test = "multi_query_verification_matches_successive_decode_launches";
+    let ctxs = [300usize, 17, 64];
+    let drafts = [5usize, 1, 8];
+    let shape = ModelShape {
+        num_layers: 1,
+        num_q_heads: 16,
+        num_kv_heads: 2,
+        head_dim: 128,
+        kv_dtype: DType::BF16,
+    };
+    let layout = KvLayout::new(shape, 16).unwrap();
+    let bs = layout.block_size();
+    let num_blocks: usize = ctxs.iter().map(|c| c.div_ceil(bs)).sum::<usize>() + 2;
+    let Some(mut gpu) = storage_or_skip(test, layout, CudaStorageConfig::blocks(num_blocks)) else {
+        return;
+    };
+    let (prefill, mut decode) = match (CudaPrefill::new(&gpu), CudaAttention::new(&gpu)) {
+        (Ok(p), Ok(d)) => (p, d),
+        (Err(Error::CudaUnavailable(why)), _) | (_, Err(Error::CudaUnavailable(why))) => {
+            skip(test, &why);
+            return;
+        }
+        (Err(e), _) | (_, Err(e)) => panic!("{test}: {e}"),
+    };
+    let mut rng = Rng(0x5bec);
+    let slots: Vec<Slot> = (0..(num_blocks * bs) as u64).map(Slot).collect();
+    let n = slots.len() * 2 * 128;
+    let k: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+    let v: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+    gpu.write_slots(
+        0,
+        &slots,
+        &cuda_common::encode(DType::BF16, &k, 1.0),
+        &cuda_common::encode(DType::BF16, &v, 1.0),
+    )
+    .unwrap();
+    let max_blocks = ctxs.iter().map(|c| c.div_ceil(bs)).max().unwrap();
+    let mut order: Vec<u32> = (0..num_blocks as u32).collect();
+    rng.shuffle(&mut order);
+    let mut ids = vec![0u32; ctxs.len() * max_blocks];
+    let mut next = 0;
+    for (i, c) in ctxs.iter().enumerate() {
+        for j in 0..c.div_ceil(bs) {
+            ids[i * max_blocks + j] = order[next];
+            next += 1;
+        }
+    }
+    let tables = PaddedTables {
+        tables: ids,
+        context_lens: ctxs.iter().map(|&c| c as u32).collect(),
+        batch: ctxs.len(),
+        max_blocks,
+    };
+    let qsl = verify_query_start_loc(&tables, &drafts).unwrap();
+    let row = 16 * 128;
+    let q: Vec<f32> = (0..qsl[3] * row).map(|_| rng.f32()).collect();
+    let mut params = AttentionParams::new(128);
+    params.alibi_slopes = Some(pagedkv::attention::alibi_slopes(16));
+    let (out, _) = prefill
+        .prefill_host(&gpu, 0, &q, &qsl, &tables, &params)
+        .unwrap();
+    for (i, &kd) in drafts.iter().enumerate() {
+        for j in 0..kd {
+            let one = PaddedTables {
+                tables: tables.row(i).to_vec(),
+                context_lens: vec![(ctxs[i] - kd + j + 1) as u32],
+                batch: 1,
+                max_blocks,
+            };
+            let t = qsl[i] + j;
+            let (want, _) = decode
+                .decode_host(
+                    &gpu,
+                    0,
+                    &q[t * row..(t + 1) * row],
+                    Tables::Padded(&one),
+                    &params,
+                    None,
+                )
+                .unwrap();
+            let got = &out[t * row..(t + 1) * row];
+            let num: f64 = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum();
+            let den: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
+            let e = (num / den.max(1e-30)).sqrt();
+            assert!(e < 1e-4, "{test}: sequence {i} draft {j}: rel err {e}");
+        }
+    }
+}

@@ -14,6 +14,16 @@
 //! `f32`) on a `HostStorage`, so the tiling is checked against the `f64` reference
 //! without a GPU. The kernel itself has only been compiled here (NVRTC, sm_80/sm_90);
 //! `tests/cuda_prefill.rs` runs it against the reference on a GPU.
+//!
+//! # Multi-query decode (speculative verification)
+//!
+//! Verifying `k` draft tokens is this kernel with `k` queries per sequence: write the
+//! drafts' K/V into their lookahead slots, then launch with
+//! [`verify_query_start_loc`] and the contexts counting the drafts. Draft `j` sits at
+//! position `ctx - k + j` and attends to the prefix and to drafts `0..=j`, exactly what
+//! `k` successive one-token decode steps would compute; sequences may carry different
+//! `k` (0 and 1 included) in one launch. A unit test checks that equality on the
+//! replayed tiling against the CPU decode path.
 
 use super::{check_paged, check_prefill_q, AttentionParams, DecodeOutput};
 use crate::error::{Error, Result};
@@ -80,6 +90,35 @@ pub fn kernel_tile_sizes(layout: &KvLayout) -> (usize, usize) {
     let q_tile = (16 / s.group_size().max(1)).max(1);
     let kv_tile = if s.head_dim > 128 { 16 } else { 32 };
     (q_tile, kv_tile)
+}
+
+/// `query_start_loc` of a speculative-verification launch (multi-query decode):
+/// sequence `i` brings its last `query_tokens[i]` positions (the drafts, usually with
+/// the last accepted token in front) as queries; `tables.context_lens` count them.
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] when `query_tokens` does not have one entry per sequence;
+/// [`Error::InvalidConfig`] when a sequence has more query tokens than its context.
+pub fn verify_query_start_loc(tables: &PaddedTables, query_tokens: &[usize]) -> Result<Vec<usize>> {
+    if query_tokens.len() != tables.batch || tables.context_lens.len() != tables.batch {
+        return Err(Error::ShapeMismatch {
+            what: "query token counts (one per sequence)",
+            expected: tables.batch,
+            got: query_tokens.len(),
+        });
+    }
+    let mut qsl = Vec::with_capacity(tables.batch + 1);
+    qsl.push(0);
+    for (i, (&k, &ctx)) in query_tokens.iter().zip(&tables.context_lens).enumerate() {
+        if k > ctx as usize {
+            return Err(Error::config(
+                "query_tokens",
+                format!("sequence {i} has {k} query tokens but a context of {ctx}"),
+            ));
+        }
+        qsl.push(qsl[i] + k);
+    }
+    Ok(qsl)
 }
 
 /// One launch of a chunked prefill over a batch (see [`plan_chunks`]).
@@ -737,6 +776,56 @@ mod tests {
             plan_chunks(&tables, &[0, 10, 0], 4),
             Err(Error::InvalidConfig { .. })
         ));
+    }
+
+    #[test]
+    fn multi_query_verification_is_successive_decode_steps() {
+        // Drafts of 4, 1, 0 and 7 tokens; the kernel's tile sizes and smaller ones.
+        let ctxs = [37, 9, 6, 70];
+        let drafts = [4, 1, 0, 7];
+        for dtype in [DType::BF16, DType::Fp8E4M3] {
+            for group in [1, 4] {
+                let (st, tables, qsl, q) = case(dtype, group, &ctxs, &drafts);
+                assert_eq!(verify_query_start_loc(&tables, &drafts).unwrap(), qsl);
+                let mut params = AttentionParams::new(32);
+                params.alibi_slopes = Some((0..2 * group).map(|h| 0.1 * (h + 1) as f32).collect());
+                params.sliding_window = Some(30);
+                let layout = *st.layout();
+                let row = layout.shape().num_q_heads * 32;
+                for (q_tile, kv_tile) in [kernel_tile_sizes(&layout), (3, 5)] {
+                    let (out, _) =
+                        replay_tiling(&st, 0, &q, &qsl, &tables, &params, q_tile, kv_tile).unwrap();
+                    for (i, &k) in drafts.iter().enumerate() {
+                        for j in 0..k {
+                            // Decode step j of sequence i: its context ends at the draft.
+                            let one = PaddedTables {
+                                tables: tables.row(i).to_vec(),
+                                context_lens: vec![(ctxs[i] - k + j + 1) as u32],
+                                batch: 1,
+                                max_blocks: tables.max_blocks,
+                            };
+                            let t = qsl[i] + j;
+                            let qrow = &q[t * row..(t + 1) * row];
+                            let mut want = vec![0f32; row];
+                            crate::attention::cpu::paged_decode(
+                                &st, 0, qrow, &one, &params, &mut want, None,
+                            )
+                            .unwrap();
+                            let got = &out[t * row..(t + 1) * row];
+                            let err = got
+                                .iter()
+                                .zip(&want)
+                                .map(|(a, b)| (a - b).abs())
+                                .fold(0.0f32, f32::max);
+                            assert!(err < 1e-5, "{dtype} g{group} seq {i} draft {j}: {err}");
+                        }
+                    }
+                }
+            }
+        }
+        let (_, tables, _, _) = case(DType::BF16, 1, &ctxs, &drafts);
+        assert!(verify_query_start_loc(&tables, &[1, 2]).is_err());
+        assert!(verify_query_start_loc(&tables, &[1, 10, 0, 0]).is_err());
     }
 
     #[cfg(feature = "cuda")]
