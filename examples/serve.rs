@@ -1084,6 +1084,8 @@ struct Outcome {
     num_blocks: usize,
     trace: Vec<Request>,
     runs: Vec<(&'static str, Summary, Timeline)>,
+    /// The overload run's preemption policy (its cost model was probed on this backend).
+    overload_policy: Option<PreemptPolicy>,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -1093,9 +1095,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The GPU runs first (a missing GPU fails at once), then the host runs they must
     // agree with.
     let out = match args.backend {
-        StorageKind::Host => simulate(&args, StorageKind::Host, &checks)?,
+        StorageKind::Host => simulate(&args, StorageKind::Host, &checks, None)?,
         StorageKind::Cuda => {
-            let dev = match simulate(&args, StorageKind::Cuda, &checks) {
+            let dev = match simulate(&args, StorageKind::Cuda, &checks, None) {
                 Ok(dev) => dev,
                 Err(e) => {
                     eprintln!(
@@ -1104,7 +1106,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     std::process::exit(1);
                 }
             };
-            let host = simulate(&args, StorageKind::Host, &checks)?;
+            let host = simulate(&args, StorageKind::Host, &checks, dev.overload_policy)?;
             let figures = |o: &Outcome| -> Vec<(String, serde_json::Value)> {
                 o.runs
                     .iter()
@@ -1113,6 +1115,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             };
             if let Err(e) = gpu::compare_runs(&figures(&host), &figures(&dev)) {
                 eprintln!("serve --backend cuda: the GPU runs differ from the host runs: {e}");
+                std::process::exit(1);
+            }
+            let c = checks.borrow().clone();
+            if !args.no_attend
+                && (c.prefill_launches == 0 || c.decode_launches == 0 || c.cache_compares == 0)
+            {
+                eprintln!("serve --backend cuda: the model ran, yet nothing was checked: {c:?}");
                 std::process::exit(1);
             }
             dev
@@ -1124,6 +1133,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         num_blocks,
         trace,
         runs,
+        ..
     } = out;
     if let Some(path) = &args.svg {
         let title = format!(
@@ -1168,6 +1178,7 @@ fn simulate(
     args: &Args,
     kind: StorageKind,
     checks: &gpu::SharedChecks,
+    reuse_policy: Option<PreemptPolicy>,
 ) -> Result<Outcome, Box<dyn std::error::Error>> {
     let config = match pagedkv::layout::shape::builtin::by_name(&args.model) {
         Some(text) => ModelConfig::from_json_str(text)?,
@@ -1251,6 +1262,7 @@ fn simulate(
         let (sum, tl) = sim.run(&bar, elastic)?;
         runs.push((name, sum, tl));
     }
+    let mut overload_policy = None;
     if args.overload {
         // The same trace on a squeezed arena with a host tier as large as the full arena:
         // preemption is forced, and every request must still end with the same outputs.
@@ -1267,15 +1279,24 @@ fn simulate(
         };
         let mut kv = KvCacheManager::with_tiers(layout, cfg, tiers)?;
         let mut store = mirror(squeezed, num_blocks)?;
-        let prefill = match (args.prefill_tokens_per_s, &model) {
-            (Some(rate), _) => rate,
-            (None, Some(m)) => measure_prefill(m, args.block_size)?,
-            (None, None) => 5_000.0,
+        let policy = match reuse_policy {
+            // The host run after a GPU run decides with the GPU run's cost model, so
+            // the two can be compared decision for decision.
+            Some(p) => p,
+            None => {
+                let prefill = match (args.prefill_tokens_per_s, &model) {
+                    (Some(rate), _) => rate,
+                    (None, Some(m)) => measure_prefill(m, args.block_size)?,
+                    (None, None) => 5_000.0,
+                };
+                // The probe swaps real blocks of this storage out and back before any
+                // data lands.
+                PreemptPolicy::cost_based(pagedkv::executor::probe_cost_model(
+                    &mut store, 16, prefill,
+                )?)
+            }
         };
-        // The probe swaps real blocks of this storage out and back before any data lands.
-        let policy = PreemptPolicy::cost_based(pagedkv::executor::probe_cost_model(
-            &mut store, 16, prefill,
-        )?);
+        overload_policy = Some(policy);
         bar.set_prefix("paged_overload");
         let backend = Backend::Paged {
             kv: &mut kv,
@@ -1318,6 +1339,7 @@ fn simulate(
         num_blocks,
         trace,
         runs,
+        overload_policy,
     })
 }
 
