@@ -1158,17 +1158,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     print_table(&args, &config, &layout, num_blocks, &trace, &runs);
     if let Some(c) = &cuda {
-        println!(
-            "GPU path: {} prefill and {} decode launches each within {:.1e} (relative L2) of the host attention path on the same bytes (largest {:.1e} / {:.1e}); the model cache equalled its host shadow byte for byte after {} runs; every run made the host run's scheduling decisions and left the same K/V checksum. Attention time: GPU calls (with their copies) {:.2} s, host {:.2} s.",
-            c.prefill_launches,
-            c.decode_launches,
-            c.tolerance,
-            c.prefill_max_rel_err,
-            c.decode_max_rel_err,
-            c.cache_compares,
-            c.gpu_attention_seconds,
-            c.host_attention_seconds
-        );
+        c.print();
     }
     Ok(())
 }

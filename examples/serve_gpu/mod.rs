@@ -84,6 +84,21 @@ pub struct GpuChecks {
 }
 
 impl GpuChecks {
+    /// The summary line under the table.
+    pub fn print(&self) {
+        println!(
+            "GPU path: {} prefill and {} decode launches each within {:.1e} (relative L2) of the host attention path on the same bytes (largest {:.1e} / {:.1e}); the model cache equalled its host shadow byte for byte after {} runs; every run made the host run's scheduling decisions and left the same K/V checksum. Attention time: GPU calls (with their copies) {:.2} s, host {:.2} s.",
+            self.prefill_launches,
+            self.decode_launches,
+            self.tolerance,
+            self.prefill_max_rel_err,
+            self.decode_max_rel_err,
+            self.cache_compares,
+            self.gpu_attention_seconds,
+            self.host_attention_seconds
+        );
+    }
+
     /// The summary as JSON.
     pub fn json(&self) -> serde_json::Value {
         serde_json::json!({
