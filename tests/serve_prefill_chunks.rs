@@ -446,3 +446,27 @@ fn the_checked_cache_catches_a_planted_fault() {
     let err = cache.verify().unwrap_err().to_string();
     assert!(err.contains("block 0 of layer 0"), "{err}");
 }
+
+/// The GPU machine has no NVRTC: `serve --backend cuda` finds its kernels among the
+/// cubins `gpu_bench --write-cubins` prebuilds from `catalog()`. The attention-model
+/// shapes of the models `.ci/gpu-check` runs must be there (block size 16, the
+/// default). qwen2.5-7b's scaled shape (GQA 7) is not: on the GPU machine it needs
+/// NVRTC.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_serve_models_kernels_are_in_the_prebuilt_catalog() {
+    use pagedkv::executor::cuda::{catalog, AttentionSpec, KernelSpec, PrefillSpec};
+    use pagedkv::layout::shape::builtin::by_name;
+    use pagedkv::ModelConfig;
+    let all = catalog();
+    for name in ["llama3-8b", "llama3-70b"] {
+        let config = ModelConfig::from_json_str(by_name(name).unwrap()).unwrap();
+        let layout = KvLayout::new(TinyModel::scaled_shape(&config.shape), 16).unwrap();
+        for spec in [
+            KernelSpec::Attention(AttentionSpec::for_layout(&layout)),
+            KernelSpec::Prefill(PrefillSpec::for_layout(&layout)),
+        ] {
+            assert!(all.contains(&spec), "{name}: {spec:?} is not prebuilt");
+        }
+    }
+}
