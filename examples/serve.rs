@@ -97,7 +97,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = StorageKind::Host)]
     backend: StorageKind,
     /// The attention model prefills prompts in launches of at most this many tokens
-    /// (0: the whole uncached tail at once).
+    /// (0: the whole uncached tail at once), all in the step that admits the request.
     #[arg(long, default_value_t = 0)]
     prefill_chunk: usize,
     /// Print the summary as one JSON object.
