@@ -470,3 +470,25 @@ fn the_serve_models_kernels_are_in_the_prebuilt_catalog() {
         }
     }
 }
+
+#[test]
+fn runs_compare_figure_by_figure() {
+    let run = |steps: u64, hash: u64, wall: f64| {
+        serde_json::json!({
+            "requests_served": 40, "sequences_served": 44, "tokens_generated": 5000,
+            "prefill_tokens_saved": 900, "steps": steps, "peak_concurrent_seqs": 20,
+            "peak_used_blocks": 700, "admissions_delayed": 3, "preemptions": 1,
+            "cow_copies": 4, "schedule_hash": hash, "kv_checksum": 77u64,
+            "wall_seconds": wall,
+        })
+    };
+    let host = vec![("paged".to_string(), run(500, 9, 1.0))];
+    // Timing differs between backends and is not compared.
+    assert!(serve_gpu::compare_runs(&host, &[("paged".into(), run(500, 9, 2.0))]).is_ok());
+    let e = serve_gpu::compare_runs(&host, &[("paged".into(), run(500, 8, 1.0))]).unwrap_err();
+    assert!(e.contains("schedule_hash"), "{e}");
+    let e = serve_gpu::compare_runs(&host, &[("paged".into(), run(501, 9, 1.0))]).unwrap_err();
+    assert!(e.contains("steps"), "{e}");
+    assert!(serve_gpu::compare_runs(&host, &[]).is_err());
+    assert!(serve_gpu::compare_runs(&host, &[("contiguous".into(), run(500, 9, 1.0))]).is_err());
+}
