@@ -10,7 +10,10 @@
 //!   prefill kernel: the tiny model prefills (in chunks, over a shared prefix) and
 //!   decodes through it; every launch is compared with the host shadow, a copy plan
 //!   runs on both, and the two caches stay byte-equal. Devices with a planted fault
-//!   (a launch that drops the last key, a cache write that is lost) must be caught.
+//!   (contexts one token short, cache writes that are lost, a byte changed behind the
+//!   cache's back) must be caught.
+//! * The host/GPU run comparison names the first figure that differs, and the kernels
+//!   the GPU run needs are among the cubins prebuilt for the GPU machine.
 //!
 //! What this cannot check: the CUDA kernels themselves (the decode kernel has no CPU
 //! replay; the replay device decodes with the prefill kernel's algorithm at one query
