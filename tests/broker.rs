@@ -17,7 +17,7 @@ use pagedkv::broker::{
 };
 use pagedkv::{
     AdmitOptions, CopyPlan, DType, Error, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId,
-    Slot, Storage,
+    Slot, Storage, TierConfig,
 };
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
@@ -42,6 +42,10 @@ fn layouts() -> [KvLayout; 3] {
     ]
 }
 
+/// Host-tier blocks of the three models: room for swapped sequences and spilled
+/// prefixes, room for a few (a spill that fills it and evicts the rest), none.
+const HOST_BLOCKS: [usize; 3] = [32, 3, 0];
+
 fn broker(budget_chunks: usize, floors: [usize; 3]) -> (Broker<HostStorage>, Vec<ModelId>) {
     let mut b = Broker::new(BrokerConfig::new(budget_chunks * CHUNK, CHUNK)).unwrap();
     let mut ids = Vec::new();
@@ -51,9 +55,13 @@ fn broker(budget_chunks: usize, floors: [usize; 3]) -> (Broker<HostStorage>, Vec
         let kv = KvCacheManager::builder(layout)
             .num_blocks(blocks)
             .watermark_blocks(0)
+            .tiers(TierConfig {
+                num_host_blocks: HOST_BLOCKS[i],
+                ..TierConfig::default()
+            })
             .build()
             .unwrap();
-        let storage = HostStorage::new(layout, blocks).unwrap();
+        let storage = HostStorage::with_host_tier(layout, blocks, HOST_BLOCKS[i]).unwrap();
         let limits =
             ModelLimits::new(floors[i] * CHUNK, budget_chunks * CHUNK / 2).with_priority(i as i32);
         ids.push(b.register(format!("m{i}"), kv, storage, limits).unwrap());
@@ -181,6 +189,7 @@ enum Action {
     Sleep {
         model: usize,
         swap_out: bool,
+        spill: bool,
     },
     Wake {
         model: usize,
@@ -196,7 +205,7 @@ fn action() -> impl Strategy<Value = Action> {
         1 => (0..3usize, 1..40usize).prop_map(|(model, blocks)| Action::Ensure { model, blocks }),
         1 => (1..6usize).prop_map(|chunks| Action::Reserve { chunks }),
         1 => any::<usize>().prop_map(|pick| Action::Release { pick }),
-        1 => (0..3usize, any::<bool>()).prop_map(|(model, swap_out)| Action::Sleep { model, swap_out }),
+        1 => (0..3usize, any::<bool>(), any::<bool>()).prop_map(|(model, swap_out, spill)| Action::Sleep { model, swap_out, spill }),
         1 => (0..3usize, 1..12usize).prop_map(|(model, chunks)| Action::Wake { model, chunks }),
     ]
 }
@@ -298,12 +307,34 @@ fn run(actions: Vec<Action>) {
                     b.release(r).unwrap();
                 }
             }
-            Action::Sleep { model, swap_out } => {
+            Action::Sleep {
+                model,
+                swap_out,
+                spill,
+            } => {
                 let opts = SleepOptions {
                     swap_out_sequences: swap_out,
+                    spill_cached_prefixes: spill,
                 };
+                let cached = b.lock(ids[model]).unwrap().kv().stats().cached_blocks;
+                let spilled_before = b.lock(ids[model]).unwrap().kv().spilled_prefix_blocks();
                 match b.sleep(ids[model], opts) {
-                    Ok(_) => assert!(b.lock(ids[model]).unwrap().is_sleeping()),
+                    Ok(r) => {
+                        let g = b.lock(ids[model]).unwrap();
+                        assert!(g.is_sleeping());
+                        assert_eq!(g.kv().stats().cached_blocks, 0);
+                        assert_eq!(
+                            g.kv().spilled_prefix_blocks(),
+                            spilled_before + r.spilled_blocks
+                        );
+                        if !spill {
+                            assert_eq!(r.spilled_blocks, 0);
+                        }
+                        if !swap_out {
+                            // Nothing was released by a swap-out: the cache was all there was.
+                            assert_eq!(r.spilled_blocks + r.evicted_blocks, cached);
+                        }
+                    }
                     // Live blocks over the floor without swapping, or a host tier
                     // these models do not have.
                     Err(Error::ShrinkBelowResident { .. }) | Err(Error::TierFull { .. }) => {}
@@ -311,7 +342,16 @@ fn run(actions: Vec<Action>) {
                 }
             }
             Action::Wake { model, chunks } => {
-                b.wake(ids[model], chunks * CHUNK).unwrap();
+                let spilled = b.lock(ids[model]).unwrap().kv().spilled_prefix_blocks();
+                let r = b.wake(ids[model], chunks * CHUNK).unwrap();
+                RESTORED.fetch_add(r.restored_blocks, Ordering::Relaxed);
+                assert_eq!(
+                    r.restored_blocks + r.dropped_blocks + r.still_spilled_blocks,
+                    spilled
+                );
+                let g = b.lock(ids[model]).unwrap();
+                assert_eq!(g.kv().spilled_prefix_blocks(), r.still_spilled_blocks);
+                assert_eq!(r.granted_bytes, b.stats().models[model].granted_bytes);
             }
         }
         check_all(&b, &ids, &shadow);
@@ -324,7 +364,9 @@ fn run(actions: Vec<Action>) {
 }
 
 /// Moves of each kind over every case, so a run shows which paths it exercised.
-static TALLY: std::sync::Mutex<[usize; 4]> = std::sync::Mutex::new([0; 4]);
+static TALLY: std::sync::Mutex<[usize; 6]> = std::sync::Mutex::new([0; 6]);
+/// Spilled prefix blocks restored by wakes over every case.
+static RESTORED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 fn tally(events: &[pagedkv::broker::MoveEvent]) {
     let mut t = TALLY.lock().unwrap();
@@ -337,6 +379,11 @@ fn tally(events: &[pagedkv::broker::MoveEvent]) {
         t[2] += e.moved_blocks;
         t[3] +=
             usize::from(matches!(e.to, Party::External(_)) && matches!(e.from, Party::Model(_)));
+        if e.reason == MoveReason::Sleep {
+            t[4] += e.spilled_blocks;
+            // A spill that found the host tier full.
+            t[5] += usize::from(e.spilled_blocks > 0 && e.evicted_blocks > 0);
+        }
     }
 }
 
@@ -360,10 +407,16 @@ fn the_property_run_exercises_every_move() {
     }
     let t = *TALLY.lock().unwrap();
     eprintln!(
-        "take_idle {}, take_cached {}, blocks moved {}, arena->reservation {}",
-        t[0], t[1], t[2], t[3]
+        "take_idle {}, take_cached {}, blocks moved {}, arena->reservation {}, \
+         blocks spilled {}, spills into a full host tier {}",
+        t[0], t[1], t[2], t[3], t[4], t[5]
     );
-    assert!(t.iter().all(|&n| n > 0), "{t:?}");
+    let restored = RESTORED.load(Ordering::Relaxed);
+    eprintln!("spilled prefix blocks restored by wakes {restored}");
+    assert!(
+        t.iter().all(|&n| n > 0) && restored > 0,
+        "{t:?}, {restored}"
+    );
 }
 
 #[test]
@@ -416,7 +469,7 @@ fn reservation_times_out_with_a_typed_error_and_gives_back() {
     assert_eq!(b.stats().free_bytes, 2 * CHUNK);
     // Sleeping model 0 (empty) gives nothing (at its floor); waking grows it back.
     b.sleep(ids[0], SleepOptions::default()).unwrap();
-    assert_eq!(b.wake(ids[0], 4 * CHUNK).unwrap(), 4 * CHUNK);
+    assert_eq!(b.wake(ids[0], 4 * CHUNK).unwrap().granted_bytes, 4 * CHUNK);
     b.check_invariants().unwrap();
 }
 
@@ -451,10 +504,11 @@ fn sleep_swaps_sequences_out_and_shrinks_to_the_floor() {
             id,
             SleepOptions {
                 swap_out_sequences: true,
+                spill_cached_prefixes: false,
             },
         )
         .unwrap();
-    assert_eq!(given, 7 * CHUNK);
+    assert_eq!(given.freed_bytes, 7 * CHUNK);
     b.check_invariants().unwrap();
     // Wake, swap back in, and the bytes are the ones written.
     b.wake(id, 8 * CHUNK).unwrap();
@@ -563,4 +617,191 @@ fn concurrent_schedulers_and_reservations() {
     let events = b.events();
     assert!(events.iter().any(|e| e.reason == MoveReason::Reserve));
     assert!(ok > 0);
+}
+
+/// One model with a host tier: two prompts (3 and 2 full blocks) computed, written
+/// and freed into the prefix cache.
+fn cached_model(host_blocks: usize) -> (Broker<HostStorage>, ModelId, Vec<Vec<u32>>) {
+    let mut b = Broker::new(BrokerConfig::new(16 * CHUNK, CHUNK)).unwrap();
+    let layout = layouts()[0]; // 4 tokens per block, 4 blocks per chunk
+    let kv = KvCacheManager::builder(layout)
+        .num_blocks(16)
+        .watermark_blocks(0)
+        .tiers(TierConfig {
+            num_host_blocks: host_blocks,
+            ..TierConfig::default()
+        })
+        .build()
+        .unwrap();
+    let storage = HostStorage::with_host_tier(layout, 16, host_blocks).unwrap();
+    let id = b
+        .register("m", kv, storage, ModelLimits::new(CHUNK, 16 * CHUNK))
+        .unwrap();
+    let prompts: Vec<Vec<u32>> = vec![(0..13).collect(), (500..509).collect()];
+    let mut g = b.lock(id).unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        assert!(admit(&mut g, SeqId(i as u64), p));
+        g.kv_mut().free(SeqId(i as u64)).unwrap();
+    }
+    assert_eq!(g.kv().stats().cached_blocks, 5);
+    drop(g);
+    (b, id, prompts)
+}
+
+/// Admits `prompt` again after a wake: returns the cached tokens it found, and checks
+/// every token's K/V (the hit blocks' included) against the pattern written at first.
+fn readmit(b: &Broker<HostStorage>, id: ModelId, seq: SeqId, prompt: &[u32]) -> usize {
+    let mut g = b.lock(id).unwrap();
+    let cached = g
+        .kv()
+        .cached_prefix_len(prompt, &AdmitOptions::default())
+        .unwrap();
+    assert!(admit(&mut g, seq, prompt));
+    check_tokens(g.kv(), g.storage(), seq, prompt);
+    cached
+}
+
+/// Scribbles over every block of the device arena, so that bytes read later can only
+/// have come back from the host tier.
+fn scribble(b: &Broker<HostStorage>, id: ModelId) {
+    let mut g = b.lock(id).unwrap();
+    let (_, storage) = g.parts_mut();
+    for layer in 0..storage.layout().num_layers() {
+        storage.region_mut(layer).fill(0xA5);
+    }
+}
+
+#[test]
+fn sleep_spills_the_prefix_cache_and_wake_restores_it_byte_exact() {
+    let (b, id, prompts) = cached_model(8);
+    let report = b
+        .sleep(
+            id,
+            SleepOptions {
+                spill_cached_prefixes: true,
+                ..SleepOptions::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(report.freed_bytes, 3 * CHUNK);
+    assert_eq!((report.spilled_blocks, report.evicted_blocks), (5, 0));
+    let sleep = *b.events().last().unwrap();
+    assert_eq!(sleep.reason, MoveReason::Sleep);
+    assert_eq!((sleep.spilled_blocks, sleep.evicted_blocks), (5, 0));
+    {
+        let g = b.lock(id).unwrap();
+        assert_eq!(g.kv().num_blocks(), 4); // the floor
+        assert_eq!(g.kv().stats().cached_blocks, 0);
+        assert_eq!(g.kv().spilled_prefix_blocks(), 5);
+        assert_eq!(g.kv().tier_stats().host_used_blocks, 5);
+        // Not on the device: no hit while asleep.
+        let opts = AdmitOptions::default();
+        assert_eq!(g.kv().cached_prefix_len(&prompts[0], &opts).unwrap(), 0);
+    }
+    b.check_invariants().unwrap();
+    scribble(&b, id);
+    let wake = b.wake(id, 4 * CHUNK).unwrap();
+    assert_eq!(wake.granted_bytes, 4 * CHUNK);
+    assert_eq!(
+        (
+            wake.restored_blocks,
+            wake.dropped_blocks,
+            wake.still_spilled_blocks
+        ),
+        (5, 0, 0)
+    );
+    b.check_invariants().unwrap();
+    {
+        let g = b.lock(id).unwrap();
+        assert_eq!(g.kv().stats().cached_blocks, 5);
+        assert_eq!(g.kv().tier_stats().host_used_blocks, 0);
+    }
+    // Both prompts hit in full (all whole blocks before the last token), and the
+    // bytes the hits share are the ones written before the sleep.
+    assert_eq!(readmit(&b, id, SeqId(10), &prompts[0]), 12);
+    assert_eq!(readmit(&b, id, SeqId(11), &prompts[1]), 8);
+    b.check_invariants().unwrap();
+}
+
+#[test]
+fn a_full_host_tier_spills_parents_first_and_evicts_the_rest() {
+    let (b, id, prompts) = cached_model(2);
+    let opts = SleepOptions {
+        spill_cached_prefixes: true,
+        ..SleepOptions::default()
+    };
+    let report = b.sleep(id, opts).unwrap();
+    assert_eq!((report.spilled_blocks, report.evicted_blocks), (2, 3));
+    let sleep = *b.events().last().unwrap();
+    assert_eq!((sleep.spilled_blocks, sleep.evicted_blocks), (2, 3));
+    scribble(&b, id);
+    let wake = b.wake(id, 4 * CHUNK).unwrap();
+    assert_eq!(wake.restored_blocks, 2);
+    b.check_invariants().unwrap();
+    // The two first blocks of the prompts (depth 1, the most recent first) came back:
+    // each prompt hits its first block, byte exact.
+    assert_eq!(readmit(&b, id, SeqId(10), &prompts[0]), 4);
+    assert_eq!(readmit(&b, id, SeqId(11), &prompts[1]), 4);
+    // Without the option, the cache is evicted and the event says so.
+    let (b, id, _) = cached_model(8);
+    let report = b.sleep(id, SleepOptions::default()).unwrap();
+    assert_eq!((report.spilled_blocks, report.evicted_blocks), (0, 5));
+    let sleep = *b.events().last().unwrap();
+    assert_eq!((sleep.spilled_blocks, sleep.evicted_blocks), (0, 5));
+}
+
+#[test]
+fn a_failed_spill_or_restore_changes_nothing() {
+    use pagedkv::executor::tier::{restore_spilled_prefixes, spill_cached_prefixes};
+    let layout = layouts()[0];
+    let tiers = TierConfig {
+        num_host_blocks: 8,
+        ..TierConfig::default()
+    };
+    let mut kv = KvCacheManager::builder(layout)
+        .num_blocks(16)
+        .tiers(tiers)
+        .build()
+        .unwrap();
+    // The manager thinks the host tier has 8 blocks; this storage has 2, so the copy
+    // to host blocks 2.. is refused.
+    let mut small = HostStorage::with_host_tier(layout, 16, 2).unwrap();
+    let mut good = HostStorage::with_host_tier(layout, 16, 8).unwrap();
+    let prompt: Vec<u32> = (0..13).collect();
+    let mut slots = Vec::new();
+    kv.admit_tokens(SeqId(1), &prompt, &AdmitOptions::default(), &mut slots)
+        .unwrap();
+    kv.free(SeqId(1)).unwrap();
+    let snapshot = |kv: &KvCacheManager| {
+        (
+            kv.stats(),
+            kv.tier_stats(),
+            kv.spilled_prefix_blocks(),
+            kv.cached_prefix_len(&prompt, &AdmitOptions::default())
+                .unwrap(),
+        )
+    };
+    // Fill host blocks 0 and 1 first, so the spill needs blocks 2.. (absent in `small`).
+    kv.admit(SeqId(2), 8, &mut slots).unwrap();
+    let job = kv.swap_out(SeqId(2)).unwrap();
+    good.swap(&job.plan).unwrap();
+    kv.complete_swap(job.ticket).unwrap();
+    let before = snapshot(&kv);
+    assert!(spill_cached_prefixes(&mut kv, &mut small).is_err());
+    assert_eq!(snapshot(&kv), before);
+    kv.check_invariants().unwrap();
+    let spill = spill_cached_prefixes(&mut kv, &mut good).unwrap();
+    assert_eq!(spill.spilled_blocks, 3);
+    let before = snapshot(&kv);
+    assert!(restore_spilled_prefixes(&mut kv, &mut small).is_err());
+    assert_eq!(snapshot(&kv), before);
+    kv.check_invariants().unwrap();
+    let restore = restore_spilled_prefixes(&mut kv, &mut good).unwrap();
+    assert_eq!(restore.restored_blocks, 3);
+    assert_eq!(
+        kv.cached_prefix_len(&prompt, &AdmitOptions::default())
+            .unwrap(),
+        12
+    );
+    kv.check_invariants().unwrap();
 }

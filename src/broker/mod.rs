@@ -28,7 +28,9 @@
 //! Victims are tried lowest priority first. No model goes below its floor or above
 //! its ceiling ([`ModelLimits`]). A model can be put to sleep ([`Broker::sleep`]: its
 //! arena shrinks to the floor, optionally after swapping its sequences out to the host
-//! tier) and woken ([`Broker::wake`]). External consumers take bytes with
+//! tier and spilling its prefix cache there, still indexed) and woken
+//! ([`Broker::wake`], which restores the spilled prefixes so they hit again). External
+//! consumers take bytes with
 //! [`Broker::reserve`] and give them back with [`Broker::release`].
 //!
 //! Every move is a [`MoveEvent`] (who gave, who took, bytes, why), published on the
@@ -94,6 +96,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 use crate::executor::storage::Storage;
+use crate::executor::tier::{restore_spilled_prefixes, spill_cached_prefixes};
 use crate::executor::{grow_to, shrink_to};
 use crate::ids::SeqId;
 use crate::layout::KvLayout;
@@ -112,6 +115,14 @@ pub mod metric_names {
     pub const FREE_BYTES: &str = "pagedkv_broker_free_bytes";
     /// Gauge: bytes held by external reservations.
     pub const RESERVED_BYTES: &str = "pagedkv_broker_reserved_bytes";
+    /// Counter: prefix-cache blocks spilled to the host tier by a sleep, label `model`.
+    pub const SPILLED_BLOCKS: &str = "pagedkv_broker_spilled_blocks_total";
+    /// Counter: prefix-cache blocks evicted by a move (a sleep, a take of cached
+    /// memory), label `model`.
+    pub const EVICTED_BLOCKS: &str = "pagedkv_broker_evicted_blocks_total";
+    /// Counter: spilled prefix-cache blocks restored to the device by a wake, label
+    /// `model`.
+    pub const RESTORED_BLOCKS: &str = "pagedkv_broker_restored_blocks_total";
 }
 
 /// A registered model, numbered from 0 in registration order.
@@ -246,6 +257,22 @@ pub struct MoveEvent {
     pub reason: MoveReason,
     /// Blocks the giving model copied to shrink (0 when its tail was already free).
     pub moved_blocks: usize,
+    /// Prefix-cache blocks of the giving model copied to its host tier before it
+    /// shrank (a sleep with [`SleepOptions::spill_cached_prefixes`]); still indexed,
+    /// restored by [`Broker::wake`].
+    pub spilled_blocks: usize,
+    /// Prefix-cache blocks of the giving model evicted for this move (a sleep without
+    /// spilling, or with a host tier too small for all of them; a
+    /// [`MoveReason::TakeCached`]).
+    pub evicted_blocks: usize,
+}
+
+/// The block counts of a move besides its bytes (the tail of a [`MoveEvent`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct MoveBlocks {
+    moved: usize,
+    spilled: usize,
+    evicted: usize,
 }
 
 /// One model's share of the budget, from the ledger.
@@ -313,6 +340,36 @@ pub struct SleepOptions {
     /// Swap every resident sequence out to the host tier (one group, so shared prefix
     /// blocks move once) before shrinking; otherwise the live blocks must fit the floor.
     pub swap_out_sequences: bool,
+    /// Copy the prefix cache's unreferenced blocks to the host tier before shrinking
+    /// (after the swap-out, so the blocks the sequences leave cached are spilled too),
+    /// as many as the host tier has free blocks for; they stay indexed and
+    /// [`Broker::wake`] restores them. The rest is evicted, as without this option.
+    pub spill_cached_prefixes: bool,
+}
+
+/// What [`Broker::sleep`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SleepReport {
+    /// Bytes given back to the free budget.
+    pub freed_bytes: usize,
+    /// Prefix-cache blocks spilled to the host tier.
+    pub spilled_blocks: usize,
+    /// Prefix-cache blocks evicted.
+    pub evicted_blocks: usize,
+}
+
+/// What [`Broker::wake`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WakeReport {
+    /// Bytes the model holds afterwards.
+    pub granted_bytes: usize,
+    /// Spilled prefix-cache blocks copied back and findable again.
+    pub restored_blocks: usize,
+    /// Spilled blocks given up (their content was computed on the device again
+    /// meanwhile, or their parent is gone).
+    pub dropped_blocks: usize,
+    /// Spilled blocks left on the host tier (no free device block for them).
+    pub still_spilled_blocks: usize,
 }
 
 /// A model's manager and storage, behind its lock.
@@ -562,7 +619,7 @@ impl<S: Storage> Broker<S> {
                 Party::Model(id),
                 chunks,
                 MoveReason::Register,
-                0,
+                MoveBlocks::default(),
             );
         }
         self.models.push(ModelSlot {
@@ -709,7 +766,14 @@ impl<S: Storage> Broker<S> {
                 l.reservations.remove(&id.0);
                 l.free_chunks += got;
                 if got > 0 {
-                    self.record(&mut l, to, Party::Free, got, MoveReason::Release, 0);
+                    self.record(
+                        &mut l,
+                        to,
+                        Party::Free,
+                        got,
+                        MoveReason::Release,
+                        MoveBlocks::default(),
+                    );
                 }
                 return Err(Error::ReservationTimeout {
                     requested: bytes,
@@ -743,24 +807,24 @@ impl<S: Storage> Broker<S> {
             Party::Free,
             chunks,
             MoveReason::Release,
-            0,
+            MoveBlocks::default(),
         );
         Ok(())
     }
 
     /// Puts a model to sleep: optionally swaps its resident sequences out to the host
-    /// tier, evicts its prefix cache, and shrinks its arena to the floor; the chunks go
-    /// to the free budget ([`MoveReason::Sleep`]). A sleeping model does not grow until
-    /// [`Self::wake`]. Returns the bytes given back. Waits for the model's lock.
-    ///
-    /// Unreferenced prefix-cache blocks are evicted, not spilled: the manager's host
-    /// tier holds swapped sequences, not cached blocks without an owner.
+    /// tier, spills its prefix cache's unreferenced blocks to the host tier (or evicts
+    /// them), and shrinks its arena to the floor; the chunks go to the free budget
+    /// ([`MoveReason::Sleep`], whose event counts the blocks spilled and evicted). A
+    /// sleeping model does not grow until [`Self::wake`]. Waits for the model's lock.
     ///
     /// # Errors
     /// [`Error::ShrinkBelowResident`] when the live blocks do not fit the floor and
     /// `swap_out_sequences` is off (nothing changed); the swap's errors
-    /// ([`Error::TierFull`]...; nothing changed); the storage's errors.
-    pub fn sleep(&self, id: ModelId, opts: SleepOptions) -> Result<usize> {
+    /// ([`Error::TierFull`]...; nothing changed); the storage's errors from the spill
+    /// (the sequences stay swapped out, the prefix cache stays on the device) or from
+    /// the shrink.
+    pub fn sleep(&self, id: ModelId, opts: SleepOptions) -> Result<SleepReport> {
         let slot = self.slot(id)?;
         let mut st = slot.state.lock();
         self.check_arena(id.0 as usize, &st)?;
@@ -789,40 +853,51 @@ impl<S: Storage> Broker<S> {
                 cached: st.kv.stats().cached_blocks,
             });
         }
-        st.kv.evict_cached(usize::MAX);
+        let mut blocks = MoveBlocks::default();
+        if opts.spill_cached_prefixes {
+            let spill = spill_cached_prefixes(&mut st.kv, &mut st.storage)?;
+            blocks.spilled = spill.spilled_blocks;
+            blocks.evicted = spill.evicted_blocks;
+        }
+        blocks.evicted += st.kv.evict_cached(usize::MAX);
         let before = st.kv.num_blocks();
-        let moved = if before > floor_blocks {
-            shrink_to(&mut st.kv, floor_blocks, &mut st.storage)?.len()
-        } else {
-            0
-        };
+        if before > floor_blocks {
+            blocks.moved = shrink_to(&mut st.kv, floor_blocks, &mut st.storage)?.len();
+        }
         let chunks = (before - floor_blocks.min(before)) / slot.blocks_per_chunk;
         st.sleeping = true;
         let mut l = self.ledger.lock();
         l.sleeping[id.0 as usize] = true;
         l.granted[id.0 as usize] -= chunks;
         l.free_chunks += chunks;
-        if chunks > 0 {
+        if chunks > 0 || blocks.spilled > 0 || blocks.evicted > 0 {
             self.record(
                 &mut l,
                 Party::Model(id),
                 Party::Free,
                 chunks,
                 MoveReason::Sleep,
-                moved,
+                blocks,
             );
         }
-        Ok(chunks * self.config.chunk_bytes)
+        Ok(SleepReport {
+            freed_bytes: chunks * self.config.chunk_bytes,
+            spilled_blocks: blocks.spilled,
+            evicted_blocks: blocks.evicted,
+        })
     }
 
     /// Wakes a model and grows it back toward `bytes` (whole chunks, up to its
-    /// ceiling) the way [`ModelGuard::ensure_available`] does ([`MoveReason::Wake`]).
-    /// Swapped-out sequences stay swapped out: the scheduler swaps them in. Returns
-    /// the bytes the model holds afterwards. Waits for the model's lock.
+    /// ceiling) the way [`ModelGuard::ensure_available`] does ([`MoveReason::Wake`]),
+    /// then restores the prefix-cache blocks its sleep spilled to the host tier into
+    /// free blocks of the grown arena, so that requests with those prefixes hit again.
+    /// Swapped-out sequences stay swapped out: the scheduler swaps them in. Waits for
+    /// the model's lock.
     ///
     /// # Errors
-    /// As [`ModelGuard::ensure_available`].
-    pub fn wake(&self, id: ModelId, bytes: usize) -> Result<usize> {
+    /// As [`ModelGuard::ensure_available`]; the storage's errors from the restore (the
+    /// model is awake and grown; the spilled blocks stay spilled).
+    pub fn wake(&self, id: ModelId, bytes: usize) -> Result<WakeReport> {
         let slot = self.slot(id)?;
         let mut st = slot.state.lock();
         st.sleeping = false;
@@ -835,7 +910,18 @@ impl<S: Storage> Broker<S> {
         if target > granted {
             self.acquire_for_model(id, &mut st, target - granted, MoveReason::Wake)?;
         }
-        Ok(self.ledger.lock().granted[id.0 as usize] * self.config.chunk_bytes)
+        let mut report = WakeReport::default();
+        if st.kv.spilled_prefix_blocks() > 0 {
+            let st = &mut *st;
+            let r = restore_spilled_prefixes(&mut st.kv, &mut st.storage)?;
+            report.restored_blocks = r.restored_blocks;
+            report.dropped_blocks = r.dropped_blocks;
+            report.still_spilled_blocks = r.still_spilled_blocks;
+            ::metrics::counter!(metric_names::RESTORED_BLOCKS, "model" => slot.name.clone())
+                .increment(r.restored_blocks as u64);
+        }
+        report.granted_bytes = self.ledger.lock().granted[id.0 as usize] * self.config.chunk_bytes;
+        Ok(report)
     }
 
     /// Checks the broker's invariants, locking every model in turn (for tests and
@@ -975,7 +1061,7 @@ impl<S: Storage> Broker<S> {
                 Party::External(r) => *l.reservations.entry(r.0).or_insert(0) += n,
                 Party::Free => l.free_chunks += n,
             }
-            self.record(&mut l, Party::Free, to, n, reason, 0);
+            self.record(&mut l, Party::Free, to, n, reason, MoveBlocks::default());
         }
         n
     }
@@ -1024,7 +1110,14 @@ impl<S: Storage> Broker<S> {
             let mut l = self.ledger.lock();
             l.granted[me] -= got;
             l.free_chunks += got;
-            self.record(&mut l, to, Party::Free, got, MoveReason::GrowFailed, 0);
+            self.record(
+                &mut l,
+                to,
+                Party::Free,
+                got,
+                MoveReason::GrowFailed,
+                MoveBlocks::default(),
+            );
             return Err(e);
         }
         Ok(())
@@ -1060,12 +1153,17 @@ impl<S: Storage> Broker<S> {
         } else {
             reason
         };
+        let mut blocks = MoveBlocks::default();
         if free < need_free {
-            if !allow_cached {
+            // Evict only when that gives the chunk (available counts the evictable).
+            if !allow_cached || st.kv.num_available_blocks() < need_free {
                 return false;
             }
-            let evicted = st.kv.evict_cached(need_free - free);
-            if free + evicted < need_free {
+            blocks.evicted = st.kv.evict_cached(need_free - free);
+            if free + blocks.evicted < need_free {
+                // Cached blocks above live ones are not evictable yet; what went stays
+                // evicted (nothing moved), and the counter still says so.
+                self.count_evicted(v, blocks.evicted);
                 return false;
             }
             if reason == MoveReason::Grow {
@@ -1073,9 +1171,12 @@ impl<S: Storage> Broker<S> {
             }
         }
         let target = st.kv.num_blocks() - bpc;
-        let moved = match shrink_to(&mut st.kv, target, &mut st.storage) {
+        blocks.moved = match shrink_to(&mut st.kv, target, &mut st.storage) {
             Ok(plan) => plan.len(),
-            Err(_) => return false,
+            Err(_) => {
+                self.count_evicted(v, blocks.evicted);
+                return false;
+            }
         };
         let mut l = self.ledger.lock();
         l.granted[v] -= 1;
@@ -1084,8 +1185,16 @@ impl<S: Storage> Broker<S> {
             Party::External(r) => *l.reservations.entry(r.0).or_insert(0) += 1,
             Party::Free => l.free_chunks += 1,
         }
-        self.record(&mut l, Party::Model(ModelId(v as u32)), to, 1, why, moved);
+        self.record(&mut l, Party::Model(ModelId(v as u32)), to, 1, why, blocks);
         true
+    }
+
+    /// Publishes `n` prefix-cache blocks of model `v` evicted.
+    fn count_evicted(&self, v: usize, n: usize) {
+        if n > 0 {
+            ::metrics::counter!(metric_names::EVICTED_BLOCKS, "model" => self.models[v].name.clone())
+                .increment(n as u64);
+        }
     }
 
     /// Appends an event, updates the peaks and publishes the move on the `metrics`
@@ -1097,7 +1206,7 @@ impl<S: Storage> Broker<S> {
         to: Party,
         chunks: usize,
         reason: MoveReason,
-        moved_blocks: usize,
+        blocks: MoveBlocks,
     ) {
         let chunk = self.config.chunk_bytes;
         let bytes = chunks * chunk;
@@ -1109,7 +1218,9 @@ impl<S: Storage> Broker<S> {
             to,
             bytes,
             reason,
-            moved_blocks,
+            moved_blocks: blocks.moved,
+            spilled_blocks: blocks.spilled,
+            evicted_blocks: blocks.evicted,
         });
         for i in 0..l.granted.len() {
             l.peak[i] = l.peak[i].max(l.granted[i]);
@@ -1134,6 +1245,16 @@ impl<S: Storage> Broker<S> {
                 let g = l.granted.get(m.0 as usize).copied().unwrap_or(0);
                 ::metrics::gauge!(metric_names::GRANTED_BYTES, "model" => label(p))
                     .set((g * chunk) as f64);
+            }
+        }
+        if matches!(from, Party::Model(_)) {
+            if blocks.spilled > 0 {
+                ::metrics::counter!(metric_names::SPILLED_BLOCKS, "model" => label(from))
+                    .increment(blocks.spilled as u64);
+            }
+            if blocks.evicted > 0 {
+                ::metrics::counter!(metric_names::EVICTED_BLOCKS, "model" => label(from))
+                    .increment(blocks.evicted as u64);
             }
         }
         ::metrics::gauge!(metric_names::FREE_BYTES).set((l.free_chunks * chunk) as f64);

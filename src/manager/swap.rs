@@ -174,6 +174,8 @@ pub(crate) struct Tiers {
     next_admission: u64,
     pub(crate) stats: TierStats,
     pub(crate) events: VecDeque<PreemptEvent>,
+    /// Prefix-cache blocks spilled to the host tier (see `manager/prefix_spill.rs`).
+    pub(crate) spilled: Vec<super::prefix_spill::SpilledPrefix>,
 }
 
 impl Tiers {
@@ -192,7 +194,18 @@ impl Tiers {
             next_admission: 0,
             stats: TierStats::default(),
             events: VecDeque::new(),
+            spilled: Vec::new(),
         })
+    }
+
+    /// The host tier's pool (for the prefix spill).
+    pub(crate) fn host_pool(&self) -> &BlockPool {
+        &self.host
+    }
+
+    /// The host tier's pool, to take and release blocks (for the prefix spill).
+    pub(crate) fn host_pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.host
     }
 
     /// A fresh admission stamp (monotonic: larger is more recent).
@@ -1005,6 +1018,17 @@ impl KvCacheManager {
             return Err(format!(
                 "{marked} sequences marked in flight, transfers name {in_flight}"
             ));
+        }
+        for p in &t.spilled {
+            match host_refs.get_mut(p.host.index()) {
+                Some(r) => *r += 1,
+                None => {
+                    return Err(format!(
+                        "spilled prefix block at {} outside the host tier",
+                        p.host
+                    ))
+                }
+            }
         }
         for (name, pool, refs) in [("host", &t.host, &host_refs), ("disk", &t.disk, &disk_refs)] {
             for (i, &r) in refs.iter().enumerate() {
