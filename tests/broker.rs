@@ -805,3 +805,119 @@ fn a_failed_spill_or_restore_changes_nothing() {
     );
     kv.check_invariants().unwrap();
 }
+
+/// Bytes a storage maps for `blocks` blocks of `layout` when every layer region is
+/// mapped in whole granules (what `CudaStorage` does), computed here independently.
+fn mapped_in_granules(layout: &KvLayout, blocks: usize, granule: usize) -> usize {
+    let per_layer = blocks * layout.block_bytes() / layout.num_layers();
+    layout.num_layers() * per_layer.div_ceil(granule) * granule
+}
+
+#[test]
+fn a_chunk_maps_exactly_its_bytes_per_layer_granule() {
+    use pagedkv::broker::chunk_bytes_for;
+    const MIB: usize = 1 << 20;
+    let shape = |layers, heads, dim, dtype| ModelShape {
+        num_layers: layers,
+        num_q_heads: heads * 4,
+        num_kv_heads: heads,
+        head_dim: dim,
+        kv_dtype: dtype,
+    };
+    // The shapes of the CUDA test: 4 layers of 16 KiB per block, 3 layers of 64 KiB.
+    let gpu = [
+        KvLayout::new(shape(4, 2, 128, DType::BF16), 16).unwrap(),
+        KvLayout::new(shape(3, 4, 64, DType::F32), 16).unwrap(),
+    ];
+    let chunk = chunk_bytes_for(&gpu, 2 * MIB).unwrap();
+    assert_eq!(chunk, 24 * MIB);
+    for l in &gpu {
+        let bpc = chunk / l.block_bytes();
+        assert_eq!(bpc * l.block_bytes(), chunk);
+        for n in 1..6 {
+            assert_eq!(mapped_in_granules(l, n * bpc, 2 * MIB), n * chunk);
+        }
+    }
+    // A 2 MiB chunk does not fit the 4-layer model: each layer's 512 KiB share would
+    // map a whole granule (8 MiB in all). Refused at registration, nothing changed.
+    let config = BrokerConfig::new(48 * MIB, 2 * MIB).with_granule(2 * MIB);
+    let mut b: Broker<HostStorage> = Broker::new(config).unwrap();
+    let bpc = b.blocks_per_chunk(&gpu[0]).unwrap();
+    let kv = KvCacheManager::builder(gpu[0])
+        .num_blocks(bpc)
+        .build()
+        .unwrap();
+    let storage = HostStorage::new(gpu[0], bpc).unwrap();
+    let err = b
+        .register("m", kv, storage, ModelLimits::new(2 * MIB, 48 * MIB))
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
+    assert_eq!((b.num_models(), b.stats().free_bytes), (0, 48 * MIB));
+    assert!(b.events().is_empty());
+    // The chunk of `chunk_bytes_for` is accepted, and the broker reports that a chunk
+    // maps exactly itself.
+    let mut b: Broker<HostStorage> =
+        Broker::new(BrokerConfig::new(4 * chunk, chunk).with_granule(2 * MIB)).unwrap();
+    for (i, l) in gpu.iter().enumerate() {
+        let bpc = b.blocks_per_chunk(l).unwrap();
+        let kv = KvCacheManager::builder(*l).num_blocks(bpc).build().unwrap();
+        let storage = HostStorage::new(*l, bpc).unwrap();
+        b.register(
+            format!("m{i}"),
+            kv,
+            storage,
+            ModelLimits::new(chunk, 3 * chunk),
+        )
+        .unwrap();
+    }
+    for m in b.stats().models {
+        assert_eq!(m.mapped_bytes_per_chunk, chunk, "{}", m.name);
+    }
+    // Without a granule the rounding is the unused tail of the chunk: 5 blocks of 192
+    // bytes in a 1 KiB chunk map 960 bytes.
+    let (b, _) = broker(8, [2, 2, 2]);
+    let m = &b.stats().models[2];
+    assert_eq!((m.blocks_per_chunk, m.mapped_bytes_per_chunk), (5, 960));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+    /// For small random shapes and granules, `chunk_bytes_for` is the smallest chunk
+    /// that every model fills with whole blocks while each layer maps whole granules
+    /// (found here by trying every multiple of the granule below it).
+    #[test]
+    fn chunk_bytes_for_is_the_smallest_exact_chunk(
+        models in prop::collection::vec((1..5usize, 1..3usize, 1..4usize, 1..5usize), 1..4),
+        granule_pow in 4..9u32,
+    ) {
+        use pagedkv::broker::chunk_bytes_for;
+        let granule = 1usize << granule_pow;
+        let layouts: Vec<KvLayout> = models
+            .iter()
+            .map(|&(layers, heads, dim, block)| {
+                let shape = ModelShape {
+                    num_layers: layers,
+                    num_q_heads: heads,
+                    num_kv_heads: heads,
+                    head_dim: dim * 2,
+                    kv_dtype: DType::F16,
+                };
+                KvLayout::new(shape, block).unwrap()
+            })
+            .collect();
+        let exact = |c: usize| {
+            layouts.iter().all(|l| {
+                c % l.block_bytes() == 0
+                    && mapped_in_granules(l, c / l.block_bytes(), granule) == c
+            })
+        };
+        let chunk = chunk_bytes_for(&layouts, granule).unwrap();
+        prop_assert!(exact(chunk));
+        prop_assert!(chunk % granule == 0);
+        let mut c = granule;
+        while c < chunk {
+            prop_assert!(!exact(c), "{c} is exact and below {chunk}");
+            c += granule;
+        }
+    }
+}

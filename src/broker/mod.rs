@@ -149,17 +149,98 @@ pub struct BrokerConfig {
     /// Chunks of free blocks a model keeps when another model takes its idle memory,
     /// so that it does not need them back at its next step (hysteresis).
     pub keep_free_chunks: usize,
+    /// The physical allocation granule of the storage, per layer region (on CUDA, the
+    /// VMM granularity: 2 MiB), or 0 when memory is not mapped in granules (the host
+    /// backend). When set, [`Broker::register`] accepts only models whose chunk is
+    /// exactly its blocks and whose per-layer share of a chunk is a whole number of
+    /// granules, so that a move maps or unmaps exactly its accounted bytes:
+    /// [`chunk_bytes_for`] gives the smallest such chunk for a set of models.
+    pub granule_bytes: usize,
 }
 
 impl BrokerConfig {
-    /// `budget_bytes` cut into chunks of `chunk_bytes`; a victim keeps one chunk free.
+    /// `budget_bytes` cut into chunks of `chunk_bytes`; a victim keeps one chunk free;
+    /// no physical granule.
     pub fn new(budget_bytes: usize, chunk_bytes: usize) -> Self {
         BrokerConfig {
             budget_bytes,
             chunk_bytes,
             keep_free_chunks: 1,
+            granule_bytes: 0,
         }
     }
+
+    /// The same budget and chunk, with each layer region mapped in `granule_bytes`.
+    pub fn with_granule(self, granule_bytes: usize) -> Self {
+        BrokerConfig {
+            granule_bytes,
+            ..self
+        }
+    }
+}
+
+fn gcd(mut a: usize, mut b: usize) -> usize {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+fn lcm(a: usize, b: usize) -> Option<usize> {
+    (a / gcd(a, b)).checked_mul(b)
+}
+
+/// The smallest chunk that every one of `layouts` fills exactly with whole blocks
+/// while each of its layer regions grows or shrinks by whole granules of
+/// `granule_bytes`: for a model of `L` layers and `p` bytes per block per layer,
+/// chunks are multiples of `L * lcm(p, granule)`; the chunk is the least common
+/// multiple of those over the models. With such a chunk, a move's physical footprint
+/// (what the storage maps or unmaps, per layer rounded to the granule) equals its
+/// accounted bytes. Models with many layers in different counts make it large (32 and
+/// 28 layers of 64 KiB blocks per layer: 448 MiB on a 2 MiB granule).
+///
+/// ```
+/// use pagedkv::broker::chunk_bytes_for;
+/// use pagedkv::{DType, KvLayout, ModelShape};
+///
+/// let shape = |layers| ModelShape { num_layers: layers, num_q_heads: 8,
+///     num_kv_heads: 2, head_dim: 128, kv_dtype: DType::BF16 };
+/// let a = KvLayout::new(shape(4), 16)?; // 16 KiB per block per layer
+/// let b = KvLayout::new(shape(3), 16)?;
+/// // 4 layers x 2 MiB and 3 layers x 2 MiB: a 24 MiB chunk.
+/// assert_eq!(chunk_bytes_for(&[a, b], 2 << 20)?, 24 << 20);
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for no layouts, a granule of 0, or a chunk that overflows.
+pub fn chunk_bytes_for(layouts: &[KvLayout], granule_bytes: usize) -> Result<usize> {
+    if layouts.is_empty() || granule_bytes == 0 {
+        return Err(Error::config(
+            "chunk_bytes_for",
+            "needs at least one layout and a positive granule",
+        ));
+    }
+    let overflow = || Error::config("chunk_bytes_for", "the chunk overflows usize");
+    let mut chunk = 1;
+    for l in layouts {
+        let per_layer =
+            lcm(l.block_bytes_per_layer().max(1), granule_bytes).ok_or_else(overflow)?;
+        let model = per_layer.checked_mul(l.num_layers()).ok_or_else(overflow)?;
+        chunk = lcm(chunk, model).ok_or_else(overflow)?;
+    }
+    Ok(chunk)
+}
+
+/// Bytes the storage maps for `blocks` blocks of `layout`: each layer region rounded up
+/// to the granule (no rounding with a granule of 0).
+fn mapped_bytes(layout: &KvLayout, blocks: usize, granule_bytes: usize) -> usize {
+    let region = blocks * layout.block_bytes_per_layer();
+    let region = match granule_bytes {
+        0 => region,
+        g => region.div_ceil(g) * g,
+    };
+    region * layout.num_layers()
 }
 
 /// One model's guarantee, limit and priority.
@@ -294,6 +375,11 @@ pub struct ModelBudget {
     pub blocks_per_chunk: usize,
     /// Bytes of one of its blocks.
     pub block_bytes: usize,
+    /// Bytes the storage maps for one chunk of this model: its blocks' bytes, each
+    /// layer rounded up to [`BrokerConfig::granule_bytes`]. Equal to the chunk when the
+    /// chunk fits the model exactly ([`chunk_bytes_for`]); below it when part of the
+    /// chunk is charged but unused (no granule; the chunk not a whole number of blocks).
+    pub mapped_bytes_per_chunk: usize,
     /// Whether it sleeps.
     pub sleeping: bool,
 }
@@ -388,6 +474,7 @@ struct ModelSlot<S> {
     ceiling_chunks: usize,
     blocks_per_chunk: usize,
     block_bytes: usize,
+    mapped_bytes_per_chunk: usize,
     state: Mutex<ModelState<S>>,
 }
 
@@ -555,8 +642,9 @@ impl<S: Storage> Broker<S> {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] when the arena is not a whole number of chunks, lies
-    /// outside `[floor, ceiling]`, the floor is not above the manager's watermark, or
-    /// the storage's layout differs; [`Error::ShapeMismatch`] for a storage of another
+    /// outside `[floor, ceiling]`, the floor is not above the manager's watermark, the
+    /// storage's layout differs, or (with a [`BrokerConfig::granule_bytes`]) a chunk
+    /// would map other than its own bytes for this model; [`Error::ShapeMismatch`] for a storage of another
     /// size; [`Error::OutOfBlocks`] (in chunks) when the free budget is too small.
     pub fn register(
         &mut self,
@@ -567,6 +655,22 @@ impl<S: Storage> Broker<S> {
     ) -> Result<ModelId> {
         let name = name.into();
         let bpc = self.blocks_per_chunk(kv.layout())?;
+        let layout = *kv.layout();
+        let mapped = mapped_bytes(&layout, bpc, self.config.granule_bytes);
+        if self.config.granule_bytes > 0 && mapped != self.config.chunk_bytes {
+            return Err(Error::config(
+                "chunk_bytes",
+                format!(
+                    "{name}: a chunk of {} bytes maps {mapped} bytes ({bpc} blocks of {} bytes, \
+                     {} layers each rounded to the {}-byte granule); chunk_bytes_for gives a \
+                     chunk this model fills exactly",
+                    self.config.chunk_bytes,
+                    layout.block_bytes(),
+                    layout.num_layers(),
+                    self.config.granule_bytes
+                ),
+            ));
+        }
         crate::executor::check_storage(&kv, &storage)?;
         if kv.num_blocks() % bpc != 0 {
             return Err(Error::config(
@@ -629,6 +733,7 @@ impl<S: Storage> Broker<S> {
             ceiling_chunks,
             blocks_per_chunk: bpc,
             block_bytes: kv.layout().block_bytes(),
+            mapped_bytes_per_chunk: mapped,
             state: Mutex::new(ModelState {
                 kv,
                 storage,
@@ -692,6 +797,7 @@ impl<S: Storage> Broker<S> {
                     ceiling_bytes: m.ceiling_chunks * chunk,
                     blocks_per_chunk: m.blocks_per_chunk,
                     block_bytes: m.block_bytes,
+                    mapped_bytes_per_chunk: m.mapped_bytes_per_chunk,
                     sleeping: l.sleeping[i],
                 })
                 .collect(),
