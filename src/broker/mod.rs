@@ -1023,8 +1023,10 @@ impl<S: Storage> Broker<S> {
             report.restored_blocks = r.restored_blocks;
             report.dropped_blocks = r.dropped_blocks;
             report.still_spilled_blocks = r.still_spilled_blocks;
-            ::metrics::counter!(metric_names::RESTORED_BLOCKS, "model" => slot.name.clone())
-                .increment(r.restored_blocks as u64);
+            if r.restored_blocks > 0 {
+                ::metrics::counter!(metric_names::RESTORED_BLOCKS, "model" => slot.name.clone())
+                    .increment(r.restored_blocks as u64);
+            }
         }
         report.granted_bytes = self.ledger.lock().granted[id.0 as usize] * self.config.chunk_bytes;
         Ok(report)
