@@ -24,10 +24,17 @@
 //! The models are stepped in lockstep on one thread so the table is reproducible; the
 //! broker's thread safety is tested in `tests/broker.rs`.
 //!
+//! With `--shared-prefix-tokens N`, every request starts with one of a few system
+//! prompts of its model and is admitted with token ids, so the prefix cache serves
+//! them; with `--sleep-idle-steps N`, two more broker runs put a model idle for N steps
+//! to sleep (evicting its prefix cache, or spilling it to the host tier) and wake it
+//! when a request arrives.
+//!
 //! ```text
 //! cargo run --release --example serve_multi -- --models 3
 //! cargo run --release --example serve_multi -- --models 3 --json
 //! cargo run --release --example serve_multi -- --models 3 --svg broker.svg
+//! cargo run --release --example serve_multi -- --models 3 --shared-prefix-tokens 64 --sleep-idle-steps 20
 //! ```
 
 use std::collections::VecDeque;
@@ -765,9 +772,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 Some(policy),
             )?;
             let name = if spill {
-                "broker + sleep, spill to host"
+                ("broker + sleep, spill to host", "broker_sleep_spill")
             } else {
-                "broker + sleep, evict"
+                ("broker + sleep, evict", "broker_sleep_evict")
             };
             sleep_runs.push((name, run));
         }
@@ -826,7 +833,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for (name, run, alloc) in &runs {
             out.insert(name.replace(' ', "_"), run_json(run, alloc));
         }
-        for (name, run) in &sleep_runs {
+        for ((name, key), run) in &sleep_runs {
             let mut j = run_json(run, name);
             if let Some(models) = j.get_mut("models").and_then(|m| m.as_array_mut()) {
                 for (mj, m) in models.iter_mut().zip(&run.models) {
@@ -837,7 +844,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     mj["restored_blocks"] = m.restored_blocks.into();
                 }
             }
-            out.insert(name.replace([' ', ',', '+'], "_"), j);
+            out.insert(key.to_string(), j);
         }
         out.insert("budget_mib".into(), (budget * args.chunk_mib).into());
         out.insert("chunk_mib".into(), args.chunk_mib.into());
@@ -903,7 +910,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("|---|---|---:|---:|---:|---:|---:|---:|");
             let sleepless = ("broker, no sleep", &broker_run);
             for (name, run) in
-                std::iter::once(sleepless).chain(sleep_runs.iter().map(|(n, r)| (*n, r)))
+                std::iter::once(sleepless).chain(sleep_runs.iter().map(|((n, _), r)| (*n, r)))
             {
                 for m in &run.models {
                     println!(
