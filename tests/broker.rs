@@ -699,6 +699,7 @@ fn sleep_spills_the_prefix_cache_and_wake_restores_it_byte_exact() {
         assert_eq!(g.kv().stats().cached_blocks, 0);
         assert_eq!(g.kv().spilled_prefix_blocks(), 5);
         assert_eq!(g.kv().tier_stats().host_used_blocks, 5);
+        assert_eq!(g.kv().tier_stats().spilled_prefix_blocks, 5);
         // Not on the device: no hit while asleep.
         let opts = AdmitOptions::default();
         assert_eq!(g.kv().cached_prefix_len(&prompts[0], &opts).unwrap(), 0);

@@ -90,8 +90,12 @@ pub enum TierBlock {
 pub struct TierStats {
     /// Blocks in the host tier.
     pub host_blocks: usize,
-    /// Host blocks holding data (swapped sequences and transfers in flight).
+    /// Host blocks holding data (swapped sequences, transfers in flight, and spilled
+    /// prefix-cache blocks).
     pub host_used_blocks: usize,
+    /// Of those, prefix-cache blocks spilled to the host tier
+    /// ([`KvCacheManager::plan_prefix_spill`]) and not yet restored.
+    pub spilled_prefix_blocks: usize,
     /// Slots in the disk tier.
     pub disk_slots: usize,
     /// Disk slots holding data.
@@ -497,6 +501,7 @@ impl KvCacheManager {
         TierStats {
             host_blocks: self.tiers.host.num_blocks(),
             host_used_blocks: self.tiers.host.num_live(),
+            spilled_prefix_blocks: self.tiers.spilled.len(),
             disk_slots: self.tiers.disk.num_blocks(),
             disk_used_slots: self.tiers.disk.num_live(),
             swapped_sequences: self.tiers.swapped.len(),
