@@ -28,7 +28,10 @@
 //! prompts of its model and is admitted with token ids, so the prefix cache serves
 //! them; with `--sleep-idle-steps N`, two more broker runs put a model idle for N steps
 //! to sleep (evicting its prefix cache, or spilling it to the host tier) and wake it
-//! when a request arrives.
+//! when a request arrives. A model with no sequence for `--cold-cache-steps` steps
+//! (default 20) has a cold prefix cache, which the others take whatever its priority;
+//! `--cache-protected-by-priority` runs the older rule (a cache is protected like
+//! running work) for comparison.
 //!
 //! ```text
 //! cargo run --release --example serve_multi -- --models 3
@@ -94,6 +97,14 @@ struct Args {
     /// Host tier of each model (swap space, spilled prefixes), MiB.
     #[arg(long, default_value_t = 16)]
     host_mib: usize,
+    /// Steps without a sequence after which a model's prefix cache is cold: taken by a
+    /// model under pressure whatever the holder's priority (`BrokerConfig::cold_cache_steps`).
+    #[arg(long, default_value_t = BrokerConfig::DEFAULT_COLD_CACHE_STEPS)]
+    cold_cache_steps: u64,
+    /// The older rule, for comparison: a model's cache is protected by its priority
+    /// however long it has been idle (`cold_cache_steps: None`).
+    #[arg(long)]
+    cache_protected_by_priority: bool,
 }
 
 /// When a model is put to sleep in a broker run.
@@ -547,7 +558,9 @@ fn simulate(
     sleep: Option<SleepPolicy>,
 ) -> pagedkv::Result<RunResult> {
     let chunk = args.chunk_mib << 20;
-    let mut broker = Broker::new(BrokerConfig::new(budget_chunks * chunk, chunk))?;
+    let cold = (!args.cache_protected_by_priority).then_some(args.cold_cache_steps);
+    let mut broker =
+        Broker::new(BrokerConfig::new(budget_chunks * chunk, chunk).with_cold_cache_steps(cold))?;
     let mut runs = Vec::new();
     for (slot, &m) in models.iter().enumerate() {
         let spec = &specs[m];

@@ -47,7 +47,13 @@ fn layouts() -> [KvLayout; 3] {
 const HOST_BLOCKS: [usize; 3] = [32, 3, 0];
 
 fn broker(budget_chunks: usize, floors: [usize; 3]) -> (Broker<HostStorage>, Vec<ModelId>) {
-    let mut b = Broker::new(BrokerConfig::new(budget_chunks * CHUNK, CHUNK)).unwrap();
+    broker_with(BrokerConfig::new(budget_chunks * CHUNK, CHUNK), floors)
+}
+
+/// Model `i` has priority `i` and a ceiling of half the budget.
+fn broker_with(config: BrokerConfig, floors: [usize; 3]) -> (Broker<HostStorage>, Vec<ModelId>) {
+    let budget_chunks = config.budget_bytes / config.chunk_bytes;
+    let mut b = Broker::new(config).unwrap();
     let mut ids = Vec::new();
     for (i, layout) in layouts().into_iter().enumerate() {
         let bpc = b.blocks_per_chunk(&layout).unwrap();
@@ -195,6 +201,10 @@ enum Action {
         model: usize,
         chunks: usize,
     },
+    /// Advances the broker clock, so caches turn cold.
+    Tick {
+        steps: u64,
+    },
 }
 
 fn action() -> impl Strategy<Value = Action> {
@@ -207,6 +217,7 @@ fn action() -> impl Strategy<Value = Action> {
         1 => any::<usize>().prop_map(|pick| Action::Release { pick }),
         1 => (0..3usize, any::<bool>(), any::<bool>()).prop_map(|(model, swap_out, spill)| Action::Sleep { model, swap_out, spill }),
         1 => (0..3usize, 1..12usize).prop_map(|(model, chunks)| Action::Wake { model, chunks }),
+        2 => (0..6u64).prop_map(|steps| Action::Tick { steps }),
     ]
 }
 
@@ -240,14 +251,26 @@ fn check_all(b: &Broker<HostStorage>, ids: &[ModelId], shadow: &Shadow) {
 
 /// Runs `actions`; returns the broker, its models and the blocks each model's wakes
 /// restored.
-fn run(actions: Vec<Action>) -> (Broker<HostStorage>, Vec<ModelId>, [usize; 3]) {
-    let (b, ids) = broker(40, [2, 2, 2]);
+fn run(
+    actions: Vec<Action>,
+    budget_chunks: usize,
+) -> (Broker<HostStorage>, Vec<ModelId>, [usize; 3]) {
+    // Caches turn cold within a few ticks, so runs of this length see it happen.
+    let config = BrokerConfig::new(budget_chunks * CHUNK, CHUNK).with_cold_cache_steps(Some(3));
+    let (b, ids) = broker_with(config, [2, 2, 2]);
     let mut restored = [0; 3];
     let mut shadow: Shadow = Default::default();
     let mut reservations = Vec::new();
     let mut next_seq = 0u64;
     let mut next_token = 1000u32;
+    // The cold-cache rule, checked from the outside: the clock, and the last clock at
+    // which each model held a sequence (every step ends with each model's lock
+    // released by `check_all`, which is when the broker looks).
+    let (mut clock, mut active_at) = (0u64, [0u64; 3]);
+    let cold_steps = b.config().cold_cache_steps.unwrap();
     for a in actions {
+        let seen = b.events().len();
+        let idle: Vec<bool> = shadow.iter().map(|s| s.is_empty()).collect();
         match a {
             Action::Admit { model, prefix, len } => {
                 let mut tokens: Vec<u32> = (0..8).map(|i| prefix * 100 + i).collect();
@@ -347,7 +370,6 @@ fn run(actions: Vec<Action>) -> (Broker<HostStorage>, Vec<ModelId>, [usize; 3]) 
             Action::Wake { model, chunks } => {
                 let spilled = b.lock(ids[model]).unwrap().kv().spilled_prefix_blocks();
                 let r = b.wake(ids[model], chunks * CHUNK).unwrap();
-                RESTORED.fetch_add(r.restored_blocks, Ordering::Relaxed);
                 restored[model] += r.restored_blocks;
                 assert_eq!(
                     r.restored_blocks + r.dropped_blocks + r.still_spilled_blocks,
@@ -357,24 +379,44 @@ fn run(actions: Vec<Action>) -> (Broker<HostStorage>, Vec<ModelId>, [usize; 3]) 
                 assert_eq!(g.kv().spilled_prefix_blocks(), r.still_spilled_blocks);
                 assert_eq!(r.granted_bytes, b.stats().models[model].granted_bytes);
             }
+            Action::Tick { steps } => {
+                clock += steps;
+                b.set_clock(clock);
+            }
+        }
+        // A model's cache went to a model of lower priority only when it was cold: no
+        // sequence, and none for `cold_steps` of the clock.
+        for e in &b.events()[seen..] {
+            if let (MoveReason::TakeCached, Party::Model(from), Party::Model(to)) =
+                (e.reason, e.from, e.to)
+            {
+                let (g, t) = (from.0 as usize, to.0 as usize);
+                if g > t {
+                    assert!(
+                        idle[g] && clock - active_at[g] >= cold_steps,
+                        "{e:?} from a warm model (clock {clock}, active at {})",
+                        active_at[g]
+                    );
+                }
+            }
         }
         check_all(&b, &ids, &shadow);
+        for (m, seqs) in shadow.iter().enumerate() {
+            if !seqs.is_empty() {
+                active_at[m] = clock;
+            }
+        }
     }
     for r in reservations {
         b.release(r).unwrap();
     }
     check_all(&b, &ids, &shadow);
-    tally(&b.events());
     (b, ids, restored)
 }
 
-/// Moves of each kind over every case, so a run shows which paths it exercised.
-static TALLY: std::sync::Mutex<[usize; 6]> = std::sync::Mutex::new([0; 6]);
-/// Spilled prefix blocks restored by wakes over every case.
-static RESTORED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-fn tally(events: &[pagedkv::broker::MoveEvent]) {
-    let mut t = TALLY.lock().unwrap();
+/// Adds the moves of each kind in `events` to `t`, so a run shows which paths it
+/// exercised.
+fn tally(events: &[pagedkv::broker::MoveEvent], t: &mut [usize; 7]) {
     for e in events {
         match e.reason {
             MoveReason::TakeIdle => t[0] += 1,
@@ -389,14 +431,23 @@ fn tally(events: &[pagedkv::broker::MoveEvent]) {
             // A spill that found the host tier full.
             t[5] += usize::from(e.spilled_blocks > 0 && e.evicted_blocks > 0);
         }
+        // A cold cache taken by a model of lower priority.
+        if let (MoveReason::TakeCached, Party::Model(f), Party::Model(to)) =
+            (e.reason, e.from, e.to)
+        {
+            t[6] += usize::from(f.0 > to.0);
+        }
     }
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
     #[test]
-    fn broker_keeps_budget_floors_and_bytes(actions in prop::collection::vec(action(), 1..80)) {
-        run(actions);
+    fn broker_keeps_budget_floors_and_bytes(
+        actions in prop::collection::vec(action(), 1..80),
+        budget_chunks in 12..48usize,
+    ) {
+        run(actions, budget_chunks);
     }
 }
 
@@ -407,16 +458,21 @@ fn the_property_run_exercises_every_move() {
     // moves during a shrink, reservations served from an arena).
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let strategy = prop::collection::vec(action(), 40..80);
-    for _ in 0..40 {
-        run(strategy.new_tree(&mut runner).unwrap().current());
+    let (mut t, mut restored) = ([0; 7], 0);
+    for case in 0..40 {
+        // Roomy and tight budgets: a cold cache is taken only when free budget and
+        // idle blocks run out.
+        let budget = if case % 2 == 0 { 40 } else { 16 };
+        let (b, _, r) = run(strategy.new_tree(&mut runner).unwrap().current(), budget);
+        tally(&b.events(), &mut t);
+        restored += r.iter().sum::<usize>();
     }
-    let t = *TALLY.lock().unwrap();
     eprintln!(
         "take_idle {}, take_cached {}, blocks moved {}, arena->reservation {}, \
-         blocks spilled {}, spills into a full host tier {}",
-        t[0], t[1], t[2], t[3], t[4], t[5]
+         blocks spilled {}, spills into a full host tier {}, \
+         cold caches taken by a lower priority {}",
+        t[0], t[1], t[2], t[3], t[4], t[5], t[6]
     );
-    let restored = RESTORED.load(Ordering::Relaxed);
     eprintln!("spilled prefix blocks restored by wakes {restored}");
     assert!(
         t.iter().all(|&n| n > 0) && restored > 0,
@@ -451,6 +507,69 @@ fn a_model_under_pressure_takes_idle_then_cached_memory() {
     b.check_invariants().unwrap();
     let svg = b.events_svg("moves");
     assert!(svg.starts_with("<svg") && svg.contains("take_idle"));
+}
+
+/// Model 2 (priority 2) serves a request and goes quiet: its blocks stay cached. Model 0
+/// holds the rest of the budget live. Model 1 (priority 1) then needs 2 chunks: returns
+/// the state in which it got them.
+fn quiet_cache_then_pressure(
+    config: BrokerConfig,
+    keep_one_sequence: bool,
+    clock: u64,
+) -> (Broker<HostStorage>, Vec<ModelId>, usize) {
+    let (b, ids) = broker_with(config, [2, 2, 2]);
+    let mut g2 = b.lock(ids[2]).unwrap();
+    let tokens: Vec<u32> = (0..40).collect();
+    assert!(admit(&mut g2, SeqId(1), &tokens));
+    g2.kv_mut().free(SeqId(1)).unwrap();
+    if keep_one_sequence {
+        assert!(admit(&mut g2, SeqId(2), &[7, 7]));
+    }
+    assert!(g2.kv().stats().cached_blocks >= 15);
+    drop(g2);
+    assert_eq!(b.stats().models[2].granted_bytes, 4 * CHUNK);
+    let mut g0 = b.lock(ids[0]).unwrap();
+    let tokens: Vec<u32> = (100..196).collect();
+    assert!(admit(&mut g0, SeqId(3), &tokens));
+    drop(g0);
+    assert_eq!(b.stats().free_bytes, 0);
+    b.set_clock(clock);
+    let mut g1 = b.lock(ids[1]).unwrap();
+    let available = g1.ensure_available(4).unwrap();
+    drop(g1);
+    b.check_invariants().unwrap();
+    (b, ids, available)
+}
+
+#[test]
+fn a_cold_cache_is_taken_whatever_its_holders_priority() {
+    let cfg = BrokerConfig::new(12 * CHUNK, CHUNK);
+    let steps = cfg.cold_cache_steps.unwrap();
+    let takes = |b: &Broker<HostStorage>, ids: &[ModelId]| {
+        b.events()
+            .iter()
+            .filter(|e| {
+                e.reason == MoveReason::TakeCached
+                    && e.from == Party::Model(ids[2])
+                    && e.to == Party::Model(ids[1])
+            })
+            .count()
+    };
+    // Warm (quiet for fewer steps than `cold_cache_steps`): priority protects the cache.
+    let (b, ids, available) = quiet_cache_then_pressure(cfg, false, steps - 1);
+    assert_eq!((available, takes(&b, &ids)), (2, 0));
+    // Cold: model 1 takes 2 chunks of model 2's cache, which goes down to its floor.
+    let (b, ids, available) = quiet_cache_then_pressure(cfg, false, steps);
+    assert_eq!((available, takes(&b, &ids)), (4, 2));
+    assert_eq!(b.stats().models[2].granted_bytes, 2 * CHUNK);
+    // A model holding a sequence is warm however long ago it started.
+    let (b, ids, available) = quiet_cache_then_pressure(cfg, true, 10 * steps);
+    assert_eq!((available, takes(&b, &ids)), (2, 0));
+    assert_eq!(b.stats().models[2].granted_bytes, 4 * CHUNK);
+    // `None`: the cache is protected by priority always.
+    let (b, ids, available) =
+        quiet_cache_then_pressure(cfg.with_cold_cache_steps(None), false, 10 * steps);
+    assert_eq!((available, takes(&b, &ids)), (2, 0));
 }
 
 #[test]
@@ -1046,7 +1165,7 @@ fn metrics_match_the_event_log_and_the_ledger() {
     for _ in 0..20 {
         let actions = strategy.new_tree(&mut runner).unwrap().current();
         let rec = TestRecorder::default();
-        let (b, ids, restored) = metrics::with_local_recorder(&rec, || run(actions));
+        let (b, ids, restored) = metrics::with_local_recorder(&rec, || run(actions, 40));
         let names: Vec<String> = ids
             .iter()
             .map(|&id| b.name(id).unwrap().to_string())

@@ -21,12 +21,33 @@
 //!    end into holes below it, i.e. the defragmentation that shrink needs), keeping
 //!    [`BrokerConfig::keep_free_chunks`] of free blocks so it does not immediately
 //!    need them back;
-//! 3. it takes chunks another model's prefix cache holds, if that model's priority is
-//!    not above its own: cached blocks are evicted ([`KvCacheManager::evict_cached`]),
-//!    then the other model shrinks ([`MoveReason::TakeCached`]).
+//! 3. it takes chunks another model's prefix cache holds: cached blocks are evicted
+//!    ([`KvCacheManager::evict_cached`]), then the other model shrinks
+//!    ([`MoveReason::TakeCached`]). Cold caches go first, whatever their holder's
+//!    priority; a warm cache only to a model of no lower priority (below).
 //!
 //! Victims are tried lowest priority first. No model goes below its floor or above
-//! its ceiling ([`ModelLimits`]). A model can be put to sleep ([`Broker::sleep`]: its
+//! its ceiling ([`ModelLimits`]).
+//!
+//! # Cache is not running work
+//!
+//! Priority protects what a model is doing: its referenced blocks are never taken (only
+//! free and unreferenced cached blocks are), nor its floor, and while a model is warm
+//! its cache is taken only by models of no lower priority. A model is *cold* when it
+//! held no sequence when its lock was last released and has held none for
+//! [`BrokerConfig::cold_cache_steps`] steps of the broker clock ([`Broker::set_clock`]);
+//! its unreferenced cached blocks above its floor are then idle memory that any model
+//! under pressure (or a reservation) takes, before any warm model's cache. Why: a
+//! finished request's blocks stay cached, so without this rule a high-priority model
+//! that served a burst and went quiet keeps its whole peak as cache, and models of
+//! lower priority under load queue beside it until it is put to sleep (the
+//! `serve_multi --shared-prefix-tokens 64` run fell below a static equal split). The
+//! steps of grace keep the cache of a model between two close bursts, so its next
+//! request still hits. A cold model that gets a request again is warm at once and
+//! takes memory back like any other (from free budget, idle blocks, cold caches).
+//! `cold_cache_steps: None` restores the older rule (a cache is protected by its
+//! holder's priority always). Coldness is read without the holder's lock, so it can be
+//! a step stale; that costs at most a cache hit, never a referenced block. A model can be put to sleep ([`Broker::sleep`]: its
 //! arena shrinks to the floor, optionally after swapping its sequences out to the host
 //! tier and spilling its prefix cache there, still indexed) and woken
 //! ([`Broker::wake`], which restores the spilled prefixes so they hit again). External
@@ -89,7 +110,7 @@
 mod svg;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, MutexGuard};
@@ -156,17 +177,38 @@ pub struct BrokerConfig {
     /// granules, so that a move maps or unmaps exactly its accounted bytes:
     /// [`chunk_bytes_for`] gives the smallest such chunk for a set of models.
     pub granule_bytes: usize,
+    /// Broker clock steps ([`Broker::set_clock`]) a model must have held no sequence
+    /// before its prefix cache stops being protected by its priority, or `None` to
+    /// protect it always. A cold model's unreferenced cached blocks above its floor
+    /// can be taken by any model under pressure, and are taken before the caches of
+    /// models that are still warm (see the module docs, *Cache is not running work*).
+    pub cold_cache_steps: Option<u64>,
 }
 
 impl BrokerConfig {
     /// `budget_bytes` cut into chunks of `chunk_bytes`; a victim keeps one chunk free;
-    /// no physical granule.
+    /// no physical granule; a model's cache turns cold after
+    /// [`Self::DEFAULT_COLD_CACHE_STEPS`] steps without a sequence.
     pub fn new(budget_bytes: usize, chunk_bytes: usize) -> Self {
         BrokerConfig {
             budget_bytes,
             chunk_bytes,
             keep_free_chunks: 1,
             granule_bytes: 0,
+            cold_cache_steps: Some(Self::DEFAULT_COLD_CACHE_STEPS),
+        }
+    }
+
+    /// Default of [`Self::cold_cache_steps`]: long enough that a model between two
+    /// bursts of requests keeps its cache, short against a phase of minutes.
+    pub const DEFAULT_COLD_CACHE_STEPS: u64 = 20;
+
+    /// The same budget and chunk, with `cold_cache_steps` (`None`: a model's cache is
+    /// always protected by its priority, as running work is).
+    pub fn with_cold_cache_steps(self, cold_cache_steps: Option<u64>) -> Self {
+        BrokerConfig {
+            cold_cache_steps,
+            ..self
         }
     }
 
@@ -475,6 +517,10 @@ struct ModelSlot<S> {
     blocks_per_chunk: usize,
     block_bytes: usize,
     mapped_bytes_per_chunk: usize,
+    /// Whether the model held a sequence when its lock was last released.
+    active: AtomicBool,
+    /// The broker clock when the model was last seen holding a sequence.
+    active_at: AtomicU64,
     state: Mutex<ModelState<S>>,
 }
 
@@ -554,8 +600,9 @@ impl<S: Storage> ModelGuard<'_, S> {
     }
 
     /// Makes at least `blocks` blocks available to this model if the budget allows:
-    /// free budget first, then other models' free blocks, then (from models of no
-    /// higher priority) their prefix caches; whole chunks, up to the ceiling. Returns
+    /// free budget first, then other models' free blocks, then their prefix caches
+    /// (cold ones of any priority first, then warm ones of models of no higher
+    /// priority: see the module docs); whole chunks, up to the ceiling. Returns
     /// the blocks available afterwards ([`KvCacheManager::num_available_blocks`]),
     /// which is below `blocks` when the budget could not provide them (the scheduler
     /// then delays an admission or preempts). A sleeping model does not grow.
@@ -577,6 +624,20 @@ impl<S: Storage> ModelGuard<'_, S> {
         let want = (blocks - available).div_ceil(slot.blocks_per_chunk);
         b.acquire_for_model(self.id, &mut self.state, want, MoveReason::Grow)?;
         Ok(self.state.kv.num_available_blocks())
+    }
+}
+
+impl<S: Storage> Drop for ModelGuard<'_, S> {
+    /// Notes whether the model holds a sequence, for [`BrokerConfig::cold_cache_steps`]
+    /// (only a guard changes the sequences, so its release is the moment to look).
+    fn drop(&mut self) {
+        let slot = &self.broker.models[self.id.0 as usize];
+        let active = self.state.kv.stats().num_sequences > 0;
+        if active {
+            let clock = self.broker.clock.load(Ordering::Relaxed);
+            slot.active_at.store(clock, Ordering::Relaxed);
+        }
+        slot.active.store(active, Ordering::Relaxed);
     }
 }
 
@@ -734,6 +795,8 @@ impl<S: Storage> Broker<S> {
             blocks_per_chunk: bpc,
             block_bytes: kv.layout().block_bytes(),
             mapped_bytes_per_chunk: mapped,
+            active: AtomicBool::new(kv.stats().num_sequences > 0),
+            active_at: AtomicU64::new(self.clock.load(Ordering::Relaxed)),
             state: Mutex::new(ModelState {
                 kv,
                 storage,
@@ -845,7 +908,7 @@ impl<S: Storage> Broker<S> {
         loop {
             got += self.take_free(to, want - got, MoveReason::Reserve);
             for allow_cached in [false, true] {
-                for v in self.victims(None, i32::MAX) {
+                for v in self.victims(None, i32::MAX, allow_cached) {
                     while got < want {
                         let Some(mut st) =
                             self.models[v].state.try_lock_for(Duration::from_millis(1))
@@ -1139,9 +1202,25 @@ impl<S: Storage> Broker<S> {
         Ok(())
     }
 
-    /// Models other than `except`, lowest priority first, then most chunks above the
-    /// floor first; only those whose priority is at most `max_priority`.
-    fn victims(&self, except: Option<ModelId>, max_priority: i32) -> Vec<usize> {
+    /// Whether model `i`'s prefix cache is cold: no sequence when its lock was last
+    /// released, and none for [`BrokerConfig::cold_cache_steps`] of the clock.
+    fn is_cold(&self, i: usize) -> bool {
+        let Some(steps) = self.config.cold_cache_steps else {
+            return false;
+        };
+        let m = &self.models[i];
+        let since = m.active_at.load(Ordering::Relaxed);
+        !m.active.load(Ordering::Relaxed)
+            && self.clock.load(Ordering::Relaxed).saturating_sub(since) >= steps
+    }
+
+    /// Models other than `except` with chunks above their floor, to take memory from
+    /// for a taker of priority `priority`. For free blocks (`cached` false): every
+    /// model, lowest priority first, then most chunks above the floor first. For cached
+    /// blocks: models whose cache is cold ([`Self::is_cold`]) first, whatever their
+    /// priority, then warm ones of priority at most `priority`, each group in the same
+    /// order.
+    fn victims(&self, except: Option<ModelId>, priority: i32, cached: bool) -> Vec<usize> {
         let spare: Vec<usize> = {
             let l = self.ledger.lock();
             self.models
@@ -1150,11 +1229,23 @@ impl<S: Storage> Broker<S> {
                 .map(|(i, m)| l.granted[i].saturating_sub(m.floor_chunks))
                 .collect()
         };
+        let cold: Vec<bool> = (0..self.models.len())
+            .map(|i| cached && self.is_cold(i))
+            .collect();
         let mut v: Vec<usize> = (0..self.models.len())
             .filter(|&i| Some(ModelId(i as u32)) != except)
-            .filter(|&i| spare[i] > 0 && self.models[i].priority <= max_priority)
+            .filter(|&i| {
+                spare[i] > 0 && (!cached || cold[i] || self.models[i].priority <= priority)
+            })
             .collect();
-        v.sort_by_key(|&i| (self.models[i].priority, std::cmp::Reverse(spare[i]), i));
+        v.sort_by_key(|&i| {
+            (
+                !cold[i],
+                self.models[i].priority,
+                std::cmp::Reverse(spare[i]),
+                i,
+            )
+        });
         v
     }
 
@@ -1193,12 +1284,7 @@ impl<S: Storage> Broker<S> {
         let to = Party::Model(id);
         let mut got = self.take_free(to, want, reason);
         for allow_cached in [false, true] {
-            let max_priority = if allow_cached {
-                slot.priority
-            } else {
-                i32::MAX
-            };
-            for v in self.victims(Some(id), max_priority) {
+            for v in self.victims(Some(id), slot.priority, allow_cached) {
                 while got < want {
                     let Some(mut other) = self.models[v].state.try_lock() else {
                         break;
