@@ -1005,6 +1005,70 @@ fn a_chunk_maps_exactly_its_bytes_per_layer_granule() {
     assert_eq!((m.blocks_per_chunk, m.mapped_bytes_per_chunk), (5, 960));
 }
 
+/// A host storage that reports the mapping granule it is given, as a `CudaStorage`
+/// reports its VMM granule (`None`: backed by chunks larger than the granule).
+struct Granular {
+    inner: HostStorage,
+    granule: Option<usize>,
+}
+
+pagedkv::delegate_storage! {
+    Granular => inner, except [mapping_granule_bytes];
+    fn mapping_granule_bytes(&self) -> Option<usize> {
+        self.granule
+    }
+}
+
+#[test]
+fn registration_reads_the_storages_granule() {
+    const MIB: usize = 1 << 20;
+    let shape = ModelShape {
+        num_layers: 4,
+        num_q_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 128,
+        kv_dtype: DType::BF16,
+    };
+    // 16 KiB per block per layer: a 2 MiB chunk is 512 KiB per layer, not whole granules.
+    let layout = KvLayout::new(shape, 16).unwrap();
+    let try_register = |chunk: usize, declared: usize, granule: Option<usize>| {
+        let config = BrokerConfig::new(8 * chunk, chunk).with_granule(declared);
+        let mut b: Broker<Granular> = Broker::new(config).unwrap();
+        let bpc = b.blocks_per_chunk(&layout).unwrap();
+        let kv = KvCacheManager::builder(layout)
+            .num_blocks(bpc)
+            .build()
+            .unwrap();
+        let storage = Granular {
+            inner: HostStorage::new(layout, bpc).unwrap(),
+            granule,
+        };
+        let r = b.register("m", kv, storage, ModelLimits::new(chunk, 8 * chunk));
+        if r.is_err() {
+            // Refused: nothing granted, no event.
+            assert_eq!((b.num_models(), b.stats().free_bytes), (0, 8 * chunk));
+            assert!(b.events().is_empty());
+        }
+        r.map(|_| b.stats().models[0].mapped_bytes_per_chunk)
+    };
+    let refused = |r: pagedkv::Result<usize>| matches!(r, Err(Error::InvalidConfig { .. }));
+    // No granule declared: the storage's 2 MiB granule refuses a 2 MiB chunk (it would
+    // map 8 MiB) and accepts 8 MiB (2 MiB per layer).
+    assert!(refused(try_register(2 * MIB, 0, Some(2 * MIB))));
+    assert_eq!(try_register(8 * MIB, 0, Some(2 * MIB)).unwrap(), 8 * MIB);
+    // Byte-exact storage (the host's 1): any chunk, as before.
+    assert_eq!(try_register(2 * MIB, 0, Some(1)).unwrap(), 2 * MIB);
+    // A storage that can keep a straddling chunk after a shrink: refused.
+    assert!(refused(try_register(8 * MIB, 0, None)));
+    assert!(refused(try_register(8 * MIB, 2 * MIB, None)));
+    // A declared granule must be a multiple of the storage's.
+    assert!(refused(try_register(8 * MIB, 3 * MIB, Some(2 * MIB))));
+    assert_eq!(
+        try_register(8 * MIB, 2 * MIB, Some(2 * MIB)).unwrap(),
+        8 * MIB
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
     /// For small random shapes and granules, `chunk_bytes_for` is the smallest chunk

@@ -4,8 +4,11 @@
 //! here), so the physical memory mapped behind each layer is checked against the
 //! broker's accounting; one model fills blocks with random bytes, the other takes its
 //! idle chunks and then gives them back through a reservation; the first model's bytes
-//! are read back unchanged from VRAM. Prints a skip line and returns on a machine
-//! without a GPU.
+//! are read back unchanged from VRAM. The storages are built with
+//! `CudaStorageConfig::granule_chunks` (physical chunks of one granule), so a shrink
+//! releases exactly the bytes past the new end; the broker reads the granule from the
+//! storage and refuses a storage backed by larger chunks. Prints a skip line and
+//! returns on a machine without a GPU.
 #![cfg(feature = "cuda")]
 
 mod cuda_common;
@@ -45,24 +48,45 @@ fn chunk_moves_keep_bytes_on_the_gpu() {
     ];
     let chunk = chunk_bytes_for(&layouts, GRANULE).unwrap();
     assert_eq!(chunk, 24 << 20);
-    let config = BrokerConfig::new(16 * chunk, chunk).with_granule(GRANULE);
+    // No granule declared: the broker reads it from the storage.
+    let config = BrokerConfig::new(16 * chunk, chunk);
     let mut broker: Broker<CudaStorage> = Broker::new(config).unwrap();
     let mut ids = Vec::new();
     for (i, l) in layouts.iter().enumerate() {
         let bpc = broker.blocks_per_chunk(l).unwrap();
         let blocks = 4 * bpc;
-        let config = CudaStorageConfig {
+        let kv = || {
+            KvCacheManager::builder(*l)
+                .num_blocks(blocks)
+                .build()
+                .unwrap()
+        };
+        let limits = ModelLimits::new(chunk, 12 * chunk);
+        // Backed by chunks larger than the granule (the default): refused, nothing
+        // granted.
+        let coarse = CudaStorageConfig {
             max_blocks: Some(16 * bpc),
             ..CudaStorageConfig::blocks(blocks)
+        };
+        let Some(storage) = storage_or_skip(test, *l, coarse.clone()) else {
+            return;
+        };
+        assert_eq!(storage.mapping_granule_bytes(), None);
+        let free = broker.stats().free_bytes;
+        assert!(matches!(
+            broker.register("coarse", kv(), storage, limits),
+            Err(pagedkv::Error::InvalidConfig { .. })
+        ));
+        assert_eq!(broker.stats().free_bytes, free);
+        let config = CudaStorageConfig {
+            granule_chunks: true,
+            ..coarse
         };
         let Some(storage) = storage_or_skip(test, *l, config) else {
             return;
         };
-        let kv = KvCacheManager::builder(*l)
-            .num_blocks(blocks)
-            .build()
-            .unwrap();
-        let limits = ModelLimits::new(chunk, 12 * chunk);
+        assert_eq!(storage.mapping_granule_bytes(), Some(GRANULE));
+        let kv = kv();
         ids.push(
             broker
                 .register(format!("m{i}"), kv, storage, limits)
@@ -104,16 +128,11 @@ fn chunk_moves_keep_bytes_on_the_gpu() {
     let mut g1 = broker.lock(ids[1]).unwrap();
     g1.ensure_available(12 * bpc1).unwrap();
     drop(g1);
-    // Model 1 only grew: exact. Model 0 shrank: `CudaStorage` releases whole VMM
-    // chunks past the new end and keeps one that straddles it, so it may map more than
-    // its grant until a later shrink (the README's "Not finished" says so); never less.
+    // Model 1 grew, model 0 shrank: both map exactly their grants (granule chunks:
+    // no physical chunk straddles the new end).
+    assert!(granted(&broker, ids[0]) < 10 * chunk);
     assert_eq!(physical(&broker, ids[1]), granted(&broker, ids[1]));
-    assert!(physical(&broker, ids[0]) >= granted(&broker, ids[0]));
-    eprintln!(
-        "GPU broker: model 0 maps {} MiB for a grant of {} MiB after shrinking",
-        physical(&broker, ids[0]) >> 20,
-        granted(&broker, ids[0]) >> 20
-    );
+    assert_eq!(physical(&broker, ids[0]), granted(&broker, ids[0]));
     let events = broker.events();
     assert!(events.iter().any(|e| e.reason == MoveReason::TakeIdle));
     broker.check_invariants().unwrap();
@@ -123,6 +142,9 @@ fn chunk_moves_keep_bytes_on_the_gpu() {
         broker.release(r).unwrap();
     }
     broker.check_invariants().unwrap();
+    for &id in &ids {
+        assert_eq!(physical(&broker, id), granted(&broker, id));
+    }
     // Model 0's bytes, read back from VRAM, are the ones written.
     let g = broker.lock(ids[0]).unwrap();
     let table = g.kv().block_table(SeqId(1)).unwrap().to_vec();

@@ -172,7 +172,9 @@ pub struct BrokerConfig {
     pub keep_free_chunks: usize,
     /// The physical allocation granule of the storage, per layer region (on CUDA, the
     /// VMM granularity: 2 MiB), or 0 when memory is not mapped in granules (the host
-    /// backend). When set, [`Broker::register`] accepts only models whose chunk is
+    /// backend). [`Broker::register`] reads the storage's own granule
+    /// ([`Storage::mapping_granule_bytes`]) and uses it when this is 0; a declared one
+    /// must be a multiple of it. With a granule, [`Broker::register`] accepts only models whose chunk is
     /// exactly its blocks and whose per-layer share of a chunk is a whole number of
     /// granules, so that a move maps or unmaps exactly its accounted bytes:
     /// [`chunk_bytes_for`] gives the smallest such chunk for a set of models.
@@ -418,7 +420,8 @@ pub struct ModelBudget {
     /// Bytes of one of its blocks.
     pub block_bytes: usize,
     /// Bytes the storage maps for one chunk of this model: its blocks' bytes, each
-    /// layer rounded up to [`BrokerConfig::granule_bytes`]. Equal to the chunk when the
+    /// layer rounded up to the granule ([`BrokerConfig::granule_bytes`], or the
+    /// storage's own). Equal to the chunk when the
     /// chunk fits the model exactly ([`chunk_bytes_for`]); below it when part of the
     /// chunk is charged but unused (no granule; the chunk not a whole number of blocks).
     pub mapped_bytes_per_chunk: usize,
@@ -704,9 +707,12 @@ impl<S: Storage> Broker<S> {
     /// # Errors
     /// [`Error::InvalidConfig`] when the arena is not a whole number of chunks, lies
     /// outside `[floor, ceiling]`, the floor is not above the manager's watermark, the
-    /// storage's layout differs, or (with a [`BrokerConfig::granule_bytes`]) a chunk
-    /// would map other than its own bytes for this model; [`Error::ShapeMismatch`] for a storage of another
-    /// size; [`Error::OutOfBlocks`] (in chunks) when the free budget is too small.
+    /// storage's layout differs, the storage does not map exactly
+    /// ([`Storage::mapping_granule_bytes`] is `None`), or, with a granule (the
+    /// storage's, or [`BrokerConfig::granule_bytes`], which must be a multiple of the
+    /// storage's), a chunk would map other than its own bytes for this model;
+    /// [`Error::ShapeMismatch`] for a storage of another size; [`Error::OutOfBlocks`]
+    /// (in chunks) when the free budget is too small.
     pub fn register(
         &mut self,
         name: impl Into<String>,
@@ -717,8 +723,30 @@ impl<S: Storage> Broker<S> {
         let name = name.into();
         let bpc = self.blocks_per_chunk(kv.layout())?;
         let layout = *kv.layout();
-        let mapped = mapped_bytes(&layout, bpc, self.config.granule_bytes);
-        if self.config.granule_bytes > 0 && mapped != self.config.chunk_bytes {
+        // The storage's own granule where it has one (CUDA), else the declared one.
+        let granule = match (storage.mapping_granule_bytes(), self.config.granule_bytes) {
+            (None, _) => {
+                return Err(Error::config(
+                    "storage",
+                    format!(
+                        "{name}: the storage can keep more memory mapped after a shrink than \
+                         its arena holds (CudaStorage: set CudaStorageConfig::granule_chunks), \
+                         so a chunk would not map exactly its bytes"
+                    ),
+                ))
+            }
+            (Some(s), 0) if s > 1 => s,
+            (Some(_), 0) => 0,
+            (Some(s), g) if g % s != 0 => {
+                return Err(Error::config(
+                    "granule_bytes",
+                    format!("{name}: {g} is not a multiple of the storage's granule of {s}"),
+                ))
+            }
+            (Some(_), g) => g,
+        };
+        let mapped = mapped_bytes(&layout, bpc, granule);
+        if granule > 0 && mapped != self.config.chunk_bytes {
             return Err(Error::config(
                 "chunk_bytes",
                 format!(
@@ -728,7 +756,7 @@ impl<S: Storage> Broker<S> {
                     self.config.chunk_bytes,
                     layout.block_bytes(),
                     layout.num_layers(),
-                    self.config.granule_bytes
+                    granule
                 ),
             ));
         }
