@@ -847,7 +847,8 @@ impl<S: Storage> Broker<S> {
         Ok(&self.slot(id)?.name)
     }
 
-    /// Sets the clock stamped on the events that follow (a scheduler step, say).
+    /// Sets the clock stamped on the events that follow (a scheduler step, say); it is
+    /// also the clock [`BrokerConfig::cold_cache_steps`] counts.
     pub fn set_clock(&self, clock: u64) {
         self.clock.store(clock, Ordering::Relaxed);
     }
@@ -902,7 +903,8 @@ impl<S: Storage> Broker<S> {
 
     /// Asks for `bytes` (rounded up to whole chunks) for a consumer outside the KV
     /// arenas, within `timeout`: free budget first, then models' free blocks, then
-    /// their prefix caches, lowest priority first, never below a floor. While the
+    /// their prefix caches (cold ones first), lowest priority first, never below a
+    /// floor. While the
     /// arenas hold live blocks it retries (every millisecond) as sequences finish.
     /// Each model is waited for at most a millisecond at a time, so no scheduler waits
     /// on it longer than one chunk move.

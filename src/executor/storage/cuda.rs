@@ -7,8 +7,12 @@
 //!   1 GiB, largest first, so a 100+ GiB arena costs a few hundred driver calls, not
 //!   tens of thousands. Growing maps chunks at the tail (in granules past the big
 //!   ones); shrinking unmaps and releases whole tail chunks (`cuMemUnmap`,
-//!   `cuMemRelease`). Live blocks never move and region addresses never change, so a
-//!   resize copies nothing and the per-layer base pointers uploaded once stay valid.
+//!   `cuMemRelease`), keeping one that straddles the new end; with
+//!   [`CudaStorageConfig::granule_chunks`] every chunk is one granule, so a shrink
+//!   releases exactly the bytes past the end (what the memory broker requires, read
+//!   through [`Storage::mapping_granule_bytes`]). Live blocks never move and region
+//!   addresses never change, so a resize copies nothing and the per-layer base
+//!   pointers uploaded once stay valid.
 //! - **Streams.** Kernels and K/V writes run on the compute stream; swaps run on a
 //!   separate transfer stream so they overlap compute. Ordering between the two is by
 //!   events only (no device-wide synchronisation): a swap waits for the compute work
