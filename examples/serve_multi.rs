@@ -24,17 +24,30 @@
 //! The models are stepped in lockstep on one thread so the table is reproducible; the
 //! broker's thread safety is tested in `tests/broker.rs`.
 //!
+//! With `--shared-prefix-tokens N`, every request starts with one of a few system
+//! prompts of its model and is admitted with token ids, so the prefix cache serves
+//! them; with `--sleep-idle-steps N`, two more broker runs put a model idle for N steps
+//! to sleep (evicting its prefix cache, or spilling it to the host tier) and wake it
+//! when a request arrives. A model with no sequence for `--cold-cache-steps` steps
+//! (default 20) has a cold prefix cache, which the others take whatever its priority;
+//! `--cache-protected-by-priority` runs the older rule (a cache is protected like
+//! running work) for comparison.
+//!
 //! ```text
 //! cargo run --release --example serve_multi -- --models 3
 //! cargo run --release --example serve_multi -- --models 3 --json
 //! cargo run --release --example serve_multi -- --models 3 --svg broker.svg
+//! cargo run --release --example serve_multi -- --models 3 --shared-prefix-tokens 64 --sleep-idle-steps 20
 //! ```
 
 use std::collections::VecDeque;
 
 use clap::Parser;
-use pagedkv::broker::{Broker, BrokerConfig, ModelId, ModelLimits, MoveReason};
-use pagedkv::{CopyPlan, DType, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId, Storage};
+use pagedkv::broker::{Broker, BrokerConfig, ModelId, ModelLimits, MoveReason, SleepOptions};
+use pagedkv::{
+    AdmitOptions, CopyPlan, DType, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId,
+    Storage, TierConfig,
+};
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Several models sharing one KV memory budget: broker vs static splits")]
@@ -69,6 +82,80 @@ struct Args {
     /// Write the broker run's moves as an SVG.
     #[arg(long)]
     svg: Option<String>,
+    /// Tokens of a system prompt that starts every request (one of `--prefixes` per
+    /// model); 0: no shared prompts and no prefix cache (the default table).
+    #[arg(long, default_value_t = 0)]
+    shared_prefix_tokens: usize,
+    /// System prompts per model.
+    #[arg(long, default_value_t = 4)]
+    prefixes: u64,
+    /// When above 0, two more broker runs put a model with nothing to do for this many
+    /// steps to sleep (one evicting its prefix cache, one spilling it to the host tier)
+    /// and wake it when a request arrives.
+    #[arg(long, default_value_t = 0)]
+    sleep_idle_steps: u64,
+    /// Host tier of each model (swap space, spilled prefixes), MiB.
+    #[arg(long, default_value_t = 16)]
+    host_mib: usize,
+    /// Steps without a sequence after which a model's prefix cache is cold: taken by a
+    /// model under pressure whatever the holder's priority (`BrokerConfig::cold_cache_steps`).
+    #[arg(long, default_value_t = BrokerConfig::DEFAULT_COLD_CACHE_STEPS)]
+    cold_cache_steps: u64,
+    /// The older rule, for comparison: a model's cache is protected by its priority
+    /// however long it has been idle (`cold_cache_steps: None`).
+    #[arg(long)]
+    cache_protected_by_priority: bool,
+}
+
+/// When a model is put to sleep in a broker run.
+#[derive(Debug, Clone, Copy)]
+struct SleepPolicy {
+    idle_steps: u64,
+    spill: bool,
+}
+
+/// Where K/V bytes and token ids come from: the shared system prompt (the same for
+/// every request that has it) or the request itself.
+#[derive(Debug, Clone, Copy)]
+struct Content {
+    shared_tokens: usize,
+    prefixes: u64,
+}
+
+impl Content {
+    /// The system prompt request `req` of `model` starts with.
+    fn prefix_of(&self, model: usize, req: usize) -> u64 {
+        mix(((model as u64) << 40) ^ req as u64) % self.prefixes.max(1)
+    }
+
+    /// Leading tokens of the request that are its system prompt.
+    fn shared_len(&self, req: &Request) -> usize {
+        self.shared_tokens.min(req.prompt)
+    }
+
+    /// The key of position `pos` of request `req`'s K/V: the request, or its system
+    /// prompt within the shared part (so a block shared through the prefix cache holds
+    /// the same bytes whoever computed it). Without shared prompts, the request.
+    fn key(&self, model: usize, req: usize, r: &Request, pos: usize) -> u64 {
+        if pos < self.shared_len(r) {
+            mix((1 << 62) ^ self.prefix_of(model, req))
+        } else {
+            req as u64
+        }
+    }
+
+    /// The token id at `pos` of request `req` admitted with `generated` tokens so far:
+    /// system prompt ids, then ids unique to the request, then the generated tokens.
+    fn token_id(&self, model: usize, req: usize, r: &Request, pos: usize) -> u32 {
+        if pos < self.shared_len(r) {
+            (mix(((model as u64) << 40) ^ (self.prefix_of(model, req) << 20) ^ pos as u64)
+                % 100_000) as u32
+        } else if pos < r.prompt {
+            100_000 + (req * 2048 + pos) as u32
+        } else {
+            generated_token(model, req, pos - r.prompt) as u32
+        }
+    }
 }
 
 /// Most requests a model runs at once.
@@ -187,17 +274,18 @@ fn make_traces(args: &Args, specs: &[Spec]) -> Vec<Vec<Request>> {
     traces
 }
 
-/// K (kind 0) or V (kind 1) of layer 0 at `pos` of request `req`: its bytes.
+/// K (kind 0) or V (kind 1) of layer 0 at `pos` of the content `key`
+/// ([`Content::key`]): its bytes.
 fn token_bytes(
     layout: &KvLayout,
     model: usize,
-    req: usize,
+    key: u64,
     pos: usize,
     kind: u64,
     out: &mut Vec<u8>,
 ) {
     let n = layout.shape().num_kv_heads * layout.shape().head_dim * layout.dtype().size_bytes();
-    let mut z = mix(((model as u64) << 56) ^ ((req as u64) << 24) ^ ((pos as u64) << 1) ^ kind);
+    let mut z = mix(((model as u64) << 56) ^ (key << 24) ^ ((pos as u64) << 1) ^ kind);
     for _ in 0..n.div_ceil(8) {
         z = mix(z);
         out.extend_from_slice(&z.to_le_bytes());
@@ -231,6 +319,12 @@ struct ModelReport {
     peak_used_bytes: usize,
     token_checksum: u64,
     kv_checksum: u64,
+    /// Prompt tokens served by the prefix cache at admissions.
+    hit_tokens: u64,
+    sleeps: u64,
+    spilled_blocks: u64,
+    evicted_blocks: u64,
+    restored_blocks: u64,
 }
 
 impl ModelReport {
@@ -249,6 +343,10 @@ struct ModelRun<'t> {
     admitted_once: Vec<bool>,
     next_seq: u64,
     report: ModelReport,
+    content: Content,
+    sleep: Option<SleepPolicy>,
+    asleep: bool,
+    idle_steps: u64,
 }
 
 impl ModelRun<'_> {
@@ -256,6 +354,20 @@ impl ModelRun<'_> {
         while self.next < self.trace.len() && self.trace[self.next].arrival <= step {
             self.waiting.push_back((self.next, 0));
             self.next += 1;
+        }
+        if self.asleep && !self.waiting.is_empty() {
+            // Wake with room for the floor and every spilled prefix block.
+            let (spilled, block_bytes) = {
+                let g = broker.lock(self.id)?;
+                (
+                    g.kv().spilled_prefix_blocks(),
+                    g.kv().layout().block_bytes(),
+                )
+            };
+            let floor = broker.stats().models[self.id.0 as usize].floor_bytes;
+            let w = broker.wake(self.id, floor + spilled * block_bytes)?;
+            self.report.restored_blocks += w.restored_blocks as u64;
+            self.asleep = false;
         }
         let mut g = broker.lock(self.id)?;
         let layout = *g.kv().layout();
@@ -286,8 +398,11 @@ impl ModelRun<'_> {
             debug_assert!(copies.is_empty());
             k.clear();
             v.clear();
-            token_bytes(&layout, self.index, r.req, r.len, 0, &mut k);
-            token_bytes(&layout, self.index, r.req, r.len, 1, &mut v);
+            let key = self
+                .content
+                .key(self.index, r.req, &self.trace[r.req], r.len);
+            token_bytes(&layout, self.index, key, r.len, 0, &mut k);
+            token_bytes(&layout, self.index, key, r.len, 1, &mut v);
             storage.write_slots(0, &slots, &k, &v)?;
             self.report.token_checksum ^=
                 mix(generated_token(self.index, r.req, r.generated) ^ (r.req as u64) << 32);
@@ -312,8 +427,9 @@ impl ModelRun<'_> {
             k.clear();
             v.clear();
             for pos in 0..r.len {
-                token_bytes(&layout, self.index, r.req, pos, 0, &mut k);
-                token_bytes(&layout, self.index, r.req, pos, 1, &mut v);
+                let key = self.content.key(self.index, r.req, &self.trace[r.req], pos);
+                token_bytes(&layout, self.index, key, pos, 0, &mut k);
+                token_bytes(&layout, self.index, key, pos, 1, &mut v);
             }
             assert!(
                 rk == k && rv == v,
@@ -346,12 +462,24 @@ impl ModelRun<'_> {
             let seq = SeqId(self.next_seq);
             self.next_seq += 1;
             let (kv, storage) = g.parts_mut();
-            kv.admit(seq, tokens, &mut slots)?;
+            let r = &self.trace[req];
+            let cached = if self.content.shared_tokens > 0 {
+                let ids: Vec<u32> = (0..tokens)
+                    .map(|pos| self.content.token_id(self.index, req, r, pos))
+                    .collect();
+                kv.admit_tokens(seq, &ids, &AdmitOptions::default(), &mut slots)?
+                    .cached_tokens
+            } else {
+                kv.admit(seq, tokens, &mut slots)?;
+                0
+            };
+            self.report.hit_tokens += cached as u64;
             k.clear();
             v.clear();
-            for pos in 0..tokens {
-                token_bytes(&layout, self.index, req, pos, 0, &mut k);
-                token_bytes(&layout, self.index, req, pos, 1, &mut v);
+            for pos in cached..tokens {
+                let key = self.content.key(self.index, req, r, pos);
+                token_bytes(&layout, self.index, key, pos, 0, &mut k);
+                token_bytes(&layout, self.index, key, pos, 1, &mut v);
             }
             storage.write_slots(0, &slots, &k, &v)?;
             if !self.admitted_once[req] {
@@ -372,6 +500,26 @@ impl ModelRun<'_> {
         }
         let used = g.kv().stats().used_blocks * layout.block_bytes();
         self.report.peak_used_bytes = self.report.peak_used_bytes.max(used);
+        drop(g);
+        if let Some(policy) = self.sleep {
+            if self.asleep || !self.waiting.is_empty() || !self.running.is_empty() {
+                self.idle_steps = 0;
+            } else {
+                self.idle_steps += 1;
+                if self.idle_steps >= policy.idle_steps {
+                    let opts = SleepOptions {
+                        spill_cached_prefixes: policy.spill,
+                        ..SleepOptions::default()
+                    };
+                    let r = broker.sleep(self.id, opts)?;
+                    self.report.sleeps += 1;
+                    self.report.spilled_blocks += r.spilled_blocks as u64;
+                    self.report.evicted_blocks += r.evicted_blocks as u64;
+                    self.asleep = true;
+                    self.idle_steps = 0;
+                }
+            }
+        }
         Ok(())
     }
 
@@ -407,9 +555,12 @@ fn simulate(
     models: &[usize],
     budget_chunks: usize,
     alloc: &Allocation,
+    sleep: Option<SleepPolicy>,
 ) -> pagedkv::Result<RunResult> {
     let chunk = args.chunk_mib << 20;
-    let mut broker = Broker::new(BrokerConfig::new(budget_chunks * chunk, chunk))?;
+    let cold = (!args.cache_protected_by_priority).then_some(args.cold_cache_steps);
+    let mut broker =
+        Broker::new(BrokerConfig::new(budget_chunks * chunk, chunk).with_cold_cache_steps(cold))?;
     let mut runs = Vec::new();
     for (slot, &m) in models.iter().enumerate() {
         let spec = &specs[m];
@@ -426,11 +577,20 @@ fn simulate(
             ),
         };
         let blocks = start * bpc;
+        // A host tier only where a sleep can use it (the default table has none).
+        let host = match sleep {
+            Some(_) => (args.host_mib << 20) / spec.layout.block_bytes(),
+            None => 0,
+        };
         let kv = KvCacheManager::builder(spec.layout)
             .num_blocks(blocks)
             .watermark_blocks(0)
+            .tiers(TierConfig {
+                num_host_blocks: host,
+                ..TierConfig::default()
+            })
             .build()?;
-        let storage = HostStorage::new(spec.layout, blocks)?;
+        let storage = HostStorage::with_host_tier(spec.layout, blocks, host)?;
         let id = broker.register(spec.name, kv, storage, limits)?;
         runs.push(ModelRun {
             index: m,
@@ -446,6 +606,13 @@ fn simulate(
                 requests: traces[m].len(),
                 ..ModelReport::default()
             },
+            content: Content {
+                shared_tokens: args.shared_prefix_tokens,
+                prefixes: args.prefixes,
+            },
+            sleep,
+            asleep: false,
+            idle_steps: 0,
         });
     }
     let horizon = traces
@@ -533,6 +700,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &Allocation::Broker {
             floor_chunks: mins.clone(),
         },
+        None,
     )?;
     let equal: Vec<usize> = vec![budget / specs.len(); specs.len()];
     let equal_run = simulate(
@@ -542,6 +710,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &models,
         budget,
         &Allocation::Static(equal.clone()),
+        None,
     )?;
 
     // Hindsight: every split on a grid of `sweep_chunks`, each model at least its
@@ -570,6 +739,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &models,
             budget,
             &Allocation::Static(split.clone()),
+            None,
         )?;
         if best
             .as_ref()
@@ -590,8 +760,37 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             &[m],
             budget,
             &Allocation::Static(vec![budget]),
+            None,
         )?;
         alone.push(run.models.into_iter().next().ok_or("no model")?);
+    }
+
+    // Broker runs that put idle models to sleep, evicting or spilling their caches.
+    let mut sleep_runs = Vec::new();
+    if args.sleep_idle_steps > 0 {
+        for spill in [false, true] {
+            let policy = SleepPolicy {
+                idle_steps: args.sleep_idle_steps,
+                spill,
+            };
+            let run = simulate(
+                &args,
+                &specs,
+                &traces,
+                &models,
+                budget,
+                &Allocation::Broker {
+                    floor_chunks: mins.clone(),
+                },
+                Some(policy),
+            )?;
+            let name = if spill {
+                ("broker + sleep, spill to host", "broker_sleep_spill")
+            } else {
+                ("broker + sleep, evict", "broker_sleep_evict")
+            };
+            sleep_runs.push((name, run));
+        }
     }
 
     let runs = [
@@ -604,7 +803,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ),
     ];
     let mut identical = true;
-    for (_, run, _) in &runs {
+    let all_runs = runs
+        .iter()
+        .map(|(_, run, _)| *run)
+        .chain(sleep_runs.iter().map(|(_, run)| run));
+    for run in all_runs {
         for (m, rep) in run.models.iter().enumerate() {
             identical &= rep.finished == rep.requests
                 && rep.token_checksum == alone[m].token_checksum
@@ -642,6 +845,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut out = serde_json::Map::new();
         for (name, run, alloc) in &runs {
             out.insert(name.replace(' ', "_"), run_json(run, alloc));
+        }
+        for ((name, key), run) in &sleep_runs {
+            let mut j = run_json(run, name);
+            if let Some(models) = j.get_mut("models").and_then(|m| m.as_array_mut()) {
+                for (mj, m) in models.iter_mut().zip(&run.models) {
+                    mj["prefix_hit_tokens"] = m.hit_tokens.into();
+                    mj["sleeps"] = m.sleeps.into();
+                    mj["spilled_blocks"] = m.spilled_blocks.into();
+                    mj["evicted_blocks"] = m.evicted_blocks.into();
+                    mj["restored_blocks"] = m.restored_blocks.into();
+                }
+            }
+            out.insert(key.to_string(), j);
         }
         out.insert("budget_mib".into(), (budget * args.chunk_mib).into());
         out.insert("chunk_mib".into(), args.chunk_mib.into());
@@ -698,6 +914,39 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 run.models.iter().map(|m| m.preemptions).sum::<u64>(),
                 mib(run.peak_total_bytes),
             );
+        }
+        if !sleep_runs.is_empty() {
+            println!();
+            println!(
+                "| run | model | tokens/step | prefix hit tokens | sleeps | blocks spilled | blocks evicted by sleeps | blocks restored |"
+            );
+            println!("|---|---|---:|---:|---:|---:|---:|---:|");
+            let sleepless = ("broker, no sleep", &broker_run);
+            for (name, run) in
+                std::iter::once(sleepless).chain(sleep_runs.iter().map(|((n, _), r)| (*n, r)))
+            {
+                for m in &run.models {
+                    println!(
+                        "| {name} | {} | {:.2} | {} | {} | {} | {} | {} |",
+                        m.name,
+                        m.throughput(),
+                        m.hit_tokens,
+                        m.sleeps,
+                        m.spilled_blocks,
+                        m.evicted_blocks,
+                        m.restored_blocks
+                    );
+                }
+                println!(
+                    "| **{name}** | **total** | **{:.2}** | {} | {} | {} | {} | {} |",
+                    total_throughput(run),
+                    run.models.iter().map(|m| m.hit_tokens).sum::<u64>(),
+                    run.models.iter().map(|m| m.sleeps).sum::<u64>(),
+                    run.models.iter().map(|m| m.spilled_blocks).sum::<u64>(),
+                    run.models.iter().map(|m| m.evicted_blocks).sum::<u64>(),
+                    run.models.iter().map(|m| m.restored_blocks).sum::<u64>(),
+                );
+            }
         }
         println!();
         println!(

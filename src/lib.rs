@@ -50,6 +50,7 @@ pub use manager::{
     CacheBuilder, CacheConfig, CacheStats, DefragOptions, FragStats, KvCacheManager, PendingDefrag,
     PendingResize, PendingTierMove, SharedKvCacheManager,
 };
+pub use manager::{PendingPrefixRestore, PendingPrefixSpill, PrefixRestore, PrefixSpill};
 pub use manager::{PrefixHit, SwapJob, TierBlock, TierConfig, TierStats};
 pub use pool::prefix::{
     Admission, AdmitOptions, BlockHash, Medium, PinnedPrefix, PrefixConfig, PrefixEvent,

@@ -21,14 +21,37 @@
 //!    end into holes below it, i.e. the defragmentation that shrink needs), keeping
 //!    [`BrokerConfig::keep_free_chunks`] of free blocks so it does not immediately
 //!    need them back;
-//! 3. it takes chunks another model's prefix cache holds, if that model's priority is
-//!    not above its own: cached blocks are evicted ([`KvCacheManager::evict_cached`]),
-//!    then the other model shrinks ([`MoveReason::TakeCached`]).
+//! 3. it takes chunks another model's prefix cache holds: cached blocks are evicted
+//!    ([`KvCacheManager::evict_cached`]), then the other model shrinks
+//!    ([`MoveReason::TakeCached`]). Cold caches go first, whatever their holder's
+//!    priority; a warm cache only to a model of no lower priority (below).
 //!
 //! Victims are tried lowest priority first. No model goes below its floor or above
-//! its ceiling ([`ModelLimits`]). A model can be put to sleep ([`Broker::sleep`]: its
+//! its ceiling ([`ModelLimits`]).
+//!
+//! # Cache is not running work
+//!
+//! Priority protects what a model is doing: its referenced blocks are never taken (only
+//! free and unreferenced cached blocks are), nor its floor, and while a model is warm
+//! its cache is taken only by models of no lower priority. A model is *cold* when it
+//! held no sequence when its lock was last released and has held none for
+//! [`BrokerConfig::cold_cache_steps`] steps of the broker clock ([`Broker::set_clock`]);
+//! its unreferenced cached blocks above its floor are then idle memory that any model
+//! under pressure (or a reservation) takes, before any warm model's cache. Why: a
+//! finished request's blocks stay cached, so without this rule a high-priority model
+//! that served a burst and went quiet keeps its whole peak as cache, and models of
+//! lower priority under load queue beside it until it is put to sleep (the
+//! `serve_multi --shared-prefix-tokens 64` run fell below a static equal split). The
+//! steps of grace keep the cache of a model between two close bursts, so its next
+//! request still hits. A cold model that gets a request again is warm at once and
+//! takes memory back like any other (from free budget, idle blocks, cold caches).
+//! `cold_cache_steps: None` restores the older rule (a cache is protected by its
+//! holder's priority always). Coldness is read without the holder's lock, so it can be
+//! a step stale; that costs at most a cache hit, never a referenced block. A model can be put to sleep ([`Broker::sleep`]: its
 //! arena shrinks to the floor, optionally after swapping its sequences out to the host
-//! tier) and woken ([`Broker::wake`]). External consumers take bytes with
+//! tier and spilling its prefix cache there, still indexed) and woken
+//! ([`Broker::wake`], which restores the spilled prefixes so they hit again). External
+//! consumers take bytes with
 //! [`Broker::reserve`] and give them back with [`Broker::release`].
 //!
 //! Every move is a [`MoveEvent`] (who gave, who took, bytes, why), published on the
@@ -87,13 +110,14 @@
 mod svg;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 use crate::executor::storage::Storage;
+use crate::executor::tier::{restore_spilled_prefixes, spill_cached_prefixes};
 use crate::executor::{grow_to, shrink_to};
 use crate::ids::SeqId;
 use crate::layout::KvLayout;
@@ -112,6 +136,14 @@ pub mod metric_names {
     pub const FREE_BYTES: &str = "pagedkv_broker_free_bytes";
     /// Gauge: bytes held by external reservations.
     pub const RESERVED_BYTES: &str = "pagedkv_broker_reserved_bytes";
+    /// Counter: prefix-cache blocks spilled to the host tier by a sleep, label `model`.
+    pub const SPILLED_BLOCKS: &str = "pagedkv_broker_spilled_blocks_total";
+    /// Counter: prefix-cache blocks evicted by a move (a sleep, a take of cached
+    /// memory), label `model`.
+    pub const EVICTED_BLOCKS: &str = "pagedkv_broker_evicted_blocks_total";
+    /// Counter: spilled prefix-cache blocks restored to the device by a wake, label
+    /// `model`.
+    pub const RESTORED_BLOCKS: &str = "pagedkv_broker_restored_blocks_total";
 }
 
 /// A registered model, numbered from 0 in registration order.
@@ -138,17 +170,121 @@ pub struct BrokerConfig {
     /// Chunks of free blocks a model keeps when another model takes its idle memory,
     /// so that it does not need them back at its next step (hysteresis).
     pub keep_free_chunks: usize,
+    /// The physical allocation granule of the storage, per layer region (on CUDA, the
+    /// VMM granularity: 2 MiB), or 0 when memory is not mapped in granules (the host
+    /// backend). [`Broker::register`] reads the storage's own granule
+    /// ([`Storage::mapping_granule_bytes`]) and uses it when this is 0; a declared one
+    /// must be a multiple of it. With a granule, [`Broker::register`] accepts only models whose chunk is
+    /// exactly its blocks and whose per-layer share of a chunk is a whole number of
+    /// granules, so that a move maps or unmaps exactly its accounted bytes:
+    /// [`chunk_bytes_for`] gives the smallest such chunk for a set of models.
+    pub granule_bytes: usize,
+    /// Broker clock steps ([`Broker::set_clock`]) a model must have held no sequence
+    /// before its prefix cache stops being protected by its priority, or `None` to
+    /// protect it always. A cold model's unreferenced cached blocks above its floor
+    /// can be taken by any model under pressure, and are taken before the caches of
+    /// models that are still warm (see the module docs, *Cache is not running work*).
+    pub cold_cache_steps: Option<u64>,
 }
 
 impl BrokerConfig {
-    /// `budget_bytes` cut into chunks of `chunk_bytes`; a victim keeps one chunk free.
+    /// `budget_bytes` cut into chunks of `chunk_bytes`; a victim keeps one chunk free;
+    /// no physical granule; a model's cache turns cold after
+    /// [`Self::DEFAULT_COLD_CACHE_STEPS`] steps without a sequence.
     pub fn new(budget_bytes: usize, chunk_bytes: usize) -> Self {
         BrokerConfig {
             budget_bytes,
             chunk_bytes,
             keep_free_chunks: 1,
+            granule_bytes: 0,
+            cold_cache_steps: Some(Self::DEFAULT_COLD_CACHE_STEPS),
         }
     }
+
+    /// Default of [`Self::cold_cache_steps`]: long enough that a model between two
+    /// bursts of requests keeps its cache, short against a phase of minutes.
+    pub const DEFAULT_COLD_CACHE_STEPS: u64 = 20;
+
+    /// The same budget and chunk, with `cold_cache_steps` (`None`: a model's cache is
+    /// always protected by its priority, as running work is).
+    pub fn with_cold_cache_steps(self, cold_cache_steps: Option<u64>) -> Self {
+        BrokerConfig {
+            cold_cache_steps,
+            ..self
+        }
+    }
+
+    /// The same budget and chunk, with each layer region mapped in `granule_bytes`.
+    pub fn with_granule(self, granule_bytes: usize) -> Self {
+        BrokerConfig {
+            granule_bytes,
+            ..self
+        }
+    }
+}
+
+fn gcd(mut a: usize, mut b: usize) -> usize {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+fn lcm(a: usize, b: usize) -> Option<usize> {
+    (a / gcd(a, b)).checked_mul(b)
+}
+
+/// The smallest chunk that every one of `layouts` fills exactly with whole blocks
+/// while each of its layer regions grows or shrinks by whole granules of
+/// `granule_bytes`: for a model of `L` layers and `p` bytes per block per layer,
+/// chunks are multiples of `L * lcm(p, granule)`; the chunk is the least common
+/// multiple of those over the models. With such a chunk, a move's physical footprint
+/// (what the storage maps or unmaps, per layer rounded to the granule) equals its
+/// accounted bytes. Models with many layers in different counts make it large (32 and
+/// 28 layers of 64 KiB blocks per layer: 448 MiB on a 2 MiB granule).
+///
+/// ```
+/// use pagedkv::broker::chunk_bytes_for;
+/// use pagedkv::{DType, KvLayout, ModelShape};
+///
+/// let shape = |layers| ModelShape { num_layers: layers, num_q_heads: 8,
+///     num_kv_heads: 2, head_dim: 128, kv_dtype: DType::BF16 };
+/// let a = KvLayout::new(shape(4), 16)?; // 16 KiB per block per layer
+/// let b = KvLayout::new(shape(3), 16)?;
+/// // 4 layers x 2 MiB and 3 layers x 2 MiB: a 24 MiB chunk.
+/// assert_eq!(chunk_bytes_for(&[a, b], 2 << 20)?, 24 << 20);
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for no layouts, a granule of 0, or a chunk that overflows.
+pub fn chunk_bytes_for(layouts: &[KvLayout], granule_bytes: usize) -> Result<usize> {
+    if layouts.is_empty() || granule_bytes == 0 {
+        return Err(Error::config(
+            "chunk_bytes_for",
+            "needs at least one layout and a positive granule",
+        ));
+    }
+    let overflow = || Error::config("chunk_bytes_for", "the chunk overflows usize");
+    let mut chunk = 1;
+    for l in layouts {
+        let per_layer =
+            lcm(l.block_bytes_per_layer().max(1), granule_bytes).ok_or_else(overflow)?;
+        let model = per_layer.checked_mul(l.num_layers()).ok_or_else(overflow)?;
+        chunk = lcm(chunk, model).ok_or_else(overflow)?;
+    }
+    Ok(chunk)
+}
+
+/// Bytes the storage maps for `blocks` blocks of `layout`: each layer region rounded up
+/// to the granule (no rounding with a granule of 0).
+fn mapped_bytes(layout: &KvLayout, blocks: usize, granule_bytes: usize) -> usize {
+    let region = blocks * layout.block_bytes_per_layer();
+    let region = match granule_bytes {
+        0 => region,
+        g => region.div_ceil(g) * g,
+    };
+    region * layout.num_layers()
 }
 
 /// One model's guarantee, limit and priority.
@@ -246,6 +382,22 @@ pub struct MoveEvent {
     pub reason: MoveReason,
     /// Blocks the giving model copied to shrink (0 when its tail was already free).
     pub moved_blocks: usize,
+    /// Prefix-cache blocks of the giving model copied to its host tier before it
+    /// shrank (a sleep with [`SleepOptions::spill_cached_prefixes`]); still indexed,
+    /// restored by [`Broker::wake`].
+    pub spilled_blocks: usize,
+    /// Prefix-cache blocks of the giving model evicted for this move (a sleep without
+    /// spilling, or with a host tier too small for all of them; a
+    /// [`MoveReason::TakeCached`]).
+    pub evicted_blocks: usize,
+}
+
+/// The block counts of a move besides its bytes (the tail of a [`MoveEvent`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct MoveBlocks {
+    moved: usize,
+    spilled: usize,
+    evicted: usize,
 }
 
 /// One model's share of the budget, from the ledger.
@@ -267,6 +419,12 @@ pub struct ModelBudget {
     pub blocks_per_chunk: usize,
     /// Bytes of one of its blocks.
     pub block_bytes: usize,
+    /// Bytes the storage maps for one chunk of this model: its blocks' bytes, each
+    /// layer rounded up to the granule ([`BrokerConfig::granule_bytes`], or the
+    /// storage's own). Equal to the chunk when the
+    /// chunk fits the model exactly ([`chunk_bytes_for`]); below it when part of the
+    /// chunk is charged but unused (no granule; the chunk not a whole number of blocks).
+    pub mapped_bytes_per_chunk: usize,
     /// Whether it sleeps.
     pub sleeping: bool,
 }
@@ -313,6 +471,36 @@ pub struct SleepOptions {
     /// Swap every resident sequence out to the host tier (one group, so shared prefix
     /// blocks move once) before shrinking; otherwise the live blocks must fit the floor.
     pub swap_out_sequences: bool,
+    /// Copy the prefix cache's unreferenced blocks to the host tier before shrinking
+    /// (after the swap-out, so the blocks the sequences leave cached are spilled too),
+    /// as many as the host tier has free blocks for; they stay indexed and
+    /// [`Broker::wake`] restores them. The rest is evicted, as without this option.
+    pub spill_cached_prefixes: bool,
+}
+
+/// What [`Broker::sleep`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SleepReport {
+    /// Bytes given back to the free budget.
+    pub freed_bytes: usize,
+    /// Prefix-cache blocks spilled to the host tier.
+    pub spilled_blocks: usize,
+    /// Prefix-cache blocks evicted.
+    pub evicted_blocks: usize,
+}
+
+/// What [`Broker::wake`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WakeReport {
+    /// Bytes the model holds afterwards.
+    pub granted_bytes: usize,
+    /// Spilled prefix-cache blocks copied back and findable again.
+    pub restored_blocks: usize,
+    /// Spilled blocks given up (their content was computed on the device again
+    /// meanwhile, or their parent is gone).
+    pub dropped_blocks: usize,
+    /// Spilled blocks left on the host tier (no free device block for them).
+    pub still_spilled_blocks: usize,
 }
 
 /// A model's manager and storage, behind its lock.
@@ -331,6 +519,11 @@ struct ModelSlot<S> {
     ceiling_chunks: usize,
     blocks_per_chunk: usize,
     block_bytes: usize,
+    mapped_bytes_per_chunk: usize,
+    /// Whether the model held a sequence when its lock was last released.
+    active: AtomicBool,
+    /// The broker clock when the model was last seen holding a sequence.
+    active_at: AtomicU64,
     state: Mutex<ModelState<S>>,
 }
 
@@ -410,8 +603,9 @@ impl<S: Storage> ModelGuard<'_, S> {
     }
 
     /// Makes at least `blocks` blocks available to this model if the budget allows:
-    /// free budget first, then other models' free blocks, then (from models of no
-    /// higher priority) their prefix caches; whole chunks, up to the ceiling. Returns
+    /// free budget first, then other models' free blocks, then their prefix caches
+    /// (cold ones of any priority first, then warm ones of models of no higher
+    /// priority: see the module docs); whole chunks, up to the ceiling. Returns
     /// the blocks available afterwards ([`KvCacheManager::num_available_blocks`]),
     /// which is below `blocks` when the budget could not provide them (the scheduler
     /// then delays an admission or preempts). A sleeping model does not grow.
@@ -433,6 +627,20 @@ impl<S: Storage> ModelGuard<'_, S> {
         let want = (blocks - available).div_ceil(slot.blocks_per_chunk);
         b.acquire_for_model(self.id, &mut self.state, want, MoveReason::Grow)?;
         Ok(self.state.kv.num_available_blocks())
+    }
+}
+
+impl<S: Storage> Drop for ModelGuard<'_, S> {
+    /// Notes whether the model holds a sequence, for [`BrokerConfig::cold_cache_steps`]
+    /// (only a guard changes the sequences, so its release is the moment to look).
+    fn drop(&mut self) {
+        let slot = &self.broker.models[self.id.0 as usize];
+        let active = self.state.kv.stats().num_sequences > 0;
+        if active {
+            let clock = self.broker.clock.load(Ordering::Relaxed);
+            slot.active_at.store(clock, Ordering::Relaxed);
+        }
+        slot.active.store(active, Ordering::Relaxed);
     }
 }
 
@@ -498,9 +706,13 @@ impl<S: Storage> Broker<S> {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] when the arena is not a whole number of chunks, lies
-    /// outside `[floor, ceiling]`, the floor is not above the manager's watermark, or
-    /// the storage's layout differs; [`Error::ShapeMismatch`] for a storage of another
-    /// size; [`Error::OutOfBlocks`] (in chunks) when the free budget is too small.
+    /// outside `[floor, ceiling]`, the floor is not above the manager's watermark, the
+    /// storage's layout differs, the storage does not map exactly
+    /// ([`Storage::mapping_granule_bytes`] is `None`), or, with a granule (the
+    /// storage's, or [`BrokerConfig::granule_bytes`], which must be a multiple of the
+    /// storage's), a chunk would map other than its own bytes for this model;
+    /// [`Error::ShapeMismatch`] for a storage of another size; [`Error::OutOfBlocks`]
+    /// (in chunks) when the free budget is too small.
     pub fn register(
         &mut self,
         name: impl Into<String>,
@@ -510,6 +722,44 @@ impl<S: Storage> Broker<S> {
     ) -> Result<ModelId> {
         let name = name.into();
         let bpc = self.blocks_per_chunk(kv.layout())?;
+        let layout = *kv.layout();
+        // The storage's own granule where it has one (CUDA), else the declared one.
+        let granule = match (storage.mapping_granule_bytes(), self.config.granule_bytes) {
+            (None, _) => {
+                return Err(Error::config(
+                    "storage",
+                    format!(
+                        "{name}: the storage can keep more memory mapped after a shrink than \
+                         its arena holds (CudaStorage: set CudaStorageConfig::granule_chunks), \
+                         so a chunk would not map exactly its bytes"
+                    ),
+                ))
+            }
+            (Some(s), 0) if s > 1 => s,
+            (Some(_), 0) => 0,
+            (Some(s), g) if g % s != 0 => {
+                return Err(Error::config(
+                    "granule_bytes",
+                    format!("{name}: {g} is not a multiple of the storage's granule of {s}"),
+                ))
+            }
+            (Some(_), g) => g,
+        };
+        let mapped = mapped_bytes(&layout, bpc, granule);
+        if granule > 0 && mapped != self.config.chunk_bytes {
+            return Err(Error::config(
+                "chunk_bytes",
+                format!(
+                    "{name}: a chunk of {} bytes maps {mapped} bytes ({bpc} blocks of {} bytes, \
+                     {} layers each rounded to the {}-byte granule); chunk_bytes_for gives a \
+                     chunk this model fills exactly",
+                    self.config.chunk_bytes,
+                    layout.block_bytes(),
+                    layout.num_layers(),
+                    granule
+                ),
+            ));
+        }
         crate::executor::check_storage(&kv, &storage)?;
         if kv.num_blocks() % bpc != 0 {
             return Err(Error::config(
@@ -562,7 +812,7 @@ impl<S: Storage> Broker<S> {
                 Party::Model(id),
                 chunks,
                 MoveReason::Register,
-                0,
+                MoveBlocks::default(),
             );
         }
         self.models.push(ModelSlot {
@@ -572,6 +822,9 @@ impl<S: Storage> Broker<S> {
             ceiling_chunks,
             blocks_per_chunk: bpc,
             block_bytes: kv.layout().block_bytes(),
+            mapped_bytes_per_chunk: mapped,
+            active: AtomicBool::new(kv.stats().num_sequences > 0),
+            active_at: AtomicU64::new(self.clock.load(Ordering::Relaxed)),
             state: Mutex::new(ModelState {
                 kv,
                 storage,
@@ -594,7 +847,8 @@ impl<S: Storage> Broker<S> {
         Ok(&self.slot(id)?.name)
     }
 
-    /// Sets the clock stamped on the events that follow (a scheduler step, say).
+    /// Sets the clock stamped on the events that follow (a scheduler step, say); it is
+    /// also the clock [`BrokerConfig::cold_cache_steps`] counts.
     pub fn set_clock(&self, clock: u64) {
         self.clock.store(clock, Ordering::Relaxed);
     }
@@ -635,6 +889,7 @@ impl<S: Storage> Broker<S> {
                     ceiling_bytes: m.ceiling_chunks * chunk,
                     blocks_per_chunk: m.blocks_per_chunk,
                     block_bytes: m.block_bytes,
+                    mapped_bytes_per_chunk: m.mapped_bytes_per_chunk,
                     sleeping: l.sleeping[i],
                 })
                 .collect(),
@@ -648,7 +903,8 @@ impl<S: Storage> Broker<S> {
 
     /// Asks for `bytes` (rounded up to whole chunks) for a consumer outside the KV
     /// arenas, within `timeout`: free budget first, then models' free blocks, then
-    /// their prefix caches, lowest priority first, never below a floor. While the
+    /// their prefix caches (cold ones first), lowest priority first, never below a
+    /// floor. While the
     /// arenas hold live blocks it retries (every millisecond) as sequences finish.
     /// Each model is waited for at most a millisecond at a time, so no scheduler waits
     /// on it longer than one chunk move.
@@ -682,7 +938,7 @@ impl<S: Storage> Broker<S> {
         loop {
             got += self.take_free(to, want - got, MoveReason::Reserve);
             for allow_cached in [false, true] {
-                for v in self.victims(None, i32::MAX) {
+                for v in self.victims(None, i32::MAX, allow_cached) {
                     while got < want {
                         let Some(mut st) =
                             self.models[v].state.try_lock_for(Duration::from_millis(1))
@@ -709,7 +965,14 @@ impl<S: Storage> Broker<S> {
                 l.reservations.remove(&id.0);
                 l.free_chunks += got;
                 if got > 0 {
-                    self.record(&mut l, to, Party::Free, got, MoveReason::Release, 0);
+                    self.record(
+                        &mut l,
+                        to,
+                        Party::Free,
+                        got,
+                        MoveReason::Release,
+                        MoveBlocks::default(),
+                    );
                 }
                 return Err(Error::ReservationTimeout {
                     requested: bytes,
@@ -743,24 +1006,24 @@ impl<S: Storage> Broker<S> {
             Party::Free,
             chunks,
             MoveReason::Release,
-            0,
+            MoveBlocks::default(),
         );
         Ok(())
     }
 
     /// Puts a model to sleep: optionally swaps its resident sequences out to the host
-    /// tier, evicts its prefix cache, and shrinks its arena to the floor; the chunks go
-    /// to the free budget ([`MoveReason::Sleep`]). A sleeping model does not grow until
-    /// [`Self::wake`]. Returns the bytes given back. Waits for the model's lock.
-    ///
-    /// Unreferenced prefix-cache blocks are evicted, not spilled: the manager's host
-    /// tier holds swapped sequences, not cached blocks without an owner.
+    /// tier, spills its prefix cache's unreferenced blocks to the host tier (or evicts
+    /// them), and shrinks its arena to the floor; the chunks go to the free budget
+    /// ([`MoveReason::Sleep`], whose event counts the blocks spilled and evicted). A
+    /// sleeping model does not grow until [`Self::wake`]. Waits for the model's lock.
     ///
     /// # Errors
     /// [`Error::ShrinkBelowResident`] when the live blocks do not fit the floor and
     /// `swap_out_sequences` is off (nothing changed); the swap's errors
-    /// ([`Error::TierFull`]...; nothing changed); the storage's errors.
-    pub fn sleep(&self, id: ModelId, opts: SleepOptions) -> Result<usize> {
+    /// ([`Error::TierFull`]...; nothing changed); the storage's errors from the spill
+    /// (the sequences stay swapped out, the prefix cache stays on the device) or from
+    /// the shrink.
+    pub fn sleep(&self, id: ModelId, opts: SleepOptions) -> Result<SleepReport> {
         let slot = self.slot(id)?;
         let mut st = slot.state.lock();
         self.check_arena(id.0 as usize, &st)?;
@@ -789,40 +1052,51 @@ impl<S: Storage> Broker<S> {
                 cached: st.kv.stats().cached_blocks,
             });
         }
-        st.kv.evict_cached(usize::MAX);
+        let mut blocks = MoveBlocks::default();
+        if opts.spill_cached_prefixes {
+            let spill = spill_cached_prefixes(&mut st.kv, &mut st.storage)?;
+            blocks.spilled = spill.spilled_blocks;
+            blocks.evicted = spill.evicted_blocks;
+        }
+        blocks.evicted += st.kv.evict_cached(usize::MAX);
         let before = st.kv.num_blocks();
-        let moved = if before > floor_blocks {
-            shrink_to(&mut st.kv, floor_blocks, &mut st.storage)?.len()
-        } else {
-            0
-        };
+        if before > floor_blocks {
+            blocks.moved = shrink_to(&mut st.kv, floor_blocks, &mut st.storage)?.len();
+        }
         let chunks = (before - floor_blocks.min(before)) / slot.blocks_per_chunk;
         st.sleeping = true;
         let mut l = self.ledger.lock();
         l.sleeping[id.0 as usize] = true;
         l.granted[id.0 as usize] -= chunks;
         l.free_chunks += chunks;
-        if chunks > 0 {
+        if chunks > 0 || blocks.spilled > 0 || blocks.evicted > 0 {
             self.record(
                 &mut l,
                 Party::Model(id),
                 Party::Free,
                 chunks,
                 MoveReason::Sleep,
-                moved,
+                blocks,
             );
         }
-        Ok(chunks * self.config.chunk_bytes)
+        Ok(SleepReport {
+            freed_bytes: chunks * self.config.chunk_bytes,
+            spilled_blocks: blocks.spilled,
+            evicted_blocks: blocks.evicted,
+        })
     }
 
     /// Wakes a model and grows it back toward `bytes` (whole chunks, up to its
-    /// ceiling) the way [`ModelGuard::ensure_available`] does ([`MoveReason::Wake`]).
-    /// Swapped-out sequences stay swapped out: the scheduler swaps them in. Returns
-    /// the bytes the model holds afterwards. Waits for the model's lock.
+    /// ceiling) the way [`ModelGuard::ensure_available`] does ([`MoveReason::Wake`]),
+    /// then restores the prefix-cache blocks its sleep spilled to the host tier into
+    /// free blocks of the grown arena, so that requests with those prefixes hit again.
+    /// Swapped-out sequences stay swapped out: the scheduler swaps them in. Waits for
+    /// the model's lock.
     ///
     /// # Errors
-    /// As [`ModelGuard::ensure_available`].
-    pub fn wake(&self, id: ModelId, bytes: usize) -> Result<usize> {
+    /// As [`ModelGuard::ensure_available`]; the storage's errors from the restore (the
+    /// model is awake and grown; the spilled blocks stay spilled).
+    pub fn wake(&self, id: ModelId, bytes: usize) -> Result<WakeReport> {
         let slot = self.slot(id)?;
         let mut st = slot.state.lock();
         st.sleeping = false;
@@ -835,7 +1109,20 @@ impl<S: Storage> Broker<S> {
         if target > granted {
             self.acquire_for_model(id, &mut st, target - granted, MoveReason::Wake)?;
         }
-        Ok(self.ledger.lock().granted[id.0 as usize] * self.config.chunk_bytes)
+        let mut report = WakeReport::default();
+        if st.kv.spilled_prefix_blocks() > 0 {
+            let st = &mut *st;
+            let r = restore_spilled_prefixes(&mut st.kv, &mut st.storage)?;
+            report.restored_blocks = r.restored_blocks;
+            report.dropped_blocks = r.dropped_blocks;
+            report.still_spilled_blocks = r.still_spilled_blocks;
+            if r.restored_blocks > 0 {
+                ::metrics::counter!(metric_names::RESTORED_BLOCKS, "model" => slot.name.clone())
+                    .increment(r.restored_blocks as u64);
+            }
+        }
+        report.granted_bytes = self.ledger.lock().granted[id.0 as usize] * self.config.chunk_bytes;
+        Ok(report)
     }
 
     /// Checks the broker's invariants, locking every model in turn (for tests and
@@ -945,9 +1232,25 @@ impl<S: Storage> Broker<S> {
         Ok(())
     }
 
-    /// Models other than `except`, lowest priority first, then most chunks above the
-    /// floor first; only those whose priority is at most `max_priority`.
-    fn victims(&self, except: Option<ModelId>, max_priority: i32) -> Vec<usize> {
+    /// Whether model `i`'s prefix cache is cold: no sequence when its lock was last
+    /// released, and none for [`BrokerConfig::cold_cache_steps`] of the clock.
+    fn is_cold(&self, i: usize) -> bool {
+        let Some(steps) = self.config.cold_cache_steps else {
+            return false;
+        };
+        let m = &self.models[i];
+        let since = m.active_at.load(Ordering::Relaxed);
+        !m.active.load(Ordering::Relaxed)
+            && self.clock.load(Ordering::Relaxed).saturating_sub(since) >= steps
+    }
+
+    /// Models other than `except` with chunks above their floor, to take memory from
+    /// for a taker of priority `priority`. For free blocks (`cached` false): every
+    /// model, lowest priority first, then most chunks above the floor first. For cached
+    /// blocks: models whose cache is cold ([`Self::is_cold`]) first, whatever their
+    /// priority, then warm ones of priority at most `priority`, each group in the same
+    /// order.
+    fn victims(&self, except: Option<ModelId>, priority: i32, cached: bool) -> Vec<usize> {
         let spare: Vec<usize> = {
             let l = self.ledger.lock();
             self.models
@@ -956,11 +1259,23 @@ impl<S: Storage> Broker<S> {
                 .map(|(i, m)| l.granted[i].saturating_sub(m.floor_chunks))
                 .collect()
         };
+        let cold: Vec<bool> = (0..self.models.len())
+            .map(|i| cached && self.is_cold(i))
+            .collect();
         let mut v: Vec<usize> = (0..self.models.len())
             .filter(|&i| Some(ModelId(i as u32)) != except)
-            .filter(|&i| spare[i] > 0 && self.models[i].priority <= max_priority)
+            .filter(|&i| {
+                spare[i] > 0 && (!cached || cold[i] || self.models[i].priority <= priority)
+            })
             .collect();
-        v.sort_by_key(|&i| (self.models[i].priority, std::cmp::Reverse(spare[i]), i));
+        v.sort_by_key(|&i| {
+            (
+                !cold[i],
+                self.models[i].priority,
+                std::cmp::Reverse(spare[i]),
+                i,
+            )
+        });
         v
     }
 
@@ -975,7 +1290,7 @@ impl<S: Storage> Broker<S> {
                 Party::External(r) => *l.reservations.entry(r.0).or_insert(0) += n,
                 Party::Free => l.free_chunks += n,
             }
-            self.record(&mut l, Party::Free, to, n, reason, 0);
+            self.record(&mut l, Party::Free, to, n, reason, MoveBlocks::default());
         }
         n
     }
@@ -999,12 +1314,7 @@ impl<S: Storage> Broker<S> {
         let to = Party::Model(id);
         let mut got = self.take_free(to, want, reason);
         for allow_cached in [false, true] {
-            let max_priority = if allow_cached {
-                slot.priority
-            } else {
-                i32::MAX
-            };
-            for v in self.victims(Some(id), max_priority) {
+            for v in self.victims(Some(id), slot.priority, allow_cached) {
                 while got < want {
                     let Some(mut other) = self.models[v].state.try_lock() else {
                         break;
@@ -1024,7 +1334,14 @@ impl<S: Storage> Broker<S> {
             let mut l = self.ledger.lock();
             l.granted[me] -= got;
             l.free_chunks += got;
-            self.record(&mut l, to, Party::Free, got, MoveReason::GrowFailed, 0);
+            self.record(
+                &mut l,
+                to,
+                Party::Free,
+                got,
+                MoveReason::GrowFailed,
+                MoveBlocks::default(),
+            );
             return Err(e);
         }
         Ok(())
@@ -1060,12 +1377,17 @@ impl<S: Storage> Broker<S> {
         } else {
             reason
         };
+        let mut blocks = MoveBlocks::default();
         if free < need_free {
-            if !allow_cached {
+            // Evict only when that gives the chunk (available counts the evictable).
+            if !allow_cached || st.kv.num_available_blocks() < need_free {
                 return false;
             }
-            let evicted = st.kv.evict_cached(need_free - free);
-            if free + evicted < need_free {
+            blocks.evicted = st.kv.evict_cached(need_free - free);
+            if free + blocks.evicted < need_free {
+                // Cached blocks above live ones are not evictable yet; what went stays
+                // evicted (nothing moved), and the counter still says so.
+                self.count_evicted(v, blocks.evicted);
                 return false;
             }
             if reason == MoveReason::Grow {
@@ -1073,9 +1395,12 @@ impl<S: Storage> Broker<S> {
             }
         }
         let target = st.kv.num_blocks() - bpc;
-        let moved = match shrink_to(&mut st.kv, target, &mut st.storage) {
+        blocks.moved = match shrink_to(&mut st.kv, target, &mut st.storage) {
             Ok(plan) => plan.len(),
-            Err(_) => return false,
+            Err(_) => {
+                self.count_evicted(v, blocks.evicted);
+                return false;
+            }
         };
         let mut l = self.ledger.lock();
         l.granted[v] -= 1;
@@ -1084,8 +1409,16 @@ impl<S: Storage> Broker<S> {
             Party::External(r) => *l.reservations.entry(r.0).or_insert(0) += 1,
             Party::Free => l.free_chunks += 1,
         }
-        self.record(&mut l, Party::Model(ModelId(v as u32)), to, 1, why, moved);
+        self.record(&mut l, Party::Model(ModelId(v as u32)), to, 1, why, blocks);
         true
+    }
+
+    /// Publishes `n` prefix-cache blocks of model `v` evicted.
+    fn count_evicted(&self, v: usize, n: usize) {
+        if n > 0 {
+            ::metrics::counter!(metric_names::EVICTED_BLOCKS, "model" => self.models[v].name.clone())
+                .increment(n as u64);
+        }
     }
 
     /// Appends an event, updates the peaks and publishes the move on the `metrics`
@@ -1097,7 +1430,7 @@ impl<S: Storage> Broker<S> {
         to: Party,
         chunks: usize,
         reason: MoveReason,
-        moved_blocks: usize,
+        blocks: MoveBlocks,
     ) {
         let chunk = self.config.chunk_bytes;
         let bytes = chunks * chunk;
@@ -1109,7 +1442,9 @@ impl<S: Storage> Broker<S> {
             to,
             bytes,
             reason,
-            moved_blocks,
+            moved_blocks: blocks.moved,
+            spilled_blocks: blocks.spilled,
+            evicted_blocks: blocks.evicted,
         });
         for i in 0..l.granted.len() {
             l.peak[i] = l.peak[i].max(l.granted[i]);
@@ -1134,6 +1469,16 @@ impl<S: Storage> Broker<S> {
                 let g = l.granted.get(m.0 as usize).copied().unwrap_or(0);
                 ::metrics::gauge!(metric_names::GRANTED_BYTES, "model" => label(p))
                     .set((g * chunk) as f64);
+            }
+        }
+        if matches!(from, Party::Model(_)) {
+            if blocks.spilled > 0 {
+                ::metrics::counter!(metric_names::SPILLED_BLOCKS, "model" => label(from))
+                    .increment(blocks.spilled as u64);
+            }
+            if blocks.evicted > 0 {
+                ::metrics::counter!(metric_names::EVICTED_BLOCKS, "model" => label(from))
+                    .increment(blocks.evicted as u64);
             }
         }
         ::metrics::gauge!(metric_names::FREE_BYTES).set((l.free_chunks * chunk) as f64);

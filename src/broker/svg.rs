@@ -36,6 +36,22 @@ fn party_name(p: Party, names: &[String]) -> String {
     }
 }
 
+/// The block counts of a move that are not zero, for its tooltip: blocks copied to
+/// shrink, prefix-cache blocks spilled to the host tier or evicted.
+fn block_counts(e: &MoveEvent) -> String {
+    let mut out = String::new();
+    for (n, what) in [
+        (e.moved_blocks, "blocks moved"),
+        (e.spilled_blocks, "cached blocks spilled to the host tier"),
+        (e.evicted_blocks, "cached blocks evicted"),
+    ] {
+        if n > 0 {
+            let _ = write!(out, "; {n} {what}");
+        }
+    }
+    out
+}
+
 /// Renders the picture; see the module docs.
 pub(super) fn render(title: &str, names: &[String], events: &[MoveEvent], budget: usize) -> String {
     // Series 0..n are the models, n is the external reservations together.
@@ -178,14 +194,15 @@ pub(super) fn render(title: &str, names: &[String], events: &[MoveEvent], budget
         let Some(s) = at else { continue };
         let _ = write!(
             svg,
-            r#"<circle data-event="{}" cx="{:.1}" cy="{:.1}" r="3" fill="black"><title>{} -&gt; {}: {:.1} MiB ({})</title></circle>"#,
+            r#"<circle data-event="{}" cx="{:.1}" cy="{:.1}" r="3" fill="black"><title>{} -&gt; {}: {:.1} MiB ({}){}</title></circle>"#,
             e.reason.name(),
             sx(e.clock),
             sy(after[s]),
             escape(&party_name(e.from, names)),
             escape(&party_name(e.to, names)),
             mib(e.bytes as f64),
-            e.reason.name()
+            e.reason.name(),
+            block_counts(e)
         );
     }
     svg.push_str("</svg>\n");

@@ -225,6 +225,15 @@ impl<S: Storage> Storage for ShardedStorage<S> {
         &self.layout
     }
 
+    /// Each shard holds its part of every block in its own regions: exact when every
+    /// shard is, in the coarsest shard's unit.
+    fn mapping_granule_bytes(&self) -> Option<usize> {
+        self.shards
+            .iter()
+            .map(Storage::mapping_granule_bytes)
+            .try_fold(1, |acc, g| g.map(|g| acc.max(g)))
+    }
+
     fn num_blocks(&self) -> usize {
         // `new` checked that the shards agree; the minimum stays safe for validation
         // should a backend change its size behind our back.

@@ -7,6 +7,7 @@ mod builder;
 mod defrag;
 pub mod preempt;
 mod prefix;
+mod prefix_spill;
 mod seqs;
 mod shared;
 mod swap;
@@ -15,6 +16,7 @@ pub use builder::CacheBuilder;
 pub use defrag::{DefragCounters, DefragOptions, FragStats, PendingDefrag, PendingResize};
 pub use preempt::CostModel;
 pub use prefix::PrefixHit;
+pub use prefix_spill::{PendingPrefixRestore, PendingPrefixSpill, PrefixRestore, PrefixSpill};
 pub use shared::SharedKvCacheManager;
 pub use swap::{PendingTierMove, SwapJob, TierBlock, TierConfig, TierStats};
 

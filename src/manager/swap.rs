@@ -90,8 +90,12 @@ pub enum TierBlock {
 pub struct TierStats {
     /// Blocks in the host tier.
     pub host_blocks: usize,
-    /// Host blocks holding data (swapped sequences and transfers in flight).
+    /// Host blocks holding data (swapped sequences, transfers in flight, and spilled
+    /// prefix-cache blocks).
     pub host_used_blocks: usize,
+    /// Of those, prefix-cache blocks spilled to the host tier
+    /// ([`KvCacheManager::plan_prefix_spill`]) and not yet restored.
+    pub spilled_prefix_blocks: usize,
     /// Slots in the disk tier.
     pub disk_slots: usize,
     /// Disk slots holding data.
@@ -174,6 +178,8 @@ pub(crate) struct Tiers {
     next_admission: u64,
     pub(crate) stats: TierStats,
     pub(crate) events: VecDeque<PreemptEvent>,
+    /// Prefix-cache blocks spilled to the host tier (see `manager/prefix_spill.rs`).
+    pub(crate) spilled: Vec<super::prefix_spill::SpilledPrefix>,
 }
 
 impl Tiers {
@@ -192,7 +198,18 @@ impl Tiers {
             next_admission: 0,
             stats: TierStats::default(),
             events: VecDeque::new(),
+            spilled: Vec::new(),
         })
+    }
+
+    /// The host tier's pool (for the prefix spill).
+    pub(crate) fn host_pool(&self) -> &BlockPool {
+        &self.host
+    }
+
+    /// The host tier's pool, to take and release blocks (for the prefix spill).
+    pub(crate) fn host_pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.host
     }
 
     /// A fresh admission stamp (monotonic: larger is more recent).
@@ -484,6 +501,7 @@ impl KvCacheManager {
         TierStats {
             host_blocks: self.tiers.host.num_blocks(),
             host_used_blocks: self.tiers.host.num_live(),
+            spilled_prefix_blocks: self.tiers.spilled.len(),
             disk_slots: self.tiers.disk.num_blocks(),
             disk_used_slots: self.tiers.disk.num_live(),
             swapped_sequences: self.tiers.swapped.len(),
@@ -1005,6 +1023,17 @@ impl KvCacheManager {
             return Err(format!(
                 "{marked} sequences marked in flight, transfers name {in_flight}"
             ));
+        }
+        for p in &t.spilled {
+            match host_refs.get_mut(p.host.index()) {
+                Some(r) => *r += 1,
+                None => {
+                    return Err(format!(
+                        "spilled prefix block at {} outside the host tier",
+                        p.host
+                    ))
+                }
+            }
         }
         for (name, pool, refs) in [("host", &t.host, &host_refs), ("disk", &t.disk, &disk_refs)] {
             for (i, &r) in refs.iter().enumerate() {

@@ -7,8 +7,12 @@
 //!   1 GiB, largest first, so a 100+ GiB arena costs a few hundred driver calls, not
 //!   tens of thousands. Growing maps chunks at the tail (in granules past the big
 //!   ones); shrinking unmaps and releases whole tail chunks (`cuMemUnmap`,
-//!   `cuMemRelease`). Live blocks never move and region addresses never change, so a
-//!   resize copies nothing and the per-layer base pointers uploaded once stay valid.
+//!   `cuMemRelease`), keeping one that straddles the new end; with
+//!   [`CudaStorageConfig::granule_chunks`] every chunk is one granule, so a shrink
+//!   releases exactly the bytes past the end (what the memory broker requires, read
+//!   through [`Storage::mapping_granule_bytes`]). Live blocks never move and region
+//!   addresses never change, so a resize copies nothing and the per-layer base
+//!   pointers uploaded once stay valid.
 //! - **Streams.** Kernels and K/V writes run on the compute stream; swaps run on a
 //!   separate transfer stream so they overlap compute. Ordering between the two is by
 //!   events only (no device-wide synchronisation): a swap waits for the compute work
@@ -80,6 +84,13 @@ pub struct CudaStorageConfig {
     pub max_blocks: Option<usize>,
     /// Blocks of the pinned host tier (0: none).
     pub host_blocks: usize,
+    /// Back each layer region with physical chunks of exactly one allocation granule
+    /// instead of power-of-two multiples of it: a shrink then releases exactly the
+    /// bytes past the new end (no chunk straddles it), and
+    /// [`Storage::mapping_granule_bytes`] reports the granule, as the memory broker
+    /// requires. Costs one `cuMemCreate`/`cuMemMap` per granule per layer (a 1 GiB
+    /// region: 512), so off by default.
+    pub granule_chunks: bool,
 }
 
 impl CudaStorageConfig {
@@ -90,6 +101,7 @@ impl CudaStorageConfig {
             size: ArenaSize::Blocks(num_blocks),
             max_blocks: None,
             host_blocks: 0,
+            granule_chunks: false,
         }
     }
 }
@@ -101,12 +113,15 @@ struct VmmRegion {
     base: sys::CUdeviceptr,
     reserved_bytes: usize,
     granularity: usize,
+    /// The largest physical chunk: [`MAX_CHUNK_BYTES`], or the granularity
+    /// ([`CudaStorageConfig::granule_chunks`]).
+    max_chunk: usize,
     /// Handles and sizes, in mapping order from `base`.
     chunks: Vec<(sys::CUmemGenericAllocationHandle, usize)>,
 }
 
 impl VmmRegion {
-    fn reserve(reserved_bytes: usize, granularity: usize) -> Result<Self> {
+    fn reserve(reserved_bytes: usize, granularity: usize, max_chunk: usize) -> Result<Self> {
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: `base` is a valid out-pointer; size and alignment are multiples of the
         // allocation granularity as cuMemAddressReserve requires.
@@ -117,6 +132,7 @@ impl VmmRegion {
             base,
             reserved_bytes,
             granularity,
+            max_chunk,
             chunks: Vec::new(),
         })
     }
@@ -140,7 +156,7 @@ impl VmmRegion {
         access: &sys::CUmemAccessDesc,
     ) -> Result<()> {
         let before = self.chunks.len();
-        let mut max_chunk = MAX_CHUNK_BYTES;
+        let mut max_chunk = self.max_chunk;
         'plan: loop {
             for size in plan_growth(self.mapped_bytes(), bytes, self.granularity, max_chunk) {
                 if let Err(e) = self.map_one(size, prop, access) {
@@ -396,7 +412,12 @@ impl CudaStorage {
 
         let mut regions = Vec::with_capacity(layers);
         for _ in 0..layers {
-            let mut r = VmmRegion::reserve(reserve, chunk)?;
+            let max_chunk = if config.granule_chunks {
+                chunk
+            } else {
+                MAX_CHUNK_BYTES
+            };
+            let mut r = VmmRegion::reserve(reserve, chunk, max_chunk)?;
             r.grow_to(region_bytes, &alloc_prop, &access)?;
             regions.push(r);
         }
@@ -1246,6 +1267,13 @@ pub(crate) fn blocks_in_budget(budget: usize, bpl: usize, layers: usize, chunk: 
 impl Storage for CudaStorage {
     fn layout(&self) -> &KvLayout {
         &self.layout
+    }
+
+    /// The granule with [`CudaStorageConfig::granule_chunks`]; otherwise `None` (a
+    /// shrink keeps a chunk that straddles the new end).
+    fn mapping_granule_bytes(&self) -> Option<usize> {
+        let r = self.regions.first()?;
+        (r.max_chunk <= r.granularity).then_some(r.granularity)
     }
 
     fn num_blocks(&self) -> usize {

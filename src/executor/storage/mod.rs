@@ -131,6 +131,15 @@ pub trait Storage {
     /// # Errors
     /// [`Error::InvalidConfig`] when the size is impossible; nothing changed.
     fn resize(&mut self, num_blocks: usize) -> Result<()>;
+
+    /// The unit in which the arena's memory is held, per layer region: `Some(g)` when,
+    /// after any [`Self::resize`], each layer region maps exactly its blocks' bytes
+    /// rounded up to a multiple of `g` (1: byte-exact, as host memory is); `None` when
+    /// a shrink can leave more mapped than that (a `CudaStorage` backed by physical
+    /// chunks larger than the granule). The memory broker reads it at registration.
+    fn mapping_granule_bytes(&self) -> Option<usize> {
+        Some(1)
+    }
 }
 
 /// Implements [`Storage`] for a type by forwarding every method to one of its fields,
@@ -224,6 +233,7 @@ macro_rules! delegate_storage {
     (@check read_host_block $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
     (@check write_host_block $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
     (@check resize $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
+    (@check mapping_granule_bytes $($rest:ident)*) => { $crate::delegate_storage!(@check $($rest)*); };
     (@check $other:ident $($rest:ident)*) => {
         ::core::compile_error!(::core::concat!(
             "delegate_storage!: `", ::core::stringify!($other), "` is not a method of `Storage`"
@@ -249,6 +259,7 @@ macro_rules! delegate_storage {
     (@one $f:tt read_host_block [read_host_block $($r:ident)*]) => {};
     (@one $f:tt write_host_block [write_host_block $($r:ident)*]) => {};
     (@one $f:tt resize [resize $($r:ident)*]) => {};
+    (@one $f:tt mapping_granule_bytes [mapping_granule_bytes $($r:ident)*]) => {};
     (@one $f:tt $m:ident [$x:ident $($r:ident)*]) => {
         $crate::delegate_storage!(@one $f $m [$($r)*]);
     };
@@ -345,6 +356,11 @@ macro_rules! delegate_storage {
             $crate::executor::storage::Storage::resize(&mut self.$f, num_blocks)
         }
     };
+    (@fwd $f:tt mapping_granule_bytes) => {
+        fn mapping_granule_bytes(&self) -> ::core::option::Option<usize> {
+            $crate::executor::storage::Storage::mapping_granule_bytes(&self.$f)
+        }
+    };
 
     // ---- the entry points ----
     (
@@ -358,6 +374,7 @@ macro_rules! delegate_storage {
                 @each $field [$($($skip)*)?]
                 layout num_blocks copy_blocks write_slots read_tokens num_host_blocks
                 swap swap_layer swap_fence read_host_block write_host_block resize
+                mapping_granule_bytes
             );
         }
     };

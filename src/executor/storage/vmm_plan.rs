@@ -10,8 +10,10 @@
 //! (1 GiB + 256 MiB). Resizing still works at the granularity: growth appends the
 //! binary decomposition of the new tail; a shrink releases whole chunks from the tail
 //! and, where the last kept chunk straddles the new end, keeps it (its bytes past the
-//! end stay mapped until a later shrink goes below its start, or are remapped in
-//! granules: [`plan_shrink`] says which).
+//! end stay mapped until a later shrink goes below its start: [`plan_shrink`] says
+//! which). A region whose chunks are all one granule (`CudaStorageConfig::granule_chunks`,
+//! what the memory broker requires) never straddles: a shrink to whole granules maps
+//! exactly its target.
 // Only the CUDA backend uses these; the unit tests run without it too.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
@@ -230,6 +232,45 @@ mod tests {
         // Granule-backed regions (the old layout) shrink to the granule.
         let granules = vec![2 * MIB; 8];
         assert_eq!(plan_shrink(&granules, 5 * MIB).mapped_after, 6 * MIB);
+    }
+
+    /// What `CudaStorageConfig::granule_chunks` buys the memory broker: with physical
+    /// chunks of one granule, any sequence of grows and shrinks to whole granules
+    /// leaves exactly the target mapped; with power-of-two chunks a shrink by one
+    /// granule can keep a straddling chunk.
+    #[test]
+    fn granule_chunks_shrink_exactly_and_larger_chunks_can_straddle() {
+        let g = 2 * MIB;
+        let mut z = 0x2545_f491_4f6c_dd1du64;
+        for (max_chunk, exact) in [(g, true), (GIB, false)] {
+            let mut chunks: Vec<usize> = Vec::new();
+            let mut straddled = false;
+            for _ in 0..2000 {
+                z ^= z << 13;
+                z ^= z >> 7;
+                z ^= z << 17;
+                let target = (z % 40) as usize * g;
+                let mapped: usize = chunks.iter().sum();
+                if target >= mapped {
+                    chunks.extend(plan_growth(mapped, target, g, max_chunk));
+                } else {
+                    let plan = plan_shrink(&chunks, target);
+                    chunks.truncate(plan.keep);
+                    assert_eq!(plan.mapped_after, chunks.iter().sum::<usize>());
+                }
+                let mapped: usize = chunks.iter().sum();
+                assert!(mapped >= target);
+                straddled |= mapped > target;
+                if exact {
+                    assert_eq!(mapped, target);
+                    assert!(chunks.iter().all(|&c| c == g));
+                }
+            }
+            assert_eq!(straddled, !exact);
+        }
+        // The smallest straddle: 3 granules are [2g, g]; a shrink to 1 keeps 2g.
+        assert_eq!(plan_growth(0, 3 * g, g, GIB), vec![2 * g, g]);
+        assert_eq!(plan_shrink(&[2 * g, g], g).mapped_after, 2 * g);
     }
 
     #[test]

@@ -33,6 +33,9 @@ use crate::error::{Error, Result};
 use crate::ids::{BlockId, PinId};
 use crate::pool::{BlockPool, BlockState};
 
+mod spill;
+pub(crate) use spill::SavedEntry;
+
 /// `BlockHash` values are already mixed; hashing them again is wasted work.
 #[derive(Default)]
 struct PassThrough(u64);

@@ -139,10 +139,11 @@ pub struct PinnedPrefix {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Medium {
     /// The device arena (GPU memory, or the host arena of a CPU engine): the blocks a
-    /// hit shares. Every event carries this today.
+    /// hit shares.
     Device,
-    /// The host (swap) tier. It does not register blocks in the prefix cache today, so
-    /// no event names it yet.
+    /// The host (swap) tier: cached blocks spilled there
+    /// ([`crate::KvCacheManager::plan_prefix_spill`]) until they are restored. A hit
+    /// is only served from the device: restore first.
     Host,
 }
 

@@ -1,0 +1,71 @@
+//! The prefix cache's spill to the host tier and its restore, carried out: the
+//! manager's plan, the copies on the storage, the commit (see
+//! [`KvCacheManager::plan_prefix_spill`]).
+
+use crate::error::Result;
+use crate::executor::check_storage;
+use crate::executor::storage::Storage;
+use crate::manager::{KvCacheManager, PrefixRestore, PrefixSpill};
+
+/// Copies the prefix cache's evictable blocks to `storage`'s host tier (as many as it
+/// has free blocks for, parents first), keeps them indexed there and evicts them from
+/// the device; the rest is evicted. Afterwards the arena can shrink past them, and
+/// [`restore_spilled_prefixes`] brings them back.
+///
+/// ```
+/// use pagedkv::executor::tier::{restore_spilled_prefixes, spill_cached_prefixes};
+/// use pagedkv::{AdmitOptions, CacheConfig, DType, HostStorage, KvCacheManager, KvLayout,
+///               ModelShape, SeqId, TierConfig};
+///
+/// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1,
+///                          head_dim: 8, kv_dtype: DType::F16 };
+/// let layout = KvLayout::new(shape, 4)?;
+/// let tiers = TierConfig { num_host_blocks: 8, num_disk_slots: 0 };
+/// let mut kv = KvCacheManager::with_tiers(layout, CacheConfig::new(16), tiers)?;
+/// let mut storage = HostStorage::with_host_tier(layout, 16, 8)?;
+/// let (prompt, opts, mut slots) = ((0..13).collect::<Vec<u32>>(), AdmitOptions::default(), Vec::new());
+/// kv.admit_tokens(SeqId(1), &prompt, &opts, &mut slots)?;
+/// kv.free(SeqId(1))?;                                   // 3 full blocks stay cached
+/// let spill = spill_cached_prefixes(&mut kv, &mut storage)?;
+/// assert_eq!((spill.spilled_blocks, spill.evicted_blocks), (3, 0));
+/// assert_eq!(kv.cached_prefix_len(&prompt, &opts)?, 0); // not on the device now
+/// let restore = restore_spilled_prefixes(&mut kv, &mut storage)?;
+/// assert_eq!(restore.restored_blocks, 3);
+/// assert_eq!(kv.cached_prefix_len(&prompt, &opts)?, 12); // hits again
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+///
+/// # Errors
+/// [`crate::Error::InvalidConfig`] / [`crate::Error::ShapeMismatch`] for a storage
+/// that does not hold the manager's arena; the storage's swap errors. Nothing changed
+/// on error (only free host blocks were written).
+pub fn spill_cached_prefixes<S: Storage + ?Sized>(
+    kv: &mut KvCacheManager,
+    storage: &mut S,
+) -> Result<PrefixSpill> {
+    check_storage(kv, storage)?;
+    let pending = kv.plan_prefix_spill()?;
+    if !pending.plan().is_empty() {
+        storage.swap(pending.plan())?;
+    }
+    pending.commit()
+}
+
+/// Copies spilled prefix blocks back from `storage`'s host tier into free device
+/// blocks and registers them again, parents first, as many as the arena has free
+/// blocks for; gives up those that can never be hit again.
+///
+/// # Errors
+/// As [`spill_cached_prefixes`]. Nothing changed on error (only free device blocks
+/// were written).
+pub fn restore_spilled_prefixes<S: Storage + ?Sized>(
+    kv: &mut KvCacheManager,
+    storage: &mut S,
+) -> Result<PrefixRestore> {
+    check_storage(kv, storage)?;
+    let pending = kv.plan_prefix_restore()?;
+    if !pending.plan().is_empty() {
+        storage.swap(pending.plan())?;
+    }
+    pending.commit()
+}

@@ -1,0 +1,133 @@
+//! The index's side of spilling cached blocks to the host tier and back: which blocks
+//! an eviction of everything evictable would drop, a registered block's content saved
+//! apart from the arena, and that content registered again on another block.
+//!
+//! A child of `index` so that it reads entries directly; the index itself only gains
+//! the `mod` line.
+
+use std::sync::Arc;
+
+use super::{Entry, Namespace, PrefixIndex};
+use crate::ids::BlockId;
+use crate::pool::prefix::{BlockHash, Medium, PrefixEvent};
+
+/// A registered block's content, kept while its bytes live outside the device arena:
+/// everything `register` needs to make it findable again, under the same hash.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SavedEntry {
+    pub(crate) hash: BlockHash,
+    pub(crate) parent: Option<BlockHash>,
+    /// Depth in its chain (1 for a first block): parents come first when sorted by it.
+    pub(crate) depth: u32,
+    pub(crate) last_used: u64,
+    ns: Option<Arc<[u8]>>,
+    key: Option<Arc<[u8]>>,
+    priority: i32,
+    tokens: Box<[u32]>,
+}
+
+impl PrefixIndex {
+    /// The cached blocks that evicting everything evictable would evict: cached and
+    /// unpinned, with no descendant that is referenced or pinned (such a block never
+    /// becomes a leaf). Parents first: by depth, then most recently used first, then
+    /// block id, so any leading part of the list is closed under parents.
+    pub(crate) fn evictable_closure(&self) -> Vec<BlockId> {
+        let n = self.entries.len();
+        let mut kept = vec![false; n];
+        for (i, e) in self.entries.iter().enumerate() {
+            let Some(e) = e else { continue };
+            if e.cached && e.pins == 0 {
+                continue;
+            }
+            // Mark this block and its ancestors; stop at one already marked (its
+            // ancestors are too).
+            let mut at = Some(i);
+            while let Some(j) = at {
+                if std::mem::replace(&mut kept[j], true) {
+                    break;
+                }
+                at = self.entries[j]
+                    .as_ref()
+                    .and_then(|e| e.parent)
+                    .and_then(|ph| self.block_of(ph))
+                    .map(BlockId::index);
+            }
+        }
+        let mut out: Vec<(u32, std::cmp::Reverse<u64>, BlockId)> = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| {
+                let e = e.as_ref()?;
+                (e.cached && e.pins == 0 && !kept[i]).then_some((
+                    e.depth,
+                    std::cmp::Reverse(e.last_used),
+                    BlockId(i as u32),
+                ))
+            })
+            .collect();
+        out.sort_unstable();
+        out.into_iter().map(|(_, _, b)| b).collect()
+    }
+
+    /// The content of registered block `b`, to register again elsewhere later.
+    pub(crate) fn save_entry(&self, b: BlockId) -> Option<SavedEntry> {
+        let e: &Entry = self.entry(b)?;
+        Some(SavedEntry {
+            hash: e.hash,
+            parent: e.parent,
+            depth: e.depth,
+            last_used: e.last_used,
+            ns: e.ns.clone(),
+            key: e.key.clone(),
+            priority: e.priority,
+            tokens: self.block_tokens(b).into(),
+        })
+    }
+
+    /// Registers live block `b` with the saved content, under its old hash and parent.
+    /// Returns `false` (changing nothing but the duplicate counter) when the hash is
+    /// registered already or the parent is not.
+    pub(crate) fn restore_entry(&mut self, b: BlockId, saved: &SavedEntry) -> bool {
+        let ns = Namespace {
+            key: saved.ns.clone().unwrap_or_else(|| Arc::from(&[][..])),
+            // Unused by `register` (the hash is given); the default keeps it defined.
+            seed: self.default_ns.seed,
+        };
+        self.register(
+            b,
+            saved.hash,
+            saved.parent,
+            &ns,
+            saved.key.as_ref(),
+            &saved.tokens,
+            saved.priority,
+        )
+    }
+
+    /// Announces that `saved`'s content now lives in (`stored`) or left (`!stored`)
+    /// host-tier block `host`, for a router's copy of the index.
+    pub(crate) fn announce_host(&mut self, saved: &SavedEntry, host: BlockId, stored: bool) {
+        if !self.events_on() {
+            return;
+        }
+        let event = if stored {
+            PrefixEvent::BlockStored {
+                hash: saved.hash,
+                parent: saved.parent,
+                block: host,
+                token_ids: saved.tokens.to_vec(),
+                block_size: self.block_size,
+                extra_keys: saved.key.as_deref().map(<[u8]>::to_vec).unwrap_or_default(),
+                medium: Medium::Host,
+            }
+        } else {
+            PrefixEvent::BlockRemoved {
+                hash: saved.hash,
+                block: host,
+                medium: Medium::Host,
+            }
+        };
+        self.emit(event);
+    }
+}
