@@ -82,6 +82,8 @@ pub struct CudaAttention {
     merge: CudaFunction,
     part_out: Option<CudaSlice<f32>>,
     part_lse: Option<CudaSlice<f32>>,
+    /// Dynamic shared memory of a decode launch (the tensor-core path's pipeline).
+    shared_bytes: u32,
 }
 
 fn largest_read(ids: &[u32], rows: impl Iterator<Item = (usize, usize)>) -> usize {
@@ -135,12 +137,28 @@ impl CudaAttention {
                 .load_function(n)
                 .map_err(driver_err("cuModuleGetFunction"))
         };
+        let decode = f("paged_attention_decode")?;
+        let shared_bytes = super::decode_mma::decode_dynamic_shared_bytes(
+            spec.dtype,
+            spec.gqa_group,
+            spec.head_dim,
+            spec.block_size,
+        ) as u32;
+        if shared_bytes > 48 * 1024 {
+            decode
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared_bytes as i32,
+                )
+                .map_err(driver_err("cuFuncSetAttribute(max dynamic shared memory)"))?;
+        }
         Ok(CudaAttention {
             spec,
-            decode: f("paged_attention_decode")?,
+            decode,
             merge: f("paged_attention_merge")?,
             part_out: None,
             part_lse: None,
+            shared_bytes,
         })
     }
 
@@ -324,7 +342,7 @@ impl CudaAttention {
                 plan.num_splits,
             ),
             block_dim: (ATTENTION_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: self.shared_bytes,
         };
         let mut b = stream.launch_builder(&self.decode);
         match (plan.num_splits, &mut self.part_out, &mut self.part_lse) {
@@ -353,7 +371,9 @@ impl CudaAttention {
             .arg(&plan.tokens_per_split)
             .arg(&plan.num_splits);
         // SAFETY: arguments match `paged_attention_decode` (kernels/paged_attention.cu)
-        // compiled for this layout's head dim, block size, group and dtype. Bounds:
+        // compiled for this layout's head dim, block size, group and dtype, and the
+        // dynamic shared memory is what its path needs (`decode_dynamic_shared_bytes`
+        // mirrors the kernel's `DECODE_MMA` and `MMA_STAGES`). Bounds:
         // the grid is (KV heads, batch, splits); `q`, `out`, `lse` (or the split
         // scratch, sized batch * q_heads * splits rows) hold every row the grid
         // writes (checked above); the tables were validated at upload so that every

@@ -28,12 +28,14 @@
 //! | [`model`] | [`model::TinyModel`], a seeded random attention stack |
 //! | [`rope`] | rotary embeddings (interleaved and NeoX halves) fused with the cache write |
 //! | [`plan_splits`] | the split planner of the GPU kernels (pure, no GPU needed) |
+//! | [`decode_mma`] | the decode kernel's tensor-core path: launch geometry and a CPU replay of its lanes |
 //! | `cuda` (feature `cuda`) | the paged decode kernel over a `CudaStorage` |
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod cuda_prefill;
+pub mod decode_mma;
 mod kernel_plan;
 mod kernels;
 pub mod mla;
