@@ -315,7 +315,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
                 const int ch = x % ROW_CHUNKS;
                 const u32 t = tile0 + (u32)tile * MMA_TILE + tt;
                 const bool valid = t >= begin && t < end;
-                const u32 blk = ids[tt / (MMA_TILE / PAGES_PER_TILE)];
+                // Selected, not indexed: a runtime index into a register array
+                // would put it in local memory.
+                u32 blk = ids[0];
+#pragma unroll
+                for (int p = 1; p < PAGES_PER_TILE; ++p) {
+                    if (tt >= p * (MMA_TILE / PAGES_PER_TILE)) blk = ids[p];
+                }
                 const unsigned char* src = head_base + (u64)blk * sb + (u64)(t % BLOCK_SIZE) * st + ch * 16;
                 const u32 dst = wsm_addr + stage * STAGE_BYTES + tt * ROW_BYTES + ((ch ^ mma_swizzle(tt)) * 16);
                 cp_async16(dst, valid ? src : (const void*)head_base, valid);
