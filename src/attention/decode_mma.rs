@@ -18,7 +18,8 @@
 //! byte in the low half, and everything about timing (the pipeline's `wait_group`
 //! depth, bank conflicts).
 
-use super::{check_decode_q, check_paged, AttentionParams};
+use super::reference::paged_decode_reference;
+use super::{check_decode_q, check_paged, AttentionParams, SplitPlan};
 use crate::error::Result;
 use crate::executor::storage::{HostStorage, Storage};
 use crate::layout::convert::fp8_e4m3_to_f32;
@@ -206,20 +207,21 @@ struct WarpState {
 }
 
 /// Replays `paged_attention_decode`'s tensor-core path on the CPU for every sequence,
-/// KV head and split of `num_splits` (tokens per split as the split planner's
-/// [`super::split_plan_with`] cuts them), then merges the splits as
-/// `paged_attention_merge` does. Returns `out` and `lse` (natural log) like the kernel.
+/// KV head and split of `plan`, then merges the splits as `paged_attention_merge`
+/// does. Returns `out` and `lse` (natural log) like the kernel.
 ///
 /// # Errors
 /// As [`super::reference::paged_decode_reference`]; [`crate::Error::Unsupported`] for
-/// a layout the tensor-core path does not take (see [`uses_mma`]).
+/// a layout the tensor-core path does not take (see [`uses_mma`]);
+/// [`crate::Error::InvalidConfig`] for a plan with no splits or a split length that
+/// is not a whole number of blocks.
 pub fn replay_decode_mma(
     storage: &HostStorage,
     layer: usize,
     q: &[f32],
     tables: &PaddedTables,
     params: &AttentionParams,
-    num_splits: u32,
+    plan: SplitPlan,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
     let layout = *storage.layout();
     let batch = check_paged(&layout, storage.num_blocks(), layer, tables, params, None)?;
@@ -231,8 +233,25 @@ pub fn replay_decode_mma(
             "the tensor-core decode path does not take {dtype} GQA {group} head_dim {d} block {bs}"
         )));
     }
-    let max_context = tables.context_lens.iter().copied().max().unwrap_or(0) as usize;
-    let plan = super::split_plan_with(max_context, bs, num_splits)?;
+    if plan.num_splits == 0
+        || plan.num_splits > super::MAX_SPLITS
+        || plan.tokens_per_split as usize % bs != 0
+    {
+        return Err(crate::Error::config(
+            "plan",
+            format!(
+                "{plan:?}: 1..={} splits of whole {bs}-token blocks",
+                super::MAX_SPLITS
+            ),
+        ));
+    }
+    let max_context = tables.context_lens.iter().copied().max().unwrap_or(0) as u64;
+    if u64::from(plan.num_splits) * u64::from(plan.tokens_per_split) < max_context {
+        return Err(crate::Error::config(
+            "plan",
+            format!("{plan:?} does not cover a context of {max_context}"),
+        ));
+    }
     let geo = Geometry {
         dtype,
         head_dim: d,
@@ -590,6 +609,92 @@ pub fn mma_rounded_queries(dtype: DType, q: &[f32], params: &AttentionParams) ->
         .collect()
 }
 
+/// Checks a decode result of the tensor-core path (`out`, `lse` as the kernel writes
+/// them) against the `f64` reference with the bound its arithmetic gives, and returns
+/// the worst ratio of error to bound. The reference runs on
+/// [`mma_rounded_queries`] (the kernel rounds `q * scale * log2(e)` to the MMA type
+/// once); what remains is P rounded to the MMA type on the numerator only (unit
+/// roundoff `u`, [`mma_unit_roundoff`]) and `f32` arithmetic, so each element must
+/// satisfy `|out - ref| <= (u + (ctx + head_dim + 64) 2^-23) A` with
+/// `A = sum_t w_t |v_t|` (the reference over the cache with V's signs cleared), and
+/// each log-sum-exp `|lse - ref| <= 4 (ctx + head_dim + 64) 2^-23 (1 + |ref|)`.
+///
+/// # Errors
+/// A message naming the first element outside its bound; reference errors as text.
+pub fn check_against_reference(
+    storage: &HostStorage,
+    layer: usize,
+    q: &[f32],
+    tables: &PaddedTables,
+    params: &AttentionParams,
+    out: &[f32],
+    lse: &[f32],
+) -> std::result::Result<f64, String> {
+    let layout = *storage.layout();
+    let s = layout.shape();
+    let d = s.head_dim;
+    let qr = mma_rounded_queries(s.kv_dtype, q, params);
+    let want =
+        paged_decode_reference(storage, layer, &qr, tables, params).map_err(|e| e.to_string())?;
+    let scale = paged_decode_reference(&abs_v(storage, layer, tables), layer, &qr, tables, params)
+        .map_err(|e| e.to_string())?;
+    if out.len() != want.out.len() || lse.len() != want.lse.len() {
+        return Err(format!(
+            "{} outputs and {} lse for {} and {}",
+            out.len(),
+            lse.len(),
+            want.out.len(),
+            want.lse.len()
+        ));
+    }
+    let u = mma_unit_roundoff(s.kv_dtype);
+    let mut worst: f64 = 0.0;
+    for row in 0..want.lse.len() {
+        let ctx = tables.context_lens[row / s.num_q_heads] as f64;
+        let gamma = (ctx + d as f64 + 64.0) * 2f64.powi(-23);
+        for dim in 0..d {
+            let i = row * d + dim;
+            let bound = (u + gamma) * scale.out[i] + 1e-30;
+            let err = (f64::from(out[i]) - want.out[i]).abs();
+            if err > bound || out[i].is_nan() {
+                return Err(format!(
+                    "row {row} dim {dim}: {} vs {} (bound {bound:e})",
+                    out[i], want.out[i]
+                ));
+            }
+            worst = worst.max(err / bound);
+        }
+        let (a, b) = (f64::from(lse[row]), want.lse[row]);
+        let lb = 4.0 * gamma * (1.0 + b.abs());
+        if !(a == b || (a - b).abs() <= lb) {
+            return Err(format!("row {row}: lse {a} vs {b} (bound {lb:e})"));
+        }
+    }
+    Ok(worst)
+}
+
+/// A copy of the storage with the sign of every V element of the tables' contexts
+/// cleared (the reference over it gives `sum_t w_t |v_t|`).
+fn abs_v(storage: &HostStorage, layer: usize, tables: &PaddedTables) -> HostStorage {
+    let layout = *storage.layout();
+    let mut st = storage.clone();
+    let es = layout.dtype().size_bytes();
+    let shape = layout.shape();
+    let bs = layout.block_size();
+    for i in 0..tables.batch {
+        for h in 0..shape.num_kv_heads {
+            for t in 0..tables.context_lens[i] as usize {
+                let blk = crate::ids::BlockId(tables.row(i)[t / bs]);
+                let v = layout.elem_offset(blk, crate::layout::Kv::V, h, t % bs);
+                for x in 0..shape.head_dim {
+                    st.region_mut(layer)[(v + x) * es + es - 1] &= 0x7f;
+                }
+            }
+        }
+    }
+    st
+}
+
 /// Unit roundoff of the MMA operand type: 2^-8 for bf16, 2^-11 for f16 (f16 and fp8
 /// caches).
 pub fn mma_unit_roundoff(dtype: DType) -> f64 {
@@ -603,7 +708,6 @@ pub fn mma_unit_roundoff(dtype: DType) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::attention::reference::paged_decode_reference;
     use crate::ids::BlockId;
     use crate::layout::shape::ModelShape;
     use crate::layout::{Kv, KvLayout};
@@ -703,65 +807,12 @@ mod tests {
         Case { st, tables, q }
     }
 
-    /// A copy of the storage with every V element's sign cleared: the reference over it
-    /// gives `A_d = sum_t w_t |v_t,d|`, the scale of the error bound.
-    fn abs_v(c: &Case) -> HostStorage {
-        let layout = *c.st.layout();
-        let mut st = c.st.clone();
-        let es = layout.dtype().size_bytes();
-        let sign_byte = es - 1;
-        let shape = layout.shape();
-        for i in 0..c.tables.batch {
-            for h in 0..shape.num_kv_heads {
-                for t in 0..c.tables.context_lens[i] as usize {
-                    let blk = BlockId(c.tables.row(i)[t / layout.block_size()]);
-                    let v = layout.elem_offset(blk, Kv::V, h, t % layout.block_size());
-                    for x in 0..shape.head_dim {
-                        st.region_mut(0)[(v + x) * es + sign_byte] &= 0x7f;
-                    }
-                }
-            }
-        }
-        st
-    }
-
-    /// Checks the replay against the `f64` reference on the MMA-rounded queries with
-    /// the bound the arithmetic gives: P rounded to the MMA type (unit roundoff `u`, on
-    /// the numerator only) plus `f32` accumulation, so
-    /// `|out - ref| <= (u + (ctx + d + 64) 2^-23) A_d`. Returns the worst ratio of error
-    /// to bound, or the first violation.
     fn check(c: &Case, params: &AttentionParams, splits: u32) -> std::result::Result<f64, String> {
-        let layout = *c.st.layout();
-        let s = layout.shape();
-        let d = s.head_dim;
-        let (out, lse) = replay_decode_mma(&c.st, 0, &c.q, &c.tables, params, splits).unwrap();
-        let qr = mma_rounded_queries(s.kv_dtype, &c.q, params);
-        let want = paged_decode_reference(&c.st, 0, &qr, &c.tables, params).unwrap();
-        let scale = paged_decode_reference(&abs_v(c), 0, &qr, &c.tables, params).unwrap();
-        let u = mma_unit_roundoff(s.kv_dtype);
-        let mut worst: f64 = 0.0;
-        for row in 0..want.lse.len() {
-            let ctx = c.tables.context_lens[row / s.num_q_heads] as f64;
-            let gamma = (ctx + d as f64 + 64.0) * 2f64.powi(-23);
-            for dim in 0..d {
-                let i = row * d + dim;
-                let bound = (u + gamma) * scale.out[i] + 1e-30;
-                let err = (f64::from(out[i]) - want.out[i]).abs();
-                if err > bound || out[i].is_nan() {
-                    return Err(format!(
-                        "row {row} dim {dim}: {} vs {} (bound {bound:e})",
-                        out[i], want.out[i]
-                    ));
-                }
-                worst = worst.max(err / bound);
-            }
-            let (a, b) = (f64::from(lse[row]), want.lse[row]);
-            let lb = gamma * (1.0 + b.abs()) * 4.0;
-            if !(a == b || (a - b).abs() <= lb) {
-                return Err(format!("row {row}: lse {a} vs {b} (bound {lb:e})"));
-            }
-        }
-        Ok(worst)
+        let max = c.tables.context_lens.iter().copied().max().unwrap() as usize;
+        let plan =
+            crate::attention::split_plan_with(max, c.st.layout().block_size(), splits).unwrap();
+        let (out, lse) = replay_decode_mma(&c.st, 0, &c.q, &c.tables, params, plan).unwrap();
+        check_against_reference(&c.st, 0, &c.q, &c.tables, params, &out, &lse)
     }
 
     #[test]
@@ -985,8 +1036,15 @@ mod tests {
                 let es = dtype.size_bytes();
                 broken.st.region_mut(0)[v * es..(v + d) * es].fill(0);
             }
-            let (out, _) =
-                replay_decode_mma(&broken.st, 0, &broken.q, &broken.tables, &params, 1).unwrap();
+            let (out, _) = replay_decode_mma(
+                &broken.st,
+                0,
+                &broken.q,
+                &broken.tables,
+                &params,
+                crate::attention::split_plan_with(ctx, bs, 1).unwrap(),
+            )
+            .unwrap();
             let bad = (0..want.lse.len()).any(|row| {
                 let w = want.out[row * d + 11];
                 (f64::from(out[row * d + 11]) - w).abs() > (u + gamma) * w
