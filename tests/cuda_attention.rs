@@ -16,7 +16,9 @@ use cuda_common::{decode, nan_bytes, storage_or_skip, Rng};
 use pagedkv::attention::cuda::{CudaAttention, Tables};
 use pagedkv::attention::decode_mma::{check_against_reference, replay_decode_mma, uses_mma};
 use pagedkv::attention::reference::paged_decode_reference;
-use pagedkv::attention::{plan_splits, split_plan_with, AttentionParams, SplitPlan};
+use pagedkv::attention::{
+    plan_splits, plan_splits_for_occupancy, split_plan_with, AttentionParams, SplitPlan,
+};
 use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
 use pagedkv::{
     BlockId, CsrTables, DType, HostStorage, KvLayout, ModelShape, PaddedTables, Slot, Storage,
@@ -569,6 +571,8 @@ fn kernel_algorithm_simulated_on_cpu_matches_reference() {
             .map(|&n| split_plan_with(max_ctx, 16, n).unwrap())
             .collect();
         plans.push(plan_splits(case.contexts.len(), 2, max_ctx, 16, 132));
+        let lens: Vec<u32> = case.contexts.iter().map(|&c| c as u32).collect();
+        plans.push(plan_splits_for_occupancy(&lens, window, 2, 16, 132, 3));
         let mma = uses_mma(dtype, group, head_dim, 16);
         for plan in plans {
             let what = format!("simulated {case:?} {plan:?}");

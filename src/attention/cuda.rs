@@ -3,8 +3,10 @@
 //!
 //! One launch of `paged_attention_decode` per layer and step: a CTA per (sequence, KV
 //! head, split) serves every query head of the GQA group from one load of K/V. When
-//! the [split planner](super::plan_splits) cuts contexts into several splits, a second
-//! launch (`paged_attention_merge`) combines the partial results by log-sum-exp.
+//! the [occupancy-aware split planner](super::plan_splits_for_occupancy) (each
+//! sequence's length, the window, and the CTAs per SM the driver reports) cuts contexts
+//! into several splits, a second launch (`paged_attention_merge`) combines the partial
+//! results by log-sum-exp.
 //!
 //! Queries and outputs are `f32` (`[batch, q_heads, head_dim]`); the log-sum-exp of
 //! each row is returned in natural-log units, as the CPU reference does. (An engine
@@ -30,7 +32,9 @@
 //! # }
 //! ```
 
-use super::{plan_splits, split_plan_with, validate_params, AttentionParams, SplitPlan};
+use super::{
+    plan_splits_for_occupancy, split_plan_with, validate_params, AttentionParams, SplitPlan,
+};
 use crate::error::{Error, Result};
 use crate::executor::cuda::{compile, driver_err, AttentionSpec, KernelSpec, ATTENTION_THREADS};
 use crate::executor::storage::{CudaStorage, Storage};
@@ -58,6 +62,8 @@ pub struct DeviceTables {
     batch: usize,
     row_stride: u32,
     max_context: usize,
+    /// Each sequence's context length, for the split planner.
+    context_lens: Vec<u32>,
     /// One past the largest block id the kernel may read.
     blocks_needed: usize,
 }
@@ -84,6 +90,8 @@ pub struct CudaAttention {
     part_lse: Option<CudaSlice<f32>>,
     /// Dynamic shared memory of a decode launch (the tensor-core path's pipeline).
     shared_bytes: u32,
+    /// Resident CTAs per SM of the decode kernel, as the driver reports it.
+    ctas_per_sm: u32,
 }
 
 fn largest_read(ids: &[u32], rows: impl Iterator<Item = (usize, usize)>) -> usize {
@@ -152,8 +160,21 @@ impl CudaAttention {
                 )
                 .map_err(driver_err("cuFuncSetAttribute(max dynamic shared memory)"))?;
         }
+        let ctas_per_sm = decode
+            .occupancy_max_active_blocks_per_multiprocessor(
+                ATTENTION_THREADS,
+                shared_bytes as usize,
+                None,
+            )
+            .map_err(driver_err("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+        if ctas_per_sm == 0 {
+            return Err(Error::Unsupported(format!(
+                "the decode kernel for {spec:?} does not fit on an SM ({shared_bytes} bytes of dynamic shared memory)"
+            )));
+        }
         Ok(CudaAttention {
             spec,
+            ctas_per_sm,
             decode,
             merge: f("paged_attention_merge")?,
             part_out: None,
@@ -201,6 +222,7 @@ impl CudaAttention {
                     batch: p.batch,
                     row_stride: p.max_blocks as u32,
                     max_context,
+                    context_lens: p.context_lens.clone(),
                     blocks_needed: largest_read(&p.tables, rows),
                 }
             }
@@ -221,6 +243,16 @@ impl CudaAttention {
                     batch: c.last_page_len.len(),
                     row_stride: 0,
                     max_context,
+                    context_lens: (0..c.last_page_len.len())
+                        .map(|i| {
+                            let nb = c.indptr[i + 1] - c.indptr[i];
+                            if nb == 0 {
+                                0
+                            } else {
+                                (nb - 1) * layout.block_size() as u32 + c.last_page_len[i]
+                            }
+                        })
+                        .collect(),
                     blocks_needed: c.indices.iter().map(|&b| b as usize + 1).max().unwrap_or(0),
                 }
             }
@@ -235,14 +267,32 @@ impl CudaAttention {
         Ok(t)
     }
 
-    /// The split plan the planner picks for these tables on this device.
+    /// Resident CTAs per SM of the decode kernel, from the driver
+    /// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`, with its dynamic shared memory).
+    pub fn ctas_per_sm(&self) -> u32 {
+        self.ctas_per_sm
+    }
+
+    /// The split plan the planner picks for these tables on this device (no window).
     pub fn plan(&self, storage: &CudaStorage, tables: &DeviceTables) -> SplitPlan {
-        plan_splits(
-            tables.batch,
+        self.plan_windowed(storage, tables, None)
+    }
+
+    /// [`super::plan_splits_for_occupancy`] over the tables' own context lengths, the
+    /// window, and the driver's occupancy for this kernel.
+    pub fn plan_windowed(
+        &self,
+        storage: &CudaStorage,
+        tables: &DeviceTables,
+        sliding_window: Option<usize>,
+    ) -> SplitPlan {
+        plan_splits_for_occupancy(
+            &tables.context_lens,
+            sliding_window,
             storage.layout().shape().num_kv_heads,
-            tables.max_context,
             storage.layout().block_size(),
             storage.device().num_sms,
+            self.ctas_per_sm as usize,
         )
     }
 
@@ -294,7 +344,7 @@ impl CudaAttention {
         }
         let plan = match splits {
             Some(n) => split_plan_with(tables.max_context, layout.block_size(), n)?,
-            None => self.plan(storage, tables),
+            None => self.plan_windowed(storage, tables, params.sliding_window),
         };
         if tables.batch == 0 {
             return Ok(plan);
