@@ -108,6 +108,25 @@ __device__ __forceinline__ int lane_dim(int lt, int j, int e) {
     return (lt + j * LANES_PER_TOKEN) * VEC_ELEMS + e;
 }
 
+// Queries and outputs in f32, f16 or bf16 (a runtime code, the same as the cache
+// dtypes': 0 = f32, 1 = f16, 2 = bf16): read and written once per element, outside the
+// token loop. Split partials and log-sum-exps stay f32.
+__device__ __forceinline__ float load_io(const void* p, u64 i, u32 dt) {
+    if (dt == PKV_F16) return f16_to_f32(reinterpret_cast<const u16*>(p)[i]);
+    if (dt == PKV_BF16) return bf16_to_f32(reinterpret_cast<const u16*>(p)[i]);
+    return reinterpret_cast<const float*>(p)[i];
+}
+
+__device__ __forceinline__ void store_io(void* p, u64 i, float v, u32 dt) {
+    if (dt == PKV_F16) {
+        reinterpret_cast<u16*>(p)[i] = f32_to_f16(v);
+    } else if (dt == PKV_BF16) {
+        reinterpret_cast<u16*>(p)[i] = f32_to_bf16(v);
+    } else {
+        reinterpret_cast<float*>(p)[i] = v;
+    }
+}
+
 // Which decode path this specialisation compiles (the host mirrors this choice in
 // src/attention/decode_mma.rs to size the dynamic shared memory): tensor cores for
 // GQA 3..16 over 16-bit and fp8 caches whose head rows are 64+ bytes in whole k-steps
@@ -222,12 +241,12 @@ __device__ __forceinline__ void cp_async16(u32 smem, const void* gmem, bool vali
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode(
-    float* __restrict__ out, float* __restrict__ lse, const float* __restrict__ q,
+    void* __restrict__ out, float* __restrict__ lse, const void* __restrict__ q,
     const cache_t* __restrict__ cache, const u32* __restrict__ block_ids,
     const u32* __restrict__ indptr, const u32* __restrict__ lens, u32 row_stride,
     u64 stride_block, u64 stride_kv, u64 stride_head, u64 stride_token,
     const float* __restrict__ alibi_slopes, float scale_log2, float v_scale,
-    u32 sliding_window, u32 tokens_per_split, u32 num_splits) {
+    u32 sliding_window, u32 tokens_per_split, u32 num_splits, u32 q_dtype, u32 out_dtype) {
     extern __shared__ __align__(16) unsigned char mma_smem[];
     const int kv_head = blockIdx.x;
     const int seq = blockIdx.y;
@@ -271,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
                 for (int e = 0; e < 4; ++e) {
                     const int i = 4 * s + e;
                     const int dim = (j + 4 * (i / EPC)) * EPC + i % EPC;
-                    v[e] = r < GQA_GROUP ? q[(qrow0 + r) * HEAD_DIM + dim] * scale_log2 : 0.0f;
+                    v[e] = r < GQA_GROUP ? load_io(q, (qrow0 + r) * HEAD_DIM + dim, q_dtype) * scale_log2 : 0.0f;
                 }
                 qa[s][half] = pack_mma(v[0], v[1]);      // k = 2j, 2j + 1
                 qa[s][2 + half] = pack_mma(v[2], v[3]);  // k = 2j + 8, 2j + 9
@@ -523,10 +542,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         const float val = lsum > 0.0f ? acc / lsum * v_scale : 0.0f;
         const float lse_val = lsum > 0.0f ? (mt + log2f(lsum)) * PKV_LN2 : -PKV_INF;
         if (num_splits == 1) {
-            out[qh * HEAD_DIM + d] = val;
+            store_io(out, qh * HEAD_DIM + d, val, out_dtype);
             if (d == 0) lse[qh] = lse_val;
         } else {
-            out[(qh * num_splits + split) * HEAD_DIM + d] = val;
+            store_io(out, (qh * num_splits + split) * HEAD_DIM + d, val, out_dtype);
             if (d == 0) lse[qh * num_splits + split] = lse_val;
         }
     }
@@ -535,9 +554,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
 #else  // the simple path: CUDA cores, one token per lane group
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode(
-    float* __restrict__ out,             // [batch, q_heads, (splits,) HEAD_DIM]
+    void* __restrict__ out,              // [batch, q_heads, (splits,) HEAD_DIM], out_dtype
     float* __restrict__ lse,             // [batch, q_heads (, splits)], natural log
-    const float* __restrict__ q,         // [batch, q_heads, HEAD_DIM]
+    const void* __restrict__ q,          // [batch, q_heads, HEAD_DIM], q_dtype
     const cache_t* __restrict__ cache,   // this layer's region
     const u32* __restrict__ block_ids,   // padded rows, or CSR indices
     const u32* __restrict__ indptr,      // CSR row offsets [batch + 1], or null for padded
@@ -549,7 +568,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     float v_scale,
     u32 sliding_window,                  // 0: none
     u32 tokens_per_split,                // a multiple of BLOCK_SIZE
-    u32 num_splits) {
+    u32 num_splits,
+    u32 q_dtype,                         // 0 f32, 1 f16, 2 bf16
+    u32 out_dtype) {                     // the same codes (f32 when writing split partials)
     const int kv_head = blockIdx.x;
     const int seq = blockIdx.y;
     const u32 split = blockIdx.z;
@@ -585,7 +606,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     for (int i = tid; i < GQA_GROUP * HEAD_DIM; i += NUM_THREADS) {
         int g = i / HEAD_DIM;
         int d = i % HEAD_DIM;
-        q_sh[g][d] = q[((u64)seq * q_heads + kv_head * GQA_GROUP + g) * HEAD_DIM + d];
+        q_sh[g][d] = load_io(q, ((u64)seq * q_heads + kv_head * GQA_GROUP + g) * HEAD_DIM + d, q_dtype);
         acc_sh[g][d] = 0.0f;
     }
     // ALiBi slopes in base-2 units, in shared memory: registers go to the accumulators.
@@ -724,9 +745,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         const float lsum = ltot_sh[g];
         const float val = lsum > 0.0f ? acc_sh[g][d] / lsum * v_scale : 0.0f;
         if (num_splits == 1) {
-            out[qh * HEAD_DIM + d] = val;
+            store_io(out, qh * HEAD_DIM + d, val, out_dtype);
         } else {
-            out[(qh * num_splits + split) * HEAD_DIM + d] = val;
+            store_io(out, (qh * num_splits + split) * HEAD_DIM + d, val, out_dtype);
         }
         if (d == 0) {
             const float lse_val = lsum > 0.0f ? (mtot_sh[g] + log2f(lsum)) * PKV_LN2 : -PKV_INF;
@@ -744,11 +765,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
 // Combines the partial outputs of the splits with their log-sum-exps.
 // Grid: x = query head, y = sequence. Reads splits [0, num_splits) of one row.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_merge(
-    float* __restrict__ out,            // [batch, q_heads, HEAD_DIM]
+    void* __restrict__ out,             // [batch, q_heads, HEAD_DIM], out_dtype
     float* __restrict__ lse,            // [batch, q_heads]
     const float* __restrict__ part_out, // [batch, q_heads, num_splits, HEAD_DIM]
     const float* __restrict__ part_lse, // [batch, q_heads, num_splits]
-    u32 num_splits) {
+    u32 num_splits,
+    u32 out_dtype) {
     const u64 qh = (u64)blockIdx.y * gridDim.x + blockIdx.x;
     const float* pl = part_lse + qh * num_splits;
     float mx = -PKV_INF;
@@ -769,7 +791,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_merge(
             }
             accum /= wsum;
         }
-        out[qh * HEAD_DIM + d] = accum;
+        store_io(out, qh * HEAD_DIM + d, accum, out_dtype);
     }
     if (threadIdx.x == 0) {
         lse[qh] = wsum > 0.0f ? mx + logf(wsum) : -PKV_INF;

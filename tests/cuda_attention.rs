@@ -352,6 +352,95 @@ fn decode_matches_reference_with_alibi_and_sliding_window() {
     }
 }
 
+/// f16 and bf16 queries and outputs (`decode_io`): the kernel converts q on load and
+/// rounds on store, so the result must be, bit for bit, the f32 call on the same
+/// (already rounded) queries with its output rounded to nearest even; for one split
+/// and for several (f32 partials, rounded by the merge).
+#[test]
+fn sixteen_bit_queries_and_outputs_round_once() {
+    use half::{bf16, f16};
+    use pagedkv::attention::cuda::{Outputs, Queries};
+    for (case_dtype, group) in [(DType::BF16, 8), (DType::Fp8E4M3, 4), (DType::F16, 1)] {
+        let case = Case {
+            dtype: case_dtype,
+            head_dim: 128,
+            group,
+            alibi: false,
+            window: None,
+            contexts: CONTEXTS.to_vec(),
+        };
+        let Some(s) = setup(
+            "sixteen_bit_queries_and_outputs_round_once",
+            &case,
+            55,
+            true,
+        ) else {
+            return;
+        };
+        let Some(gpu) = s.gpu.as_ref() else {
+            return;
+        };
+        let mut attn = CudaAttention::new(gpu).unwrap();
+        let stream = gpu.compute_stream();
+        let t = attn.upload_tables(gpu, Tables::Padded(&s.padded)).unwrap();
+        for io in [DType::F16, DType::BF16] {
+            let bits: Vec<u16> =
+                s.q.iter()
+                    .map(|&x| match io {
+                        DType::F16 => f16::from_f32(x).to_bits(),
+                        _ => bf16::from_f32(x).to_bits(),
+                    })
+                    .collect();
+            let widened: Vec<f32> = bits
+                .iter()
+                .map(|&b| match io {
+                    DType::F16 => f16::from_bits(b).to_f32(),
+                    _ => bf16::from_bits(b).to_f32(),
+                })
+                .collect();
+            for splits in [Some(1), Some(3)] {
+                let (want, want_lse) = attn
+                    .decode_host(
+                        gpu,
+                        LAYER,
+                        &widened,
+                        Tables::Padded(&s.padded),
+                        &s.params,
+                        splits,
+                    )
+                    .unwrap();
+                let d_q = stream.clone_htod(&bits).unwrap();
+                let mut d_out = stream.alloc_zeros::<u16>(want.len()).unwrap();
+                let mut d_lse = stream.alloc_zeros::<f32>(want_lse.len()).unwrap();
+                let q = match io {
+                    DType::F16 => Queries::F16(&d_q),
+                    _ => Queries::BF16(&d_q),
+                };
+                let out = match io {
+                    DType::F16 => Outputs::F16(&mut d_out),
+                    _ => Outputs::BF16(&mut d_out),
+                };
+                attn.decode_io(gpu, LAYER, q, &t, &s.params, splits, out, &mut d_lse)
+                    .unwrap();
+                let got = stream.clone_dtoh(&d_out).unwrap();
+                let got_lse = stream.clone_dtoh(&d_lse).unwrap();
+                stream.synchronize().unwrap();
+                for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                    let r = match io {
+                        DType::F16 => f16::from_f32(w).to_bits(),
+                        _ => bf16::from_f32(w).to_bits(),
+                    };
+                    assert_eq!(g, r, "{case:?} {io} splits {splits:?} element {i}");
+                }
+                assert_eq!(
+                    got_lse.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want_lse.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn hostile_tables_are_rejected_before_launch() {
     let case = Case {

@@ -8,10 +8,10 @@
 //! into several splits, a second launch (`paged_attention_merge`) combines the partial
 //! results by log-sum-exp.
 //!
-//! Queries and outputs are `f32` (`[batch, q_heads, head_dim]`); the log-sum-exp of
-//! each row is returned in natural-log units, as the CPU reference does. (An engine
-//! whose activations are bf16 converts `q` before the call: f16/bf16 query and output
-//! dtypes are not specialised yet.)
+//! Queries and outputs (`[batch, q_heads, head_dim]`) are `f32` in
+//! [`CudaAttention::decode`], or f32, f16 or bf16 in [`CudaAttention::decode_io`] (the
+//! kernel converts on load and store; a runtime argument, not a specialisation); the
+//! log-sum-exp of each row is `f32`, in natural-log units, as the CPU reference does.
 //!
 //! ```no_run
 //! # fn main() -> pagedkv::Result<()> {
@@ -77,6 +77,63 @@ impl DeviceTables {
     /// Longest context of the batch.
     pub fn max_context(&self) -> usize {
         self.max_context
+    }
+}
+
+/// Queries of a decode call on the device, `[batch, q_heads, head_dim]`, in the
+/// dtype the engine holds them in (16-bit ones as raw bits).
+#[derive(Debug, Clone, Copy)]
+pub enum Queries<'a> {
+    /// `f32`.
+    F32(&'a CudaSlice<f32>),
+    /// IEEE half, as `u16` bits.
+    F16(&'a CudaSlice<u16>),
+    /// bfloat16, as `u16` bits.
+    BF16(&'a CudaSlice<u16>),
+}
+
+/// Where a decode call writes its output, `[batch, q_heads, head_dim]` (16-bit dtypes
+/// as raw bits, rounded to nearest even).
+#[derive(Debug)]
+pub enum Outputs<'a> {
+    /// `f32`.
+    F32(&'a mut CudaSlice<f32>),
+    /// IEEE half, as `u16` bits.
+    F16(&'a mut CudaSlice<u16>),
+    /// bfloat16, as `u16` bits.
+    BF16(&'a mut CudaSlice<u16>),
+}
+
+impl Queries<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Queries::F32(q) => q.len(),
+            Queries::F16(q) | Queries::BF16(q) => q.len(),
+        }
+    }
+    /// The kernels' io dtype code (the cache dtype codes of `kernels/common.cuh`).
+    fn code(&self) -> u32 {
+        match self {
+            Queries::F32(_) => 0,
+            Queries::F16(_) => 1,
+            Queries::BF16(_) => 2,
+        }
+    }
+}
+
+impl Outputs<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Outputs::F32(o) => o.len(),
+            Outputs::F16(o) | Outputs::BF16(o) => o.len(),
+        }
+    }
+    fn code(&self) -> u32 {
+        match self {
+            Outputs::F32(_) => 0,
+            Outputs::F16(_) => 1,
+            Outputs::BF16(_) => 2,
+        }
     }
 }
 
@@ -317,6 +374,36 @@ impl CudaAttention {
         out: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<SplitPlan> {
+        self.decode_io(
+            storage,
+            layer,
+            Queries::F32(q),
+            tables,
+            params,
+            splits,
+            Outputs::F32(out),
+            lse,
+        )
+    }
+
+    /// [`Self::decode`] with queries and outputs in f32, f16 or bf16 (`lse` stays f32).
+    /// The kernel converts q once as it loads it and rounds the output once as it
+    /// stores it; split partials stay f32.
+    ///
+    /// # Errors
+    /// As [`Self::decode`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_io(
+        &mut self,
+        storage: &CudaStorage,
+        layer: usize,
+        q: Queries<'_>,
+        tables: &DeviceTables,
+        params: &AttentionParams,
+        splits: Option<u32>,
+        mut out: Outputs<'_>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<SplitPlan> {
         let layout = *storage.layout();
         let shape = layout.shape();
         validate_params(&layout, params)?;
@@ -394,13 +481,26 @@ impl CudaAttention {
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: self.shared_bytes,
         };
+        let (q_code, out_code) = (q.code(), out.code());
+        // Split partials are f32 whatever the final output's dtype.
+        let part_code = if plan.num_splits == 1 { out_code } else { 0u32 };
         let mut b = stream.launch_builder(&self.decode);
         match (plan.num_splits, &mut self.part_out, &mut self.part_lse) {
-            (1, _, _) => b.arg(&mut *out).arg(&mut *lse),
+            (1, _, _) => {
+                match &mut out {
+                    Outputs::F32(o) => b.arg(&mut **o),
+                    Outputs::F16(o) | Outputs::BF16(o) => b.arg(&mut **o),
+                };
+                b.arg(&mut *lse)
+            }
             (_, Some(po), Some(pl)) => b.arg(po).arg(pl),
             _ => return Err(Error::Cuda("split scratch missing".into())),
         };
-        b.arg(q).arg(&region).arg(&tables.ids);
+        match q {
+            Queries::F32(q) => b.arg(q),
+            Queries::F16(q) | Queries::BF16(q) => b.arg(q),
+        };
+        b.arg(&region).arg(&tables.ids);
         match &tables.indptr {
             Some(p) => b.arg(p),
             None => b.arg(&null),
@@ -419,11 +519,15 @@ impl CudaAttention {
             .arg(&v_scale)
             .arg(&window)
             .arg(&plan.tokens_per_split)
-            .arg(&plan.num_splits);
+            .arg(&plan.num_splits)
+            .arg(&q_code)
+            .arg(&part_code);
         // SAFETY: arguments match `paged_attention_decode` (kernels/paged_attention.cu)
         // compiled for this layout's head dim, block size, group and dtype, and the
         // dynamic shared memory is what its path needs (`decode_dynamic_shared_bytes`
-        // mirrors the kernel's `DECODE_MMA` and `MMA_STAGES`). Bounds:
+        // mirrors the kernel's `DECODE_MMA` and `MMA_STAGES`); `q_code` and `part_code`
+        // name the element types of `q` and of the buffer written (f32 scratch when
+        // split), so the kernel reads and writes whole elements. Bounds:
         // the grid is (KV heads, batch, splits); `q`, `out`, `lse` (or the split
         // scratch, sized batch * q_heads * splits rows) hold every row the grid
         // writes (checked above); the tables were validated at upload so that every
@@ -442,12 +546,17 @@ impl CudaAttention {
                 shared_mem_bytes: 0,
             };
             let mut m = stream.launch_builder(&self.merge);
-            m.arg(&mut *out)
-                .arg(&mut *lse)
+            match &mut out {
+                Outputs::F32(o) => m.arg(&mut **o),
+                Outputs::F16(o) | Outputs::BF16(o) => m.arg(&mut **o),
+            };
+            m.arg(&mut *lse)
                 .arg(po)
                 .arg(pl)
-                .arg(&plan.num_splits);
-            // SAFETY: arguments match `paged_attention_merge`. Bounds: the grid is
+                .arg(&plan.num_splits)
+                .arg(&out_code);
+            // SAFETY: arguments match `paged_attention_merge`; `out_code` names the
+            // element type of `out`. Bounds: the grid is
             // (q_heads, batch); it reads `num_splits` partial rows per output row from
             // the scratch written above (sized for them) and writes one row of `out`
             // and one `lse` entry, both checked above to hold batch * q_heads rows.
