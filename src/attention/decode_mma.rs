@@ -18,6 +18,10 @@
 //! byte in the low half, and everything about timing (the pipeline's `wait_group`
 //! depth, bank conflicts).
 
+// The replay indexes by lane, tile and k-step the way the kernel's lanes do; iterator
+// chains would hide exactly the indices it exists to show.
+#![allow(clippy::needless_range_loop)]
+
 use super::reference::paged_decode_reference;
 use super::{check_decode_q, check_paged, AttentionParams, SplitPlan};
 use crate::error::Result;

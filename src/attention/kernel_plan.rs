@@ -138,7 +138,7 @@ pub fn plan_splits_for_occupancy(
             .saturating_mul(heads);
         let waves = ctas.div_ceil(resident).max(1) as u128;
         let cost = waves * (plan.tokens_per_split as u128 + CTA_OVERHEAD_TOKENS as u128);
-        if best.is_none_or(|(c, _)| cost < c) {
+        if best.map_or(true, |(c, _)| cost < c) {
             best = Some((cost, plan));
         }
     }
