@@ -129,13 +129,16 @@ __device__ __forceinline__ void store_io(void* p, u64 i, float v, u32 dt) {
 
 // Which decode path this specialisation compiles (the host mirrors this choice in
 // src/attention/decode_mma.rs to size the dynamic shared memory): tensor cores for
-// GQA 3..16 over 16-bit and fp8 caches whose head rows are 64+ bytes in whole k-steps
+// GQA 3..16 over 16-bit and fp8 caches whose head rows are 64, 128, 256 or 512 bytes
+// (d <= 256; power-of-two rows keep the lane quarters, V eighths and the swizzle whole)
 // and whose pages nest with 16-token tiles; the simple path otherwise (GQA 1-2, where
 // an MMA would be 7/8 padding, and f32 caches).
 #define PKV_KV_BYTES (KV_DTYPE == PKV_FP8 ? 1 : (KV_DTYPE == PKV_F32 ? 4 : 2))
 #ifndef DECODE_MMA
 #define DECODE_MMA (KV_DTYPE != PKV_F32 && GQA_GROUP >= 3 && GQA_GROUP <= 16 && HEAD_DIM % 16 == 0 && \
-                    HEAD_DIM * PKV_KV_BYTES >= 64 && (BLOCK_SIZE % 16 == 0 || 16 % BLOCK_SIZE == 0))
+                    HEAD_DIM <= 256 && HEAD_DIM * PKV_KV_BYTES >= 64 &&                             \
+                    ((HEAD_DIM * PKV_KV_BYTES) & (HEAD_DIM * PKV_KV_BYTES - 1)) == 0 &&               \
+                    (BLOCK_SIZE % 16 == 0 || 16 % BLOCK_SIZE == 0))
 #endif
 
 // ---------------------------------------------------------------------------------
@@ -187,7 +190,8 @@ __device__ __forceinline__ void store_io(void* p, u64 i, float v, u32 dt) {
 // K chunks each lane copies per tile (V the same).
 #define COPY_PER_LANE (MMA_TILE * ROW_CHUNKS / 32)
 
-static_assert(HEAD_DIM % 16 == 0 && ROW_BYTES >= 64, "MMA path: head dims in whole k-steps, rows of 64+ bytes");
+static_assert(HEAD_DIM % 16 == 0 && ROW_BYTES >= 64 && (ROW_BYTES & (ROW_BYTES - 1)) == 0,
+              "MMA path: head dims in whole k-steps, power-of-two rows of 64+ bytes");
 static_assert(BLOCK_SIZE % MMA_TILE == 0 || MMA_TILE % BLOCK_SIZE == 0, "MMA path: pages and tiles nest");
 static_assert(EIGHTH_BYTES % 8 == 0, "MMA path: an eighth of a row is whole 8-byte words");
 static_assert((MMA_TILE * ROW_CHUNKS) % 32 == 0, "MMA path: chunks divide among lanes");
@@ -334,13 +338,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
                 const int ch = x % ROW_CHUNKS;
                 const u32 t = tile0 + (u32)tile * MMA_TILE + tt;
                 const bool valid = t >= begin && t < end;
-                // Selected, not indexed: a runtime index into a register array
-                // would put it in local memory.
-                u32 blk = ids[0];
-#pragma unroll
-                for (int p = 1; p < PAGES_PER_TILE; ++p) {
-                    if (tt >= p * (MMA_TILE / PAGES_PER_TILE)) blk = ids[p];
-                }
+                // The page of copy c is known at compile time: a page holds
+                // (16 / PAGES_PER_TILE) * ROW_CHUNKS chunks, a multiple of 32, so lanes
+                // 0..31 of copy c all fall in page 32 c / that (a runtime index into a
+                // register array would put it in local memory).
+                const u32 blk = ids[(32 * c) / ((MMA_TILE / PAGES_PER_TILE) * ROW_CHUNKS)];
                 const unsigned char* src = head_base + (u64)blk * sb + (u64)(t % BLOCK_SIZE) * st + ch * 16;
                 const u32 dst = wsm_addr + stage * STAGE_BYTES + tt * ROW_BYTES + ((ch ^ mma_swizzle(tt)) * 16);
                 cp_async16(dst, valid ? src : (const void*)head_base, valid);

@@ -149,6 +149,8 @@ pub struct CudaAttention {
     shared_bytes: u32,
     /// Resident CTAs per SM of the decode kernel, as the driver reports it.
     ctas_per_sm: u32,
+    /// The last ALiBi slopes uploaded, on the host and on the device.
+    alibi: Option<(Vec<f32>, CudaSlice<f32>)>,
 }
 
 fn largest_read(ids: &[u32], rows: impl Iterator<Item = (usize, usize)>) -> usize {
@@ -237,6 +239,7 @@ impl CudaAttention {
             part_out: None,
             part_lse: None,
             shared_bytes,
+            alibi: None,
         })
     }
 
@@ -442,13 +445,18 @@ impl CudaAttention {
             params.scale * if fp8 { params.k_scale } else { 1.0 } * std::f32::consts::LOG2_E;
         let v_scale = if fp8 { params.v_scale } else { 1.0 };
         let window = params.sliding_window.unwrap_or(0) as u32;
-        let alibi = match &params.alibi_slopes {
-            Some(s) => Some(
-                stream
+        // ALiBi slopes go to the device once per distinct slope vector, not per call.
+        if let Some(s) = &params.alibi_slopes {
+            if self.alibi.as_ref().map_or(true, |(host, _)| host != s) {
+                let dev = stream
                     .clone_htod(s)
-                    .map_err(driver_err("cuMemcpyHtoDAsync(alibi)"))?,
-            ),
-            None => None,
+                    .map_err(driver_err("cuMemcpyHtoDAsync(alibi)"))?;
+                self.alibi = Some((s.clone(), dev));
+            }
+        }
+        let alibi = match (&params.alibi_slopes, &self.alibi) {
+            (Some(_), Some((_, dev))) => Some(dev),
+            _ => None,
         };
         if plan.num_splits > 1 {
             let need_out = elems * plan.num_splits as usize;
@@ -511,7 +519,7 @@ impl CudaAttention {
             .arg(&skv)
             .arg(&sh)
             .arg(&st);
-        match &alibi {
+        match alibi {
             Some(a) => b.arg(a),
             None => b.arg(&null),
         };

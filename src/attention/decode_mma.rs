@@ -40,10 +40,13 @@ pub const MMA_WARPS: usize = 4;
 /// Whether a specialisation compiles the tensor-core path; mirrors the kernel's
 /// `DECODE_MMA` default.
 pub fn uses_mma(dtype: DType, gqa_group: usize, head_dim: usize, block_size: usize) -> bool {
+    let row_bytes = head_dim * dtype.size_bytes();
     dtype != DType::F32
         && (3..=16).contains(&gqa_group)
         && head_dim % 16 == 0
-        && head_dim * dtype.size_bytes() >= 64
+        && head_dim <= 256
+        && row_bytes >= 64
+        && row_bytes.is_power_of_two()
         && block_size > 0
         && (block_size % MMA_TILE == 0 || MMA_TILE % block_size == 0)
 }
@@ -357,7 +360,10 @@ pub fn replay_decode_mma(
                                 if t < begin || t >= end {
                                     continue; // zero-filled
                                 }
-                                let blk = ids[tt / (MMA_TILE / pages_per_tile)] as usize;
+                                // The kernel's compile-time page of copy c.
+                                let page = (32 * c) / ((MMA_TILE / pages_per_tile) * chunks);
+                                assert_eq!(page, tt / (MMA_TILE / pages_per_tile));
+                                let blk = ids[page] as usize;
                                 let src =
                                     kv_head * sh + blk * sb + (t as usize % bs) * stok + ch * 16;
                                 let dst = tt * row_bytes + (ch ^ geo.swizzle(tt)) * 16;
@@ -836,6 +842,8 @@ mod tests {
             !uses_mma(DType::BF16, 8, 128, 24),
             "pages that do not nest with tiles"
         );
+        assert!(!uses_mma(DType::BF16, 8, 96, 16), "192-byte rows");
+        assert!(!uses_mma(DType::BF16, 8, 512, 16), "head dims over 256");
         for g in [3, 4, 5, 8, 16] {
             for bs in [8, 16, 32] {
                 assert!(uses_mma(DType::BF16, g, 128, bs));
