@@ -24,7 +24,7 @@
 
 use super::reference::paged_decode_reference;
 use super::{check_decode_q, check_paged, AttentionParams, SplitPlan};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::executor::storage::{HostStorage, Storage};
 use crate::layout::convert::fp8_e4m3_to_f32;
 use crate::layout::shape::DType;
@@ -218,7 +218,7 @@ struct WarpState {
 /// does. Returns `out` and `lse` (natural log) like the kernel.
 ///
 /// # Errors
-/// As [`super::reference::paged_decode_reference`]; [`crate::Error::Unsupported`] for
+/// As [`super::reference::paged_decode_reference`]; [`Error::Unsupported`] for
 /// a layout the tensor-core path does not take (see [`uses_mma`]);
 /// [`crate::Error::InvalidConfig`] for a plan with no splits or a split length that
 /// is not a whole number of blocks.
@@ -236,7 +236,7 @@ pub fn replay_decode_mma(
     let s = layout.shape();
     let (d, group, bs, dtype) = (s.head_dim, s.group_size(), layout.block_size(), s.kv_dtype);
     if !uses_mma(dtype, group, d, bs) {
-        return Err(crate::Error::Unsupported(format!(
+        return Err(Error::Unsupported(format!(
             "the tensor-core decode path does not take {dtype} GQA {group} head_dim {d} block {bs}"
         )));
     }
@@ -244,7 +244,7 @@ pub fn replay_decode_mma(
         || plan.num_splits > super::MAX_SPLITS
         || plan.tokens_per_split as usize % bs != 0
     {
-        return Err(crate::Error::config(
+        return Err(Error::config(
             "plan",
             format!(
                 "{plan:?}: 1..={} splits of whole {bs}-token blocks",
@@ -254,7 +254,7 @@ pub fn replay_decode_mma(
     }
     let max_context = tables.context_lens.iter().copied().max().unwrap_or(0) as u64;
     if u64::from(plan.num_splits) * u64::from(plan.tokens_per_split) < max_context {
-        return Err(crate::Error::config(
+        return Err(Error::config(
             "plan",
             format!("{plan:?} does not cover a context of {max_context}"),
         ));
