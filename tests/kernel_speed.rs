@@ -113,6 +113,8 @@ fn decode_kernels_model_near_hbm_bandwidth_on_h200() {
         (DType::BF16, 128, 8, 8),
         (DType::BF16, 128, 32, 8),
         (DType::Fp8E4M3, 128, 32, 8),
+        (DType::F16, 64, 8, 3),
+        (DType::Fp8E4M3, 256, 16, 16),
     ]
     .map(|(dtype, head_dim, block_size, gqa_group)| {
         KernelSpec::Attention(AttentionSpec {
