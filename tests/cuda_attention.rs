@@ -285,6 +285,34 @@ fn run(test: &str, case: Case, seed: u64) -> bool {
             .unwrap();
         compare(&format!("{case:?} padded splits {splits:?}"), &out, &lse);
     }
+    // Deterministic: the same inputs give the same bits, run after run (no atomics
+    // in either path's epilogue; warps and splits merge in a fixed order).
+    for splits in [None, Some(3)] {
+        let run = |attn: &mut CudaAttention| {
+            attn.decode_host(
+                gpu,
+                LAYER,
+                &s.q,
+                Tables::Padded(&s.padded),
+                &s.params,
+                splits,
+            )
+            .unwrap()
+        };
+        let (a, la) = run(&mut attn);
+        let (b, lb) = run(&mut attn);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&a),
+            bits(&b),
+            "{case:?} splits {splits:?}: output differs between runs"
+        );
+        assert_eq!(
+            bits(&la),
+            bits(&lb),
+            "{case:?} splits {splits:?}: lse differs between runs"
+        );
+    }
     for splits in [None, Some(3)] {
         let (out, lse) = attn
             .decode_host(gpu, LAYER, &s.q, Tables::Csr(&s.csr), &s.params, splits)
