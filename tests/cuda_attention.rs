@@ -383,9 +383,10 @@ fn decode_matches_reference_with_alibi_and_sliding_window() {
 /// f16 and bf16 queries and outputs (`decode_io`): the kernel converts q on load and
 /// rounds on store, so the result must be, bit for bit, the f32 call on the same
 /// (already rounded) queries with its output rounded to nearest even; for one split
-/// and for several (f32 partials, rounded by the merge).
+/// and for several (f32 partials, rounded by the merge). And `decode_io_on` a caller's
+/// stream gives the bits of the storage's compute stream.
 #[test]
-fn sixteen_bit_queries_and_outputs_round_once() {
+fn sixteen_bit_queries_and_outputs_round_once_and_any_stream_gives_the_same_bits() {
     use half::{bf16, f16};
     use pagedkv::attention::cuda::{Outputs, Queries};
     for (case_dtype, group) in [(DType::BF16, 8), (DType::Fp8E4M3, 4), (DType::F16, 1)] {
@@ -411,6 +412,32 @@ fn sixteen_bit_queries_and_outputs_round_once() {
         let mut attn = CudaAttention::new(gpu).unwrap();
         let stream = gpu.compute_stream();
         let t = attn.upload_tables(gpu, Tables::Padded(&s.padded)).unwrap();
+        // On a caller's stream: the same bits as on the storage's compute stream.
+        {
+            let (want, want_lse) = attn
+                .decode_host(gpu, LAYER, &s.q, Tables::Padded(&s.padded), &s.params, None)
+                .unwrap();
+            let other = gpu.context().new_stream().unwrap();
+            let d_q = other.clone_htod(&s.q).unwrap();
+            let mut d_out = other.alloc_zeros::<f32>(want.len()).unwrap();
+            let mut d_lse = other.alloc_zeros::<f32>(want_lse.len()).unwrap();
+            attn.decode_io_on(
+                gpu,
+                &other,
+                LAYER,
+                Queries::F32(&d_q),
+                &t,
+                &s.params,
+                None,
+                Outputs::F32(&mut d_out),
+                &mut d_lse,
+            )
+            .unwrap();
+            let got = other.clone_dtoh(&d_out).unwrap();
+            other.synchronize().unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{case:?}: caller stream");
+        }
         for io in [DType::F16, DType::BF16] {
             let bits: Vec<u16> =
                 s.q.iter()

@@ -404,6 +404,31 @@ impl CudaAttention {
         tables: &DeviceTables,
         params: &AttentionParams,
         splits: Option<u32>,
+        out: Outputs<'_>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<SplitPlan> {
+        let stream = storage.compute_stream().clone();
+        self.decode_io_on(storage, &stream, layer, q, tables, params, splits, out, lse)
+    }
+
+    /// [`Self::decode_io`] enqueued on the caller's `stream` (of the storage's
+    /// context) instead of the storage's compute stream. The stream first waits, on
+    /// the GPU, for the last swap that touched `layer`
+    /// ([`CudaStorage::layer_fence`]); ordering against the buffers' other streams is
+    /// cudarc's event tracking.
+    ///
+    /// # Errors
+    /// As [`Self::decode`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_io_on(
+        &mut self,
+        storage: &CudaStorage,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        layer: usize,
+        q: Queries<'_>,
+        tables: &DeviceTables,
+        params: &AttentionParams,
+        splits: Option<u32>,
         mut out: Outputs<'_>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<SplitPlan> {
@@ -439,7 +464,6 @@ impl CudaAttention {
         if tables.batch == 0 {
             return Ok(plan);
         }
-        let stream = storage.compute_stream();
         let fp8 = shape.kv_dtype == DType::Fp8E4M3;
         let scale_log2 =
             params.scale * if fp8 { params.k_scale } else { 1.0 } * std::f32::consts::LOG2_E;
@@ -476,7 +500,7 @@ impl CudaAttention {
                 );
             }
         }
-        storage.wait_layer(layer)?;
+        storage.wait_fence_on(&storage.layer_fence(layer)?, stream)?;
         let s = layout.strides();
         let (sb, skv, sh, st) = (s.block as u64, s.kv as u64, s.head as u64, s.token as u64);
         let null = 0u64;
