@@ -412,6 +412,33 @@ fn sixteen_bit_queries_and_outputs_round_once_and_any_stream_gives_the_same_bits
         let mut attn = CudaAttention::new(gpu).unwrap();
         let stream = gpu.compute_stream();
         let t = attn.upload_tables(gpu, Tables::Padded(&s.padded)).unwrap();
+        // Tables re-uploaded into the same buffers: no allocation when they fit, CSR
+        // and padded alternating, the same bits as fresh buffers.
+        {
+            let mut reused = attn.upload_tables(gpu, Tables::Padded(&s.padded)).unwrap();
+            let _ = attn
+                .upload_tables_into(gpu, Tables::Csr(&s.csr), &mut reused)
+                .unwrap();
+            assert!(!attn
+                .upload_tables_into(gpu, Tables::Padded(&s.padded), &mut reused)
+                .unwrap());
+            let (want, _) = attn
+                .decode_host(gpu, LAYER, &s.q, Tables::Padded(&s.padded), &s.params, None)
+                .unwrap();
+            let d_q = stream.clone_htod(&s.q).unwrap();
+            let mut d_out = stream.alloc_zeros::<f32>(want.len()).unwrap();
+            let mut d_lse = stream
+                .alloc_zeros::<f32>(reused.batch() * 2 * group)
+                .unwrap();
+            attn.decode(
+                gpu, LAYER, &d_q, &reused, &s.params, None, &mut d_out, &mut d_lse,
+            )
+            .unwrap();
+            let got = stream.clone_dtoh(&d_out).unwrap();
+            stream.synchronize().unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{case:?}: reused table buffers");
+        }
         // On a caller's stream: the same bits as on the storage's compute stream.
         {
             let (want, want_lse) = attn

@@ -32,6 +32,7 @@
 //! # }
 //! ```
 
+use super::TableCapacity;
 use super::{
     plan_splits_for_occupancy, split_plan_with, validate_params, AttentionParams, SplitPlan,
 };
@@ -66,6 +67,8 @@ pub struct DeviceTables {
     context_lens: Vec<u32>,
     /// One past the largest block id the kernel may read.
     blocks_needed: usize,
+    /// Element capacities of the buffers (at least what this batch uses).
+    capacity: TableCapacity,
 }
 
 impl DeviceTables {
@@ -151,6 +154,73 @@ pub struct CudaAttention {
     ctas_per_sm: u32,
     /// The last ALiBi slopes uploaded, on the host and on the device.
     alibi: Option<(Vec<f32>, CudaSlice<f32>)>,
+}
+
+/// Validated tables on the host, ready to copy.
+struct HostTables<'t> {
+    ids: &'t [u32],
+    indptr: Option<&'t [u32]>,
+    lens: &'t [u32],
+    batch: usize,
+    row_stride: u32,
+    max_context: usize,
+    context_lens: Vec<u32>,
+    blocks_needed: usize,
+}
+
+fn host_tables<'t>(storage: &CudaStorage, tables: Tables<'t>) -> Result<HostTables<'t>> {
+    let layout = storage.layout();
+    let bs = layout.block_size();
+    let t = match tables {
+        Tables::Padded(p) => {
+            let max_context = validate_tables(layout, storage.num_blocks(), p)?;
+            let rows = p
+                .context_lens
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i * p.max_blocks, (l as usize).div_ceil(bs)));
+            HostTables {
+                ids: &p.tables,
+                indptr: None,
+                lens: &p.context_lens,
+                batch: p.batch,
+                row_stride: p.max_blocks as u32,
+                max_context,
+                context_lens: p.context_lens.clone(),
+                blocks_needed: largest_read(&p.tables, rows),
+            }
+        }
+        Tables::Csr(c) => {
+            let max_context = validate_csr(layout, storage.num_blocks(), c)?;
+            HostTables {
+                ids: &c.indices,
+                indptr: Some(&c.indptr),
+                lens: &c.last_page_len,
+                batch: c.last_page_len.len(),
+                row_stride: 0,
+                max_context,
+                context_lens: (0..c.last_page_len.len())
+                    .map(|i| {
+                        let nb = c.indptr[i + 1] - c.indptr[i];
+                        if nb == 0 {
+                            0
+                        } else {
+                            (nb - 1) * bs as u32 + c.last_page_len[i]
+                        }
+                    })
+                    .collect(),
+                blocks_needed: c.indices.iter().map(|&b| b as usize + 1).max().unwrap_or(0),
+            }
+        }
+    };
+    if t.batch > 65535 {
+        return Err(Error::ShapeMismatch {
+            what: "sequences per launch (grid y limit)",
+            expected: 65535,
+            got: t.batch,
+        });
+    }
+    Ok(t)
 }
 
 fn largest_read(ids: &[u32], rows: impl Iterator<Item = (usize, usize)>) -> usize {
@@ -249,82 +319,105 @@ impl CudaAttention {
     }
 
     /// Validates `tables` against `storage`'s arena (see
-    /// [`crate::tables::validate_tables`]) and uploads them.
+    /// [`crate::tables::validate_tables`]) and uploads them into new buffers of exactly
+    /// their size.
     ///
     /// # Errors
     /// The validation errors; [`Error::ShapeMismatch`] for a batch over 65535 (the grid's
     /// y limit); [`Error::Cuda`].
     pub fn upload_tables(&self, storage: &CudaStorage, tables: Tables<'_>) -> Result<DeviceTables> {
-        let layout = storage.layout();
+        let h = host_tables(storage, tables)?;
         let stream = storage.compute_stream();
         let up = |v: &[u32]| {
             stream
-                .clone_htod(v)
+                .clone_htod(if v.is_empty() { &[0u32][..] } else { v })
                 .map_err(driver_err("cuMemcpyHtoDAsync(tables)"))
         };
-        let bs = layout.block_size();
-        let t = match tables {
-            Tables::Padded(p) => {
-                let max_context = validate_tables(layout, storage.num_blocks(), p)?;
-                let rows = p
-                    .context_lens
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &l)| (i * p.max_blocks, (l as usize).div_ceil(bs)));
-                DeviceTables {
-                    ids: up(if p.tables.is_empty() { &[0] } else { &p.tables })?,
-                    indptr: None,
-                    lens: up(if p.context_lens.is_empty() {
-                        &[0]
-                    } else {
-                        &p.context_lens
-                    })?,
-                    batch: p.batch,
-                    row_stride: p.max_blocks as u32,
-                    max_context,
-                    context_lens: p.context_lens.clone(),
-                    blocks_needed: largest_read(&p.tables, rows),
-                }
-            }
-            Tables::Csr(c) => {
-                let max_context = validate_csr(layout, storage.num_blocks(), c)?;
-                DeviceTables {
-                    ids: up(if c.indices.is_empty() {
-                        &[0]
-                    } else {
-                        &c.indices
-                    })?,
-                    indptr: Some(up(&c.indptr)?),
-                    lens: up(if c.last_page_len.is_empty() {
-                        &[0]
-                    } else {
-                        &c.last_page_len
-                    })?,
-                    batch: c.last_page_len.len(),
-                    row_stride: 0,
-                    max_context,
-                    context_lens: (0..c.last_page_len.len())
-                        .map(|i| {
-                            let nb = c.indptr[i + 1] - c.indptr[i];
-                            if nb == 0 {
-                                0
-                            } else {
-                                (nb - 1) * layout.block_size() as u32 + c.last_page_len[i]
-                            }
-                        })
-                        .collect(),
-                    blocks_needed: c.indices.iter().map(|&b| b as usize + 1).max().unwrap_or(0),
-                }
-            }
+        let ids = up(h.ids)?;
+        let indptr = h.indptr.map(up).transpose()?;
+        let lens = up(h.lens)?;
+        let capacity = TableCapacity {
+            ids: ids.len(),
+            lens: lens.len(),
+            indptr: indptr.as_ref().map_or(0, |p| p.len()),
         };
-        if t.batch > 65535 {
-            return Err(Error::ShapeMismatch {
-                what: "sequences per launch (grid y limit)",
-                expected: 65535,
-                got: t.batch,
-            });
+        Ok(DeviceTables {
+            ids,
+            indptr,
+            lens,
+            batch: h.batch,
+            row_stride: h.row_stride,
+            max_context: h.max_context,
+            context_lens: h.context_lens,
+            blocks_needed: h.blocks_needed,
+            capacity,
+        })
+    }
+
+    /// Like [`Self::upload_tables`], into `dst`'s buffers: a step whose tables fit
+    /// them allocates nothing (the buffers keep their capacity, grown by
+    /// [`TableCapacity::grow_for`], powers of two, when a step needs more). Returns
+    /// whether it allocated. The copy is still from pageable host memory, so the call
+    /// is not capturable in a CUDA graph.
+    ///
+    /// # Errors
+    /// As [`Self::upload_tables`]; `dst` is unchanged on a validation error.
+    pub fn upload_tables_into(
+        &self,
+        storage: &CudaStorage,
+        tables: Tables<'_>,
+        dst: &mut DeviceTables,
+    ) -> Result<bool> {
+        let h = host_tables(storage, tables)?;
+        let stream = storage.compute_stream();
+        let need = TableCapacity {
+            ids: h.ids.len().max(1),
+            lens: h.lens.len().max(1),
+            indptr: h.indptr.map_or(0, |p| p.len()),
+        };
+        let (capacity, grown) = dst.capacity.grow_for(need);
+        let alloc = |n: usize| {
+            stream
+                .alloc_zeros::<u32>(n)
+                .map_err(driver_err("cuMemAlloc(tables)"))
+        };
+        if capacity.ids > dst.capacity.ids {
+            dst.ids = alloc(capacity.ids)?;
         }
-        Ok(t)
+        if capacity.lens > dst.capacity.lens {
+            dst.lens = alloc(capacity.lens)?;
+        }
+        if capacity.indptr > dst.capacity.indptr || (h.indptr.is_some() && dst.indptr.is_none()) {
+            dst.indptr = Some(alloc(capacity.indptr.max(need.indptr))?);
+        }
+        dst.capacity = capacity;
+        let copy = |src: &[u32], d: &mut CudaSlice<u32>| {
+            if src.is_empty() {
+                return Ok(());
+            }
+            stream
+                .memcpy_htod(src, d)
+                .map_err(driver_err("cuMemcpyHtoDAsync(tables)"))
+        };
+        copy(h.ids, &mut dst.ids)?;
+        copy(h.lens, &mut dst.lens)?;
+        match (h.indptr, &mut dst.indptr) {
+            (Some(src), Some(d)) => copy(src, d)?,
+            (None, _) => {}
+            (Some(_), None) => return Err(Error::Cuda("indptr buffer missing".into())),
+        }
+        // The kernel tells padded from CSR tables by a null indptr.
+        if h.indptr.is_none() {
+            dst.indptr = None;
+            dst.capacity.indptr = 0;
+        }
+        dst.batch = h.batch;
+        dst.row_stride = h.row_stride;
+        dst.max_context = h.max_context;
+        dst.context_lens.clear();
+        dst.context_lens.extend_from_slice(&h.context_lens);
+        dst.blocks_needed = h.blocks_needed;
+        Ok(grown)
     }
 
     /// Resident CTAs per SM of the decode kernel, from the driver

@@ -159,6 +159,40 @@ pub fn split_merge_bytes(batch: usize, q_heads: usize, head_dim: usize, num_spli
     batch * q_heads * per_row * 4
 }
 
+/// Element capacities of the device buffers a batch's block tables are copied into
+/// (`CudaAttention::upload_tables_into`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TableCapacity {
+    /// Block ids (padded rows or CSR indices).
+    pub ids: usize,
+    /// Context lengths or last-page lengths.
+    pub lens: usize,
+    /// CSR row offsets (0 for padded tables).
+    pub indptr: usize,
+}
+
+impl TableCapacity {
+    /// The capacity a step needing `need` leaves, and whether it allocated: `self`
+    /// when every buffer fits, else each short buffer grown to the next power of two
+    /// at or above its need, so a batch whose tables grow step by step reallocates
+    /// O(log growth) times, and a steady batch never after its first step.
+    pub fn grow_for(self, need: TableCapacity) -> (TableCapacity, bool) {
+        let g = |have: usize, want: usize| {
+            if want <= have {
+                have
+            } else {
+                want.next_power_of_two()
+            }
+        };
+        let next = TableCapacity {
+            ids: g(self.ids, need.ids),
+            lens: g(self.lens, need.lens),
+            indptr: g(self.indptr, need.indptr),
+        };
+        (next, next != self)
+    }
+}
+
 fn even_splits(max_context: usize, bs: usize, splits: usize) -> SplitPlan {
     let per = max_context.div_ceil(splits).max(1).next_multiple_of(bs);
     let used = max_context.div_ceil(per).max(1);
@@ -276,6 +310,43 @@ mod occupancy_tests {
         let share = merge as f64 / kv as f64;
         assert!((0.013..0.014).contains(&share), "{share}");
         assert_eq!(split_merge_bytes(64, 64, 128, 1), 0);
+    }
+
+    #[test]
+    fn a_decode_trace_reallocates_table_buffers_only_as_they_double() {
+        // 64 sequences decoding from 100 to 4196 tokens, page 16, padded tables (the
+        // row stride is the batch's longest row): 4096 steps.
+        let mut cap = TableCapacity::default();
+        let mut allocs = Vec::new();
+        for step in 0..4096usize {
+            let ctx = 100 + step;
+            let need = TableCapacity {
+                ids: 64 * (ctx + 1).div_ceil(16),
+                lens: 64,
+                indptr: 0,
+            };
+            let (next, grown) = cap.grow_for(need);
+            assert!(next.ids >= need.ids && next.lens >= need.lens);
+            if grown {
+                allocs.push(step);
+            }
+            cap = next;
+        }
+        // 448 ids at the start (512), 16,832 at the end: 512, 1024, ..., 32768, seven
+        // allocations in 4096 steps, when the page count crosses 8, 16, ..., 256.
+        assert_eq!(allocs, [0, 28, 156, 412, 924, 1948, 3996]);
+        assert_eq!(allocs[0], 0);
+        // A steady batch allocates nothing after its first step.
+        let need = TableCapacity {
+            ids: 1000,
+            lens: 64,
+            indptr: 65,
+        };
+        let (cap, first) = TableCapacity::default().grow_for(need);
+        assert!(first);
+        for _ in 0..100 {
+            assert_eq!(cap.grow_for(need), (cap, false));
+        }
     }
 
     #[test]
