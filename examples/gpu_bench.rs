@@ -10,7 +10,9 @@
 //!   scattered (paged) blocks, the same kernel on consecutive blocks (contiguous), and
 //!   fp8 beside bf16; beside each, a device memcpy of the same bytes. Cache and
 //!   queries hold random non-zero values; small cases rotate over several disjoint
-//!   batches so that at least 512 MiB is read per lap (the H200's L2 is 50 MiB);
+//!   batches so that at least 512 MiB is read per lap (the H200's L2 is 50 MiB); the
+//!   main case also with one forced split beside the occupancy planner's choice, and
+//!   with bf16 queries and output beside f32;
 //! - `copy_blocks`: the launch of an uploaded plan (device time), and the whole call
 //!   with host validation and upload (host time), beside a device memcpy of the same
 //!   bytes;
@@ -24,7 +26,7 @@
 #[cfg(feature = "cuda")]
 mod gpu {
     use cudarc::driver::sys;
-    use pagedkv::attention::cuda::{CudaAttention, Tables};
+    use pagedkv::attention::cuda::{CudaAttention, Outputs, Queries, Tables};
     use pagedkv::attention::AttentionParams;
     use pagedkv::executor::cuda::AttentionSpec;
     use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
@@ -205,6 +207,10 @@ mod gpu {
         })
     }
 
+    /// One decode measurement. `splits`: `None` is the occupancy-aware planner's
+    /// choice, `Some(n)` forces `n`; `bf16_io`: queries and output in bf16
+    /// (`decode_io`) instead of f32.
+    #[allow(clippy::too_many_arguments)]
     fn decode_case(
         dtype: DType,
         batch: usize,
@@ -212,6 +218,8 @@ mod gpu {
         scattered: bool,
         unroll: u32,
         vec_bytes: u32,
+        splits: Option<u32>,
+        bf16_io: bool,
     ) -> Result<Value> {
         let layout = KvLayout::new(shape(dtype), 16)?;
         let per_batch = batch * ctx.div_ceil(16);
@@ -232,25 +240,39 @@ mod gpu {
                 attn.upload_tables(&storage, Tables::Padded(&t))
             })
             .collect::<Result<Vec<_>>>()?;
-        let plan = attn.plan(&storage, &dts[0]);
+        let plan = match splits {
+            Some(n) => pagedkv::attention::split_plan_with(ctx, 16, n)?,
+            None => attn.plan(&storage, &dts[0]),
+        };
         let stream = storage.compute_stream().clone();
         let cuda = storage.context().clone();
         let rows = batch * 64;
         let mut rng = Rng(0x9e37);
         let qh: Vec<f32> = (0..rows * 128).map(|_| rng.f32()).collect();
         let q = stream.clone_htod(&qh).map_err(cuda_err)?;
+        let qh16: Vec<u16> = qh
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        let q16 = stream.clone_htod(&qh16).map_err(cuda_err)?;
         let mut out = stream.alloc_zeros::<f32>(rows * 128).map_err(cuda_err)?;
+        let mut out16 = stream.alloc_zeros::<u16>(rows * 128).map_err(cuda_err)?;
         let mut lse = stream.alloc_zeros::<f32>(rows).map_err(cuda_err)?;
         let params = AttentionParams::new(128);
         let (ms, host_us) = time_split(&cuda, &stream, |i| {
-            attn.decode(
+            let (qs, outs) = if bf16_io {
+                (Queries::BF16(&q16), Outputs::BF16(&mut out16))
+            } else {
+                (Queries::F32(&q), Outputs::F32(&mut out))
+            };
+            attn.decode_io(
                 &storage,
                 0,
-                &q,
+                qs,
                 &dts[i % laps],
                 &params,
-                None,
-                &mut out,
+                splits,
+                outs,
                 &mut lse,
             )
             .map(|_| ())
@@ -263,6 +285,9 @@ mod gpu {
             "unroll": if unroll == 0 { "default".to_string() } else { unroll.to_string() },
             "vec_bytes": if vec_bytes == 0 { "default".to_string() } else { vec_bytes.to_string() },
             "splits": plan.num_splits, "tokens_per_split": plan.tokens_per_split,
+            "split_choice": if splits.is_some() { "forced" } else { "occupancy planner" },
+            "ctas_per_sm": attn.ctas_per_sm(),
+            "q_out_dtype": if bf16_io { "bf16" } else { "f32" },
             "rotating_batches": laps,
             "kernel_us": ms * 1e3, "host_us_per_call": host_us, "kv_bytes": kv_bytes,
             "bandwidth_gb_s": gbs(ms),
@@ -347,17 +372,42 @@ mod gpu {
         let mut decode = Vec::new();
         for (batch, ctx) in [(64, 4096), (1, 32768)] {
             for scattered in [true, false] {
-                decode.push(decode_case(DType::BF16, batch, ctx, scattered, 0, 0)?);
+                decode.push(decode_case(
+                    DType::BF16,
+                    batch,
+                    ctx,
+                    scattered,
+                    0,
+                    0,
+                    None,
+                    false,
+                )?);
             }
-            decode.push(decode_case(DType::Fp8E4M3, batch, ctx, true, 0, 0)?);
+            decode.push(decode_case(
+                DType::Fp8E4M3,
+                batch,
+                ctx,
+                true,
+                0,
+                0,
+                None,
+                false,
+            )?);
         }
-        // The register/in-flight trade-off of the main case, measured rather than guessed.
-        for unroll in [1, 2] {
-            decode.push(decode_case(DType::BF16, 64, 4096, true, unroll, 0)?);
-        }
-        for vec_bytes in [8, 16] {
-            decode.push(decode_case(DType::Fp8E4M3, 64, 4096, true, 0, vec_bytes)?);
-        }
+        // The main case's baselines for issue 19's host-side changes: one forced split
+        // beside the occupancy planner's choice, and bf16 queries and output beside f32.
+        // (GQA 8 takes the tensor-core path, which ignores `unroll` and `vec_bytes`.)
+        decode.push(decode_case(
+            DType::BF16,
+            64,
+            4096,
+            true,
+            0,
+            0,
+            Some(1),
+            false,
+        )?);
+        decode.push(decode_case(DType::BF16, 64, 4096, true, 0, 0, None, true)?);
         let probe = CudaStorage::new(
             KvLayout::new(shape(DType::BF16), 16)?,
             CudaStorageConfig::blocks(1),

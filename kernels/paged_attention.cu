@@ -108,10 +108,457 @@ __device__ __forceinline__ int lane_dim(int lt, int j, int e) {
     return (lt + j * LANES_PER_TOKEN) * VEC_ELEMS + e;
 }
 
+// Queries and outputs in f32, f16 or bf16 (a runtime code, the same as the cache
+// dtypes': 0 = f32, 1 = f16, 2 = bf16): read and written once per element, outside the
+// token loop. Split partials and log-sum-exps stay f32.
+__device__ __forceinline__ float load_io(const void* p, u64 i, u32 dt) {
+    if (dt == PKV_F16) return f16_to_f32(reinterpret_cast<const u16*>(p)[i]);
+    if (dt == PKV_BF16) return bf16_to_f32(reinterpret_cast<const u16*>(p)[i]);
+    return reinterpret_cast<const float*>(p)[i];
+}
+
+__device__ __forceinline__ void store_io(void* p, u64 i, float v, u32 dt) {
+    if (dt == PKV_F16) {
+        reinterpret_cast<u16*>(p)[i] = f32_to_f16(v);
+    } else if (dt == PKV_BF16) {
+        reinterpret_cast<u16*>(p)[i] = f32_to_bf16(v);
+    } else {
+        reinterpret_cast<float*>(p)[i] = v;
+    }
+}
+
+// Which decode path this specialisation compiles (the host mirrors this choice in
+// src/attention/decode_mma.rs to size the dynamic shared memory): tensor cores for
+// GQA 3..16 over 16-bit and fp8 caches whose head rows are 64, 128, 256 or 512 bytes
+// (d <= 256; power-of-two rows keep the lane quarters, V eighths and the swizzle whole)
+// and whose pages nest with 16-token tiles; the simple path otherwise (GQA 1-2, where
+// an MMA would be 7/8 padding, and f32 caches).
+#define PKV_KV_BYTES (KV_DTYPE == PKV_FP8 ? 1 : (KV_DTYPE == PKV_F32 ? 4 : 2))
+#ifndef DECODE_MMA
+#define DECODE_MMA (KV_DTYPE != PKV_F32 && GQA_GROUP >= 3 && GQA_GROUP <= 16 && HEAD_DIM % 16 == 0 && \
+                    HEAD_DIM <= 256 && HEAD_DIM * PKV_KV_BYTES >= 64 &&                             \
+                    ((HEAD_DIM * PKV_KV_BYTES) & (HEAD_DIM * PKV_KV_BYTES - 1)) == 0 &&               \
+                    (BLOCK_SIZE % 16 == 0 || 16 % BLOCK_SIZE == 0))
+#endif
+
+// ---------------------------------------------------------------------------------
+// Tensor-core path (DECODE_MMA): GQA groups of 3..16 query heads over f16/bf16/fp8
+// caches. Each warp owns tiles of 16 tokens (warp w takes tiles w, w + 4, ...) with its
+// own online-softmax state; the 4 warps are merged at the end in warp order.
+//
+//  * S = Q K^T on mma.sync m16n8k16: A = the group's query heads as rows (padded to
+//    16 with zeros), k = head dims, B = K with the tile's tokens as columns (two n-tiles
+//    of 8). q is scaled by scale * log2(e) (* k_scale), rounded to the MMA type once,
+//    and kept in registers as A fragments for the whole context.
+//  * Softmax once per tile: row max over the 16 scores (4 per lane, then the lane quad),
+//    one rescale of the accumulators per tile, p = 2^(s - m) packed into A fragments.
+//  * O += P V on mma.sync m16n8k16: A = P (heads x 16 tokens), B = V (16 tokens x 8
+//    dims per n-tile), f32 accumulators in C fragments.
+//  * K/V tiles go to shared memory through a per-warp cp.async pipeline of
+//    MMA_STAGES stages; the block ids of the next tile are loaded one iteration ahead.
+//
+// The k index of S (head dims) and the n index of O (output dims) are permuted so that
+// every lane reads contiguous 16-byte chunks of shared memory (no ldmatrix): a lane
+// with quad index j = lane % 4 owns chunks j, j + 4, ... of each K row, and its
+// lane-local element i = 4s + e (k-step s, e = 0..3) is physical dim
+// (j + 4 * (i / EPC)) * EPC + i % EPC, EPC elements per chunk. Its A fragment of q uses
+// the same map. Output n-tile u, column n is physical dim n * (HEAD_DIM / 8) + u, so
+// a lane with group index g = lane / 4 reads the contiguous eighth g of each V row.
+// src/attention/decode_mma.rs replays exactly this ownership on the CPU.
+//
+// fp8: K pairs are converted with cvt.rn.f16x2.e4m3x2 (low byte to the low half, as
+// the PTX ISA describes; unverified on hardware), V pairs are first interleaved from
+// two token rows with prmt. The MMA type is f16 for f16 and fp8 caches, bf16 for bf16.
+
+#if DECODE_MMA
+
+#define MMA_WARPS (NUM_THREADS / 32)
+#define MMA_TILE 16
+#define ROW_BYTES (HEAD_DIM * (int)sizeof(cache_t))
+#define ROW_CHUNKS (ROW_BYTES / 16)
+#define EPC (16 / (int)sizeof(cache_t))
+#define KSTEPS (HEAD_DIM / 16)
+#define NTILES_O (HEAD_DIM / 8)
+#define EIGHTH_BYTES (ROW_BYTES / 8)
+#define TILE_BYTES (MMA_TILE * ROW_BYTES)
+#define STAGE_BYTES (2 * TILE_BYTES)
+#ifndef MMA_STAGES
+#define MMA_STAGES ((3 * STAGE_BYTES * MMA_WARPS) <= 64 * 1024 ? 3 : 2)
+#endif
+#define PAGES_PER_TILE (BLOCK_SIZE >= MMA_TILE ? 1 : MMA_TILE / BLOCK_SIZE)
+#define TWO_ROW_HALVES (GQA_GROUP > 8)
+// K chunks each lane copies per tile (V the same).
+#define COPY_PER_LANE (MMA_TILE * ROW_CHUNKS / 32)
+
+static_assert(HEAD_DIM % 16 == 0 && ROW_BYTES >= 64 && (ROW_BYTES & (ROW_BYTES - 1)) == 0,
+              "MMA path: head dims in whole k-steps, power-of-two rows of 64+ bytes");
+static_assert(BLOCK_SIZE % MMA_TILE == 0 || MMA_TILE % BLOCK_SIZE == 0, "MMA path: pages and tiles nest");
+static_assert(EIGHTH_BYTES % 8 == 0, "MMA path: an eighth of a row is whole 8-byte words");
+static_assert((MMA_TILE * ROW_CHUNKS) % 32 == 0, "MMA path: chunks divide among lanes");
+
+// Chunk swizzle of token row t (bank-conflict-free reads of the 256-byte and 128-byte
+// rows of d128; the kernel is correct for any bijection, and the replay checks it).
+__device__ __forceinline__ int mma_swizzle(int t) {
+    if (ROW_CHUNKS < 8) return 0;
+    const int low_bit = EIGHTH_BYTES >= 32 ? 0 : 1;
+    return ((((t >> 1) & 1) << low_bit) | ((((t >> 2) ^ t) & 1) << 2)) & (ROW_CHUNKS - 1);
+}
+
+__device__ __forceinline__ u32 pack_mma(float lo, float hi) {
+    u32 r;
+    if constexpr (KV_DTYPE == PKV_BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+__device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
+    if constexpr (KV_DTYPE == PKV_BF16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Two e4m3 bytes (low byte first) to an f16 pair, low byte in the low half.
+__device__ __forceinline__ u32 fp8x2_to_f16x2(u32 two) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    u32 h2;
+    asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h2) : "r"(two));
+    return h2;
+#else  // sm_80: exact through f32 (every e4m3 value is an f16)
+    return (u32)f32_to_f16(fp8_to_f32((u8)(two & 0xff))) | ((u32)f32_to_f16(fp8_to_f32((u8)((two >> 8) & 0xff))) << 16);
+#endif
+}
+
+__device__ __forceinline__ void cp_async16(u32 smem, const void* gmem, bool valid) {
+    const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(n));
+}
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode(
-    float* __restrict__ out,             // [batch, q_heads, (splits,) HEAD_DIM]
+    void* __restrict__ out, float* __restrict__ lse, const void* __restrict__ q,
+    const cache_t* __restrict__ cache, const u32* __restrict__ block_ids,
+    const u32* __restrict__ indptr, const u32* __restrict__ lens, u32 row_stride,
+    u64 stride_block, u64 stride_kv, u64 stride_head, u64 stride_token,
+    const float* __restrict__ alibi_slopes, float scale_log2, float v_scale,
+    u32 sliding_window, u32 tokens_per_split, u32 num_splits, u32 q_dtype, u32 out_dtype) {
+    extern __shared__ __align__(16) unsigned char mma_smem[];
+    const int kv_head = blockIdx.x;
+    const int seq = blockIdx.y;
+    const u32 split = blockIdx.z;
+    const int q_heads = gridDim.x * GQA_GROUP;
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    const int g = lane / 4;  // row (head) of C/A fragments, column of B fragments
+    const int j = lane % 4;  // quad index
+
+    u64 row;
+    u32 ctx;
+    if (indptr != nullptr) {
+        row = indptr[seq];
+        u32 nb = indptr[seq + 1] - indptr[seq];
+        ctx = nb == 0 ? 0 : (nb - 1) * BLOCK_SIZE + lens[seq];
+    } else {
+        row = (u64)seq * row_stride;
+        ctx = lens[seq];
+    }
+    u32 begin = split * tokens_per_split;
+    const u32 end = begin + tokens_per_split < ctx ? begin + tokens_per_split : ctx;
+    if (sliding_window != 0 && ctx > sliding_window && begin < ctx - sliding_window) {
+        begin = ctx - sliding_window;
+    }
+    // Tiles are aligned to 16 tokens, so a tile lies in one page (or whole pages).
+    const u32 tile0 = begin / MMA_TILE * MMA_TILE;
+    const int num_tiles = begin < end ? (int)((end - tile0 + MMA_TILE - 1) / MMA_TILE) : 0;
+
+    // q as A fragments: rows g and g + 8, lane-local elements 4s + {0,1} and 4s + {2,3}.
+    u32 qa[KSTEPS][4];
+    {
+        const u64 qrow0 = (u64)seq * q_heads + kv_head * GQA_GROUP;
+#pragma unroll
+        for (int s = 0; s < KSTEPS; ++s) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {  // row g, row g + 8
+                const int r = g + 8 * half;
+                float v[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = 4 * s + e;
+                    const int dim = (j + 4 * (i / EPC)) * EPC + i % EPC;
+                    v[e] = r < GQA_GROUP ? load_io(q, (qrow0 + r) * HEAD_DIM + dim, q_dtype) * scale_log2 : 0.0f;
+                }
+                qa[s][half] = pack_mma(v[0], v[1]);      // k = 2j, 2j + 1
+                qa[s][2 + half] = pack_mma(v[2], v[3]);  // k = 2j + 8, 2j + 9
+            }
+        }
+    }
+    float slope[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = g + 8 * half;
+        slope[half] = (alibi_slopes != nullptr && r < GQA_GROUP) ? alibi_slopes[kv_head * GQA_GROUP + r] * PKV_LOG2E : 0.0f;
+    }
+
+    float o[NTILES_O][4];
+#pragma unroll
+    for (int u = 0; u < NTILES_O; ++u) o[u][0] = o[u][1] = o[u][2] = o[u][3] = 0.0f;
+    float m[2] = {-PKV_INF, -PKV_INF};
+    float l[2] = {0.0f, 0.0f};  // this lane's partial sums
+
+    const unsigned char* head_base = reinterpret_cast<const unsigned char*>(cache + (u64)kv_head * stride_head);
+    const u64 sb = stride_block * sizeof(cache_t), skv = stride_kv * sizeof(cache_t), st = stride_token * sizeof(cache_t);
+    unsigned char* wsm = mma_smem + warp * (MMA_STAGES * STAGE_BYTES);
+    u32 wsm_addr;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(wsm_addr) : "l"(wsm));
+
+    // Block ids of the next tile this warp issues, loaded one issue ahead.
+    u32 next_ids[PAGES_PER_TILE];
+    auto load_ids = [&](int tile, u32* ids) {
+#pragma unroll
+        for (int p = 0; p < PAGES_PER_TILE; ++p) {
+            const u32 t = tile0 + (u32)tile * MMA_TILE + p * (MMA_TILE / PAGES_PER_TILE);
+            ids[p] = (tile < num_tiles && t < end) ? block_ids[row + t / BLOCK_SIZE] : 0u;
+        }
+    };
+    auto issue = [&](int tile, int stage, const u32* ids) {
+        if (tile < num_tiles) {
+#pragma unroll
+            for (int c = 0; c < COPY_PER_LANE; ++c) {
+                const int x = lane + 32 * c;
+                const int tt = x / ROW_CHUNKS;  // token in the tile
+                const int ch = x % ROW_CHUNKS;
+                const u32 t = tile0 + (u32)tile * MMA_TILE + tt;
+                const bool valid = t >= begin && t < end;
+                // The page of copy c is known at compile time: a page holds
+                // (16 / PAGES_PER_TILE) * ROW_CHUNKS chunks, a multiple of 32, so lanes
+                // 0..31 of copy c all fall in page 32 c / that (a runtime index into a
+                // register array would put it in local memory).
+                const u32 blk = ids[(32 * c) / ((MMA_TILE / PAGES_PER_TILE) * ROW_CHUNKS)];
+                const unsigned char* src = head_base + (u64)blk * sb + (u64)(t % BLOCK_SIZE) * st + ch * 16;
+                const u32 dst = wsm_addr + stage * STAGE_BYTES + tt * ROW_BYTES + ((ch ^ mma_swizzle(tt)) * 16);
+                cp_async16(dst, valid ? src : (const void*)head_base, valid);
+                cp_async16(dst + TILE_BYTES, valid ? src + skv : (const void*)head_base, valid);
+            }
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
+    load_ids(warp, next_ids);
+#pragma unroll
+    for (int p = 0; p < MMA_STAGES - 1; ++p) {
+        u32 ids[PAGES_PER_TILE];
+#pragma unroll
+        for (int k = 0; k < PAGES_PER_TILE; ++k) ids[k] = next_ids[k];
+        load_ids(warp + (p + 1) * MMA_WARPS, next_ids);
+        issue(warp + p * MMA_WARPS, p, ids);
+    }
+
+    int stage = 0;
+    for (int tile = warp; tile < num_tiles; tile += MMA_WARPS) {
+        {
+            const int ahead = tile + (MMA_STAGES - 1) * MMA_WARPS;
+            u32 ids[PAGES_PER_TILE];
+#pragma unroll
+            for (int k = 0; k < PAGES_PER_TILE; ++k) ids[k] = next_ids[k];
+            load_ids(ahead + MMA_WARPS, next_ids);
+            issue(ahead, (stage + MMA_STAGES - 1) % MMA_STAGES, ids);
+        }
+        asm volatile("cp.async.wait_group %0;" ::"n"(MMA_STAGES - 1));
+        __syncwarp();
+        const unsigned char* ks = wsm + stage * STAGE_BYTES;
+        const unsigned char* vs = ks + TILE_BYTES;
+
+        // S = Q K^T: two n-tiles of 8 tokens.
+        float s[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+            const int tt = 8 * nt + g;
+            const unsigned char* krow = ks + tt * ROW_BYTES;
+            u32 kw[ROW_CHUNKS / 4][4];
+#pragma unroll
+            for (int c = 0; c < ROW_CHUNKS / 4; ++c) {
+                const uint4 w = *reinterpret_cast<const uint4*>(krow + (((j + 4 * c) ^ mma_swizzle(tt)) * 16));
+                kw[c][0] = w.x; kw[c][1] = w.y; kw[c][2] = w.z; kw[c][3] = w.w;
+            }
+            const u32* kwf = &kw[0][0];
+#pragma unroll
+            for (int ks_ = 0; ks_ < KSTEPS; ++ks_) {
+                u32 b0, b1;
+                if constexpr (sizeof(cache_t) == 1) {
+                    const u32 w = kwf[ks_];  // lane-local elements 4s..4s+3
+                    b0 = fp8x2_to_f16x2(w & 0xffffu);
+                    b1 = fp8x2_to_f16x2(w >> 16);
+                } else {
+                    b0 = kwf[2 * ks_];
+                    b1 = kwf[2 * ks_ + 1];
+                }
+                mma_16816(s[nt], qa[ks_], b0, b1);
+            }
+        }
+        // Mask and ALiBi; tile-relative token of s[nt][e] is 8 nt + 2 j + (e & 1).
+        const u32 tbase = tile0 + (u32)tile * MMA_TILE;
+        float tmax[2] = {-PKV_INF, -PKV_INF};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const u32 t = tbase + 8 * nt + 2 * j + (e & 1);
+                float x = s[nt][e] + slope[e >> 1] * ((float)t - (float)(ctx - 1));
+                x = (t >= begin && t < end) ? x : -PKV_INF;
+                s[nt][e] = x;
+                tmax[e >> 1] = fmaxf(tmax[e >> 1], x);
+            }
+        }
+        float corr[2];
+#pragma unroll
+        for (int half = 0; half < (TWO_ROW_HALVES ? 2 : 1); ++half) {
+            tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 1));
+            tmax[half] = fmaxf(tmax[half], __shfl_xor_sync(0xffffffffu, tmax[half], 2));
+            const float m_new = fmaxf(m[half], tmax[half]);
+            // A row with nothing valid yet keeps m = -inf; subtract 0 then (p = 0).
+            const float m_use = m_new == -PKV_INF ? 0.0f : m_new;
+            corr[half] = fast_exp2(m[half] - m_use);
+            m[half] = m_new;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) s[nt][2 * half + e] = fast_exp2(s[nt][2 * half + e] - m_use);
+            }
+            l[half] = l[half] * corr[half] + ((s[0][2 * half] + s[0][2 * half + 1]) + (s[1][2 * half] + s[1][2 * half + 1]));
+        }
+        if (!TWO_ROW_HALVES) {
+            corr[1] = 1.0f;
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) s[nt][2] = s[nt][3] = 0.0f;
+        }
+        // P as the A fragment of the second MMA (k = tokens).
+        u32 pa[4];
+        pa[0] = pack_mma(s[0][0], s[0][1]);
+        pa[1] = TWO_ROW_HALVES ? pack_mma(s[0][2], s[0][3]) : 0u;
+        pa[2] = pack_mma(s[1][0], s[1][1]);
+        pa[3] = TWO_ROW_HALVES ? pack_mma(s[1][2], s[1][3]) : 0u;
+
+        // V: eighth g of the rows of tokens 2j, 2j + 1, 2j + 8, 2j + 9.
+        u32 vw[4][EIGHTH_BYTES / 4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int tt = 2 * j + (r & 1) + 8 * (r >> 1);
+            const unsigned char* vrow = vs + tt * ROW_BYTES;
+#pragma unroll
+            for (int c = 0; c < (EIGHTH_BYTES + 15) / 16; ++c) {
+                const int byte = g * EIGHTH_BYTES + c * 16;
+                const unsigned char* src = vrow + (((byte / 16) ^ mma_swizzle(tt)) * 16) + byte % 16;
+                if constexpr (EIGHTH_BYTES >= 16) {
+                    const uint4 w = *reinterpret_cast<const uint4*>(src);
+                    vw[r][4 * c] = w.x; vw[r][4 * c + 1] = w.y; vw[r][4 * c + 2] = w.z; vw[r][4 * c + 3] = w.w;
+                } else {
+                    const uint2 w = *reinterpret_cast<const uint2*>(src);
+                    vw[r][0] = w.x; vw[r][1] = w.y;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < NTILES_O; ++u) {
+            o[u][0] *= corr[0];
+            o[u][1] *= corr[0];
+            if (TWO_ROW_HALVES) {
+                o[u][2] *= corr[1];
+                o[u][3] *= corr[1];
+            }
+            u32 b[2];
+#pragma unroll
+            for (int kh = 0; kh < 2; ++kh) {  // tokens 2j, 2j+1 | 2j+8, 2j+9
+                const u32 a = vw[2 * kh][u * (int)sizeof(cache_t) / 4];
+                const u32 c = vw[2 * kh + 1][u * (int)sizeof(cache_t) / 4];
+                if constexpr (sizeof(cache_t) == 1) {
+                    const int byte = u % 4;  // byte `byte` of a and of c
+                    const u32 pair = __byte_perm(a, c, byte | ((byte + 4) << 4));
+                    b[kh] = fp8x2_to_f16x2(pair);
+                } else {
+                    b[kh] = __byte_perm(a, c, (u % 2) == 0 ? 0x5410 : 0x7632);
+                }
+            }
+            mma_16816(o[u], pa, b[0], b[1]);
+        }
+        __syncwarp();
+        stage = (stage + 1) % MMA_STAGES;
+    }
+    asm volatile("cp.async.wait_group 0;");
+    __syncthreads();
+
+    // Per-lane partial sums to row sums (the lane quad holds one row).
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
+        l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
+    }
+    // Merge the warps in warp order through shared memory (the pipeline's, now idle):
+    // [warp][16 rows] m and l, then [warp][16 rows][HEAD_DIM] o.
+    float* m_sh = reinterpret_cast<float*>(mma_smem);
+    float* l_sh = m_sh + MMA_WARPS * 16;
+    float* o_sh = l_sh + MMA_WARPS * 16;
+    if (j == 0) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            m_sh[warp * 16 + g + 8 * half] = m[half];
+            l_sh[warp * 16 + g + 8 * half] = l[half];
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < NTILES_O; ++u) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = g + 8 * (e >> 1);
+            const int dim = (2 * j + (e & 1)) * NTILES_O + u;
+            o_sh[(warp * 16 + r) * HEAD_DIM + dim] = o[u][e];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < GQA_GROUP * HEAD_DIM; i += NUM_THREADS) {
+        const int r = i / HEAD_DIM;
+        const int d = i % HEAD_DIM;
+        float mt = -PKV_INF;
+        for (int w = 0; w < MMA_WARPS; ++w) mt = fmaxf(mt, m_sh[w * 16 + r]);
+        float lsum = 0.0f, acc = 0.0f;
+        if (mt != -PKV_INF) {
+            for (int w = 0; w < MMA_WARPS; ++w) {
+                const float mw = m_sh[w * 16 + r];
+                if (mw != -PKV_INF) {
+                    const float f = exp2f(mw - mt);
+                    lsum += l_sh[w * 16 + r] * f;
+                    acc += o_sh[(w * 16 + r) * HEAD_DIM + d] * f;
+                }
+            }
+        }
+        const u64 qh = (u64)seq * q_heads + kv_head * GQA_GROUP + r;
+        const float val = lsum > 0.0f ? acc / lsum * v_scale : 0.0f;
+        const float lse_val = lsum > 0.0f ? (mt + log2f(lsum)) * PKV_LN2 : -PKV_INF;
+        if (num_splits == 1) {
+            store_io(out, qh * HEAD_DIM + d, val, out_dtype);
+            if (d == 0) lse[qh] = lse_val;
+        } else {
+            store_io(out, (qh * num_splits + split) * HEAD_DIM + d, val, out_dtype);
+            if (d == 0) lse[qh * num_splits + split] = lse_val;
+        }
+    }
+}
+
+#else  // the simple path: CUDA cores, one token per lane group
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode(
+    void* __restrict__ out,              // [batch, q_heads, (splits,) HEAD_DIM], out_dtype
     float* __restrict__ lse,             // [batch, q_heads (, splits)], natural log
-    const float* __restrict__ q,         // [batch, q_heads, HEAD_DIM]
+    const void* __restrict__ q,          // [batch, q_heads, HEAD_DIM], q_dtype
     const cache_t* __restrict__ cache,   // this layer's region
     const u32* __restrict__ block_ids,   // padded rows, or CSR indices
     const u32* __restrict__ indptr,      // CSR row offsets [batch + 1], or null for padded
@@ -123,7 +570,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     float v_scale,
     u32 sliding_window,                  // 0: none
     u32 tokens_per_split,                // a multiple of BLOCK_SIZE
-    u32 num_splits) {
+    u32 num_splits,
+    u32 q_dtype,                         // 0 f32, 1 f16, 2 bf16
+    u32 out_dtype) {                     // the same codes (f32 when writing split partials)
     const int kv_head = blockIdx.x;
     const int seq = blockIdx.y;
     const u32 split = blockIdx.z;
@@ -159,7 +608,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     for (int i = tid; i < GQA_GROUP * HEAD_DIM; i += NUM_THREADS) {
         int g = i / HEAD_DIM;
         int d = i % HEAD_DIM;
-        q_sh[g][d] = q[((u64)seq * q_heads + kv_head * GQA_GROUP + g) * HEAD_DIM + d];
+        q_sh[g][d] = load_io(q, ((u64)seq * q_heads + kv_head * GQA_GROUP + g) * HEAD_DIM + d, q_dtype);
         acc_sh[g][d] = 0.0f;
     }
     // ALiBi slopes in base-2 units, in shared memory: registers go to the accumulators.
@@ -298,9 +747,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         const float lsum = ltot_sh[g];
         const float val = lsum > 0.0f ? acc_sh[g][d] / lsum * v_scale : 0.0f;
         if (num_splits == 1) {
-            out[qh * HEAD_DIM + d] = val;
+            store_io(out, qh * HEAD_DIM + d, val, out_dtype);
         } else {
-            out[(qh * num_splits + split) * HEAD_DIM + d] = val;
+            store_io(out, (qh * num_splits + split) * HEAD_DIM + d, val, out_dtype);
         }
         if (d == 0) {
             const float lse_val = lsum > 0.0f ? (mtot_sh[g] + log2f(lsum)) * PKV_LN2 : -PKV_INF;
@@ -313,14 +762,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     }
 }
 
+#endif  // DECODE_MMA
+
 // Combines the partial outputs of the splits with their log-sum-exps.
 // Grid: x = query head, y = sequence. Reads splits [0, num_splits) of one row.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_merge(
-    float* __restrict__ out,            // [batch, q_heads, HEAD_DIM]
+    void* __restrict__ out,             // [batch, q_heads, HEAD_DIM], out_dtype
     float* __restrict__ lse,            // [batch, q_heads]
     const float* __restrict__ part_out, // [batch, q_heads, num_splits, HEAD_DIM]
     const float* __restrict__ part_lse, // [batch, q_heads, num_splits]
-    u32 num_splits) {
+    u32 num_splits,
+    u32 out_dtype) {
     const u64 qh = (u64)blockIdx.y * gridDim.x + blockIdx.x;
     const float* pl = part_lse + qh * num_splits;
     float mx = -PKV_INF;
@@ -341,7 +793,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_merge(
             }
             accum /= wsum;
         }
-        out[qh * HEAD_DIM + d] = accum;
+        store_io(out, qh * HEAD_DIM + d, accum, out_dtype);
     }
     if (threadIdx.x == 0) {
         lse[qh] = wsum > 0.0f ? mx + logf(wsum) : -PKV_INF;

@@ -1,5 +1,5 @@
 //! The CUDA decode kernel against an f64 reference on the same cache: f16, bf16 and
-//! fp8 (with scales), GQA groups 1/4/8, head dims 64/128, ALiBi, sliding window,
+//! fp8 (with scales), GQA groups 1/2/4/5/8/16, head dims 64/128/256, ALiBi, sliding window,
 //! every slot past a context poisoned with NaN (a kernel that reads one fails), empty
 //! sequences, padded and CSR tables, and split counts 1, 2, 3, 5, 8, 64 plus the
 //! planner's choice (which exercises the log-sum-exp merge).
@@ -14,8 +14,11 @@ mod cuda_common;
 
 use cuda_common::{decode, nan_bytes, storage_or_skip, Rng};
 use pagedkv::attention::cuda::{CudaAttention, Tables};
+use pagedkv::attention::decode_mma::{check_against_reference, replay_decode_mma, uses_mma};
 use pagedkv::attention::reference::paged_decode_reference;
-use pagedkv::attention::{plan_splits, split_plan_with, AttentionParams, SplitPlan};
+use pagedkv::attention::{
+    plan_splits, plan_splits_for_occupancy, split_plan_with, AttentionParams, SplitPlan,
+};
 use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
 use pagedkv::{
     BlockId, CsrTables, DType, HostStorage, KvLayout, ModelShape, PaddedTables, Slot, Storage,
@@ -254,6 +257,21 @@ fn run(test: &str, case: Case, seed: u64) -> bool {
     };
     let (want_out, want_lse) = reference(&s, &case.contexts);
     let mut attn = CudaAttention::new(gpu).unwrap();
+    // The tensor-core path rounds q and P to 16 bits: it is held to the bound its
+    // arithmetic gives (decode_mma::check_against_reference), not to 2e-3.
+    let mma = uses_mma(case.dtype, case.group, case.head_dim, s.layout.block_size());
+    let compare = |what: &str, out: &[f32], lse: &[f32]| {
+        if mma {
+            if let Err(e) =
+                check_against_reference(&s.host, LAYER, &s.q, &s.padded, &s.params, out, lse)
+            {
+                panic!("{what}: {e}");
+            }
+        } else {
+            compare(&format!("{what} out"), out, &want_out);
+            compare(&format!("{what} lse"), lse, &want_lse);
+        }
+    };
     for splits in [None, Some(1), Some(2), Some(3), Some(5), Some(8), Some(64)] {
         let (out, lse) = attn
             .decode_host(
@@ -265,17 +283,41 @@ fn run(test: &str, case: Case, seed: u64) -> bool {
                 splits,
             )
             .unwrap();
-        let what = format!("{case:?} padded splits {splits:?}");
-        compare(&format!("{what} out"), &out, &want_out);
-        compare(&format!("{what} lse"), &lse, &want_lse);
+        compare(&format!("{case:?} padded splits {splits:?}"), &out, &lse);
+    }
+    // Deterministic: the same inputs give the same bits, run after run (no atomics
+    // in either path's epilogue; warps and splits merge in a fixed order).
+    for splits in [None, Some(3)] {
+        let run = |attn: &mut CudaAttention| {
+            attn.decode_host(
+                gpu,
+                LAYER,
+                &s.q,
+                Tables::Padded(&s.padded),
+                &s.params,
+                splits,
+            )
+            .unwrap()
+        };
+        let (a, la) = run(&mut attn);
+        let (b, lb) = run(&mut attn);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&a),
+            bits(&b),
+            "{case:?} splits {splits:?}: output differs between runs"
+        );
+        assert_eq!(
+            bits(&la),
+            bits(&lb),
+            "{case:?} splits {splits:?}: lse differs between runs"
+        );
     }
     for splits in [None, Some(3)] {
         let (out, lse) = attn
             .decode_host(gpu, LAYER, &s.q, Tables::Csr(&s.csr), &s.params, splits)
             .unwrap();
-        let what = format!("{case:?} csr splits {splits:?}");
-        compare(&format!("{what} out"), &out, &want_out);
-        compare(&format!("{what} lse"), &lse, &want_lse);
+        compare(&format!("{case:?} csr splits {splits:?}"), &out, &lse);
     }
     true
 }
@@ -286,8 +328,8 @@ const CONTEXTS: [usize; 8] = [1, 15, 16, 17, 100, 333, 0, 1030];
 fn decode_matches_reference_for_every_dtype_group_and_head_dim() {
     let mut seed = 10;
     for dtype in [DType::F16, DType::BF16, DType::Fp8E4M3] {
-        for head_dim in [64, 128] {
-            for group in [1, 4, 8] {
+        for head_dim in [64, 128, 256] {
+            for group in [1, 2, 4, 5, 8, 16] {
                 seed += 1;
                 let case = Case {
                     dtype,
@@ -334,6 +376,149 @@ fn decode_matches_reference_with_alibi_and_sliding_window() {
             100 + i as u64,
         ) {
             return;
+        }
+    }
+}
+
+/// f16 and bf16 queries and outputs (`decode_io`): the kernel converts q on load and
+/// rounds on store, so the result must be, bit for bit, the f32 call on the same
+/// (already rounded) queries with its output rounded to nearest even; for one split
+/// and for several (f32 partials, rounded by the merge). And `decode_io_on` a caller's
+/// stream gives the bits of the storage's compute stream.
+#[test]
+fn sixteen_bit_queries_and_outputs_round_once_and_any_stream_gives_the_same_bits() {
+    use half::{bf16, f16};
+    use pagedkv::attention::cuda::{Outputs, Queries};
+    for (case_dtype, group) in [(DType::BF16, 8), (DType::Fp8E4M3, 4), (DType::F16, 1)] {
+        let case = Case {
+            dtype: case_dtype,
+            head_dim: 128,
+            group,
+            alibi: false,
+            window: None,
+            contexts: CONTEXTS.to_vec(),
+        };
+        let Some(s) = setup(
+            "sixteen_bit_queries_and_outputs_round_once",
+            &case,
+            55,
+            true,
+        ) else {
+            return;
+        };
+        let Some(gpu) = s.gpu.as_ref() else {
+            return;
+        };
+        let mut attn = CudaAttention::new(gpu).unwrap();
+        let stream = gpu.compute_stream();
+        let t = attn.upload_tables(gpu, Tables::Padded(&s.padded)).unwrap();
+        // Tables re-uploaded into the same buffers: no allocation when they fit, CSR
+        // and padded alternating, the same bits as fresh buffers.
+        {
+            let mut reused = attn.upload_tables(gpu, Tables::Padded(&s.padded)).unwrap();
+            let _ = attn
+                .upload_tables_into(gpu, Tables::Csr(&s.csr), &mut reused)
+                .unwrap();
+            assert!(!attn
+                .upload_tables_into(gpu, Tables::Padded(&s.padded), &mut reused)
+                .unwrap());
+            let (want, _) = attn
+                .decode_host(gpu, LAYER, &s.q, Tables::Padded(&s.padded), &s.params, None)
+                .unwrap();
+            let d_q = stream.clone_htod(&s.q).unwrap();
+            let mut d_out = stream.alloc_zeros::<f32>(want.len()).unwrap();
+            let mut d_lse = stream
+                .alloc_zeros::<f32>(reused.batch() * 2 * group)
+                .unwrap();
+            attn.decode(
+                gpu, LAYER, &d_q, &reused, &s.params, None, &mut d_out, &mut d_lse,
+            )
+            .unwrap();
+            let got = stream.clone_dtoh(&d_out).unwrap();
+            stream.synchronize().unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{case:?}: reused table buffers");
+        }
+        // On a caller's stream: the same bits as on the storage's compute stream.
+        {
+            let (want, want_lse) = attn
+                .decode_host(gpu, LAYER, &s.q, Tables::Padded(&s.padded), &s.params, None)
+                .unwrap();
+            let other = gpu.context().new_stream().unwrap();
+            let d_q = other.clone_htod(&s.q).unwrap();
+            let mut d_out = other.alloc_zeros::<f32>(want.len()).unwrap();
+            let mut d_lse = other.alloc_zeros::<f32>(want_lse.len()).unwrap();
+            attn.decode_io_on(
+                gpu,
+                &other,
+                LAYER,
+                Queries::F32(&d_q),
+                &t,
+                &s.params,
+                None,
+                Outputs::F32(&mut d_out),
+                &mut d_lse,
+            )
+            .unwrap();
+            let got = other.clone_dtoh(&d_out).unwrap();
+            other.synchronize().unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{case:?}: caller stream");
+        }
+        for io in [DType::F16, DType::BF16] {
+            let bits: Vec<u16> =
+                s.q.iter()
+                    .map(|&x| match io {
+                        DType::F16 => f16::from_f32(x).to_bits(),
+                        _ => bf16::from_f32(x).to_bits(),
+                    })
+                    .collect();
+            let widened: Vec<f32> = bits
+                .iter()
+                .map(|&b| match io {
+                    DType::F16 => f16::from_bits(b).to_f32(),
+                    _ => bf16::from_bits(b).to_f32(),
+                })
+                .collect();
+            for splits in [Some(1), Some(3)] {
+                let (want, want_lse) = attn
+                    .decode_host(
+                        gpu,
+                        LAYER,
+                        &widened,
+                        Tables::Padded(&s.padded),
+                        &s.params,
+                        splits,
+                    )
+                    .unwrap();
+                let d_q = stream.clone_htod(&bits).unwrap();
+                let mut d_out = stream.alloc_zeros::<u16>(want.len()).unwrap();
+                let mut d_lse = stream.alloc_zeros::<f32>(want_lse.len()).unwrap();
+                let q = match io {
+                    DType::F16 => Queries::F16(&d_q),
+                    _ => Queries::BF16(&d_q),
+                };
+                let out = match io {
+                    DType::F16 => Outputs::F16(&mut d_out),
+                    _ => Outputs::BF16(&mut d_out),
+                };
+                attn.decode_io(gpu, LAYER, q, &t, &s.params, splits, out, &mut d_lse)
+                    .unwrap();
+                let got = stream.clone_dtoh(&d_out).unwrap();
+                let got_lse = stream.clone_dtoh(&d_lse).unwrap();
+                stream.synchronize().unwrap();
+                for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                    let r = match io {
+                        DType::F16 => f16::from_f32(w).to_bits(),
+                        _ => bf16::from_f32(w).to_bits(),
+                    };
+                    assert_eq!(g, r, "{case:?} {io} splits {splits:?} element {i}");
+                }
+                assert_eq!(
+                    got_lse.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want_lse.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                );
+            }
         }
     }
 }
@@ -557,11 +742,25 @@ fn kernel_algorithm_simulated_on_cpu_matches_reference() {
             .map(|&n| split_plan_with(max_ctx, 16, n).unwrap())
             .collect();
         plans.push(plan_splits(case.contexts.len(), 2, max_ctx, 16, 132));
+        let lens: Vec<u32> = case.contexts.iter().map(|&c| c as u32).collect();
+        plans.push(plan_splits_for_occupancy(&lens, window, 2, 16, 132, 3));
+        let mma = uses_mma(dtype, group, head_dim, 16);
         for plan in plans {
-            let (out, lse) = simulate_kernel(&s, &case.contexts, plan);
             let what = format!("simulated {case:?} {plan:?}");
-            compare(&format!("{what} out"), &out, &want_out);
-            compare(&format!("{what} lse"), &lse, &want_lse);
+            if mma {
+                // The tensor-core path: its lane-by-lane replay (src/attention/decode_mma.rs).
+                let (out, lse) =
+                    replay_decode_mma(&s.host, LAYER, &s.q, &s.padded, &s.params, plan).unwrap();
+                if let Err(e) =
+                    check_against_reference(&s.host, LAYER, &s.q, &s.padded, &s.params, &out, &lse)
+                {
+                    panic!("{what}: {e}");
+                }
+            } else {
+                let (out, lse) = simulate_kernel(&s, &case.contexts, plan);
+                compare(&format!("{what} out"), &out, &want_out);
+                compare(&format!("{what} lse"), &lse, &want_lse);
+            }
         }
     }
 }

@@ -3,13 +3,15 @@
 //!
 //! One launch of `paged_attention_decode` per layer and step: a CTA per (sequence, KV
 //! head, split) serves every query head of the GQA group from one load of K/V. When
-//! the [split planner](super::plan_splits) cuts contexts into several splits, a second
-//! launch (`paged_attention_merge`) combines the partial results by log-sum-exp.
+//! the [occupancy-aware split planner](super::plan_splits_for_occupancy) (each
+//! sequence's length, the window, and the CTAs per SM the driver reports) cuts contexts
+//! into several splits, a second launch (`paged_attention_merge`) combines the partial
+//! results by log-sum-exp.
 //!
-//! Queries and outputs are `f32` (`[batch, q_heads, head_dim]`); the log-sum-exp of
-//! each row is returned in natural-log units, as the CPU reference does. (An engine
-//! whose activations are bf16 converts `q` before the call: f16/bf16 query and output
-//! dtypes are not specialised yet.)
+//! Queries and outputs (`[batch, q_heads, head_dim]`) are `f32` in
+//! [`CudaAttention::decode`], or f32, f16 or bf16 in [`CudaAttention::decode_io`] (the
+//! kernel converts on load and store; a runtime argument, not a specialisation); the
+//! log-sum-exp of each row is `f32`, in natural-log units, as the CPU reference does.
 //!
 //! ```no_run
 //! # fn main() -> pagedkv::Result<()> {
@@ -30,7 +32,10 @@
 //! # }
 //! ```
 
-use super::{plan_splits, split_plan_with, validate_params, AttentionParams, SplitPlan};
+use super::TableCapacity;
+use super::{
+    plan_splits_for_occupancy, split_plan_with, validate_params, AttentionParams, SplitPlan,
+};
 use crate::error::{Error, Result};
 use crate::executor::cuda::{compile, driver_err, AttentionSpec, KernelSpec, ATTENTION_THREADS};
 use crate::executor::storage::{CudaStorage, Storage};
@@ -58,8 +63,12 @@ pub struct DeviceTables {
     batch: usize,
     row_stride: u32,
     max_context: usize,
+    /// Each sequence's context length, for the split planner.
+    context_lens: Vec<u32>,
     /// One past the largest block id the kernel may read.
     blocks_needed: usize,
+    /// Element capacities of the buffers (at least what this batch uses).
+    capacity: TableCapacity,
 }
 
 impl DeviceTables {
@@ -74,6 +83,63 @@ impl DeviceTables {
     }
 }
 
+/// Queries of a decode call on the device, `[batch, q_heads, head_dim]`, in the
+/// dtype the engine holds them in (16-bit ones as raw bits).
+#[derive(Debug, Clone, Copy)]
+pub enum Queries<'a> {
+    /// `f32`.
+    F32(&'a CudaSlice<f32>),
+    /// IEEE half, as `u16` bits.
+    F16(&'a CudaSlice<u16>),
+    /// bfloat16, as `u16` bits.
+    BF16(&'a CudaSlice<u16>),
+}
+
+/// Where a decode call writes its output, `[batch, q_heads, head_dim]` (16-bit dtypes
+/// as raw bits, rounded to nearest even).
+#[derive(Debug)]
+pub enum Outputs<'a> {
+    /// `f32`.
+    F32(&'a mut CudaSlice<f32>),
+    /// IEEE half, as `u16` bits.
+    F16(&'a mut CudaSlice<u16>),
+    /// bfloat16, as `u16` bits.
+    BF16(&'a mut CudaSlice<u16>),
+}
+
+impl Queries<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Queries::F32(q) => q.len(),
+            Queries::F16(q) | Queries::BF16(q) => q.len(),
+        }
+    }
+    /// The kernels' io dtype code (the cache dtype codes of `kernels/common.cuh`).
+    fn code(&self) -> u32 {
+        match self {
+            Queries::F32(_) => 0,
+            Queries::F16(_) => 1,
+            Queries::BF16(_) => 2,
+        }
+    }
+}
+
+impl Outputs<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Outputs::F32(o) => o.len(),
+            Outputs::F16(o) | Outputs::BF16(o) => o.len(),
+        }
+    }
+    fn code(&self) -> u32 {
+        match self {
+            Outputs::F32(_) => 0,
+            Outputs::F16(_) => 1,
+            Outputs::BF16(_) => 2,
+        }
+    }
+}
+
 /// The decode kernels for one storage's layout, compiled and loaded.
 #[derive(Debug)]
 pub struct CudaAttention {
@@ -82,6 +148,79 @@ pub struct CudaAttention {
     merge: CudaFunction,
     part_out: Option<CudaSlice<f32>>,
     part_lse: Option<CudaSlice<f32>>,
+    /// Dynamic shared memory of a decode launch (the tensor-core path's pipeline).
+    shared_bytes: u32,
+    /// Resident CTAs per SM of the decode kernel, as the driver reports it.
+    ctas_per_sm: u32,
+    /// The last ALiBi slopes uploaded, on the host and on the device.
+    alibi: Option<(Vec<f32>, CudaSlice<f32>)>,
+}
+
+/// Validated tables on the host, ready to copy.
+struct HostTables<'t> {
+    ids: &'t [u32],
+    indptr: Option<&'t [u32]>,
+    lens: &'t [u32],
+    batch: usize,
+    row_stride: u32,
+    max_context: usize,
+    context_lens: Vec<u32>,
+    blocks_needed: usize,
+}
+
+fn host_tables<'t>(storage: &CudaStorage, tables: Tables<'t>) -> Result<HostTables<'t>> {
+    let layout = storage.layout();
+    let bs = layout.block_size();
+    let t = match tables {
+        Tables::Padded(p) => {
+            let max_context = validate_tables(layout, storage.num_blocks(), p)?;
+            let rows = p
+                .context_lens
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i * p.max_blocks, (l as usize).div_ceil(bs)));
+            HostTables {
+                ids: &p.tables,
+                indptr: None,
+                lens: &p.context_lens,
+                batch: p.batch,
+                row_stride: p.max_blocks as u32,
+                max_context,
+                context_lens: p.context_lens.clone(),
+                blocks_needed: largest_read(&p.tables, rows),
+            }
+        }
+        Tables::Csr(c) => {
+            let max_context = validate_csr(layout, storage.num_blocks(), c)?;
+            HostTables {
+                ids: &c.indices,
+                indptr: Some(&c.indptr),
+                lens: &c.last_page_len,
+                batch: c.last_page_len.len(),
+                row_stride: 0,
+                max_context,
+                context_lens: (0..c.last_page_len.len())
+                    .map(|i| {
+                        let nb = c.indptr[i + 1] - c.indptr[i];
+                        if nb == 0 {
+                            0
+                        } else {
+                            (nb - 1) * bs as u32 + c.last_page_len[i]
+                        }
+                    })
+                    .collect(),
+                blocks_needed: c.indices.iter().map(|&b| b as usize + 1).max().unwrap_or(0),
+            }
+        }
+    };
+    if t.batch > 65535 {
+        return Err(Error::ShapeMismatch {
+            what: "sequences per launch (grid y limit)",
+            expected: 65535,
+            got: t.batch,
+        });
+    }
+    Ok(t)
 }
 
 fn largest_read(ids: &[u32], rows: impl Iterator<Item = (usize, usize)>) -> usize {
@@ -135,12 +274,42 @@ impl CudaAttention {
                 .load_function(n)
                 .map_err(driver_err("cuModuleGetFunction"))
         };
+        let decode = f("paged_attention_decode")?;
+        let shared_bytes = super::decode_mma::decode_dynamic_shared_bytes(
+            spec.dtype,
+            spec.gqa_group,
+            spec.head_dim,
+            spec.block_size,
+        ) as u32;
+        if shared_bytes > 48 * 1024 {
+            decode
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared_bytes as i32,
+                )
+                .map_err(driver_err("cuFuncSetAttribute(max dynamic shared memory)"))?;
+        }
+        let ctas_per_sm = decode
+            .occupancy_max_active_blocks_per_multiprocessor(
+                ATTENTION_THREADS,
+                shared_bytes as usize,
+                None,
+            )
+            .map_err(driver_err("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+        if ctas_per_sm == 0 {
+            return Err(Error::Unsupported(format!(
+                "the decode kernel for {spec:?} does not fit on an SM ({shared_bytes} bytes of dynamic shared memory)"
+            )));
+        }
         Ok(CudaAttention {
             spec,
-            decode: f("paged_attention_decode")?,
+            ctas_per_sm,
+            decode,
             merge: f("paged_attention_merge")?,
             part_out: None,
             part_lse: None,
+            shared_bytes,
+            alibi: None,
         })
     }
 
@@ -150,81 +319,133 @@ impl CudaAttention {
     }
 
     /// Validates `tables` against `storage`'s arena (see
-    /// [`crate::tables::validate_tables`]) and uploads them.
+    /// [`crate::tables::validate_tables`]) and uploads them into new buffers of exactly
+    /// their size.
     ///
     /// # Errors
     /// The validation errors; [`Error::ShapeMismatch`] for a batch over 65535 (the grid's
     /// y limit); [`Error::Cuda`].
     pub fn upload_tables(&self, storage: &CudaStorage, tables: Tables<'_>) -> Result<DeviceTables> {
-        let layout = storage.layout();
+        let h = host_tables(storage, tables)?;
         let stream = storage.compute_stream();
         let up = |v: &[u32]| {
             stream
-                .clone_htod(v)
+                .clone_htod(if v.is_empty() { &[0u32][..] } else { v })
                 .map_err(driver_err("cuMemcpyHtoDAsync(tables)"))
         };
-        let bs = layout.block_size();
-        let t = match tables {
-            Tables::Padded(p) => {
-                let max_context = validate_tables(layout, storage.num_blocks(), p)?;
-                let rows = p
-                    .context_lens
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &l)| (i * p.max_blocks, (l as usize).div_ceil(bs)));
-                DeviceTables {
-                    ids: up(if p.tables.is_empty() { &[0] } else { &p.tables })?,
-                    indptr: None,
-                    lens: up(if p.context_lens.is_empty() {
-                        &[0]
-                    } else {
-                        &p.context_lens
-                    })?,
-                    batch: p.batch,
-                    row_stride: p.max_blocks as u32,
-                    max_context,
-                    blocks_needed: largest_read(&p.tables, rows),
-                }
-            }
-            Tables::Csr(c) => {
-                let max_context = validate_csr(layout, storage.num_blocks(), c)?;
-                DeviceTables {
-                    ids: up(if c.indices.is_empty() {
-                        &[0]
-                    } else {
-                        &c.indices
-                    })?,
-                    indptr: Some(up(&c.indptr)?),
-                    lens: up(if c.last_page_len.is_empty() {
-                        &[0]
-                    } else {
-                        &c.last_page_len
-                    })?,
-                    batch: c.last_page_len.len(),
-                    row_stride: 0,
-                    max_context,
-                    blocks_needed: c.indices.iter().map(|&b| b as usize + 1).max().unwrap_or(0),
-                }
-            }
+        let ids = up(h.ids)?;
+        let indptr = h.indptr.map(up).transpose()?;
+        let lens = up(h.lens)?;
+        let capacity = TableCapacity {
+            ids: ids.len(),
+            lens: lens.len(),
+            indptr: indptr.as_ref().map_or(0, |p| p.len()),
         };
-        if t.batch > 65535 {
-            return Err(Error::ShapeMismatch {
-                what: "sequences per launch (grid y limit)",
-                expected: 65535,
-                got: t.batch,
-            });
-        }
-        Ok(t)
+        Ok(DeviceTables {
+            ids,
+            indptr,
+            lens,
+            batch: h.batch,
+            row_stride: h.row_stride,
+            max_context: h.max_context,
+            context_lens: h.context_lens,
+            blocks_needed: h.blocks_needed,
+            capacity,
+        })
     }
 
-    /// The split plan the planner picks for these tables on this device.
+    /// Like [`Self::upload_tables`], into `dst`'s buffers: a step whose tables fit
+    /// them allocates nothing (the buffers keep their capacity, grown by
+    /// [`TableCapacity::grow_for`], powers of two, when a step needs more). Returns
+    /// whether it allocated. The copy is still from pageable host memory, so the call
+    /// is not capturable in a CUDA graph.
+    ///
+    /// # Errors
+    /// As [`Self::upload_tables`]; `dst` is unchanged on a validation error.
+    pub fn upload_tables_into(
+        &self,
+        storage: &CudaStorage,
+        tables: Tables<'_>,
+        dst: &mut DeviceTables,
+    ) -> Result<bool> {
+        let h = host_tables(storage, tables)?;
+        let stream = storage.compute_stream();
+        let need = TableCapacity {
+            ids: h.ids.len().max(1),
+            lens: h.lens.len().max(1),
+            indptr: h.indptr.map_or(0, |p| p.len()),
+        };
+        let (capacity, grown) = dst.capacity.grow_for(need);
+        let alloc = |n: usize| {
+            stream
+                .alloc_zeros::<u32>(n)
+                .map_err(driver_err("cuMemAlloc(tables)"))
+        };
+        if capacity.ids > dst.capacity.ids {
+            dst.ids = alloc(capacity.ids)?;
+        }
+        if capacity.lens > dst.capacity.lens {
+            dst.lens = alloc(capacity.lens)?;
+        }
+        if capacity.indptr > dst.capacity.indptr || (h.indptr.is_some() && dst.indptr.is_none()) {
+            dst.indptr = Some(alloc(capacity.indptr.max(need.indptr))?);
+        }
+        dst.capacity = capacity;
+        let copy = |src: &[u32], d: &mut CudaSlice<u32>| {
+            if src.is_empty() {
+                return Ok(());
+            }
+            stream
+                .memcpy_htod(src, d)
+                .map_err(driver_err("cuMemcpyHtoDAsync(tables)"))
+        };
+        copy(h.ids, &mut dst.ids)?;
+        copy(h.lens, &mut dst.lens)?;
+        match (h.indptr, &mut dst.indptr) {
+            (Some(src), Some(d)) => copy(src, d)?,
+            (None, _) => {}
+            (Some(_), None) => return Err(Error::Cuda("indptr buffer missing".into())),
+        }
+        // The kernel tells padded from CSR tables by a null indptr.
+        if h.indptr.is_none() {
+            dst.indptr = None;
+            dst.capacity.indptr = 0;
+        }
+        dst.batch = h.batch;
+        dst.row_stride = h.row_stride;
+        dst.max_context = h.max_context;
+        dst.context_lens.clear();
+        dst.context_lens.extend_from_slice(&h.context_lens);
+        dst.blocks_needed = h.blocks_needed;
+        Ok(grown)
+    }
+
+    /// Resident CTAs per SM of the decode kernel, from the driver
+    /// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`, with its dynamic shared memory).
+    pub fn ctas_per_sm(&self) -> u32 {
+        self.ctas_per_sm
+    }
+
+    /// The split plan the planner picks for these tables on this device (no window).
     pub fn plan(&self, storage: &CudaStorage, tables: &DeviceTables) -> SplitPlan {
-        plan_splits(
-            tables.batch,
+        self.plan_windowed(storage, tables, None)
+    }
+
+    /// [`super::plan_splits_for_occupancy`] over the tables' own context lengths, the
+    /// window, and the driver's occupancy for this kernel.
+    pub fn plan_windowed(
+        &self,
+        storage: &CudaStorage,
+        tables: &DeviceTables,
+        sliding_window: Option<usize>,
+    ) -> SplitPlan {
+        plan_splits_for_occupancy(
+            &tables.context_lens,
+            sliding_window,
             storage.layout().shape().num_kv_heads,
-            tables.max_context,
             storage.layout().block_size(),
             storage.device().num_sms,
+            self.ctas_per_sm as usize,
         )
     }
 
@@ -247,6 +468,61 @@ impl CudaAttention {
         params: &AttentionParams,
         splits: Option<u32>,
         out: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<SplitPlan> {
+        self.decode_io(
+            storage,
+            layer,
+            Queries::F32(q),
+            tables,
+            params,
+            splits,
+            Outputs::F32(out),
+            lse,
+        )
+    }
+
+    /// [`Self::decode`] with queries and outputs in f32, f16 or bf16 (`lse` stays f32).
+    /// The kernel converts q once as it loads it and rounds the output once as it
+    /// stores it; split partials stay f32.
+    ///
+    /// # Errors
+    /// As [`Self::decode`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_io(
+        &mut self,
+        storage: &CudaStorage,
+        layer: usize,
+        q: Queries<'_>,
+        tables: &DeviceTables,
+        params: &AttentionParams,
+        splits: Option<u32>,
+        out: Outputs<'_>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<SplitPlan> {
+        let stream = storage.compute_stream().clone();
+        self.decode_io_on(storage, &stream, layer, q, tables, params, splits, out, lse)
+    }
+
+    /// [`Self::decode_io`] enqueued on the caller's `stream` (of the storage's
+    /// context) instead of the storage's compute stream. The stream first waits, on
+    /// the GPU, for the last swap that touched `layer`
+    /// ([`CudaStorage::layer_fence`]); ordering against the buffers' other streams is
+    /// cudarc's event tracking.
+    ///
+    /// # Errors
+    /// As [`Self::decode`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_io_on(
+        &mut self,
+        storage: &CudaStorage,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        layer: usize,
+        q: Queries<'_>,
+        tables: &DeviceTables,
+        params: &AttentionParams,
+        splits: Option<u32>,
+        mut out: Outputs<'_>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<SplitPlan> {
         let layout = *storage.layout();
@@ -276,24 +552,28 @@ impl CudaAttention {
         }
         let plan = match splits {
             Some(n) => split_plan_with(tables.max_context, layout.block_size(), n)?,
-            None => self.plan(storage, tables),
+            None => self.plan_windowed(storage, tables, params.sliding_window),
         };
         if tables.batch == 0 {
             return Ok(plan);
         }
-        let stream = storage.compute_stream();
         let fp8 = shape.kv_dtype == DType::Fp8E4M3;
         let scale_log2 =
             params.scale * if fp8 { params.k_scale } else { 1.0 } * std::f32::consts::LOG2_E;
         let v_scale = if fp8 { params.v_scale } else { 1.0 };
         let window = params.sliding_window.unwrap_or(0) as u32;
-        let alibi = match &params.alibi_slopes {
-            Some(s) => Some(
-                stream
+        // ALiBi slopes go to the device once per distinct slope vector, not per call.
+        if let Some(s) = &params.alibi_slopes {
+            if self.alibi.as_ref().map_or(true, |(host, _)| host != s) {
+                let dev = stream
                     .clone_htod(s)
-                    .map_err(driver_err("cuMemcpyHtoDAsync(alibi)"))?,
-            ),
-            None => None,
+                    .map_err(driver_err("cuMemcpyHtoDAsync(alibi)"))?;
+                self.alibi = Some((s.clone(), dev));
+            }
+        }
+        let alibi = match (&params.alibi_slopes, &self.alibi) {
+            (Some(_), Some((_, dev))) => Some(dev),
+            _ => None,
         };
         if plan.num_splits > 1 {
             let need_out = elems * plan.num_splits as usize;
@@ -313,7 +593,7 @@ impl CudaAttention {
                 );
             }
         }
-        storage.wait_layer(layer)?;
+        storage.wait_fence_on(&storage.layer_fence(layer)?, stream)?;
         let s = layout.strides();
         let (sb, skv, sh, st) = (s.block as u64, s.kv as u64, s.head as u64, s.token as u64);
         let null = 0u64;
@@ -324,15 +604,28 @@ impl CudaAttention {
                 plan.num_splits,
             ),
             block_dim: (ATTENTION_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: self.shared_bytes,
         };
+        let (q_code, out_code) = (q.code(), out.code());
+        // Split partials are f32 whatever the final output's dtype.
+        let part_code = if plan.num_splits == 1 { out_code } else { 0u32 };
         let mut b = stream.launch_builder(&self.decode);
         match (plan.num_splits, &mut self.part_out, &mut self.part_lse) {
-            (1, _, _) => b.arg(&mut *out).arg(&mut *lse),
+            (1, _, _) => {
+                match &mut out {
+                    Outputs::F32(o) => b.arg(&mut **o),
+                    Outputs::F16(o) | Outputs::BF16(o) => b.arg(&mut **o),
+                };
+                b.arg(&mut *lse)
+            }
             (_, Some(po), Some(pl)) => b.arg(po).arg(pl),
             _ => return Err(Error::Cuda("split scratch missing".into())),
         };
-        b.arg(q).arg(&region).arg(&tables.ids);
+        match q {
+            Queries::F32(q) => b.arg(q),
+            Queries::F16(q) | Queries::BF16(q) => b.arg(q),
+        };
+        b.arg(&region).arg(&tables.ids);
         match &tables.indptr {
             Some(p) => b.arg(p),
             None => b.arg(&null),
@@ -343,7 +636,7 @@ impl CudaAttention {
             .arg(&skv)
             .arg(&sh)
             .arg(&st);
-        match &alibi {
+        match alibi {
             Some(a) => b.arg(a),
             None => b.arg(&null),
         };
@@ -351,9 +644,15 @@ impl CudaAttention {
             .arg(&v_scale)
             .arg(&window)
             .arg(&plan.tokens_per_split)
-            .arg(&plan.num_splits);
+            .arg(&plan.num_splits)
+            .arg(&q_code)
+            .arg(&part_code);
         // SAFETY: arguments match `paged_attention_decode` (kernels/paged_attention.cu)
-        // compiled for this layout's head dim, block size, group and dtype. Bounds:
+        // compiled for this layout's head dim, block size, group and dtype, and the
+        // dynamic shared memory is what its path needs (`decode_dynamic_shared_bytes`
+        // mirrors the kernel's `DECODE_MMA` and `MMA_STAGES`); `q_code` and `part_code`
+        // name the element types of `q` and of the buffer written (f32 scratch when
+        // split), so the kernel reads and writes whole elements. Bounds:
         // the grid is (KV heads, batch, splits); `q`, `out`, `lse` (or the split
         // scratch, sized batch * q_heads * splits rows) hold every row the grid
         // writes (checked above); the tables were validated at upload so that every
@@ -372,12 +671,17 @@ impl CudaAttention {
                 shared_mem_bytes: 0,
             };
             let mut m = stream.launch_builder(&self.merge);
-            m.arg(&mut *out)
-                .arg(&mut *lse)
+            match &mut out {
+                Outputs::F32(o) => m.arg(&mut **o),
+                Outputs::F16(o) | Outputs::BF16(o) => m.arg(&mut **o),
+            };
+            m.arg(&mut *lse)
                 .arg(po)
                 .arg(pl)
-                .arg(&plan.num_splits);
-            // SAFETY: arguments match `paged_attention_merge`. Bounds: the grid is
+                .arg(&plan.num_splits)
+                .arg(&out_code);
+            // SAFETY: arguments match `paged_attention_merge`; `out_code` names the
+            // element type of `out`. Bounds: the grid is
             // (q_heads, batch); it reads `num_splits` partial rows per output row from
             // the scratch written above (sized for them) and writes one row of `out`
             // and one `lse` entry, both checked above to hold batch * q_heads rows.

@@ -69,6 +69,130 @@ pub fn plan_splits(
     even_splits(max_context, bs, splits)
 }
 
+/// CTAs of the decode kernel the GPU holds at once: `num_sms` times the CTAs per SM
+/// the driver reports for the compiled kernel (`cuOccupancyMaxActiveBlocksPerMultiprocessor`
+/// with its threads and dynamic shared memory; `CudaAttention` asks it once per
+/// specialisation). At least 1.
+pub fn resident_ctas(num_sms: usize, ctas_per_sm: usize) -> usize {
+    num_sms.max(1).saturating_mul(ctas_per_sm.max(1))
+}
+
+/// Tokens of fixed cost a CTA pays besides its tokens (launch, q load, epilogue),
+/// in the planner's cost model: what a split must beat.
+pub const CTA_OVERHEAD_TOKENS: usize = 64;
+
+/// Number of splits of `plan` that hold tokens of a context of `ctx` tokens whose
+/// attention starts at `start` (the sliding window's first token, or 0): the CTAs
+/// that do work for this sequence and KV head.
+fn busy_splits(plan: &SplitPlan, start: usize, ctx: usize) -> usize {
+    if start >= ctx {
+        return 0;
+    }
+    let per = plan.tokens_per_split.max(1) as usize;
+    (ctx - 1) / per - start / per + 1
+}
+
+/// The split plan for a batch on a device, from each sequence's own context length
+/// and the occupancy the driver reports, honouring the sliding window.
+///
+/// Cost model (pure, `O(batch)` per candidate): each candidate split count `n`
+/// (1..=[`MAX_SPLITS`], splits of at least [`MIN_TOKENS_PER_SPLIT`] tokens) gives
+/// `C(n)` CTAs that hold tokens (per sequence: the splits that meet its windowed
+/// range, times the KV heads). They run in `ceil(C(n) / resident)` waves of at most
+/// `tokens_per_split + CTA_OVERHEAD_TOKENS` token-times each, `resident` being
+/// [`resident_ctas`]. The smallest estimate wins, ties to fewer splits. Wave
+/// quantisation is the effect this catches: 64 sequences x 8 KV heads on 132 SMs at 3
+/// CTAs per SM is 1.29 waves in one split (two waves' time), 3 splits of 1,376 tokens
+/// fill 3.9 waves (four waves of a third: 31 % less, see the tests). The estimate
+/// assumes each wave as long as a full split; short sequences' CTAs end early, which
+/// it does not credit.
+pub fn plan_splits_for_occupancy(
+    context_lens: &[u32],
+    sliding_window: Option<usize>,
+    num_kv_heads: usize,
+    block_size: usize,
+    num_sms: usize,
+    ctas_per_sm: usize,
+) -> SplitPlan {
+    let bs = block_size.max(1);
+    let max_context = context_lens.iter().copied().max().unwrap_or(0) as usize;
+    let resident = resident_ctas(num_sms, ctas_per_sm);
+    let heads = num_kv_heads.max(1);
+    let start = |ctx: usize| match sliding_window {
+        Some(w) if w > 0 && ctx > w => ctx - w,
+        _ => 0,
+    };
+    let max_splits = (max_context / MIN_TOKENS_PER_SPLIT).clamp(1, MAX_SPLITS as usize);
+    let mut best: Option<(u128, SplitPlan)> = None;
+    let mut last_per = 0;
+    for n in 1..=max_splits {
+        let plan = even_splits(max_context, bs, n);
+        if plan.tokens_per_split as usize == last_per {
+            continue; // the same cut as a smaller n
+        }
+        last_per = plan.tokens_per_split as usize;
+        let ctas: usize = context_lens
+            .iter()
+            .map(|&c| busy_splits(&plan, start(c as usize), c as usize))
+            .sum::<usize>()
+            .saturating_mul(heads);
+        let waves = ctas.div_ceil(resident).max(1) as u128;
+        let cost = waves * (plan.tokens_per_split as u128 + CTA_OVERHEAD_TOKENS as u128);
+        if best.map_or(true, |(c, _)| cost < c) {
+            best = Some((cost, plan));
+        }
+    }
+    best.map_or_else(|| even_splits(max_context, bs, 1), |(_, p)| p)
+}
+
+/// Bytes the split merge adds to one layer's decode: with `num_splits > 1` every split
+/// writes an f32 row and log-sum-exp per query head, and `paged_attention_merge` reads
+/// them back and writes the output row; 0 with one split. The figure behind keeping
+/// the merge a second launch: at the bench shape it is about 1.4 % of the K/V bytes
+/// (see the tests), what fusing it into the last CTA of each sequence could save,
+/// besides one launch.
+pub fn split_merge_bytes(batch: usize, q_heads: usize, head_dim: usize, num_splits: u32) -> usize {
+    if num_splits <= 1 {
+        return 0;
+    }
+    let per_row = 2 * num_splits as usize * (head_dim + 1) + head_dim;
+    batch * q_heads * per_row * 4
+}
+
+/// Element capacities of the device buffers a batch's block tables are copied into
+/// (`CudaAttention::upload_tables_into`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TableCapacity {
+    /// Block ids (padded rows or CSR indices).
+    pub ids: usize,
+    /// Context lengths or last-page lengths.
+    pub lens: usize,
+    /// CSR row offsets (0 for padded tables).
+    pub indptr: usize,
+}
+
+impl TableCapacity {
+    /// The capacity a step needing `need` leaves, and whether it allocated: `self`
+    /// when every buffer fits, else each short buffer grown to the next power of two
+    /// at or above its need, so a batch whose tables grow step by step reallocates
+    /// O(log growth) times, and a steady batch never after its first step.
+    pub fn grow_for(self, need: TableCapacity) -> (TableCapacity, bool) {
+        let g = |have: usize, want: usize| {
+            if want <= have {
+                have
+            } else {
+                want.next_power_of_two()
+            }
+        };
+        let next = TableCapacity {
+            ids: g(self.ids, need.ids),
+            lens: g(self.lens, need.lens),
+            indptr: g(self.indptr, need.indptr),
+        };
+        (next, next != self)
+    }
+}
+
 fn even_splits(max_context: usize, bs: usize, splits: usize) -> SplitPlan {
     let per = max_context.div_ceil(splits).max(1).next_multiple_of(bs);
     let used = max_context.div_ceil(per).max(1);
@@ -109,6 +233,135 @@ pub fn split_plan_with(
         num_splits,
         tokens_per_split: per as u32,
     })
+}
+
+#[cfg(test)]
+mod occupancy_tests {
+    use super::*;
+
+    #[test]
+    fn resident_ctas_is_sms_times_occupancy() {
+        assert_eq!(resident_ctas(132, 3), 396);
+        assert_eq!(resident_ctas(0, 0), 1);
+        assert_eq!(resident_ctas(108, 2), 216);
+    }
+
+    #[test]
+    fn wave_quantisation_is_avoided() {
+        // Issue 19's case: 64 x 4096 tokens, 8 KV heads, 132 SMs at 3 CTAs per SM. One
+        // split is 512 CTAs: 2 waves of 4096 (+64). Three splits of 1376: 1536 CTAs,
+        // 4 waves of 1376 (+64) = 5760 against 8320.
+        let lens = vec![4096u32; 64];
+        let p = plan_splits_for_occupancy(&lens, None, 8, 16, 132, 3);
+        assert_eq!(
+            p,
+            SplitPlan {
+                num_splits: 3,
+                tokens_per_split: 1376
+            }
+        );
+        // At 4 CTAs per SM one wave holds all 512: no split.
+        let p = plan_splits_for_occupancy(&lens, None, 8, 16, 132, 4);
+        assert_eq!(p.num_splits, 1);
+        // The old planner (2 CTAs per SM, batch maximum) never splits this batch.
+        assert_eq!(plan_splits(64, 8, 4096, 16, 132).num_splits, 1);
+    }
+
+    #[test]
+    fn per_sequence_lengths_and_the_window_count_only_busy_ctas() {
+        // One long sequence among short ones: the short ones add one CTA per head
+        // whatever the split, so the long one is split as if alone.
+        let mut lens = vec![100u32; 20];
+        lens.push(32768);
+        let p = plan_splits_for_occupancy(&lens, None, 8, 16, 132, 3);
+        let alone = plan_splits_for_occupancy(&[32768], None, 8, 16, 132, 3);
+        assert!(p.num_splits >= alone.num_splits / 2, "{p:?} vs {alone:?}");
+        assert!(p.num_splits > 1);
+        // A window of 512 tokens: the long context does only 512 tokens of work, so it
+        // is not split as if it had 32k (the batch maximum would).
+        let busy = |plan: &SplitPlan| busy_splits(plan, 32768 - 512, 32768);
+        let w = plan_splits_for_occupancy(&[32768], Some(512), 8, 16, 132, 3);
+        assert!(busy(&w) <= 2, "{w:?}");
+        assert_eq!(busy_splits(&w, 0, 0), 0);
+        // Every plan covers the longest context in whole blocks.
+        for plan in [p, alone, w] {
+            assert_eq!(plan.tokens_per_split % 16, 0);
+            assert!(plan.num_splits as usize * plan.tokens_per_split as usize >= 32768);
+            assert!(plan.num_splits <= MAX_SPLITS);
+        }
+        // An empty batch or empty contexts: one split.
+        assert_eq!(
+            plan_splits_for_occupancy(&[], None, 8, 16, 132, 3).num_splits,
+            1
+        );
+        assert_eq!(
+            plan_splits_for_occupancy(&[0, 0], None, 8, 16, 132, 3).num_splits,
+            1
+        );
+    }
+
+    #[test]
+    fn the_merge_is_a_small_share_of_the_step_at_the_bench_shape() {
+        // 64 x 4096 tokens, 64 query / 8 KV heads, d128, bf16, the planner's 3 splits:
+        // 64 x 64 x (2 x 3 x 129 + 128) x 4 bytes against 64 x 4096 x 8 x 128 x 2 x 2.
+        let merge = split_merge_bytes(64, 64, 128, 3);
+        assert_eq!(merge, 64 * 64 * 902 * 4);
+        let kv = 64 * 4096 * 8 * 128 * 2 * 2;
+        let share = merge as f64 / kv as f64;
+        assert!((0.013..0.014).contains(&share), "{share}");
+        assert_eq!(split_merge_bytes(64, 64, 128, 1), 0);
+    }
+
+    #[test]
+    fn a_decode_trace_reallocates_table_buffers_only_as_they_double() {
+        // 64 sequences decoding from 100 to 4196 tokens, page 16, padded tables (the
+        // row stride is the batch's longest row): 4096 steps.
+        let mut cap = TableCapacity::default();
+        let mut allocs = Vec::new();
+        for step in 0..4096usize {
+            let ctx = 100 + step;
+            let need = TableCapacity {
+                ids: 64 * (ctx + 1).div_ceil(16),
+                lens: 64,
+                indptr: 0,
+            };
+            let (next, grown) = cap.grow_for(need);
+            assert!(next.ids >= need.ids && next.lens >= need.lens);
+            if grown {
+                allocs.push(step);
+            }
+            cap = next;
+        }
+        // 448 ids at the start (512), 16,832 at the end: 512, 1024, ..., 32768, seven
+        // allocations in 4096 steps, when the page count crosses 8, 16, ..., 256.
+        assert_eq!(allocs, [0, 28, 156, 412, 924, 1948, 3996]);
+        assert_eq!(allocs[0], 0);
+        // A steady batch allocates nothing after its first step.
+        let need = TableCapacity {
+            ids: 1000,
+            lens: 64,
+            indptr: 65,
+        };
+        let (cap, first) = TableCapacity::default().grow_for(need);
+        assert!(first);
+        for _ in 0..100 {
+            assert_eq!(cap.grow_for(need), (cap, false));
+        }
+    }
+
+    #[test]
+    fn busy_splits_counts_intervals_meeting_the_range() {
+        let plan = SplitPlan {
+            num_splits: 4,
+            tokens_per_split: 256,
+        };
+        assert_eq!(busy_splits(&plan, 0, 1), 1);
+        assert_eq!(busy_splits(&plan, 0, 256), 1);
+        assert_eq!(busy_splits(&plan, 0, 257), 2);
+        assert_eq!(busy_splits(&plan, 255, 257), 2);
+        assert_eq!(busy_splits(&plan, 256, 512), 1);
+        assert_eq!(busy_splits(&plan, 0, 1024), 4);
+    }
 }
 
 #[cfg(test)]

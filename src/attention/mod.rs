@@ -28,12 +28,14 @@
 //! | [`model`] | [`model::TinyModel`], a seeded random attention stack |
 //! | [`rope`] | rotary embeddings (interleaved and NeoX halves) fused with the cache write |
 //! | [`plan_splits`] | the split planner of the GPU kernels (pure, no GPU needed) |
+//! | [`decode_mma`] | the decode kernel's tensor-core path: launch geometry and a CPU replay of its lanes |
 //! | `cuda` (feature `cuda`) | the paged decode kernel over a `CudaStorage` |
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod cuda_prefill;
+pub mod decode_mma;
 mod kernel_plan;
 mod kernels;
 pub mod mla;
@@ -42,7 +44,9 @@ pub mod reference;
 pub mod rope;
 
 pub use kernel_plan::{
-    plan_splits, split_plan_with, validate_params, SplitPlan, MAX_SPLITS, MIN_TOKENS_PER_SPLIT,
+    plan_splits, plan_splits_for_occupancy, resident_ctas, split_merge_bytes, split_plan_with,
+    validate_params, SplitPlan, TableCapacity, CTA_OVERHEAD_TOKENS, MAX_SPLITS,
+    MIN_TOKENS_PER_SPLIT,
 };
 pub use rope::{rope_and_cache, Rope, RopeStyle};
 

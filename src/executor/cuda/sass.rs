@@ -26,14 +26,27 @@
 //!    and a loop that moves `B` bytes per `I` warp instructions reads at most
 //!    `1.045e12 x B / I` bytes per second. When fewer than 4 warps are resident per SM
 //!    ([`Occupancy`]), only that many schedulers have work and the rate scales down.
-//! 4. **Ceiling.** `min(issue ceiling, HBM)`, with HBM at [`H200_HBM_BYTES_PER_S`]
-//!    (4.3 TB/s, the copy bandwidth the project compares against; the datasheet says
-//!    4.8).
+//! 4. **Slow pipes.** Two pipes take longer than one issue slot per warp instruction,
+//!    so a loop heavy in them is bound by the pipe, not by issue: the special-function
+//!    unit (`MUFU`) and the conversions (`F2F`, `F2FP`, `I2F`, ...) run 16 lanes per
+//!    cycle per SM (the CUDA programming guide's throughput table for cc 9.0), that is
+//!    [`XU_CYCLES_PER_WARP_INSTR`] cycles of a scheduler per warp instruction, counted
+//!    here as one shared pipe; a tensor-core `HMMA` m16n8k16 (2,048 multiply-adds) is
+//!    counted at [`MMA_CYCLES_PER_HMMA`] cycles, the A100's dense rate (the H200 is not
+//!    slower per SM and clock). A scheduler then needs
+//!    `max(instructions, 8 x (MUFU + conversions), 8 x HMMA)` cycles per iteration.
+//! 5. **Ceiling.** `min(issue ceiling, pipe ceiling, HBM)`, with HBM at
+//!    [`H200_HBM_BYTES_PER_S`] (4.3 TB/s, the copy bandwidth the project compares
+//!    against; the datasheet says 4.8).
 //!
-//! What it leaves out: latency (bytes in flight per SM), dual-issue limits of particular
-//! pipes (`MUFU` at 16 lanes per cycle per SM quarter, `SHFL` throughput), and the
-//! prologue and epilogue (long contexts amortise them). It is a ceiling, not a
-//! prediction: a kernel below it is certainly slower than 4.3 TB/s on the H200.
+//! `cp.async` copies (`LDGSTS`) count as KV bytes like `LDG`s (8 or 16 bytes a lane);
+//! `LDSM` (`ldmatrix`) and `LDS` count as shared-memory instructions.
+//!
+//! What it leaves out: latency (bytes in flight per SM), other pipes' limits (`SHFL`,
+//! shared-memory bandwidth and bank conflicts), whether the conversions and `MUFU`
+//! really share one pipe, and the prologue and epilogue (long contexts amortise them).
+//! It is a ceiling, not a prediction: a kernel below it is certainly slower than
+//! 4.3 TB/s on the H200; one at it may still be latency-bound.
 
 use std::collections::BTreeMap;
 
@@ -45,6 +58,12 @@ pub const SCHEDULERS_PER_SM: u32 = 4;
 pub const H200_CLOCK_HZ: f64 = 1.98e9;
 /// HBM bandwidth the model caps at: 4.3 TB/s (the crate's copy-bandwidth yardstick).
 pub const H200_HBM_BYTES_PER_S: f64 = 4.3e12;
+/// Scheduler cycles one warp instruction occupies on the special-function and
+/// conversion pipe (16 lanes per cycle per SM, 4 per scheduler).
+pub const XU_CYCLES_PER_WARP_INSTR: u32 = 8;
+/// Scheduler cycles one `HMMA` m16n8k16 occupies on the tensor pipe (256 multiply-adds
+/// per cycle per SM quarter, the A100's dense f16 rate).
+pub const MMA_CYCLES_PER_HMMA: u32 = 8;
 /// 32-bit registers per SM (sm_90).
 pub const REGISTERS_PER_SM: u32 = 65_536;
 /// Most resident warps per SM (sm_90).
@@ -354,6 +373,16 @@ impl LoopProfile {
     pub fn instructions_per_byte(&self) -> f64 {
         self.instructions as f64 / self.kv_bytes_per_warp.max(1) as f64
     }
+
+    /// Cycles of one scheduler per iteration on the slowest pipe the model counts:
+    /// issue (one per instruction), the special-function and conversion pipe, the
+    /// tensor pipe (see the module docs).
+    pub fn pipe_cycles(&self) -> u32 {
+        let xu = XU_CYCLES_PER_WARP_INSTR
+            * (self.count(InstrClass::Mufu) + self.count(InstrClass::Convert));
+        let mma = MMA_CYCLES_PER_HMMA * self.count(InstrClass::Mma);
+        self.instructions.max(xu).max(mma)
+    }
 }
 
 /// How many CTAs of a kernel fit on one SM, and what limits them.
@@ -404,7 +433,10 @@ pub fn occupancy(registers: u32, shared_bytes: u32, threads: u32) -> Occupancy {
 pub struct SpeedModel {
     /// Bytes per second the SMs can consume at full issue rate.
     pub issue_bytes_per_s: f64,
-    /// `min(issue_bytes_per_s, HBM)`.
+    /// Bytes per second the slowest counted pipe allows ([`LoopProfile::pipe_cycles`]);
+    /// at most `issue_bytes_per_s`.
+    pub pipe_bytes_per_s: f64,
+    /// `min(pipe_bytes_per_s, HBM)`.
     pub ceiling_bytes_per_s: f64,
 }
 
@@ -419,14 +451,19 @@ impl SpeedModel {
 pub fn speed_model(profile: &LoopProfile, occ: &Occupancy) -> SpeedModel {
     let schedulers = occ.warps_per_sm.min(SCHEDULERS_PER_SM) as f64;
     let issue_rate = H200_SMS as f64 * schedulers * H200_CLOCK_HZ;
-    let issue = if profile.instructions == 0 {
-        0.0
-    } else {
-        issue_rate * profile.kv_bytes_per_warp as f64 / profile.instructions as f64
+    let rate = |cycles: u32| {
+        if cycles == 0 {
+            0.0
+        } else {
+            issue_rate * profile.kv_bytes_per_warp as f64 / cycles as f64
+        }
     };
+    let issue = rate(profile.instructions);
+    let pipe = rate(profile.pipe_cycles());
     SpeedModel {
         issue_bytes_per_s: issue,
-        ceiling_bytes_per_s: issue.min(H200_HBM_BYTES_PER_S),
+        pipe_bytes_per_s: pipe,
+        ceiling_bytes_per_s: pipe.min(H200_HBM_BYTES_PER_S),
     }
 }
 
@@ -549,5 +586,34 @@ mod tests {
         };
         let m1 = speed_model(&p, &one);
         assert!((m1.issue_bytes_per_s - 132.0 * 1.98e9 * 1024.0 / 100.0).abs() < 1.0);
+    }
+
+    #[test]
+    fn slow_pipes_bind_before_issue_when_they_are_busier() {
+        // 100 instructions, of which 20 are MUFU/conversions: 160 cycles on that pipe.
+        let mut counts = BTreeMap::new();
+        counts.insert(InstrClass::Mufu, 5);
+        counts.insert(InstrClass::Convert, 15);
+        counts.insert(InstrClass::Integer, 80);
+        let mut p = LoopProfile {
+            counts,
+            instructions: 100,
+            kv_bytes_per_warp: 1024,
+            spill_instructions: 0,
+        };
+        assert_eq!(p.pipe_cycles(), 160);
+        let occ = occupancy(128, 0, 128);
+        let m = speed_model(&p, &occ);
+        let issue_rate = 132.0 * 4.0 * 1.98e9;
+        assert!((m.issue_bytes_per_s - issue_rate * 1024.0 / 100.0).abs() < 1.0);
+        assert!((m.pipe_bytes_per_s - issue_rate * 1024.0 / 160.0).abs() < 1.0);
+        // 16 HMMA: 128 tensor cycles, above the 100 issue cycles but below 160.
+        p.counts.insert(InstrClass::Mma, 16);
+        assert_eq!(p.pipe_cycles(), 160);
+        p.counts.insert(InstrClass::Mma, 30);
+        assert_eq!(p.pipe_cycles(), 240);
+        // A loop light on both is issue-bound.
+        p.counts.clear();
+        assert_eq!(p.pipe_cycles(), 100);
     }
 }
