@@ -1,0 +1,706 @@
+//! KV-cache groups: a hybrid model (full-attention, sliding-window and latent layers)
+//! as one block table per group for every sequence, over **one** arena of pages.
+//!
+//! The design is vLLM's hybrid allocator: every group's block is one *page* of the
+//! same size in bytes, and a page belongs to exactly one group at a time. Each group
+//! is a [`KvCacheManager`] whose pool spans every page of the arena; the pages another
+//! group owns are held, in that group's pool, by a hidden *lender* sequence (one
+//! reference each, no token of its own), so the group's own allocator, window
+//! freeing, copy-on-write and invariants run unchanged. When a group needs more free
+//! pages than it owns, [`KvCacheGroups`] moves free pages to it from the others (O(1)
+//! a page: one pool `allocate` in the giver, one swap-remove in the taker's lender
+//! table). Memory therefore moves freely between groups, and a hybrid model's
+//! concurrency is bounded by the whole arena, not by a fixed split.
+//!
+//! One storage holds every group when the groups' layouts are equal (the usual way:
+//! split the model's layers into groups of the same number of layers, as vLLM does;
+//! Gemma-3 with 8 global and 40 local layers is one full group and five window groups
+//! of 8 layers): layer slot `j` of page `p` holds layer `j` of whichever group owns
+//! `p`. Groups of different layouts with the same page bytes share the page budget,
+//! but their storage must address a page per layout.
+//!
+//! Every call acts on all groups at once and is atomic across them: the whole need of
+//! every group is checked against the arena's free pages (counting the window blocks
+//! the call may give back first) before anything changes, so a failure in any group
+//! leaves every group as it was.
+//!
+//! Prefix caching is not offered through the groups: admission takes no token ids, so
+//! no group registers or serves hits (a window group cannot serve a hit whose window
+//! blocks it gave back, and a hit must hold in every group).
+
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, SeqId};
+use crate::layout::plans::CopyPlan;
+use crate::layout::{KvLayout, Slot};
+
+use super::{KvCacheManager, Sequence};
+
+/// The sequence id that holds, in each group, the pages other groups own.
+const LENDER: SeqId = SeqId(u64::MAX);
+
+const NOT_LENT: u32 = u32::MAX;
+
+/// One KV-cache group: its layout (the layers it holds) and its attention kind.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupSpec {
+    /// The group's layers, dtype and block size; its `block_bytes()` is the page size
+    /// and must be equal across groups.
+    pub layout: KvLayout,
+    /// Sliding window in tokens (`None`: every token stays, as for full attention and
+    /// latent/MLA layers).
+    pub window: Option<usize>,
+}
+
+impl GroupSpec {
+    /// A group of full-attention (or latent) layers.
+    pub fn full(layout: KvLayout) -> Self {
+        GroupSpec {
+            layout,
+            window: None,
+        }
+    }
+
+    /// A group of sliding-window layers of `tokens`.
+    pub fn window(layout: KvLayout, tokens: usize) -> Self {
+        GroupSpec {
+            layout,
+            window: Some(tokens),
+        }
+    }
+}
+
+/// What one call hands the engine, per group: the slots to write (`slots[g]`) and the
+/// copy-on-write plan to run first (`copies[g]`). Reused across calls (cleared by
+/// each call), so a step allocates nothing once the buffers have grown.
+#[derive(Debug, Clone, Default)]
+pub struct GroupStep {
+    /// Slots of each group, in token order.
+    pub slots: Vec<Vec<Slot>>,
+    /// Copy-on-write plan of each group; execute before writing K/V.
+    pub copies: Vec<CopyPlan>,
+}
+
+impl GroupStep {
+    fn reset(&mut self, groups: usize) {
+        self.slots.resize_with(groups, Vec::new);
+        self.copies.resize_with(groups, CopyPlan::new);
+        self.slots.iter_mut().for_each(Vec::clear);
+        self.copies.iter_mut().for_each(CopyPlan::clear);
+    }
+}
+
+/// Counters of a [`KvCacheGroups`] now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupStats {
+    /// Pages in the arena.
+    pub num_pages: usize,
+    /// Pages held by sequences, all groups together.
+    pub used_pages: usize,
+    /// Free pages, all groups together.
+    pub free_pages: usize,
+    /// Highest `used_pages` so far.
+    pub peak_used_pages: usize,
+    /// Pages each group's sequences hold.
+    pub used_per_group: Vec<usize>,
+    /// Pages each group owns (held or free).
+    pub owned_per_group: Vec<usize>,
+    /// Pages moved from one group to another so far.
+    pub page_moves: u64,
+    /// Sequences.
+    pub num_sequences: usize,
+}
+
+/// A hybrid model's KV cache: several KV-cache groups, each with its own block tables,
+/// drawing pages from one arena. See the [module docs](self).
+///
+/// ```
+/// use pagedkv::manager::groups::{GroupSpec, GroupStep, KvCacheGroups};
+/// use pagedkv::{DType, KvLayout, ModelShape, SeqId};
+///
+/// // One global and one local (window 32) group of 2 layers each: equal pages.
+/// let shape = ModelShape { num_layers: 2, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+///                          kv_dtype: DType::BF16 };
+/// let layout = KvLayout::new(shape, 16)?;
+/// let mut kv = KvCacheGroups::new(&[GroupSpec::full(layout), GroupSpec::window(layout, 32)], 64)?;
+/// let mut step = GroupStep::default();
+/// kv.admit(SeqId(1), 100, &mut step)?;            // 7 pages in each group
+/// assert_eq!(step.slots[0].len(), 100);
+/// for _ in 0..100 {
+///     kv.append(SeqId(1), 1, &mut step)?;        // the window group gives pages back
+/// }
+/// let st = kv.stats();
+/// assert_eq!(st.used_per_group, vec![13, 3]);
+/// assert_eq!(kv.group(1).block_table(SeqId(1))?.len(), 13); // holes before the window
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct KvCacheGroups {
+    groups: Vec<KvCacheManager>,
+    /// `lent_pos[g][page]`: the page's index in group `g`'s lender table, or
+    /// `NOT_LENT` when group `g` owns the page.
+    lent_pos: Vec<Vec<u32>>,
+    num_pages: usize,
+    watermark_pages: usize,
+    peak_used_pages: usize,
+    page_moves: u64,
+    /// Scratch: each group's need in the call being checked.
+    needs: Vec<usize>,
+}
+
+impl KvCacheGroups {
+    /// Groups `specs` over one arena of `num_pages` pages; every page starts owned by
+    /// the first group.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when there is no group, more than 255, no page, or the
+    /// groups' page bytes (`layout.block_bytes()`) differ; a window of 0 tokens.
+    pub fn new(specs: &[GroupSpec], num_pages: usize) -> Result<Self> {
+        let first = specs
+            .first()
+            .ok_or_else(|| Error::config("groups", "a model needs at least one group"))?;
+        if specs.len() > 255 {
+            return Err(Error::config(
+                "groups",
+                format!("{} groups; at most 255", specs.len()),
+            ));
+        }
+        if num_pages == 0 || num_pages >= NOT_LENT as usize {
+            return Err(Error::config(
+                "num_pages",
+                format!("{num_pages} pages; the arena needs 1 to 2^32 - 2"),
+            ));
+        }
+        let page = first.layout.block_bytes();
+        if let Some((g, s)) = specs
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.layout.block_bytes() != page)
+        {
+            return Err(Error::config(
+                "groups",
+                format!(
+                    "group {g} has pages of {} bytes, group 0 of {page}: every group's \
+                     block must be the same number of bytes (split the layers evenly or \
+                     choose block sizes that match)",
+                    s.layout.block_bytes()
+                ),
+            ));
+        }
+        // Every group accepts the same longest sequence: the arena in the smallest
+        // block size of a full group (window groups hold only their window).
+        let max_len = specs
+            .iter()
+            .filter(|s| s.window.is_none())
+            .map(|s| num_pages * s.layout.block_size())
+            .min()
+            .unwrap_or(usize::MAX);
+        let mut groups = Vec::with_capacity(specs.len());
+        let mut lent_pos = Vec::with_capacity(specs.len());
+        for (g, spec) in specs.iter().enumerate() {
+            let mut b = KvCacheManager::builder(spec.layout)
+                .num_blocks(num_pages)
+                .watermark_blocks(0)
+                .max_seq_len_tokens(max_len);
+            if let Some(w) = spec.window {
+                b = b.sliding_window(w);
+            }
+            let mut kv = b.build()?;
+            kv.seqs.reserve_room(1)?;
+            kv.seqs.insert(LENDER, Sequence::default())?;
+            let mut pos = vec![NOT_LENT; num_pages];
+            if g > 0 {
+                // Every page starts in group 0: the others lend them all.
+                for _ in 0..num_pages {
+                    let (p, at) = kv.lend_page()?;
+                    pos[p.index()] = at as u32;
+                }
+            }
+            groups.push(kv);
+            lent_pos.push(pos);
+        }
+        Ok(KvCacheGroups {
+            needs: vec![0; groups.len()],
+            groups,
+            lent_pos,
+            num_pages,
+            watermark_pages: 0,
+            peak_used_pages: 0,
+            page_moves: 0,
+        })
+    }
+
+    /// Keeps `pages` free at admission ([`Self::can_admit`]), so running sequences can
+    /// grow without an immediate preemption.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when `pages` is not below the arena.
+    pub fn with_watermark(mut self, pages: usize) -> Result<Self> {
+        if pages >= self.num_pages {
+            return Err(Error::config(
+                "watermark_pages",
+                format!("{pages} must be below num_pages {}", self.num_pages),
+            ));
+        }
+        self.watermark_pages = pages;
+        Ok(self)
+    }
+
+    /// Number of groups.
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Pages in the arena.
+    pub fn num_pages(&self) -> usize {
+        self.num_pages
+    }
+
+    /// Bytes of one page (every group's block).
+    pub fn page_bytes(&self) -> usize {
+        self.groups[0].layout.block_bytes()
+    }
+
+    /// Group `g`, read-only: its block tables, batch views (`fill_padded`, `fill_csr`),
+    /// `readable_blocks`. Its own `stats` and `sequence_ids` count the hidden sequence
+    /// that holds the pages other groups own; use [`Self::stats`] instead.
+    ///
+    /// # Panics
+    /// When `g >= num_groups()`.
+    pub fn group(&self, g: usize) -> &KvCacheManager {
+        &self.groups[g]
+    }
+
+    /// Whether `seq` is here.
+    pub fn contains(&self, seq: SeqId) -> bool {
+        seq != LENDER && self.groups[0].contains(seq)
+    }
+
+    /// The sequences, in no particular order.
+    pub fn sequence_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.groups[0].sequence_ids().filter(|&s| s != LENDER)
+    }
+
+    /// Tokens of `seq` whose K/V is written (the same in every group).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`].
+    pub fn num_computed_tokens(&self, seq: SeqId) -> Result<usize> {
+        self.check_id(seq)?;
+        self.groups[0].num_computed_tokens(seq)
+    }
+
+    /// Context attention reads for `seq` this step (computed plus reserved).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`].
+    pub fn context_len(&self, seq: SeqId) -> Result<usize> {
+        self.check_id(seq)?;
+        self.groups[0].context_len(seq)
+    }
+
+    /// Free pages of the whole arena.
+    pub fn num_free_pages(&self) -> usize {
+        self.groups.iter().map(|kv| kv.num_available_blocks()).sum()
+    }
+
+    /// Whether a new sequence of `num_tokens` tokens fits in every group at once while
+    /// keeping the watermark.
+    pub fn can_admit(&self, num_tokens: usize) -> bool {
+        num_tokens <= self.groups[0].max_seq_len()
+            && self.admit_pages(num_tokens) + self.watermark_pages <= self.num_free_pages()
+    }
+
+    /// Pages admitting a prompt of `num_tokens` takes, all groups together.
+    pub fn admit_pages(&self, num_tokens: usize) -> usize {
+        self.groups
+            .iter()
+            .map(|kv| kv.layout.blocks_for_tokens(num_tokens))
+            .sum()
+    }
+
+    /// Pages [`Self::reserve`]`(seq, n, lookahead, ..)` would take from the arena now,
+    /// all groups together, net of the window pages the call gives back first (pass it
+    /// to a preemption decision).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it holds an
+    /// uncommitted reservation; [`Error::TooLong`].
+    pub fn pages_needed(&self, seq: SeqId, n: usize, lookahead: usize) -> Result<usize> {
+        let mut total = 0usize;
+        let mut back = 0usize;
+        for kv in &self.groups {
+            total += kv.blocks_needed(seq, n, lookahead)?;
+            back += kv.dead_window_pages(seq)?;
+        }
+        Ok(total.saturating_sub(back))
+    }
+
+    /// Admits `seq` with a prompt of `num_tokens` tokens in every group; `step.slots[g]`
+    /// gets the slots of every prompt token in group `g`.
+    ///
+    /// # Errors
+    /// [`Error::DuplicateSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`] (with the
+    /// pages all groups need and the arena's free pages). Nothing changed on error.
+    pub fn admit(&mut self, seq: SeqId, num_tokens: usize, step: &mut GroupStep) -> Result<()> {
+        step.reset(self.groups.len());
+        if seq == LENDER || self.groups[0].contains(seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let limit = self.groups[0].max_seq_len();
+        if num_tokens > limit {
+            return Err(Error::TooLong {
+                tokens: num_tokens,
+                limit,
+            });
+        }
+        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
+            *need = kv.layout.blocks_for_tokens(num_tokens);
+        }
+        self.give_pages()?;
+        for g in 0..self.groups.len() {
+            if let Err(e) = self.groups[g].admit(seq, num_tokens, &mut step.slots[g]) {
+                // Unreachable after the checks above (groups hold the same sequences
+                // and have the pages); undo the groups already done all the same.
+                for kv in &mut self.groups[..g] {
+                    let _ = kv.free(seq);
+                }
+                return Err(e);
+            }
+        }
+        self.note_usage();
+        Ok(())
+    }
+
+    /// Appends and commits `n` tokens of `seq` in every group (the decode path; see
+    /// [`KvCacheManager::append`]).
+    ///
+    /// # Errors
+    /// As [`Self::reserve`]. Nothing changed on error.
+    pub fn append(&mut self, seq: SeqId, n: usize, step: &mut GroupStep) -> Result<()> {
+        self.step(seq, n, 0, true, step)
+    }
+
+    /// Reserves slots for the next `n` tokens of `seq` plus `lookahead` in every group
+    /// (see [`KvCacheManager::reserve`]); [`Self::commit`] marks the computed ones.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`], [`Error::SequenceState`] (swapped out, or holding
+    /// an uncommitted reservation), [`Error::TooLong`], [`Error::OutOfBlocks`] with the
+    /// pages all groups need. Nothing changed on error.
+    pub fn reserve(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        lookahead: usize,
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        self.step(seq, n, lookahead, false, step)
+    }
+
+    fn step(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        lookahead: usize,
+        commit_now: bool,
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        step.reset(self.groups.len());
+        self.check_id(seq)?;
+        let kv0 = &self.groups[0];
+        if kv0.context_len(seq)? != kv0.num_computed_tokens(seq)? {
+            return Err(Error::SequenceState {
+                seq,
+                state: "holding an uncommitted reservation",
+                needed: "committed (commit first; commit(seq, 0) cancels)",
+            });
+        }
+        let mut back = 0;
+        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
+            *need = kv.blocks_needed(seq, n, lookahead)?;
+            back += kv.dead_window_pages(seq)?;
+        }
+        let total: usize = self.needs.iter().sum();
+        let free = self.num_free_pages();
+        if total > free + back {
+            return Err(Error::OutOfBlocks {
+                needed: total,
+                free: free + back,
+            });
+        }
+        // The call succeeds from here: give back the window pages no query reads any
+        // more *before* allocating, so that a group sized to its steady state does
+        // not need a page more for the instant between allocation and release.
+        if back > 0 {
+            for kv in &mut self.groups {
+                kv.release_dead_window(seq)?;
+            }
+        }
+        self.give_pages()?;
+        for (g, kv) in self.groups.iter_mut().enumerate() {
+            // Unreachable failures (see `admit`); an error here is internal corruption.
+            kv.reserve_inner(
+                seq,
+                n,
+                lookahead,
+                commit_now,
+                None,
+                &mut step.slots[g],
+                &mut step.copies[g],
+            )?;
+        }
+        self.note_usage();
+        Ok(())
+    }
+
+    /// Marks `n` reserved tokens of `seq` computed in every group (see
+    /// [`KvCacheManager::commit`]); window groups give back what left the window.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`], [`Error::SequenceState`],
+    /// [`Error::CommitPastReservation`]. Nothing changed on error.
+    pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<()> {
+        self.check_id(seq)?;
+        // Group 0 checks; the others hold the same sequence state.
+        self.groups[0].commit(seq, n)?;
+        for kv in &mut self.groups[1..] {
+            kv.commit(seq, n)?;
+        }
+        Ok(())
+    }
+
+    /// Forks `parent` into `child` in every group: all pages shared, copy-on-write on
+    /// the next write.
+    ///
+    /// # Errors
+    /// As [`KvCacheManager::fork`]. Nothing changed on error.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
+        self.check_id(parent)?;
+        if child == LENDER {
+            return Err(Error::DuplicateSequence(child));
+        }
+        self.groups[0].fork(parent, child)?;
+        for kv in &mut self.groups[1..] {
+            kv.fork(parent, child)?;
+        }
+        Ok(())
+    }
+
+    /// Frees `seq` in every group (preemption by recompute is a free and a later
+    /// admission).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]. Nothing changed on error.
+    pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        self.check_id(seq)?;
+        self.groups[0].free(seq)?;
+        let mut result = Ok(());
+        for kv in &mut self.groups[1..] {
+            if let Err(e) = kv.free(seq) {
+                result = result.and(Err(e));
+            }
+        }
+        result
+    }
+
+    /// Counters now.
+    pub fn stats(&self) -> GroupStats {
+        let used_per_group: Vec<usize> = self.groups.iter().map(|kv| kv.own_used()).collect();
+        let used_pages = used_per_group.iter().sum();
+        GroupStats {
+            num_pages: self.num_pages,
+            used_pages,
+            free_pages: self.num_free_pages(),
+            peak_used_pages: self.peak_used_pages.max(used_pages),
+            owned_per_group: self
+                .groups
+                .iter()
+                .map(|kv| kv.num_blocks() - kv.lent())
+                .collect(),
+            used_per_group,
+            page_moves: self.page_moves,
+            num_sequences: self.groups[0].seqs.len() - 1,
+        }
+    }
+
+    /// Checks every group's invariants and the page ownership: every page is owned by
+    /// exactly one group and lent (held once by the lender) in all the others, and the
+    /// groups hold the same sequences with the same token counts.
+    ///
+    /// # Errors
+    /// A message describing the first violation.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        for (g, kv) in self.groups.iter().enumerate() {
+            kv.check_invariants()
+                .map_err(|e| format!("group {g}: {e}"))?;
+            let lender = kv.seq(LENDER).map_err(|e| format!("group {g}: {e}"))?;
+            for (i, &p) in lender.table.iter().enumerate() {
+                if self.lent_pos[g].get(p.index()) != Some(&(i as u32)) {
+                    return Err(format!("group {g}: page {p} lent at {i}, not recorded"));
+                }
+            }
+            let recorded = self.lent_pos[g].iter().filter(|&&x| x != NOT_LENT).count();
+            if recorded != lender.table.len() {
+                return Err(format!(
+                    "group {g}: {recorded} pages recorded lent, {} held by the lender",
+                    lender.table.len()
+                ));
+            }
+        }
+        for p in 0..self.num_pages {
+            let owners = self
+                .lent_pos
+                .iter()
+                .filter(|pos| pos[p] == NOT_LENT)
+                .count();
+            if owners != 1 {
+                return Err(format!("page {p} is owned by {owners} groups"));
+            }
+        }
+        let kv0 = &self.groups[0];
+        for id in self.sequence_ids() {
+            let want = (kv0.num_tokens(id).ok(), kv0.num_computed_tokens(id).ok());
+            for (g, kv) in self.groups.iter().enumerate().skip(1) {
+                if (kv.num_tokens(id).ok(), kv.num_computed_tokens(id).ok()) != want {
+                    return Err(format!("sequence {id}: group {g} differs from group 0"));
+                }
+            }
+        }
+        if self.groups.iter().any(|kv| kv.seqs.len() != kv0.seqs.len()) {
+            return Err("groups hold different numbers of sequences".into());
+        }
+        Ok(())
+    }
+
+    // ---- internals ----------------------------------------------------------------
+
+    fn check_id(&self, seq: SeqId) -> Result<()> {
+        if seq == LENDER {
+            return Err(Error::UnknownSequence(seq));
+        }
+        Ok(())
+    }
+
+    /// Moves free pages so that every group `g` has `needs[g]` available, or fails
+    /// with nothing moved when the arena has too few.
+    fn give_pages(&mut self) -> Result<()> {
+        let total: usize = self.needs.iter().sum();
+        let free = self.num_free_pages();
+        if total > free {
+            return Err(Error::OutOfBlocks {
+                needed: total,
+                free,
+            });
+        }
+        for to in 0..self.groups.len() {
+            while self.groups[to].num_available_blocks() < self.needs[to] {
+                let from = (0..self.groups.len())
+                    .find(|&h| h != to && self.groups[h].num_available_blocks() > self.needs[h])
+                    .ok_or(Error::OutOfBlocks {
+                        needed: total,
+                        free,
+                    })?;
+                self.move_page(from, to)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves one free page of group `from` to group `to`.
+    fn move_page(&mut self, from: usize, to: usize) -> Result<()> {
+        let (page, at) = self.groups[from].lend_page()?;
+        self.lent_pos[from][page.index()] = at as u32;
+        let pos = self.lent_pos[to][page.index()];
+        if pos == NOT_LENT {
+            return Err(Error::CorruptBlockTable(format!(
+                "page {page} is owned by groups {from} and {to}"
+            )));
+        }
+        if let Some(moved) = self.groups[to].reclaim_page(pos as usize)? {
+            self.lent_pos[to][moved.index()] = pos;
+        }
+        self.lent_pos[to][page.index()] = NOT_LENT;
+        self.page_moves += 1;
+        Ok(())
+    }
+
+    fn note_usage(&mut self) {
+        let used: usize = self.groups.iter().map(|kv| kv.own_used()).sum();
+        self.peak_used_pages = self.peak_used_pages.max(used);
+    }
+}
+
+impl KvCacheManager {
+    /// Pages lent to other groups.
+    fn lent(&self) -> usize {
+        self.seq(LENDER).map_or(0, |s| s.table.len())
+    }
+
+    /// Pages this group's sequences hold.
+    fn own_used(&self) -> usize {
+        self.pool.num_live() - self.lent()
+    }
+
+    /// Takes one free page of this group and lends it: the lender holds it (one
+    /// reference, full fill). Returns the page and its index in the lender's table.
+    fn lend_page(&mut self) -> Result<(BlockId, usize)> {
+        let bs = self.block_size();
+        let b = self.alloc_block()?;
+        self.set_fill(b, bs);
+        let s = self
+            .seqs
+            .get_mut(&LENDER)
+            .ok_or(Error::UnknownSequence(LENDER))?;
+        s.table.push(b);
+        s.num_tokens += bs;
+        s.computed += bs;
+        Ok((b, s.table.len() - 1))
+    }
+
+    /// Takes back the lent page at index `pos` of the lender's table: it becomes free
+    /// here. Returns the page the swap-remove moved into `pos`, if any.
+    fn reclaim_page(&mut self, pos: usize) -> Result<Option<BlockId>> {
+        let bs = self.block_size();
+        let s = self
+            .seqs
+            .get_mut(&LENDER)
+            .ok_or(Error::UnknownSequence(LENDER))?;
+        if pos >= s.table.len() {
+            return Err(Error::CorruptBlockTable(format!(
+                "lent page index {pos} of {}",
+                s.table.len()
+            )));
+        }
+        let b = s.table.swap_remove(pos);
+        let moved = s.table.get(pos).copied();
+        s.num_tokens -= bs;
+        s.computed -= bs;
+        self.release_block(b)?;
+        Ok(moved)
+    }
+
+    /// Pages a window group gives back now if `seq`'s blocks before the window of its
+    /// next query (at `computed`) are released: those only `seq` holds.
+    fn dead_window_pages(&self, seq: SeqId) -> Result<usize> {
+        let s = self.seq(seq)?;
+        if self.window.is_none() || s.scheduled > 0 {
+            return Ok(0);
+        }
+        let keep_from = self.first_block_in_window(s.computed).min(s.table.len());
+        Ok(s.table[s.released.min(keep_from)..keep_from]
+            .iter()
+            .filter(|&&b| self.pool.refcount(b).unwrap_or(0) == 1)
+            .count())
+    }
+
+    /// Releases `seq`'s blocks before the window of its next query (no query reads
+    /// them: the sequence holds no reservation).
+    fn release_dead_window(&mut self, seq: SeqId) -> Result<()> {
+        if self.window.is_none() {
+            return Ok(());
+        }
+        let computed = self.seq(seq)?.computed;
+        let h = self.handle(seq)?;
+        self.release_out_of_window(h, computed)
+    }
+}

@@ -1,0 +1,401 @@
+//! KV-cache groups over one arena of pages (`KvCacheGroups`).
+//!
+//! * configuration errors (no group, no page, pages of different bytes);
+//! * memory moves between groups: a group takes pages another group freed;
+//! * atomicity across groups: a call that fails for want of pages in a later group,
+//!   or for a sequence's state, leaves every group as it was (full `Debug` snapshots);
+//! * the steady-state `OutOfBlocks` of a window manager at its first decode step, and
+//!   the groups' release-before-allocate that avoids it;
+//! * a model-based property test with byte checks: every group writes its own value
+//!   for each token into **one** `HostStorage` shared by all groups; after every
+//!   action every computed token each group still needs (all of them for the full
+//!   group, the window of the next query for the window group) holds its own bytes,
+//!   forks copy-on-write per group, frees and preemption by recompute, and every
+//!   failed call changes nothing.
+
+use pagedkv::{
+    BlockId, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage, KvCacheGroups,
+    KvCacheManager, KvLayout, ModelShape, SeqId, Storage,
+};
+use proptest::prelude::*;
+
+const HEAD_DIM: usize = 2;
+
+fn layout(bs: usize, layers: usize) -> KvLayout {
+    let shape = ModelShape {
+        num_layers: layers,
+        num_q_heads: 2,
+        num_kv_heads: 1,
+        head_dim: HEAD_DIM,
+        kv_dtype: DType::F32,
+    };
+    KvLayout::new(shape, bs).unwrap()
+}
+
+/// Every group's state, in full.
+fn snapshot(kv: &KvCacheGroups) -> Vec<String> {
+    let mut out: Vec<String> = (0..kv.num_groups())
+        .map(|g| format!("{:?}", kv.group(g)))
+        .collect();
+    out.push(format!("{:?}", kv.stats()));
+    out
+}
+
+#[test]
+fn config_errors() {
+    let l = layout(4, 1);
+    assert!(matches!(
+        KvCacheGroups::new(&[], 8),
+        Err(Error::InvalidConfig { .. })
+    ));
+    assert!(matches!(
+        KvCacheGroups::new(&[GroupSpec::full(l)], 0),
+        Err(Error::InvalidConfig { .. })
+    ));
+    // Two layers per page against one: different page bytes.
+    let e = KvCacheGroups::new(&[GroupSpec::full(l), GroupSpec::window(layout(4, 2), 8)], 8);
+    assert!(matches!(e, Err(Error::InvalidConfig { .. })), "{e:?}");
+    // Equal bytes from different block sizes and layer counts are accepted.
+    KvCacheGroups::new(
+        &[
+            GroupSpec::full(layout(8, 1)),
+            GroupSpec::window(layout(4, 2), 8),
+        ],
+        8,
+    )
+    .unwrap()
+    .check_invariants()
+    .unwrap();
+    let kv = KvCacheGroups::new(&[GroupSpec::full(l)], 8).unwrap();
+    assert!(kv.with_watermark(8).is_err());
+}
+
+#[test]
+fn pages_move_to_the_group_that_needs_them() {
+    let l = layout(4, 1);
+    let mut kv = KvCacheGroups::new(&[GroupSpec::full(l), GroupSpec::window(l, 8)], 40).unwrap();
+    let mut step = GroupStep::default();
+    // 20 tokens: 5 pages in each group, 10 of the 40.
+    kv.admit(SeqId(1), 20, &mut step).unwrap();
+    assert_eq!(kv.stats().owned_per_group.iter().sum::<usize>(), 40);
+    assert_eq!(kv.stats().used_per_group, vec![5, 5]);
+    // Decoding: the window group gives pages back, the full group keeps taking them;
+    // together they use every page of the arena at the end.
+    let mut n = 0;
+    while kv.append(SeqId(1), 1, &mut step).is_ok() {
+        n += 1;
+        kv.check_invariants().unwrap();
+    }
+    let st = kv.stats();
+    // The full group holds 37 pages (148 tokens), the window group the 2 its next
+    // query reads; the next token needs a page in each, and 1 is free.
+    assert_eq!(st.used_per_group, vec![37, 2], "{st:?}");
+    assert_eq!(st.free_pages, 1);
+    assert_eq!(20 + n, 148);
+    assert!(st.page_moves > 0);
+    // A second sequence now fails whole, and changes nothing.
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.admit(SeqId(2), 1, &mut step),
+        Err(Error::OutOfBlocks { needed: 2, free: 1 })
+    ));
+    assert_eq!(snapshot(&kv), before);
+    kv.free(SeqId(1)).unwrap();
+    assert_eq!(kv.stats().used_pages, 0);
+    // Now the window group alone can take almost all of it.
+    kv.admit(SeqId(3), 4 * 39, &mut step).unwrap_err();
+    kv.admit(SeqId(3), 4 * 20, &mut step).unwrap();
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn failure_in_a_later_group_leaves_the_earlier_ones_unchanged() {
+    let l = layout(4, 1);
+    let specs = [
+        GroupSpec::full(l),
+        GroupSpec::window(l, 4),
+        GroupSpec::full(l),
+    ];
+    let mut kv = KvCacheGroups::new(&specs, 12).unwrap();
+    let mut step = GroupStep::default();
+    kv.admit(SeqId(1), 12, &mut step).unwrap(); // 3 pages in each group: 9 of 12
+    kv.check_invariants().unwrap();
+    let before = snapshot(&kv);
+    // 8 tokens more: group 0 alone would fit (2 pages), all three groups do not.
+    let e = kv.admit(SeqId(2), 8, &mut step);
+    assert!(
+        matches!(e, Err(Error::OutOfBlocks { needed: 6, free: 3 })),
+        "{e:?}"
+    );
+    assert_eq!(snapshot(&kv), before);
+    // The same for an append that needs pages in every group.
+    let e = kv.reserve(SeqId(1), 8, 0, &mut step);
+    assert!(matches!(e, Err(Error::OutOfBlocks { .. })), "{e:?}");
+    assert_eq!(snapshot(&kv), before);
+    // State errors: unknown, too long, duplicate, pending reservation.
+    assert!(matches!(
+        kv.append(SeqId(9), 1, &mut step),
+        Err(Error::UnknownSequence(_))
+    ));
+    assert!(matches!(
+        kv.admit(SeqId(1), 1, &mut step),
+        Err(Error::DuplicateSequence(_))
+    ));
+    assert!(matches!(
+        kv.admit(SeqId(5), 1000, &mut step),
+        Err(Error::TooLong { .. })
+    ));
+    assert!(matches!(
+        kv.admit(SeqId(u64::MAX), 1, &mut step),
+        Err(Error::DuplicateSequence(_))
+    ));
+    assert_eq!(snapshot(&kv), before);
+    kv.reserve(SeqId(1), 1, 0, &mut step).unwrap();
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.append(SeqId(1), 1, &mut step),
+        Err(Error::SequenceState { .. })
+    ));
+    assert!(matches!(
+        kv.commit(SeqId(1), 2),
+        Err(Error::CommitPastReservation { .. })
+    ));
+    assert!(matches!(
+        kv.fork(SeqId(1), SeqId(4)),
+        Err(Error::SequenceState { .. })
+    ));
+    assert_eq!(snapshot(&kv), before);
+    kv.commit(SeqId(1), 1).unwrap();
+    kv.check_invariants().unwrap();
+}
+
+/// The steady-state `OutOfBlocks`: a window manager's one-call append allocates the
+/// step's block before it gives back the blocks that fell out of the window, so the
+/// first decode step after a prompt longer than the window needs one block more than
+/// the manager holds afterwards. A window arena sized to what sequences hold
+/// (prompt, then window) fails there although half its blocks are dead. The groups
+/// give the dead blocks back first.
+#[test]
+fn first_decode_step_after_a_long_prompt_needs_no_extra_page() {
+    let l = layout(16, 1);
+    // Prompt 128 tokens = 8 blocks, window 64: the query at 128 reads 65..=128.
+    let mut single = KvCacheManager::builder(l)
+        .num_blocks(8)
+        .watermark_blocks(0)
+        .sliding_window(64)
+        .build()
+        .unwrap();
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+    single.admit(SeqId(1), 128, &mut slots).unwrap();
+    let e = single.append(SeqId(1), 1, &mut slots, &mut copies);
+    assert!(
+        matches!(e, Err(Error::OutOfBlocks { needed: 1, free: 0 })),
+        "{e:?}"
+    );
+
+    let mut kv = KvCacheGroups::new(&[GroupSpec::window(l, 64)], 8).unwrap();
+    let mut step = GroupStep::default();
+    kv.admit(SeqId(1), 128, &mut step).unwrap();
+    assert_eq!(kv.pages_needed(SeqId(1), 1, 0).unwrap(), 0);
+    for _ in 0..500 {
+        kv.append(SeqId(1), 1, &mut step).unwrap();
+    }
+    kv.check_invariants().unwrap();
+    assert!(kv.stats().used_pages <= 5);
+}
+
+// ---- model-based property test with byte checks -------------------------------------
+
+const BS: usize = 4;
+const WINDOW: usize = 6;
+const PAGES: usize = 40;
+
+#[derive(Debug, Clone)]
+enum Action {
+    Admit(usize),
+    Append(usize, usize),
+    /// Reserve `n` plus `lookahead`, write them, commit `accepted` of the `n`.
+    Step(usize, usize, usize, usize),
+    Fork(usize),
+    Free(usize),
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        2 => (0usize..30).prop_map(Action::Admit),
+        5 => (0usize..8, 1usize..4).prop_map(|(s, n)| Action::Append(s, n)),
+        3 => (0usize..8, 1usize..6, 0usize..3, 0usize..6)
+            .prop_map(|(s, n, la, acc)| Action::Step(s, n, la, acc)),
+        1 => (0usize..8).prop_map(Action::Fork),
+        1 => (0usize..8).prop_map(Action::Free),
+    ]
+}
+
+/// The value group `g` writes for sequence `id` at position `pos` (exact in f32).
+fn value(g: usize, id: u64, pos: usize) -> f32 {
+    (g * 1_000_000 + id as usize * 1_000 + pos) as f32
+}
+
+struct Model {
+    kv: KvCacheGroups,
+    store: HostStorage,
+    step: GroupStep,
+    /// Per live sequence: its id and, per position, the writer id whose value is
+    /// there (a fork keeps its parent's up to the fork point).
+    seqs: Vec<(SeqId, Vec<u64>)>,
+    next: u64,
+}
+
+impl Model {
+    fn write(&mut self, id: SeqId, first: usize) {
+        for g in 0..self.kv.num_groups() {
+            self.store.copy_blocks(&self.step.copies[g]).unwrap();
+            let slots = &self.step.slots[g];
+            let mut k = Vec::new();
+            let mut v = Vec::new();
+            for i in 0..slots.len() {
+                let x = value(g, id.0, first + i);
+                for _ in 0..HEAD_DIM {
+                    k.extend_from_slice(&x.to_le_bytes());
+                    v.extend_from_slice(&(-x).to_le_bytes());
+                }
+            }
+            self.store.write_slots(0, slots, &k, &v).unwrap();
+        }
+    }
+
+    fn check(&self) {
+        self.kv.check_invariants().unwrap();
+        let l = *self.kv.group(0).layout();
+        let (mut k, mut v) = (vec![0u8; BS * HEAD_DIM * 4], vec![0u8; BS * HEAD_DIM * 4]);
+        for (id, writers) in &self.seqs {
+            let computed = self.kv.num_computed_tokens(*id).unwrap();
+            assert_eq!(computed, writers.len());
+            for g in 0..self.kv.num_groups() {
+                let (table, c) = self.kv.group(g).readable_blocks(*id).unwrap();
+                assert_eq!(c, computed);
+                let from = match self.kv.group(g).sliding_window() {
+                    Some(w) => (computed + 1).saturating_sub(w),
+                    None => 0,
+                };
+                for (pos, &writer) in writers.iter().enumerate().skip(from) {
+                    let b = table[pos / BS];
+                    assert_ne!(b, BlockId::RELEASED, "group {g} seq {id} pos {pos}");
+                    self.store.read_tokens(0, &[b], BS, &mut k, &mut v).unwrap();
+                    let off = (pos % BS) * HEAD_DIM * 4;
+                    let got = f32::from_le_bytes(k[off..off + 4].try_into().unwrap());
+                    let want = value(g, writer, pos);
+                    assert_eq!(got, want, "group {g} seq {id} pos {pos} block {b}");
+                    let gv = f32::from_le_bytes(v[off..off + 4].try_into().unwrap());
+                    assert_eq!(gv, -want);
+                }
+            }
+        }
+        let _ = l;
+    }
+
+    fn apply(&mut self, a: &Action) {
+        let before = snapshot(&self.kv);
+        let pick =
+            |n: usize, seqs: &[(SeqId, Vec<u64>)]| (!seqs.is_empty()).then(|| n % seqs.len());
+        let result = match *a {
+            Action::Admit(n) => {
+                let id = SeqId(self.next);
+                self.next += 1;
+                let r = self.kv.admit(id, n, &mut self.step);
+                if r.is_ok() {
+                    self.write(id, 0);
+                    self.seqs.push((id, vec![id.0; n]));
+                }
+                r
+            }
+            Action::Append(s, n) => {
+                let Some(i) = pick(s, &self.seqs) else { return };
+                let id = self.seqs[i].0;
+                let first = self.seqs[i].1.len();
+                let r = self.kv.append(id, n, &mut self.step);
+                if r.is_ok() {
+                    self.write(id, first);
+                    self.seqs[i].1.extend(std::iter::repeat_n(id.0, n));
+                }
+                r
+            }
+            Action::Step(s, n, la, acc) => {
+                let Some(i) = pick(s, &self.seqs) else { return };
+                let id = self.seqs[i].0;
+                let first = self.seqs[i].1.len();
+                let r = self.kv.reserve(id, n, la, &mut self.step);
+                if r.is_ok() {
+                    self.write(id, first);
+                    let acc = acc.min(n);
+                    self.kv.commit(id, acc).unwrap();
+                    self.seqs[i].1.extend(std::iter::repeat_n(id.0, acc));
+                }
+                r
+            }
+            Action::Fork(s) => {
+                let Some(i) = pick(s, &self.seqs) else { return };
+                let child = SeqId(self.next);
+                self.next += 1;
+                let r = self.kv.fork(self.seqs[i].0, child);
+                if r.is_ok() {
+                    let w = self.seqs[i].1.clone();
+                    self.seqs.push((child, w));
+                }
+                r
+            }
+            Action::Free(s) => {
+                let Some(i) = pick(s, &self.seqs) else { return };
+                let (id, _) = self.seqs.swap_remove(i);
+                self.kv.free(id).unwrap();
+                Ok(())
+            }
+        };
+        match result {
+            Ok(()) => {}
+            Err(Error::OutOfBlocks { .. } | Error::TooLong { .. }) => {
+                assert_eq!(snapshot(&self.kv), before, "failed {a:?} changed state");
+                // Preemption by recompute: free the longest and admit it again later.
+                if let Some(i) = (0..self.seqs.len()).max_by_key(|&i| self.seqs[i].1.len()) {
+                    let (id, w) = self.seqs.swap_remove(i);
+                    self.kv.free(id).unwrap();
+                    let again = SeqId(self.next);
+                    self.next += 1;
+                    if self.kv.admit(again, w.len(), &mut self.step).is_ok() {
+                        self.write(again, 0);
+                        self.seqs.push((again, vec![again.0; w.len()]));
+                    }
+                }
+            }
+            Err(e) => panic!("{a:?}: {e}"),
+        }
+        self.check();
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    #[test]
+    fn groups_keep_every_token_in_one_shared_arena(
+        actions in proptest::collection::vec(action(), 1..80)
+    ) {
+        let l = layout(BS, 1);
+        let specs = [GroupSpec::full(l), GroupSpec::window(l, WINDOW), GroupSpec::full(l)];
+        let mut m = Model {
+            kv: KvCacheGroups::new(&specs, PAGES).unwrap(),
+            // One storage for every group: a page belongs to one group at a time.
+            store: HostStorage::new(l, PAGES).unwrap(),
+            step: GroupStep::default(),
+            seqs: Vec::new(),
+            next: 0,
+        };
+        for a in &actions {
+            m.apply(a);
+        }
+        for (id, _) in std::mem::take(&mut m.seqs) {
+            m.kv.free(id).unwrap();
+        }
+        m.kv.check_invariants().unwrap();
+        prop_assert_eq!(m.kv.stats().used_pages, 0);
+    }
+}
