@@ -9,6 +9,7 @@
 //! cargo run --release --example serve -- --json        # {"paged": {...}, "contiguous": {...}, ...}
 //! cargo run --release --example serve -- --elastic     # shrink the arena mid-trace, then grow it
 //! cargo run --release --example serve -- --svg kv.svg  # KV memory over time, paged vs contiguous
+//! cargo run --release --example serve -- --hybrid      # Gemma-3-like hybrid: KV-cache groups
 //! cargo run --release --example serve -- --help
 //! ```
 
@@ -26,6 +27,9 @@ use pagedkv::{
     ModelConfig, PaddedTables, SeqId, Slot, Storage, SwapPlan,
 };
 use pagedkv::{PreemptAction, PreemptPolicy, TierConfig};
+
+#[path = "serve_hybrid/mod.rs"]
+mod hybrid;
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Continuous-batching simulation: paged vs contiguous KV allocation on one arena")]
@@ -1062,6 +1066,9 @@ impl<'a> Sim<'a> {
 type Row = Box<dyn Fn(&Summary) -> String>;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::args().any(|a| a == "--hybrid") {
+        return hybrid::main(); // its own trace and flags: see examples/serve_hybrid/mod.rs
+    }
     let args = Args::parse();
     let config = match pagedkv::layout::shape::builtin::by_name(&args.model) {
         Some(text) => ModelConfig::from_json_str(text)?,
