@@ -316,7 +316,7 @@ impl Model {
                 let r = self.kv.append(id, n, &mut self.step);
                 if r.is_ok() {
                     self.write(id, first);
-                    self.seqs[i].1.extend(std::iter::repeat_n(id.0, n));
+                    self.seqs[i].1.extend(std::iter::repeat(id.0).take(n));
                 }
                 r
             }
@@ -329,7 +329,7 @@ impl Model {
                     self.write(id, first);
                     let acc = acc.min(n);
                     self.kv.commit(id, acc).unwrap();
-                    self.seqs[i].1.extend(std::iter::repeat_n(id.0, acc));
+                    self.seqs[i].1.extend(std::iter::repeat(id.0).take(acc));
                 }
                 r
             }
