@@ -10,8 +10,8 @@
 //!   for each token into **one** `HostStorage` shared by all groups; after every
 //!   action every computed token each group still needs (all of them for the full
 //!   group, the window of the next query for the window group) holds its own bytes,
-//!   forks copy-on-write per group, frees and preemption by recompute, and every
-//!   failed call changes nothing.
+//!   forks copy-on-write per group, frees and preemption by recompute, compaction of
+//!   the whole arena (pages change owner), and every failed call changes nothing.
 
 use pagedkv::{
     BlockId, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage, KvCacheGroups,
@@ -218,6 +218,8 @@ enum Action {
     Step(usize, usize, usize, usize),
     Fork(usize),
     Free(usize),
+    /// Compact the whole arena (moves execute on the shared storage).
+    Defrag,
 }
 
 fn action() -> impl Strategy<Value = Action> {
@@ -228,6 +230,7 @@ fn action() -> impl Strategy<Value = Action> {
             .prop_map(|(s, n, la, acc)| Action::Step(s, n, la, acc)),
         1 => (0usize..8).prop_map(Action::Fork),
         1 => (0usize..8).prop_map(Action::Free),
+        1 => Just(Action::Defrag),
     ]
 }
 
@@ -344,6 +347,15 @@ impl Model {
                 }
                 r
             }
+            Action::Defrag => {
+                let pending = self.kv.plan_defragment();
+                self.store
+                    .copy_blocks(&pending.plan().to_copy_plan())
+                    .unwrap();
+                pending.commit().unwrap();
+                assert_eq!(self.kv.high_water(), self.kv.stats().used_pages);
+                Ok(())
+            }
             Action::Free(s) => {
                 let Some(i) = pick(s, &self.seqs) else { return };
                 let (id, _) = self.seqs.swap_remove(i);
@@ -373,6 +385,51 @@ impl Model {
     }
 }
 
+fn model(specs: &[GroupSpec]) -> Model {
+    Model {
+        kv: KvCacheGroups::new(specs, PAGES).unwrap(),
+        // One storage for every group: a page belongs to one group at a time.
+        store: HostStorage::new(specs[0].layout, PAGES).unwrap(),
+        step: GroupStep::default(),
+        seqs: Vec::new(),
+        next: 0,
+    }
+}
+
+#[test]
+fn compaction_moves_pages_across_groups_and_keeps_every_byte() {
+    let l = layout(BS, 1);
+    let mut m = model(&[GroupSpec::full(l), GroupSpec::window(l, WINDOW)]);
+    // Group 1's pages come from group 0; a fork shares and copies on write.
+    m.apply(&Action::Admit(20)); // seq 0: 5 + 5 pages
+    m.apply(&Action::Admit(9)); // seq 1: 3 + 3
+    m.apply(&Action::Fork(1)); // seq 2 shares seq 1's pages
+    m.apply(&Action::Append(2, 3)); // copy-on-write of the shared last page
+    for _ in 0..6 {
+        m.apply(&Action::Append(0, 3)); // the window group gives pages back
+    }
+    let id0 = m.seqs[0].0;
+    m.apply(&Action::Free(0)); // holes low in the arena
+    let used = m.kv.stats().used_pages;
+    assert!(m.kv.high_water() > used);
+    let pending = m.kv.plan_defragment();
+    let plan = pending.plan().clone();
+    assert!(!plan.is_empty());
+    // Compute what the plan moves: its pages come from both groups.
+    let owners: Vec<usize> = (0..2).map(|g| pending.group_plan(g).len()).collect();
+    m.store.copy_blocks(&plan.to_copy_plan()).unwrap();
+    pending.commit().unwrap();
+    assert_eq!(m.kv.high_water(), used);
+    assert_eq!(owners.iter().sum::<usize>(), plan.len());
+    assert!(owners.iter().all(|&n| n > 0), "{owners:?}");
+    m.check();
+    assert!(!m.kv.contains(id0));
+    // A dropped plan changes nothing.
+    let before = snapshot(&m.kv);
+    drop(m.kv.plan_defragment());
+    assert_eq!(snapshot(&m.kv), before);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
@@ -381,14 +438,7 @@ proptest! {
     ) {
         let l = layout(BS, 1);
         let specs = [GroupSpec::full(l), GroupSpec::window(l, WINDOW), GroupSpec::full(l)];
-        let mut m = Model {
-            kv: KvCacheGroups::new(&specs, PAGES).unwrap(),
-            // One storage for every group: a page belongs to one group at a time.
-            store: HostStorage::new(l, PAGES).unwrap(),
-            step: GroupStep::default(),
-            seqs: Vec::new(),
-            next: 0,
-        };
+        let mut m = model(&specs);
         for a in &actions {
             m.apply(a);
         }

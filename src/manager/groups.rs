@@ -30,8 +30,9 @@
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqId};
-use crate::layout::plans::CopyPlan;
+use crate::layout::plans::{CopyPlan, MovePlan};
 use crate::layout::{KvLayout, Slot};
+use crate::pool::BlockState;
 
 use super::{KvCacheManager, Sequence};
 
@@ -572,7 +573,76 @@ impl KvCacheGroups {
         Ok(())
     }
 
+    /// One past the highest page any group holds: equal to the held pages in a
+    /// compact arena, which [`Self::plan_defragment`] makes. O(groups x pages), a
+    /// monitoring call.
+    pub fn high_water(&self) -> usize {
+        self.held_pages().rposition(|h| h).map_or(0, |p| p + 1)
+    }
+
+    /// Plans a compaction of the whole arena: every page held (by any group) at or
+    /// above the number of held pages moves into the lowest free page below it, the
+    /// fewest moves possible; a destination owned by another group changes owner at
+    /// commit. Execute [`PendingGroupDefrag::plan`] on the storage (when all groups
+    /// share one storage, the plan's page ids are that storage's blocks; otherwise
+    /// [`PendingGroupDefrag::group_plan`] per group), then commit. Dropping the
+    /// pending value changes nothing.
+    pub fn plan_defragment(&mut self) -> PendingGroupDefrag<'_> {
+        let held: Vec<bool> = self.held_pages().collect();
+        let resident = held.iter().filter(|&&h| h).count();
+        let sources = (resident..self.num_pages).filter(|&p| held[p]);
+        let dests = (0..resident).filter(|&p| !held[p]);
+        let mut plan = MovePlan::new();
+        let mut per_group = vec![MovePlan::new(); self.groups.len()];
+        for (src, dst) in sources.zip(dests) {
+            let (src, dst) = (BlockId(src as u32), BlockId(dst as u32));
+            plan.push(src, dst);
+            per_group[self.owner(src)].push(src, dst);
+        }
+        PendingGroupDefrag {
+            groups: self,
+            plan,
+            per_group,
+        }
+    }
+
     // ---- internals ----------------------------------------------------------------
+
+    /// The group that owns `page`.
+    fn owner(&self, page: BlockId) -> usize {
+        self.lent_pos
+            .iter()
+            .position(|pos| pos[page.index()] == NOT_LENT)
+            .unwrap_or(0)
+    }
+
+    /// For every page, whether its owner holds it (live or cached).
+    fn held_pages(&self) -> impl DoubleEndedIterator<Item = bool> + ExactSizeIterator + '_ {
+        (0..self.num_pages).map(move |p| {
+            let page = BlockId(p as u32);
+            self.groups[self.owner(page)]
+                .pool
+                .state(page)
+                .is_ok_and(|s| s != BlockState::Free)
+        })
+    }
+
+    /// Moves the free page `page` from its owner to group `to`.
+    fn move_page_to(&mut self, page: BlockId, to: usize) -> Result<()> {
+        let from = self.owner(page);
+        if from == to {
+            return Ok(());
+        }
+        let at = self.groups[from].lend_this_page(page)?;
+        self.lent_pos[from][page.index()] = at as u32;
+        let pos = self.lent_pos[to][page.index()];
+        if let Some(moved) = self.groups[to].reclaim_page(pos as usize)? {
+            self.lent_pos[to][moved.index()] = pos;
+        }
+        self.lent_pos[to][page.index()] = NOT_LENT;
+        self.page_moves += 1;
+        Ok(())
+    }
 
     fn check_id(&self, seq: SeqId) -> Result<()> {
         if seq == LENDER {
@@ -657,6 +727,22 @@ impl KvCacheManager {
         Ok((b, s.table.len() - 1))
     }
 
+    /// Lends the free page `page` (see [`Self::lend_page`]).
+    fn lend_this_page(&mut self, page: BlockId) -> Result<usize> {
+        let bs = self.block_size();
+        self.pool.take(page)?;
+        self.block_fill[page.index()] = 0;
+        self.set_fill(page, bs);
+        let s = self
+            .seqs
+            .get_mut(&LENDER)
+            .ok_or(Error::UnknownSequence(LENDER))?;
+        s.table.push(page);
+        s.num_tokens += bs;
+        s.computed += bs;
+        Ok(s.table.len() - 1)
+    }
+
     /// Takes back the lent page at index `pos` of the lender's table: it becomes free
     /// here. Returns the page the swap-remove moved into `pos`, if any.
     fn reclaim_page(&mut self, pos: usize) -> Result<Option<BlockId>> {
@@ -702,5 +788,51 @@ impl KvCacheManager {
         let computed = self.seq(seq)?.computed;
         let h = self.handle(seq)?;
         self.release_out_of_window(h, computed)
+    }
+}
+
+/// A compaction of a [`KvCacheGroups`] arena planned but not yet committed. It holds
+/// the groups' `&mut` borrow; dropping it aborts with nothing changed.
+#[derive(Debug)]
+#[must_use = "dropping a pending compaction aborts it"]
+pub struct PendingGroupDefrag<'a> {
+    groups: &'a mut KvCacheGroups,
+    plan: MovePlan,
+    per_group: Vec<MovePlan>,
+}
+
+impl PendingGroupDefrag<'_> {
+    /// Every move, over page ids (one storage shared by all groups executes this).
+    pub fn plan(&self) -> &MovePlan {
+        &self.plan
+    }
+
+    /// The moves of group `g`'s pages (for a storage per group).
+    ///
+    /// # Panics
+    /// When `g >= num_groups()`.
+    pub fn group_plan(&self, g: usize) -> &MovePlan {
+        &self.per_group[g]
+    }
+
+    /// Records that the plan was executed: destinations change owner where needed,
+    /// every group's tables point at them, the sources are free. Returns the plan.
+    ///
+    /// # Errors
+    /// [`Error::CorruptBlockTable`] when the groups' state contradicts the plan (it
+    /// cannot: the plan was made under the same borrow).
+    pub fn commit(self) -> Result<MovePlan> {
+        for (g, plan) in self.per_group.iter().enumerate() {
+            for m in plan.moves() {
+                self.groups.move_page_to(m.dst, g)?;
+            }
+        }
+        for (kv, plan) in self.groups.groups.iter_mut().zip(&self.per_group) {
+            if !plan.is_empty() {
+                kv.commit_moves(plan)?;
+                kv.pool.reorder_free_low_first();
+            }
+        }
+        Ok(self.plan)
     }
 }
