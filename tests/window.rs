@@ -498,3 +498,24 @@ proptest! {
         prop_assert_eq!(e.kv.stats().used_blocks, 0);
     }
 }
+
+/// A window manager holds only the window, so its longest sequence is not capped by
+/// the arena: 8 blocks of 16 serve a 1,000-token decode with window 32. A full
+/// manager of the same arena refuses past 128 tokens.
+#[test]
+fn window_manager_decodes_past_its_arena() {
+    let mut kv = window_manager(16, 8, Some(32));
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+    kv.admit(SeqId(1), 16, &mut slots).unwrap();
+    for _ in 16..1000 {
+        kv.append(SeqId(1), 1, &mut slots, &mut copies).unwrap();
+    }
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.num_tokens(SeqId(1)).unwrap(), 1000);
+    let mut full = window_manager(16, 8, None);
+    full.admit(SeqId(1), 128, &mut slots).unwrap();
+    assert!(matches!(
+        full.append(SeqId(1), 1, &mut slots, &mut copies),
+        Err(Error::TooLong { tokens: 129, limit: 128 })
+    ));
+}
