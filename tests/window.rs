@@ -516,6 +516,9 @@ fn window_manager_decodes_past_its_arena() {
     full.admit(SeqId(1), 128, &mut slots).unwrap();
     assert!(matches!(
         full.append(SeqId(1), 1, &mut slots, &mut copies),
-        Err(Error::TooLong { tokens: 129, limit: 128 })
+        Err(Error::TooLong {
+            tokens: 129,
+            limit: 128
+        })
     ));
 }
