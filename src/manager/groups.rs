@@ -634,14 +634,7 @@ impl KvCacheGroups {
             return Ok(());
         }
         let at = self.groups[from].lend_this_page(page)?;
-        self.lent_pos[from][page.index()] = at as u32;
-        let pos = self.lent_pos[to][page.index()];
-        if let Some(moved) = self.groups[to].reclaim_page(pos as usize)? {
-            self.lent_pos[to][moved.index()] = pos;
-        }
-        self.lent_pos[to][page.index()] = NOT_LENT;
-        self.page_moves += 1;
-        Ok(())
+        self.hand_over(from, page, at, to)
     }
 
     fn check_id(&self, seq: SeqId) -> Result<()> {
@@ -679,6 +672,12 @@ impl KvCacheGroups {
     /// Moves one free page of group `from` to group `to`.
     fn move_page(&mut self, from: usize, to: usize) -> Result<()> {
         let (page, at) = self.groups[from].lend_page()?;
+        self.hand_over(from, page, at, to)
+    }
+
+    /// Records `page` lent by `from` at index `at` of its lender, and takes it back in
+    /// group `to`, which owns it from now on.
+    fn hand_over(&mut self, from: usize, page: BlockId, at: usize, to: usize) -> Result<()> {
         self.lent_pos[from][page.index()] = at as u32;
         let pos = self.lent_pos[to][page.index()];
         if pos == NOT_LENT {
@@ -714,30 +713,26 @@ impl KvCacheManager {
     /// Takes one free page of this group and lends it: the lender holds it (one
     /// reference, full fill). Returns the page and its index in the lender's table.
     fn lend_page(&mut self) -> Result<(BlockId, usize)> {
-        let bs = self.block_size();
         let b = self.alloc_block()?;
+        Ok((b, self.push_lent(b)?))
+    }
+
+    /// Lends the free page `page` (see [`Self::lend_page`]).
+    fn lend_this_page(&mut self, page: BlockId) -> Result<usize> {
+        self.pool.take(page)?;
+        self.block_fill[page.index()] = 0;
+        self.push_lent(page)
+    }
+
+    /// Gives the just-taken page `b` to the lender; returns its index there.
+    fn push_lent(&mut self, b: BlockId) -> Result<usize> {
+        let bs = self.block_size();
         self.set_fill(b, bs);
         let s = self
             .seqs
             .get_mut(&LENDER)
             .ok_or(Error::UnknownSequence(LENDER))?;
         s.table.push(b);
-        s.num_tokens += bs;
-        s.computed += bs;
-        Ok((b, s.table.len() - 1))
-    }
-
-    /// Lends the free page `page` (see [`Self::lend_page`]).
-    fn lend_this_page(&mut self, page: BlockId) -> Result<usize> {
-        let bs = self.block_size();
-        self.pool.take(page)?;
-        self.block_fill[page.index()] = 0;
-        self.set_fill(page, bs);
-        let s = self
-            .seqs
-            .get_mut(&LENDER)
-            .ok_or(Error::UnknownSequence(LENDER))?;
-        s.table.push(page);
         s.num_tokens += bs;
         s.computed += bs;
         Ok(s.table.len() - 1)
