@@ -316,8 +316,18 @@ impl Model {
                 let Some(i) = pick(s, &self.seqs) else { return };
                 let id = self.seqs[i].0;
                 let first = self.seqs[i].1.len();
+                let needed = self.kv.pages_needed(id, n, 0).unwrap_or(usize::MAX);
+                let used = self.kv.stats().used_pages;
                 let r = self.kv.append(id, n, &mut self.step);
                 if r.is_ok() {
+                    // What the call said it takes is what it took (a call that gives
+                    // back more window pages than it takes says 0).
+                    let now = self.kv.stats().used_pages;
+                    if needed > 0 {
+                        assert_eq!(now, used + needed);
+                    } else {
+                        assert!(now <= used, "{now} > {used}");
+                    }
                     self.write(id, first);
                     self.seqs[i].1.extend(std::iter::repeat(id.0).take(n));
                 }
