@@ -1,6 +1,7 @@
 //! KV-cache groups over one arena of pages (`KvCacheGroups`).
 //!
-//! * configuration errors (no group, no page, pages of different bytes);
+//! * configuration errors (no group, no page, pages of different bytes); a latent
+//!   (MLA) group beside a full group when their pages have the same bytes;
 //! * memory moves between groups: a group takes pages another group freed;
 //! * atomicity across groups: a call that fails for want of pages in a later group,
 //!   or for a sequence's state, leaves every group as it was (full `Debug` snapshots);
@@ -15,7 +16,7 @@
 
 use pagedkv::{
     BlockId, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage, KvCacheGroups,
-    KvCacheManager, KvLayout, ModelShape, SeqId, Storage,
+    KvCacheManager, KvKind, KvLayout, ModelShape, SeqId, Storage,
 };
 use proptest::prelude::*;
 
@@ -68,6 +69,30 @@ fn config_errors() {
     .unwrap();
     let kv = KvCacheGroups::new(&[GroupSpec::full(l)], 8).unwrap();
     assert!(kv.with_watermark(8).is_err());
+}
+
+/// A latent (MLA) group beside a full group: 4 tokens x (3 + 1) latent dims x f32 is
+/// the same 64 bytes as 4 tokens x K/V x 2 dims x f32, so they share the pages.
+#[test]
+fn latent_group_shares_pages_with_a_full_group() {
+    let kind = KvKind::Latent {
+        kv_lora_rank: 3,
+        rope_dim: 1,
+    };
+    let latent = KvLayout::with_kind(ModelShape::latent(1, 2, 3, 1, DType::F32), BS, kind).unwrap();
+    let full = layout(BS, 1);
+    assert_eq!(latent.block_bytes(), full.block_bytes());
+    let mut kv = KvCacheGroups::new(&[GroupSpec::full(full), GroupSpec::full(latent)], 10).unwrap();
+    let mut step = GroupStep::default();
+    kv.admit(SeqId(1), 10, &mut step).unwrap(); // 3 pages in each group
+    kv.append(SeqId(1), 6, &mut step).unwrap(); // 4 in each
+    assert_eq!(kv.stats().used_per_group, vec![4, 4]);
+    assert!(kv.group(1).layout().is_latent());
+    assert!(matches!(
+        kv.append(SeqId(1), 5, &mut step),
+        Err(Error::OutOfBlocks { needed: 4, free: 2 })
+    ));
+    kv.check_invariants().unwrap();
 }
 
 #[test]
