@@ -140,6 +140,9 @@ pub struct KvCacheGroups {
     /// `lent_pos[g][page]`: the page's index in group `g`'s lender table, or
     /// `NOT_LENT` when group `g` owns the page.
     lent_pos: Vec<Vec<u32>>,
+    /// Pages each group lends (its lender's table length), kept here so that usage
+    /// needs no lookup.
+    lent: Vec<usize>,
     num_pages: usize,
     watermark_pages: usize,
     peak_used_pages: usize,
@@ -219,8 +222,12 @@ impl KvCacheGroups {
             groups.push(kv);
             lent_pos.push(pos);
         }
+        let lent = (0..groups.len())
+            .map(|g| if g == 0 { 0 } else { num_pages })
+            .collect();
         Ok(KvCacheGroups {
             needs: vec![0; groups.len()],
+            lent,
             groups,
             lent_pos,
             num_pages,
@@ -506,18 +513,14 @@ impl KvCacheGroups {
 
     /// Counters now.
     pub fn stats(&self) -> GroupStats {
-        let used_per_group: Vec<usize> = self.groups.iter().map(|kv| kv.own_used()).collect();
+        let used_per_group: Vec<usize> = (0..self.groups.len()).map(|g| self.own_used(g)).collect();
         let used_pages = used_per_group.iter().sum();
         GroupStats {
             num_pages: self.num_pages,
             used_pages,
             free_pages: self.num_free_pages(),
             peak_used_pages: self.peak_used_pages.max(used_pages),
-            owned_per_group: self
-                .groups
-                .iter()
-                .map(|kv| kv.num_blocks() - kv.lent())
-                .collect(),
+            owned_per_group: self.lent.iter().map(|l| self.num_pages - l).collect(),
             used_per_group,
             page_moves: self.page_moves,
             num_sequences: self.groups[0].seqs.len() - 1,
@@ -541,9 +544,11 @@ impl KvCacheGroups {
                 }
             }
             let recorded = self.lent_pos[g].iter().filter(|&&x| x != NOT_LENT).count();
-            if recorded != lender.table.len() {
+            if recorded != lender.table.len() || self.lent[g] != recorded {
                 return Err(format!(
-                    "group {g}: {recorded} pages recorded lent, {} held by the lender",
+                    "group {g}: {recorded} pages recorded lent, {} counted, {} held by the \
+                     lender",
+                    self.lent[g],
                     lender.table.len()
                 ));
             }
@@ -689,27 +694,24 @@ impl KvCacheGroups {
             self.lent_pos[to][moved.index()] = pos;
         }
         self.lent_pos[to][page.index()] = NOT_LENT;
+        self.lent[from] += 1;
+        self.lent[to] -= 1;
         self.page_moves += 1;
         Ok(())
     }
 
+    /// Pages group `g`'s sequences hold.
+    fn own_used(&self, g: usize) -> usize {
+        self.groups[g].pool.num_live() - self.lent[g]
+    }
+
     fn note_usage(&mut self) {
-        let used: usize = self.groups.iter().map(|kv| kv.own_used()).sum();
+        let used: usize = (0..self.groups.len()).map(|g| self.own_used(g)).sum();
         self.peak_used_pages = self.peak_used_pages.max(used);
     }
 }
 
 impl KvCacheManager {
-    /// Pages lent to other groups.
-    fn lent(&self) -> usize {
-        self.seq(LENDER).map_or(0, |s| s.table.len())
-    }
-
-    /// Pages this group's sequences hold.
-    fn own_used(&self) -> usize {
-        self.pool.num_live() - self.lent()
-    }
-
     /// Takes one free page of this group and lends it: the lender holds it (one
     /// reference, full fill). Returns the page and its index in the lender's table.
     fn lend_page(&mut self) -> Result<(BlockId, usize)> {
@@ -763,8 +765,11 @@ impl KvCacheManager {
     /// Pages a window group gives back now if `seq`'s blocks before the window of its
     /// next query (at `computed`) are released: those only `seq` holds.
     fn dead_window_pages(&self, seq: SeqId) -> Result<usize> {
+        if self.window.is_none() {
+            return Ok(0);
+        }
         let s = self.seq(seq)?;
-        if self.window.is_none() || s.scheduled > 0 {
+        if s.scheduled > 0 {
             return Ok(0);
         }
         let keep_from = self.first_block_in_window(s.computed).min(s.table.len());
