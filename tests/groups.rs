@@ -196,8 +196,8 @@ fn failure_in_a_later_group_leaves_the_earlier_ones_unchanged() {
 
 /// The steady-state `OutOfBlocks`: a window manager's one-call append allocates the
 /// step's block before it gives back the blocks that fell out of the window, so the
-/// first decode step after a prompt longer than the window needs one block more than
-/// the manager holds afterwards. A window arena sized to what sequences hold
+/// first decode step after a prompt longer than the window that fills its last block
+/// needs one block more than the manager holds afterwards. A window arena sized to what sequences hold
 /// (prompt, then window) fails there although half its blocks are dead. The groups
 /// give the dead blocks back first.
 #[test]
