@@ -15,8 +15,8 @@
 //!   the whole arena (pages change owner), and every failed call changes nothing.
 
 use pagedkv::{
-    BlockId, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage, KvCacheGroups,
-    KvCacheManager, KvKind, KvLayout, ModelShape, SeqId, Storage,
+    AdmitOptions, BlockId, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage,
+    KvCacheGroups, KvCacheManager, KvKind, KvLayout, ModelShape, SeqId, Storage,
 };
 use proptest::prelude::*;
 
@@ -238,6 +238,9 @@ const PAGES: usize = 40;
 #[derive(Debug, Clone)]
 enum Action {
     Admit(usize),
+    /// Admit a prompt of `len` tokens of family `f` (every token `f`): prompts of one
+    /// family share their leading blocks through the prefix caches.
+    AdmitTokens(usize, usize),
     Append(usize, usize),
     /// Reserve `n` plus `lookahead`, write them, commit `accepted` of the `n`.
     Step(usize, usize, usize, usize),
@@ -250,6 +253,7 @@ enum Action {
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
         2 => (0usize..30).prop_map(Action::Admit),
+        2 => (0usize..3, 0usize..30).prop_map(|(f, n)| Action::AdmitTokens(f, n)),
         5 => (0usize..8, 1usize..4).prop_map(|(s, n)| Action::Append(s, n)),
         3 => (0usize..8, 1usize..6, 0usize..3, 0usize..6)
             .prop_map(|(s, n, la, acc)| Action::Step(s, n, la, acc)),
@@ -257,6 +261,12 @@ fn action() -> impl Strategy<Value = Action> {
         1 => (0usize..8).prop_map(Action::Free),
         1 => Just(Action::Defrag),
     ]
+}
+
+/// The writer id of the prompt tokens of family `f`: their K/V depends on the tokens
+/// only, so every sequence of the family writes (and may share) the same bytes.
+fn family_writer(f: usize) -> u64 {
+    900 + f as u64
 }
 
 /// The value group `g` writes for sequence `id` at position `pos` (exact in f32).
@@ -272,6 +282,8 @@ struct Model {
     /// there (a fork keeps its parent's up to the fork point).
     seqs: Vec<(SeqId, Vec<u64>)>,
     next: u64,
+    /// Prompt tokens served from the prefix caches so far.
+    hits: usize,
 }
 
 impl Model {
@@ -337,6 +349,33 @@ impl Model {
                 }
                 r
             }
+            Action::AdmitTokens(f, n) => {
+                let id = SeqId(self.next);
+                self.next += 1;
+                let tokens = vec![f as u32; n];
+                let opts = AdmitOptions::default();
+                let looked = self.kv.cached_prefix_len(&tokens, &opts).unwrap();
+                let r = self.kv.admit_tokens(id, &tokens, &opts, &mut self.step);
+                match r {
+                    Ok(a) => {
+                        assert_eq!(a.cached_tokens, looked);
+                        assert!(a.cached_tokens % BS == 0 && (n == 0 || a.cached_tokens < n));
+                        if (0..self.kv.num_groups())
+                            .any(|g| self.kv.group(g).sliding_window().is_some())
+                        {
+                            assert_eq!(a.cached_tokens, 0, "a window group serves no hit");
+                        }
+                        for g in 0..self.kv.num_groups() {
+                            assert_eq!(self.step.slots[g].len(), n - a.cached_tokens);
+                        }
+                        self.write(SeqId(family_writer(f)), a.cached_tokens);
+                        self.seqs.push((id, vec![family_writer(f); n]));
+                        self.hits += a.cached_tokens;
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
+            }
             Action::Append(s, n) => {
                 let Some(i) = pick(s, &self.seqs) else { return };
                 let id = self.seqs[i].0;
@@ -388,7 +427,8 @@ impl Model {
                     .copy_blocks(&pending.plan().to_copy_plan())
                     .unwrap();
                 pending.commit().unwrap();
-                assert_eq!(self.kv.high_water(), self.kv.stats().used_pages);
+                let st = self.kv.stats();
+                assert_eq!(self.kv.high_water(), st.used_pages + st.cached_pages);
                 Ok(())
             }
             Action::Free(s) => {
@@ -428,6 +468,7 @@ fn model(specs: &[GroupSpec]) -> Model {
         step: GroupStep::default(),
         seqs: Vec::new(),
         next: 0,
+        hits: 0,
     }
 }
 
@@ -472,15 +513,139 @@ proptest! {
         actions in proptest::collection::vec(action(), 1..80)
     ) {
         let l = layout(BS, 1);
-        let specs = [GroupSpec::full(l), GroupSpec::window(l, WINDOW), GroupSpec::full(l)];
-        let mut m = model(&specs);
-        for a in &actions {
-            m.apply(a);
-        }
-        for (id, _) in std::mem::take(&mut m.seqs) {
-            m.kv.free(id).unwrap();
-        }
-        m.kv.check_invariants().unwrap();
-        prop_assert_eq!(m.kv.stats().used_pages, 0);
+        run_and_free_all(&[GroupSpec::full(l), GroupSpec::window(l, WINDOW), GroupSpec::full(l)], &actions);
     }
+
+    /// Two full groups share prefix hits: every served block holds the family's bytes
+    /// in both groups, on the one shared storage.
+    #[test]
+    fn prefix_hits_hold_their_bytes_in_every_group(
+        actions in proptest::collection::vec(action(), 1..80)
+    ) {
+        let l = layout(BS, 1);
+        run_and_free_all(&[GroupSpec::full(l), GroupSpec::full(l)], &actions);
+    }
+}
+
+/// Applies `actions` (each checked), then frees every sequence: no page stays used.
+fn run_and_free_all(specs: &[GroupSpec], actions: &[Action]) {
+    let mut m = model(specs);
+    for a in actions {
+        m.apply(a);
+    }
+    for (id, _) in std::mem::take(&mut m.seqs) {
+        m.kv.free(id).unwrap();
+    }
+    m.kv.check_invariants().unwrap();
+    assert_eq!(m.kv.stats().used_pages, 0);
+}
+
+#[test]
+fn prefix_hits_are_served_and_counted_in_every_group() {
+    let l = layout(BS, 1);
+    let mut m = model(&[GroupSpec::full(l), GroupSpec::full(l)]);
+    m.apply(&Action::AdmitTokens(1, 22)); // 5 full blocks registered per group
+    m.apply(&Action::Free(0)); // they stay cached
+    assert_eq!(m.kv.stats().used_pages, 0);
+    m.apply(&Action::AdmitTokens(1, 30));
+    assert_eq!(m.hits, 20, "5 blocks of 4 tokens, in both groups");
+    m.apply(&Action::AdmitTokens(1, 21)); // shares live blocks this time
+    assert_eq!(m.hits, 40);
+    m.apply(&Action::AdmitTokens(2, 21)); // another family: no hit
+    assert_eq!(m.hits, 40);
+    m.apply(&Action::Fork(1));
+    m.apply(&Action::Append(3, 5));
+    m.check();
+}
+
+#[test]
+fn hits_agree_across_block_sizes_and_window_groups_serve_none() {
+    // Pages of equal bytes: 2 layers of 4 tokens, 1 layer of 8 tokens.
+    let (a, b) = (layout(4, 2), layout(8, 1));
+    let mut kv = KvCacheGroups::new(&[GroupSpec::full(a), GroupSpec::full(b)], 40).unwrap();
+    let mut step = GroupStep::default();
+    let opts = AdmitOptions::default();
+    let prompt: Vec<u32> = (0..30).collect();
+    kv.admit_tokens(SeqId(1), &prompt[..14], &opts, &mut step)
+        .unwrap();
+    // Group 0 registered 3 blocks (12 tokens), group 1 one block (8 tokens).
+    let r = kv
+        .admit_tokens(SeqId(2), &prompt, &opts, &mut step)
+        .unwrap();
+    assert_eq!(r.cached_tokens, 8);
+    assert_eq!((r.cached_blocks, r.new_blocks), (2 + 1, 6 + 3));
+    assert_eq!((step.slots[0].len(), step.slots[1].len()), (22, 22));
+    assert_eq!(
+        kv.group(0).block_table(SeqId(2)).unwrap()[..2],
+        kv.group(0).block_table(SeqId(1)).unwrap()[..2]
+    );
+    assert_eq!(
+        kv.group(1).block_table(SeqId(2)).unwrap()[0],
+        kv.group(1).block_table(SeqId(1)).unwrap()[0]
+    );
+    kv.check_invariants().unwrap();
+
+    let l = layout(4, 1);
+    let mut kv = KvCacheGroups::new(&[GroupSpec::full(l), GroupSpec::window(l, 8)], 40).unwrap();
+    kv.admit_tokens(SeqId(1), &prompt, &opts, &mut step)
+        .unwrap();
+    kv.free(SeqId(1)).unwrap();
+    // Group 0 holds the prompt's 7 full blocks cached; the window group none, so no hit.
+    assert_eq!(kv.cached_prefix_len(&prompt, &opts).unwrap(), 0);
+    let r = kv
+        .admit_tokens(SeqId(2), &prompt, &opts, &mut step)
+        .unwrap();
+    assert_eq!(r.cached_tokens, 0);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn cached_pages_go_to_the_group_that_needs_them_and_failures_change_nothing() {
+    let l = layout(4, 1);
+    let mut kv = KvCacheGroups::new(&[GroupSpec::full(l), GroupSpec::full(l)], 20).unwrap();
+    let mut step = GroupStep::default();
+    let opts = AdmitOptions::default();
+    let prompt: Vec<u32> = (0..40).collect();
+    // 10 pages in each group: the whole arena, then cached in both.
+    kv.admit_tokens(SeqId(1), &prompt, &opts, &mut step)
+        .unwrap();
+    kv.free(SeqId(1)).unwrap();
+    assert_eq!((kv.stats().used_pages, kv.num_free_pages()), (0, 20));
+    let before = snapshot(&kv);
+    for bad in [
+        kv.admit_tokens(SeqId(2), &[7; 44], &opts, &mut step), // 22 pages of 20
+        kv.admit_tokens(SeqId(2), &[7; 81], &opts, &mut step), // longer than the arena
+    ] {
+        assert!(
+            matches!(bad, Err(Error::OutOfBlocks { .. } | Error::TooLong { .. })),
+            "{bad:?}"
+        );
+        assert_eq!(snapshot(&kv), before);
+    }
+    // A hit of 9 blocks in each group and 1 new page each: fits.
+    assert_eq!(kv.cached_prefix_len(&prompt, &opts).unwrap(), 36);
+    // Another prompt takes 20 pages: every cached page is evicted, by its own group.
+    kv.admit_tokens(SeqId(3), &[5; 40], &opts, &mut step)
+        .unwrap();
+    assert_eq!(kv.cached_prefix_len(&prompt, &opts).unwrap(), 0);
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.admit_tokens(SeqId(3), &prompt, &opts, &mut step),
+        Err(Error::DuplicateSequence(_))
+    ));
+    assert!(matches!(
+        kv.admit_tokens(SeqId(4), &prompt, &opts, &mut step),
+        Err(Error::OutOfBlocks {
+            needed: 20,
+            free: 0
+        })
+    ));
+    assert_eq!(snapshot(&kv), before);
+    kv.free(SeqId(3)).unwrap();
+    // Now a hit of the [5; 40] prompt, and the rest of the arena taken from the cache.
+    let r = kv
+        .admit_tokens(SeqId(4), &[5; 40], &opts, &mut step)
+        .unwrap();
+    assert_eq!(r.cached_tokens, 36);
+    kv.check_invariants().unwrap();
 }

@@ -24,17 +24,21 @@
 //! the call may give back first) before anything changes, so a failure in any group
 //! leaves every group as it was.
 //!
-//! Prefix caching is not offered through the groups: admission takes no token ids, so
-//! no group registers or serves hits (a window group cannot serve a hit whose window
-//! blocks it gave back, and a hit must hold in every group).
+//! Prefix caching ([`KvCacheGroups::admit_tokens`]): every full or latent group
+//! registers its prompt blocks in its own manager's prefix cache, and a hit is served
+//! only as far as every group holds it. A sliding-window group serves no hit yet (its
+//! manager registers nothing), so with a window group every prompt is computed in
+//! full. Cached pages count as free for every group: a group that needs a page takes
+//! it from another group's cache, evicted by that group's policy.
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqId};
 use crate::layout::plans::{CopyPlan, MovePlan};
 use crate::layout::{KvLayout, Slot};
+use crate::pool::prefix::{Admission, AdmitOptions};
 use crate::pool::BlockState;
 
-use super::{KvCacheManager, Sequence};
+use super::{KvCacheManager, PrefixHit, Sequence};
 
 /// The sequence id that holds, in each group, the pages other groups own.
 const LENDER: SeqId = SeqId(u64::MAX);
@@ -97,8 +101,11 @@ pub struct GroupStats {
     pub num_pages: usize,
     /// Pages held by sequences, all groups together.
     pub used_pages: usize,
-    /// Free pages, all groups together.
+    /// Pages an allocation can obtain, all groups together: free, and cached in a
+    /// group's prefix cache (unreferenced, evicted when needed).
     pub free_pages: usize,
+    /// Of `free_pages`, those cached in a prefix cache.
+    pub cached_pages: usize,
     /// Highest `used_pages` so far.
     pub peak_used_pages: usize,
     /// Pages each group's sequences hold.
@@ -306,7 +313,8 @@ impl KvCacheGroups {
         self.groups[0].context_len(seq)
     }
 
-    /// Free pages of the whole arena.
+    /// Pages of the whole arena an allocation can obtain: free, or cached in a
+    /// group's prefix cache (evicted when taken).
     pub fn num_free_pages(&self) -> usize {
         self.groups.iter().map(|kv| kv.num_available_blocks()).sum()
     }
@@ -379,6 +387,116 @@ impl KvCacheGroups {
         Ok(())
     }
 
+    /// Leading tokens of `tokens` every group can serve from its prefix cache now: the
+    /// longest prefix, in whole blocks of every group, that each group's cache holds
+    /// (see [`Self::admit_tokens`]). Changes nothing.
+    ///
+    /// # Errors
+    /// [`Error::PrefixKeyTooLong`] (for the cache salt, the extra key or a block key).
+    pub fn cached_prefix_len(&self, tokens: &[u32], opts: &AdmitOptions<'_>) -> Result<usize> {
+        let mut hits = Vec::new();
+        self.common_hit(tokens, opts, &mut hits)
+    }
+
+    /// Admits `seq` with prompt `tokens` in every group, sharing the cached prefix every
+    /// group holds, and schedules the whole uncached rest in this step (committed at
+    /// once, as [`KvCacheManager::admit_tokens`] does in one manager): `step.slots[g]`
+    /// gets the slots of `tokens[cached_tokens..]` in group `g`. The prompt's full
+    /// blocks are registered in the prefix cache of every full or latent group, so the
+    /// engine must write every slot it was given in the step that follows.
+    ///
+    /// The hit is the same number of tokens in every group: the longest prefix each
+    /// group's cache holds, rounded down to whole blocks of every group (groups may
+    /// have different block sizes). **A sliding-window group serves no hit** (its
+    /// manager registers nothing: its blocks leave the window and go back to the arena),
+    /// so with a window group among the groups every prompt is computed in full; the
+    /// full and latent groups still register their blocks, and the hits they hold are
+    /// served once every group is full or latent. Serving window hits needs the window
+    /// blocks at the hit's end to stay registered after they leave a sequence's window
+    /// (vLLM's `SlidingWindowManager` does this); not built yet.
+    ///
+    /// Cached blocks count as free pages for every group: when a group needs a page
+    /// and only cached pages of another group are left, that group's prefix cache
+    /// evicts one (its own policy) and the page moves.
+    ///
+    /// Returns what the admission did: `cached_tokens` is common to all groups,
+    /// `cached_blocks`, `new_blocks` and `registered_blocks` are summed over the groups.
+    ///
+    /// # Errors
+    /// [`Error::DuplicateSequence`], [`Error::TooLong`], [`Error::PrefixKeyTooLong`],
+    /// [`Error::OutOfBlocks`] (with the pages all groups need, cached hit pages not
+    /// counted, and the arena's free and evictable pages). Nothing changed on error.
+    pub fn admit_tokens(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        opts: &AdmitOptions<'_>,
+        step: &mut GroupStep,
+    ) -> Result<Admission> {
+        step.reset(self.groups.len());
+        if seq == LENDER || self.groups[0].contains(seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let limit = self.groups[0].max_seq_len();
+        if tokens.len() > limit {
+            return Err(Error::TooLong {
+                tokens: tokens.len(),
+                limit,
+            });
+        }
+        let mut hits = Vec::new();
+        let cached = self.common_hit(tokens, opts, &mut hits)?;
+        // Every group's need, revivals of cached hit pages included, against the
+        // arena's free and evictable pages, before anything changes.
+        for ((need, kv), hit) in self.needs.iter_mut().zip(&self.groups).zip(&hits) {
+            *need = kv.hit_admission_blocks(hit);
+        }
+        self.check_needs()?;
+        // Revive the hits first: a page moved to another group below must not be one
+        // of them (moving evicts by the giver's policy).
+        let mut sum = Admission::default();
+        for (g, hit) in hits.iter().enumerate() {
+            let done = self.groups[g].admit_prompt(seq, tokens, hit);
+            let done = match done {
+                Ok(a) if a.cached_tokens == cached => Ok(a),
+                Ok(a) => Err(Error::CorruptBlockTable(format!(
+                    "group {g} served {} cached tokens of {cached} looked up",
+                    a.cached_tokens
+                ))),
+                Err(e) => Err(e),
+            };
+            match done {
+                Ok(a) => sum.cached_blocks += a.cached_blocks,
+                Err(e) => {
+                    // Unreachable: the hits were looked up under the same borrow.
+                    for kv in &mut self.groups[..=g] {
+                        let _ = kv.free(seq);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        for ((need, kv), hit) in self.needs.iter_mut().zip(&self.groups).zip(&hits) {
+            *need = kv.layout.blocks_for_tokens(tokens.len()) - hit.cached_blocks();
+        }
+        sum.new_blocks = self.needs.iter().sum();
+        sum.cached_tokens = cached;
+        let rest = tokens.len() - cached;
+        let done = self.give_and_reserve(seq, rest, 0, true, step);
+        if let Ok(registered) = done {
+            sum.registered_blocks = registered;
+        }
+        if let Err(e) = done {
+            // Unreachable after the check above; undo all the same.
+            for kv in &mut self.groups {
+                let _ = kv.free(seq);
+            }
+            return Err(e);
+        }
+        self.note_usage();
+        Ok(sum)
+    }
+
     /// Appends and commits `n` tokens of `seq` in every group (the decode path; see
     /// [`KvCacheManager::append`]).
     ///
@@ -444,10 +562,26 @@ impl KvCacheGroups {
                 kv.release_dead_window(seq)?;
             }
         }
+        self.give_and_reserve(seq, n, lookahead, commit_now, step)?;
+        self.note_usage();
+        Ok(())
+    }
+
+    /// Moves pages to the groups by `needs`, then reserves in every group (the checks
+    /// are the caller's: failures here are internal corruption). Returns the blocks
+    /// registered in the prefix caches.
+    fn give_and_reserve(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        lookahead: usize,
+        commit_now: bool,
+        step: &mut GroupStep,
+    ) -> Result<usize> {
         self.give_pages()?;
+        let mut registered = 0;
         for (g, kv) in self.groups.iter_mut().enumerate() {
-            // Unreachable failures (see `admit`); an error here is internal corruption.
-            kv.reserve_inner(
+            registered += kv.reserve_inner(
                 seq,
                 n,
                 lookahead,
@@ -457,8 +591,7 @@ impl KvCacheGroups {
                 &mut step.copies[g],
             )?;
         }
-        self.note_usage();
-        Ok(())
+        Ok(registered)
     }
 
     /// Marks `n` reserved tokens of `seq` computed in every group (see
@@ -519,6 +652,7 @@ impl KvCacheGroups {
             num_pages: self.num_pages,
             used_pages,
             free_pages: self.num_free_pages(),
+            cached_pages: self.groups.iter().map(|kv| kv.pool.num_cached()).sum(),
             peak_used_pages: self.peak_used_pages.max(used_pages),
             owned_per_group: self.lent.iter().map(|l| self.num_pages - l).collect(),
             used_per_group,
@@ -578,8 +712,8 @@ impl KvCacheGroups {
         Ok(())
     }
 
-    /// One past the highest page any group holds: equal to the held pages in a
-    /// compact arena, which [`Self::plan_defragment`] makes. O(groups x pages), a
+    /// One past the highest page any group holds (used or cached): equal to the held
+    /// pages (`used_pages + cached_pages`) in a compact arena, which [`Self::plan_defragment`] makes. O(groups x pages), a
     /// monitoring call.
     pub fn high_water(&self) -> usize {
         self.held_pages().rposition(|h| h).map_or(0, |p| p + 1)
@@ -649,9 +783,42 @@ impl KvCacheGroups {
         Ok(())
     }
 
-    /// Moves free pages so that every group `g` has `needs[g]` available, or fails
-    /// with nothing moved when the arena has too few.
-    fn give_pages(&mut self) -> Result<()> {
+    /// Looks `tokens` up in every group (`hits[g]`) and cuts every hit to the tokens
+    /// all groups serve, in whole blocks of each; returns those tokens.
+    fn common_hit(
+        &self,
+        tokens: &[u32],
+        opts: &AdmitOptions<'_>,
+        hits: &mut Vec<PrefixHit>,
+    ) -> Result<usize> {
+        hits.resize_with(self.groups.len(), PrefixHit::default);
+        let mut cached = usize::MAX;
+        for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
+            cached = cached.min(kv.lookup_prefix(tokens, opts, hit)?);
+        }
+        // Rounding down to one group's blocks can cut a whole block of another: repeat
+        // until every group agrees (the count only falls, so this ends).
+        loop {
+            let agreed = self
+                .groups
+                .iter()
+                .map(|kv| cached / kv.block_size() * kv.block_size())
+                .min()
+                .unwrap_or(0);
+            if agreed == cached {
+                break;
+            }
+            cached = agreed;
+        }
+        for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
+            hit.truncate_blocks(cached / kv.block_size());
+        }
+        Ok(cached)
+    }
+
+    /// Fails with [`Error::OutOfBlocks`] when the arena's free (and evictable) pages
+    /// are fewer than all groups' `needs`; returns both counts.
+    fn check_needs(&self) -> Result<(usize, usize)> {
         let total: usize = self.needs.iter().sum();
         let free = self.num_free_pages();
         if total > free {
@@ -660,6 +827,13 @@ impl KvCacheGroups {
                 free,
             });
         }
+        Ok((total, free))
+    }
+
+    /// Moves free pages so that every group `g` has `needs[g]` available, or fails
+    /// with nothing moved when the arena has too few.
+    fn give_pages(&mut self) -> Result<()> {
+        let (total, free) = self.check_needs()?;
         for to in 0..self.groups.len() {
             while self.groups[to].num_available_blocks() < self.needs[to] {
                 let from = (0..self.groups.len())
