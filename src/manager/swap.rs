@@ -130,7 +130,11 @@ pub(crate) struct InFlight {
 /// A sequence with no device blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SwappedSeq {
+    /// Its held blocks: those after the `released` leading blocks a sliding window
+    /// gave back.
     pub(crate) table: Vec<TierBlock>,
+    /// Leading blocks a sliding window gave back before the swap-out (not stored).
+    pub(crate) released: usize,
     pub(crate) num_tokens: usize,
     pub(crate) computed: usize,
     pub(crate) admission: u64,
@@ -450,7 +454,8 @@ impl KvCacheManager {
         self.tiers.swapped.keys().copied()
     }
 
-    /// Where each block of swapped-out `seq` lives.
+    /// Where each block of swapped-out `seq` lives: the blocks it held, after the
+    /// leading ones a sliding window had given back (those stay holes).
     ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is on the device.
@@ -516,14 +521,8 @@ impl KvCacheManager {
         let mut tables = Vec::with_capacity(seqs.len());
         for &id in seqs {
             let s = self.idle(id)?;
-            if s.released > 0 {
-                return Err(state_error(
-                    id,
-                    "missing blocks its sliding window gave back",
-                    "whole (recompute it instead of swapping)",
-                ));
-            }
-            tables.push(&s.table);
+            // Blocks a sliding window gave back are not moved: they stay holes.
+            tables.push(&s.table[s.released..]);
         }
         let (distinct, index) = distinct_with_counts(tables.iter().flat_map(|t| t.iter().copied()));
         let free = self.tiers.host.num_free();
@@ -647,13 +646,13 @@ impl KvCacheManager {
             let Some(old) = self.tiers.swapped.remove(&id) else {
                 continue;
             };
-            let table = old
-                .table
-                .iter()
-                .filter_map(|e| match e {
-                    TierBlock::Host(h) => Some(devs[index[h]]),
-                    TierBlock::Disk(_) => None,
-                })
+            let held = old.table.iter().filter_map(|e| match e {
+                TierBlock::Host(h) => Some(devs[index[h]]),
+                TierBlock::Disk(_) => None,
+            });
+            let table = std::iter::repeat(BlockId::RELEASED)
+                .take(old.released)
+                .chain(held)
                 .collect();
             self.seqs.insert(
                 id,
@@ -673,8 +672,7 @@ impl KvCacheManager {
                     registration_stopped: true,
                     computed: old.computed,
                     scheduled: 0,
-                    // Only whole sequences are swapped (see `swap_out_group`).
-                    released: 0,
+                    released: old.released,
                 },
             )?;
             saved.push((id, old));
@@ -685,7 +683,7 @@ impl KvCacheManager {
             let Some(s) = self.seqs.get(&id) else {
                 continue;
             };
-            for (i, &b) in s.table.iter().enumerate() {
+            for (i, &b) in s.table.iter().enumerate().skip(s.released) {
                 let want = s.num_tokens.saturating_sub(i * bs).min(bs) as u16;
                 let fill = &mut self.block_fill[b.index()];
                 if *fill < want {
@@ -732,11 +730,12 @@ impl KvCacheManager {
                         result = result.and(Err(Error::UnknownSequence(id)));
                         continue;
                     };
-                    result = result.and(self.release_table(&s.table));
+                    result = result.and(self.release_table(&s.table[s.released..]));
                     self.tiers.swapped.insert(
                         id,
                         SwappedSeq {
                             table: host_table.into_iter().map(TierBlock::Host).collect(),
+                            released: s.released,
                             num_tokens: s.num_tokens,
                             computed: s.computed,
                             admission: s.admission,
@@ -788,7 +787,7 @@ impl KvCacheManager {
             Pending::In { seqs, .. } => {
                 for (id, old) in seqs {
                     if let Some(s) = self.seqs.remove(&id) {
-                        result = result.and(self.release_table(&s.table));
+                        result = result.and(self.release_table(&s.table[s.released..]));
                     }
                     self.tiers.swapped.insert(id, old);
                 }
@@ -941,11 +940,12 @@ impl KvCacheManager {
             if self.seqs.contains_key(&id) {
                 return Err(format!("{id} is both swapped and on the device"));
             }
-            if s.table.len() != self.layout.blocks_for_tokens(s.num_tokens) {
+            if s.released + s.table.len() != self.layout.blocks_for_tokens(s.num_tokens) {
                 return Err(format!(
-                    "swapped {id}: {} tokens but {} blocks",
+                    "swapped {id}: {} tokens but {} + {} released blocks",
                     s.num_tokens,
-                    s.table.len()
+                    s.table.len(),
+                    s.released
                 ));
             }
             for &e in &s.table {
@@ -991,10 +991,12 @@ impl KvCacheManager {
                 if s.in_flight != Some(InFlight { ticket, direction }) {
                     return Err(format!("{id} in {ticket} is marked {:?}", s.in_flight));
                 }
-                if s.table.len() != len {
+                if s.table.len() - s.released.min(s.table.len()) != len {
                     return Err(format!(
-                        "{id} in {ticket}: {} device blocks but {len} tier blocks",
-                        s.table.len()
+                        "{id} in {ticket}: {} device blocks ({} released) but {len} tier \
+                         blocks",
+                        s.table.len(),
+                        s.released
                     ));
                 }
                 in_flight += 1;
