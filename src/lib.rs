@@ -43,7 +43,9 @@ pub use ids::{BlockId, DiskSlot, PinId, SeqHandle, SeqId, SwapTicket};
 pub use layout::plans::{BlockCopy, CopyPlan, MovePlan, SwapDirection, SwapPair, SwapPlan};
 pub use layout::shape::{DType, KvKind, ModelConfig, ModelShape};
 pub use layout::{Kv, KvLayout, Slot};
-pub use manager::groups::{GroupSpec, GroupStats, GroupStep, KvCacheGroups, PendingGroupDefrag};
+pub use manager::groups::{
+    GroupSpec, GroupStats, GroupStep, GroupSwapJob, KvCacheGroups, PendingGroupDefrag,
+};
 pub use manager::preempt::{
     CostModel, PreemptAction, PreemptEvent, PreemptMode, PreemptPolicy, PreemptReason, Preemption,
 };

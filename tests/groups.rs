@@ -11,8 +11,15 @@
 //!   for each token into **one** `HostStorage` shared by all groups; after every
 //!   action every computed token each group still needs (all of them for the full
 //!   group, the window of the next query for the window group) holds its own bytes,
-//!   forks copy-on-write per group, frees and preemption by recompute, compaction of
-//!   the whole arena (pages change owner), and every failed call changes nothing.
+//!   forks copy-on-write per group, frees, compaction of the whole arena (pages change
+//!   owner), admissions with token ids that share prefix hits (two full groups: the
+//!   hit's bytes are read back in both), swap-out (completed or aborted) and swap-in
+//!   with the plans run on the shared storage (window sequences with holes included),
+//!   preemption by swap or else by recompute, and every failed call changes nothing;
+//! * prefix hits equal across groups of different block sizes, none with a window
+//!   group, cached pages moving to the group that needs them;
+//! * swap: host blocks of the shared tier move between groups, failures
+//!   (`TierFull`, `OutOfBlocks`, state, unknown ticket) change nothing.
 
 use pagedkv::{
     AdmitOptions, BlockId, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage,
@@ -234,6 +241,7 @@ fn first_decode_step_after_a_long_prompt_needs_no_extra_page() {
 const BS: usize = 4;
 const WINDOW: usize = 6;
 const PAGES: usize = 40;
+const HOST_BLOCKS: usize = 24;
 
 #[derive(Debug, Clone)]
 enum Action {
@@ -248,6 +256,10 @@ enum Action {
     Free(usize),
     /// Compact the whole arena (moves execute on the shared storage).
     Defrag,
+    /// Swap a sequence out (plans run on the shared storage), or abort the swap.
+    SwapOut(usize, bool),
+    /// Swap a swapped-out sequence back in.
+    SwapIn(usize),
 }
 
 fn action() -> impl Strategy<Value = Action> {
@@ -260,6 +272,8 @@ fn action() -> impl Strategy<Value = Action> {
         1 => (0usize..8).prop_map(Action::Fork),
         1 => (0usize..8).prop_map(Action::Free),
         1 => Just(Action::Defrag),
+        1 => (0usize..8, proptest::bool::weighted(0.2)).prop_map(|(s, a)| Action::SwapOut(s, a)),
+        1 => (0usize..8).prop_map(Action::SwapIn),
     ]
 }
 
@@ -281,6 +295,8 @@ struct Model {
     /// Per live sequence: its id and, per position, the writer id whose value is
     /// there (a fork keeps its parent's up to the fork point).
     seqs: Vec<(SeqId, Vec<u64>)>,
+    /// Swapped-out sequences, as `seqs`.
+    swapped: Vec<(SeqId, Vec<u64>)>,
     next: u64,
     /// Prompt tokens served from the prefix caches so far.
     hits: usize,
@@ -431,6 +447,37 @@ impl Model {
                 assert_eq!(self.kv.high_water(), st.used_pages + st.cached_pages);
                 Ok(())
             }
+            Action::SwapOut(s, abort) => {
+                let Some(i) = pick(s, &self.seqs) else { return };
+                let id = self.seqs[i].0;
+                if abort {
+                    let r = self.kv.swap_out(id);
+                    if let Ok(job) = &r {
+                        // The sequence stays resident and readable.
+                        self.kv.abort_swap(job).unwrap();
+                        assert!(!self.kv.is_swapped(id));
+                    }
+                    r.map(drop)
+                } else {
+                    self.swap_out(i)
+                }
+            }
+            Action::SwapIn(s) => {
+                let Some(i) = pick(s, &self.swapped) else {
+                    return;
+                };
+                let id = self.swapped[i].0;
+                let r = self.kv.swap_in(id);
+                if let Ok(job) = &r {
+                    for plan in &job.plans {
+                        self.store.swap(plan).unwrap();
+                    }
+                    self.kv.complete_swap(job).unwrap();
+                    let w = self.swapped.swap_remove(i);
+                    self.seqs.push(w);
+                }
+                r.map(drop)
+            }
             Action::Free(s) => {
                 let Some(i) = pick(s, &self.seqs) else { return };
                 let (id, _) = self.seqs.swap_remove(i);
@@ -440,10 +487,16 @@ impl Model {
         };
         match result {
             Ok(()) => {}
-            Err(Error::OutOfBlocks { .. } | Error::TooLong { .. }) => {
+            Err(Error::OutOfBlocks { .. } | Error::TooLong { .. } | Error::TierFull { .. }) => {
                 assert_eq!(snapshot(&self.kv), before, "failed {a:?} changed state");
-                // Preemption by recompute: free the longest and admit it again later.
-                if let Some(i) = (0..self.seqs.len()).max_by_key(|&i| self.seqs[i].1.len()) {
+                // Preemption of the longest: by swap when the host tier takes it, else
+                // by recompute (free it and admit it again later).
+                let longest = (0..self.seqs.len()).max_by_key(|&i| self.seqs[i].1.len());
+                if let Some(i) = longest.filter(|_| !matches!(a, Action::SwapOut(..))) {
+                    if self.swap_out(i).is_ok() {
+                        self.check();
+                        return;
+                    }
                     let (id, w) = self.seqs.swap_remove(i);
                     self.kv.free(id).unwrap();
                     let again = SeqId(self.next);
@@ -460,13 +513,31 @@ impl Model {
     }
 }
 
+impl Model {
+    /// Swaps out `seqs[i]`: runs every group's plan on the shared storage, completes.
+    fn swap_out(&mut self, i: usize) -> Result<(), Error> {
+        let id = self.seqs[i].0;
+        let job = self.kv.swap_out(id)?;
+        for plan in &job.plans {
+            self.store.swap(plan).unwrap();
+        }
+        self.kv.complete_swap(&job).unwrap();
+        assert!(self.kv.is_swapped(id));
+        let w = self.seqs.swap_remove(i);
+        self.swapped.push(w);
+        Ok(())
+    }
+}
+
 fn model(specs: &[GroupSpec]) -> Model {
     Model {
-        kv: KvCacheGroups::new(specs, PAGES).unwrap(),
-        // One storage for every group: a page belongs to one group at a time.
-        store: HostStorage::new(specs[0].layout, PAGES).unwrap(),
+        kv: KvCacheGroups::with_host_tier(specs, PAGES, HOST_BLOCKS).unwrap(),
+        // One storage for every group: a page (and a host block) belongs to one group
+        // at a time.
+        store: HostStorage::with_host_tier(specs[0].layout, PAGES, HOST_BLOCKS).unwrap(),
         step: GroupStep::default(),
         seqs: Vec::new(),
+        swapped: Vec::new(),
         next: 0,
         hits: 0,
     }
@@ -533,11 +604,15 @@ fn run_and_free_all(specs: &[GroupSpec], actions: &[Action]) {
     for a in actions {
         m.apply(a);
     }
-    for (id, _) in std::mem::take(&mut m.seqs) {
+    for (id, _) in std::mem::take(&mut m.seqs)
+        .into_iter()
+        .chain(std::mem::take(&mut m.swapped))
+    {
         m.kv.free(id).unwrap();
     }
     m.kv.check_invariants().unwrap();
     assert_eq!(m.kv.stats().used_pages, 0);
+    assert_eq!(m.kv.num_free_host_blocks(), HOST_BLOCKS);
 }
 
 #[test]
@@ -647,5 +722,66 @@ fn cached_pages_go_to_the_group_that_needs_them_and_failures_change_nothing() {
         .admit_tokens(SeqId(4), &[5; 40], &opts, &mut step)
         .unwrap();
     assert_eq!(r.cached_tokens, 36);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn swap_moves_host_blocks_between_groups_and_failures_change_nothing() {
+    let l = layout(4, 1);
+    let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
+    let mut kv = KvCacheGroups::with_host_tier(&specs, 20, 6).unwrap();
+    let mut step = GroupStep::default();
+    kv.admit(SeqId(1), 20, &mut step).unwrap(); // 5 + 5 pages
+    kv.admit(SeqId(2), 8, &mut step).unwrap(); // 2 + 2 pages
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.swap_out(SeqId(1)),
+        Err(Error::TierFull {
+            needed: 10,
+            free: 6,
+            ..
+        })
+    ));
+    assert_eq!(snapshot(&kv), before);
+    // Every host block starts in group 0; the window group's two move to it.
+    let job = kv.swap_out(SeqId(2)).unwrap();
+    assert_eq!((job.plans[0].len(), job.plans[1].len()), (2, 2));
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.swap_out(SeqId(2)),
+        Err(Error::SequenceState { .. })
+    ));
+    assert!(matches!(
+        kv.swap_in(SeqId(2)),
+        Err(Error::SequenceState { .. })
+    ));
+    assert!(matches!(
+        kv.append(SeqId(2), 1, &mut step),
+        Err(Error::SequenceState { .. })
+    ));
+    assert_eq!(snapshot(&kv), before);
+    kv.complete_swap(&job).unwrap();
+    assert!(kv.is_swapped(SeqId(2)));
+    assert_eq!(kv.stats().used_pages, 10);
+    kv.check_invariants().unwrap();
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.complete_swap(&job),
+        Err(Error::UnknownTicket(_))
+    ));
+    assert_eq!(snapshot(&kv), before);
+    // Fill the arena: the swap-in needs 4 pages and finds 0, and changes nothing.
+    kv.admit(SeqId(3), 20, &mut step).unwrap();
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.swap_in(SeqId(2)),
+        Err(Error::OutOfBlocks { needed: 4, free: 0 })
+    ));
+    assert_eq!(snapshot(&kv), before);
+    kv.free(SeqId(3)).unwrap();
+    let job = kv.swap_in(SeqId(2)).unwrap();
+    kv.complete_swap(&job).unwrap();
+    kv.append(SeqId(2), 1, &mut step).unwrap();
+    assert_eq!(kv.num_free_host_blocks(), 6);
     kv.check_invariants().unwrap();
 }

@@ -30,18 +30,32 @@
 //! manager registers nothing), so with a window group every prompt is computed in
 //! full. Cached pages count as free for every group: a group that needs a page takes
 //! it from another group's cache, evicted by that group's policy.
+//!
+//! Swap ([`KvCacheGroups::swap_out`], [`KvCacheGroups::swap_in`]): one plan per
+//! group, over one host tier shared the way the arena is (each group's host pool
+//! spans the whole tier; a hidden swapped sequence holds the host blocks other groups
+//! own, and free host blocks move to the group that needs them). A window group moves
+//! only the blocks a sequence still holds; its holes come back as holes.
 
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, SeqId};
-use crate::layout::plans::{CopyPlan, MovePlan};
+use crate::ids::{BlockId, SeqId, SwapTicket};
+use crate::layout::plans::{CopyPlan, MovePlan, SwapPlan};
 use crate::layout::{KvLayout, Slot};
 use crate::pool::prefix::{Admission, AdmitOptions};
 use crate::pool::BlockState;
 
-use super::{KvCacheManager, PrefixHit, Sequence};
+use super::{KvCacheManager, PrefixHit, Sequence, TierConfig};
 
 /// The sequence id that holds, in each group, the pages other groups own.
 const LENDER: SeqId = SeqId(u64::MAX);
+
+/// The swapped sequence id that holds, in each group, the host-tier blocks other
+/// groups own.
+const HOST_LENDER: SeqId = SeqId(u64::MAX - 1);
+
+fn is_hidden(seq: SeqId) -> bool {
+    seq == LENDER || seq == HOST_LENDER
+}
 
 const NOT_LENT: u32 = u32::MAX;
 
@@ -156,6 +170,8 @@ pub struct KvCacheGroups {
     page_moves: u64,
     /// Scratch: each group's need in the call being checked.
     needs: Vec<usize>,
+    /// `host_lent_pos[g][block]`: as `lent_pos`, for the shared host tier.
+    host_lent_pos: Vec<Vec<u32>>,
 }
 
 impl KvCacheGroups {
@@ -166,6 +182,22 @@ impl KvCacheGroups {
     /// [`Error::InvalidConfig`] when there is no group, more than 255, no page, or the
     /// groups' page bytes (`layout.block_bytes()`) differ; a window of 0 tokens.
     pub fn new(specs: &[GroupSpec], num_pages: usize) -> Result<Self> {
+        Self::with_host_tier(specs, num_pages, 0)
+    }
+
+    /// Groups `specs` over one arena of `num_pages` pages and one host tier of
+    /// `num_host_blocks` blocks (the storage's host tier, shared by every group as the
+    /// arena is: a host block belongs to one group at a time and moves to the group
+    /// that needs it), for [`Self::swap_out`] and [`Self::swap_in`].
+    ///
+    /// # Errors
+    /// As [`Self::new`]; [`Error::InvalidConfig`] when the host tier does not fit
+    /// `u32` ids.
+    pub fn with_host_tier(
+        specs: &[GroupSpec],
+        num_pages: usize,
+        num_host_blocks: usize,
+    ) -> Result<Self> {
         let first = specs
             .first()
             .ok_or_else(|| Error::config("groups", "a model needs at least one group"))?;
@@ -173,6 +205,12 @@ impl KvCacheGroups {
             return Err(Error::config(
                 "groups",
                 format!("{} groups; at most 255", specs.len()),
+            ));
+        }
+        if num_host_blocks >= NOT_LENT as usize {
+            return Err(Error::config(
+                "num_host_blocks",
+                format!("{num_host_blocks} blocks; at most 2^32 - 2"),
             ));
         }
         if num_pages == 0 || num_pages >= NOT_LENT as usize {
@@ -207,27 +245,39 @@ impl KvCacheGroups {
             .unwrap_or(usize::MAX);
         let mut groups = Vec::with_capacity(specs.len());
         let mut lent_pos = Vec::with_capacity(specs.len());
+        let mut host_lent_pos = Vec::with_capacity(specs.len());
         for (g, spec) in specs.iter().enumerate() {
             let mut b = KvCacheManager::builder(spec.layout)
                 .num_blocks(num_pages)
                 .watermark_blocks(0)
-                .max_seq_len_tokens(max_len);
+                .max_seq_len_tokens(max_len)
+                .tiers(TierConfig {
+                    num_host_blocks,
+                    num_disk_slots: 0,
+                });
             if let Some(w) = spec.window {
                 b = b.sliding_window(w);
             }
             let mut kv = b.build()?;
             kv.seqs.reserve_room(1)?;
             kv.seqs.insert(LENDER, Sequence::default())?;
+            kv.insert_host_lender(HOST_LENDER);
             let mut pos = vec![NOT_LENT; num_pages];
+            let mut host_pos = vec![NOT_LENT; num_host_blocks];
             if g > 0 {
-                // Every page starts in group 0: the others lend them all.
+                // Every page and host block starts in group 0: the others lend them.
                 for _ in 0..num_pages {
                     let (p, at) = kv.lend_page()?;
                     pos[p.index()] = at as u32;
                 }
+                for _ in 0..num_host_blocks {
+                    let (h, at) = kv.lend_host_block(HOST_LENDER)?;
+                    host_pos[h.index()] = at as u32;
+                }
             }
             groups.push(kv);
             lent_pos.push(pos);
+            host_lent_pos.push(host_pos);
         }
         let lent = (0..groups.len())
             .map(|g| if g == 0 { 0 } else { num_pages })
@@ -237,6 +287,7 @@ impl KvCacheGroups {
             lent,
             groups,
             lent_pos,
+            host_lent_pos,
             num_pages,
             watermark_pages: 0,
             peak_used_pages: 0,
@@ -287,7 +338,7 @@ impl KvCacheGroups {
 
     /// Whether `seq` is here.
     pub fn contains(&self, seq: SeqId) -> bool {
-        seq != LENDER && self.groups[0].contains(seq)
+        !is_hidden(seq) && self.groups[0].contains(seq)
     }
 
     /// The sequences, in no particular order.
@@ -359,7 +410,7 @@ impl KvCacheGroups {
     /// pages all groups need and the arena's free pages). Nothing changed on error.
     pub fn admit(&mut self, seq: SeqId, num_tokens: usize, step: &mut GroupStep) -> Result<()> {
         step.reset(self.groups.len());
-        if seq == LENDER || self.groups[0].contains(seq) {
+        if is_hidden(seq) || self.groups[0].contains(seq) {
             return Err(Error::DuplicateSequence(seq));
         }
         let limit = self.groups[0].max_seq_len();
@@ -434,7 +485,7 @@ impl KvCacheGroups {
         step: &mut GroupStep,
     ) -> Result<Admission> {
         step.reset(self.groups.len());
-        if seq == LENDER || self.groups[0].contains(seq) {
+        if is_hidden(seq) || self.groups[0].contains(seq) {
             return Err(Error::DuplicateSequence(seq));
         }
         let limit = self.groups[0].max_seq_len();
@@ -617,7 +668,7 @@ impl KvCacheGroups {
     /// As [`KvCacheManager::fork`]. Nothing changed on error.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
         self.check_id(parent)?;
-        if child == LENDER {
+        if is_hidden(child) {
             return Err(Error::DuplicateSequence(child));
         }
         self.groups[0].fork(parent, child)?;
@@ -642,6 +693,101 @@ impl KvCacheGroups {
             }
         }
         result
+    }
+
+    /// Plans the swap-out of `seq` in every group at once: each group's plan copies
+    /// the blocks the sequence holds there (a window group's holes stay holes) to host
+    /// blocks of the shared host tier, which move to the groups that need them.
+    /// Execute every plan of the job (one storage: its host block ids are the shared
+    /// tier's), then [`Self::complete_swap`], or [`Self::abort_swap`] when a transfer
+    /// failed. Preemption by swap is a swap-out and a later [`Self::swap_in`].
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped, has
+    /// a swap in flight or holds an uncommitted reservation; [`Error::TierFull`] when
+    /// the host tier lacks room for every group's blocks. Nothing changed on error.
+    pub fn swap_out(&mut self, seq: SeqId) -> Result<GroupSwapJob> {
+        self.check_id(seq)?;
+        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
+            let s = kv.idle(seq)?;
+            *need = s.table.len() - s.released;
+        }
+        let total: usize = self.needs.iter().sum();
+        let free = self.num_free_host_blocks();
+        if total > free {
+            return Err(Error::TierFull {
+                tier: "host",
+                needed: total,
+                free,
+            });
+        }
+        for to in 0..self.groups.len() {
+            while self.groups[to].num_free_host_blocks() < self.needs[to] {
+                let from = (0..self.groups.len())
+                    .find(|&h| h != to && self.groups[h].num_free_host_blocks() > self.needs[h])
+                    .ok_or(Error::TierFull {
+                        tier: "host",
+                        needed: total,
+                        free,
+                    })?;
+                let (block, at) = self.groups[from].lend_host_block(HOST_LENDER)?;
+                self.host_lent_pos[from][block.index()] = at as u32;
+                let pos = self.host_lent_pos[to][block.index()];
+                if let Some(moved) =
+                    self.groups[to].reclaim_host_block(HOST_LENDER, pos as usize)?
+                {
+                    self.host_lent_pos[to][moved.index()] = pos;
+                }
+                self.host_lent_pos[to][block.index()] = NOT_LENT;
+            }
+        }
+        self.each_group_swap(seq, KvCacheManager::swap_out)
+    }
+
+    /// Plans the swap-in of swapped-out `seq` in every group at once (pages move to
+    /// the groups that need them); execute every plan, then [`Self::complete_swap`]
+    /// or [`Self::abort_swap`].
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is not swapped
+    /// out; [`Error::OutOfBlocks`] with the pages all groups need. Nothing changed on
+    /// error.
+    pub fn swap_in(&mut self, seq: SeqId) -> Result<GroupSwapJob> {
+        self.check_id(seq)?;
+        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
+            *need = kv.swapped_table(seq)?.len();
+        }
+        self.give_pages()?;
+        let job = self.each_group_swap(seq, KvCacheManager::swap_in)?;
+        self.note_usage();
+        Ok(job)
+    }
+
+    /// Finishes both directions of a swap in every group (see
+    /// [`KvCacheManager::complete_swap`]).
+    ///
+    /// # Errors
+    /// [`Error::UnknownTicket`] when the job is not in flight (nothing changed).
+    pub fn complete_swap(&mut self, job: &GroupSwapJob) -> Result<()> {
+        self.finish_swap(job, KvCacheManager::complete_swap)
+    }
+
+    /// Undoes a swap in every group (see [`KvCacheManager::abort_swap`]).
+    ///
+    /// # Errors
+    /// [`Error::UnknownTicket`] when the job is not in flight (nothing changed).
+    pub fn abort_swap(&mut self, job: &GroupSwapJob) -> Result<()> {
+        self.finish_swap(job, KvCacheManager::abort_swap)
+    }
+
+    /// Whether `seq` is swapped out (in every group).
+    pub fn is_swapped(&self, seq: SeqId) -> bool {
+        !is_hidden(seq) && self.groups[0].is_swapped(seq)
+    }
+
+    /// Free host-tier blocks, all groups together.
+    pub fn num_free_host_blocks(&self) -> usize {
+        self.groups.iter().map(|kv| kv.num_free_host_blocks()).sum()
     }
 
     /// Counters now.
@@ -687,6 +833,26 @@ impl KvCacheGroups {
                 ));
             }
         }
+        for (g, kv) in self.groups.iter().enumerate() {
+            for (i, h) in kv.lent_host_blocks(HOST_LENDER).enumerate() {
+                if self.host_lent_pos[g].get(h.index()) != Some(&(i as u32)) {
+                    return Err(format!(
+                        "group {g}: host block {h} lent at {i}, not recorded"
+                    ));
+                }
+            }
+        }
+        let host_blocks = self.host_lent_pos.first().map_or(0, Vec::len);
+        for h in 0..host_blocks {
+            let owners = self
+                .host_lent_pos
+                .iter()
+                .filter(|pos| pos[h] == NOT_LENT)
+                .count();
+            if owners != 1 {
+                return Err(format!("host block {h} is owned by {owners} groups"));
+            }
+        }
         for p in 0..self.num_pages {
             let owners = self
                 .lent_pos
@@ -698,6 +864,11 @@ impl KvCacheGroups {
             }
         }
         let kv0 = &self.groups[0];
+        for id in kv0.swapped_sequence_ids().filter(|&s| !is_hidden(s)) {
+            if self.groups.iter().any(|kv| !kv.is_swapped(id)) {
+                return Err(format!("sequence {id} is not swapped in every group"));
+            }
+        }
         for id in self.sequence_ids() {
             let want = (kv0.num_tokens(id).ok(), kv0.num_computed_tokens(id).ok());
             for (g, kv) in self.groups.iter().enumerate().skip(1) {
@@ -727,7 +898,12 @@ impl KvCacheGroups {
     /// [`PendingGroupDefrag::group_plan`] per group), then commit. Dropping the
     /// pending value changes nothing.
     pub fn plan_defragment(&mut self) -> PendingGroupDefrag<'_> {
-        let held: Vec<bool> = self.held_pages().collect();
+        let mut held: Vec<bool> = self.held_pages().collect();
+        if self.groups.iter().any(|kv| kv.tiers.num_in_flight() > 0) {
+            // Pages must not move while a swap transfer reads or writes them: plan
+            // nothing (every page counts as held in place).
+            held.iter_mut().for_each(|h| *h = true);
+        }
         let resident = held.iter().filter(|&&h| h).count();
         let sources = (resident..self.num_pages).filter(|&p| held[p]);
         let dests = (0..resident).filter(|&p| !held[p]);
@@ -746,6 +922,56 @@ impl KvCacheGroups {
     }
 
     // ---- internals ----------------------------------------------------------------
+
+    /// Runs one swap call in every group; undoes the groups done when one fails
+    /// (unreachable after the caller's checks).
+    fn each_group_swap(
+        &mut self,
+        seq: SeqId,
+        call: fn(&mut KvCacheManager, SeqId) -> Result<super::SwapJob>,
+    ) -> Result<GroupSwapJob> {
+        let mut job = GroupSwapJob {
+            seq,
+            tickets: Vec::with_capacity(self.groups.len()),
+            plans: Vec::with_capacity(self.groups.len()),
+        };
+        for g in 0..self.groups.len() {
+            match call(&mut self.groups[g], seq) {
+                Ok(j) => {
+                    job.tickets.push(j.ticket);
+                    job.plans.push(j.plan);
+                }
+                Err(e) => {
+                    for (kv, &t) in self.groups.iter_mut().zip(&job.tickets) {
+                        let _ = kv.abort_swap(t);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(job)
+    }
+
+    fn finish_swap(
+        &mut self,
+        job: &GroupSwapJob,
+        call: fn(&mut KvCacheManager, SwapTicket) -> Result<()>,
+    ) -> Result<()> {
+        if job.tickets.len() != self.groups.len() {
+            return Err(Error::ShapeMismatch {
+                what: "tickets of the group swap job",
+                expected: self.groups.len(),
+                got: job.tickets.len(),
+            });
+        }
+        // Group 0 refuses an unknown ticket before anything changes.
+        call(&mut self.groups[0], job.tickets[0])?;
+        let mut result = Ok(());
+        for (kv, &t) in self.groups.iter_mut().zip(&job.tickets).skip(1) {
+            result = result.and(call(kv, t));
+        }
+        result
+    }
 
     /// The group that owns `page`.
     fn owner(&self, page: BlockId) -> usize {
@@ -777,7 +1003,7 @@ impl KvCacheGroups {
     }
 
     fn check_id(&self, seq: SeqId) -> Result<()> {
-        if seq == LENDER {
+        if is_hidden(seq) {
             return Err(Error::UnknownSequence(seq));
         }
         Ok(())
@@ -963,6 +1189,19 @@ impl KvCacheManager {
         let h = self.handle(seq)?;
         self.release_out_of_window(h, computed)
     }
+}
+
+/// A swap of one sequence in every group, planned by [`KvCacheGroups::swap_out`] or
+/// [`KvCacheGroups::swap_in`]: execute `plans` (any order), then
+/// [`KvCacheGroups::complete_swap`] or [`KvCacheGroups::abort_swap`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupSwapJob {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Each group's ticket.
+    pub tickets: Vec<SwapTicket>,
+    /// Each group's plan: device pages and blocks of the shared host tier.
+    pub plans: Vec<SwapPlan>,
 }
 
 /// A compaction of a [`KvCacheGroups`] arena planned but not yet committed. It holds

@@ -1023,3 +1023,87 @@ impl KvCacheManager {
         Ok(())
     }
 }
+
+fn lender_mut(swapped: &mut super::SeqMap<SwappedSeq>, lender: SeqId) -> Result<&mut SwappedSeq> {
+    swapped
+        .get_mut(&lender)
+        .ok_or(Error::UnknownSequence(lender))
+}
+
+/// The host-tier lending of KV-cache groups that share one host tier (see
+/// [`crate::manager::groups`]): each group's host pool spans the whole tier, and a
+/// hidden swapped sequence holds the host blocks other groups own.
+impl KvCacheManager {
+    /// Adds the hidden swapped sequence `lender`, which will hold lent host blocks.
+    pub(crate) fn insert_host_lender(&mut self, lender: SeqId) {
+        self.tiers.swapped.insert(
+            lender,
+            SwappedSeq {
+                table: Vec::new(),
+                released: 0,
+                num_tokens: 0,
+                computed: 0,
+                admission: 0,
+                preempt_priority: i32::MAX,
+            },
+        );
+    }
+
+    /// Free host-tier blocks of this manager.
+    pub(crate) fn num_free_host_blocks(&self) -> usize {
+        self.tiers.host_free()
+    }
+
+    /// Takes one free host block and lends it to `lender`. Returns the block and its
+    /// index in the lender's table.
+    pub(crate) fn lend_host_block(&mut self, lender: SeqId) -> Result<(BlockId, usize)> {
+        let bs = self.layout.block_size();
+        let t = &mut self.tiers;
+        let s = lender_mut(&mut t.swapped, lender)?;
+        let h = t.host.allocate()?;
+        t.host_fill[h.index()] = bs as u16;
+        s.table.push(TierBlock::Host(h));
+        s.num_tokens += bs;
+        s.computed += bs;
+        Ok((h, s.table.len() - 1))
+    }
+
+    /// Takes back the host block lent at index `pos` of `lender`'s table: it becomes
+    /// free here. Returns the block the swap-remove moved into `pos`, if any.
+    pub(crate) fn reclaim_host_block(
+        &mut self,
+        lender: SeqId,
+        pos: usize,
+    ) -> Result<Option<BlockId>> {
+        let bs = self.layout.block_size();
+        let t = &mut self.tiers;
+        let s = lender_mut(&mut t.swapped, lender)?;
+        let host = |e: Option<&TierBlock>| match e {
+            Some(&TierBlock::Host(h)) => Ok(h),
+            other => Err(Error::CorruptBlockTable(format!(
+                "lent host block {pos}: {other:?}"
+            ))),
+        };
+        let h = host(s.table.get(pos))?;
+        s.table.swap_remove(pos);
+        let moved = s.table.get(pos).map(|e| host(Some(e))).transpose()?;
+        s.num_tokens -= bs;
+        s.computed -= bs;
+        t.host.decref(h)?;
+        t.host_fill[h.index()] = 0;
+        Ok(moved)
+    }
+
+    /// The host blocks `lender` holds, in table order.
+    pub(crate) fn lent_host_blocks(&self, lender: SeqId) -> impl Iterator<Item = BlockId> + '_ {
+        self.tiers
+            .swapped
+            .get(&lender)
+            .into_iter()
+            .flat_map(|s| &s.table)
+            .filter_map(|e| match e {
+                TierBlock::Host(h) => Some(*h),
+                TierBlock::Disk(_) => None,
+            })
+    }
+}
