@@ -634,6 +634,36 @@ fn prefix_hits_are_served_and_counted_in_every_group() {
 }
 
 #[test]
+fn appended_token_ids_register_so_the_next_turn_hits() {
+    let l = layout(4, 1);
+    let mut kv = KvCacheGroups::new(&[GroupSpec::full(l), GroupSpec::full(l)], 40).unwrap();
+    let mut step = GroupStep::default();
+    let opts = AdmitOptions::default();
+    let turn1: Vec<u32> = (0..10).collect();
+    kv.admit_tokens(SeqId(1), &turn1, &opts, &mut step).unwrap();
+    // The answer: 7 tokens with ids, then one without (its block never registers).
+    kv.append_tokens(SeqId(1), &[50, 51, 52], &mut step)
+        .unwrap();
+    assert_eq!((step.slots[0].len(), step.slots[1].len()), (3, 3));
+    kv.append_tokens(SeqId(1), &[53, 54, 55, 56], &mut step)
+        .unwrap();
+    kv.append(SeqId(1), 1, &mut step).unwrap();
+    kv.free(SeqId(1)).unwrap();
+    let mut turn2 = turn1.clone();
+    turn2.extend([50, 51, 52, 53, 54, 55, 56, 57, 60, 61]);
+    // 17 known ids of 18 tokens: 4 full blocks registered (16 tokens) in each group.
+    let r = kv.admit_tokens(SeqId(2), &turn2, &opts, &mut step).unwrap();
+    assert_eq!(r.cached_tokens, 16);
+    kv.check_invariants().unwrap();
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.append_tokens(SeqId(9), &[1], &mut step),
+        Err(Error::UnknownSequence(_))
+    ));
+    assert_eq!(snapshot(&kv), before);
+}
+
+#[test]
 fn hits_agree_across_block_sizes_and_window_groups_serve_none() {
     // Pages of equal bytes: 2 layers of 4 tokens, 1 layer of 8 tokens.
     let (a, b) = (layout(4, 2), layout(8, 1));

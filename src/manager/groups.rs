@@ -533,7 +533,7 @@ impl KvCacheGroups {
         sum.new_blocks = self.needs.iter().sum();
         sum.cached_tokens = cached;
         let rest = tokens.len() - cached;
-        let done = self.give_and_reserve(seq, rest, 0, true, step);
+        let done = self.give_and_reserve(seq, rest, 0, true, None, step);
         if let Ok(registered) = done {
             sum.registered_blocks = registered;
         }
@@ -554,7 +554,23 @@ impl KvCacheGroups {
     /// # Errors
     /// As [`Self::reserve`]. Nothing changed on error.
     pub fn append(&mut self, seq: SeqId, n: usize, step: &mut GroupStep) -> Result<()> {
-        self.step(seq, n, 0, true, step)
+        self.step(seq, n, 0, true, None, step)
+    }
+
+    /// Appends and commits `tokens` to `seq` in every group as [`Self::append`] does,
+    /// and records their ids, so that every full computed block is registered in the
+    /// prefix caches of the full and latent groups (a later prompt that continues this
+    /// conversation hits them).
+    ///
+    /// # Errors
+    /// As [`Self::append`]. Nothing changed on error.
+    pub fn append_tokens(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        self.step(seq, tokens.len(), 0, true, Some(tokens), step)
     }
 
     /// Reserves slots for the next `n` tokens of `seq` plus `lookahead` in every group
@@ -571,7 +587,7 @@ impl KvCacheGroups {
         lookahead: usize,
         step: &mut GroupStep,
     ) -> Result<()> {
-        self.step(seq, n, lookahead, false, step)
+        self.step(seq, n, lookahead, false, None, step)
     }
 
     fn step(
@@ -580,6 +596,7 @@ impl KvCacheGroups {
         n: usize,
         lookahead: usize,
         commit_now: bool,
+        tokens: Option<&[u32]>,
         step: &mut GroupStep,
     ) -> Result<()> {
         step.reset(self.groups.len());
@@ -613,7 +630,7 @@ impl KvCacheGroups {
                 kv.release_dead_window(seq)?;
             }
         }
-        self.give_and_reserve(seq, n, lookahead, commit_now, step)?;
+        self.give_and_reserve(seq, n, lookahead, commit_now, tokens, step)?;
         self.note_usage();
         Ok(())
     }
@@ -627,6 +644,7 @@ impl KvCacheGroups {
         n: usize,
         lookahead: usize,
         commit_now: bool,
+        tokens: Option<&[u32]>,
         step: &mut GroupStep,
     ) -> Result<usize> {
         self.give_pages()?;
@@ -637,7 +655,7 @@ impl KvCacheGroups {
                 n,
                 lookahead,
                 commit_now,
-                None,
+                tokens,
                 &mut step.slots[g],
                 &mut step.copies[g],
             )?;
