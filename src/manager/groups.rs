@@ -26,10 +26,11 @@
 //!
 //! Prefix caching ([`KvCacheGroups::admit_tokens`]): every full or latent group
 //! registers its prompt blocks in its own manager's prefix cache, and a hit is served
-//! only as far as every group holds it. A sliding-window group serves no hit yet (its
-//! manager registers nothing), so with a window group every prompt is computed in
-//! full. Cached pages count as free for every group: a group that needs a page takes
-//! it from another group's cache, evicted by that group's policy.
+//! only as far as every group holds it. A sliding-window group serves a hit only from
+//! a live sequence that still holds the window blocks at the hit's end (window blocks
+//! are not cached once given back). Cached pages count as free for every group: a
+//! group that needs a page takes it from another group's cache, evicted by that
+//! group's policy.
 //!
 //! Swap ([`KvCacheGroups::swap_out`], [`KvCacheGroups::swap_in`]): one plan per
 //! group, over one host tier shared the way the arena is (each group's host pool
@@ -446,7 +447,7 @@ impl KvCacheGroups {
     /// [`Error::PrefixKeyTooLong`] (for the cache salt, the extra key or a block key).
     pub fn cached_prefix_len(&self, tokens: &[u32], opts: &AdmitOptions<'_>) -> Result<usize> {
         let mut hits = Vec::new();
-        self.common_hit(tokens, opts, &mut hits)
+        Ok(self.common_hit(tokens, opts, &mut hits)?.0)
     }
 
     /// Admits `seq` with prompt `tokens` in every group, sharing the cached prefix every
@@ -458,13 +459,17 @@ impl KvCacheGroups {
     ///
     /// The hit is the same number of tokens in every group: the longest prefix each
     /// group's cache holds, rounded down to whole blocks of every group (groups may
-    /// have different block sizes). **A sliding-window group serves no hit** (its
-    /// manager registers nothing: its blocks leave the window and go back to the arena),
-    /// so with a window group among the groups every prompt is computed in full; the
-    /// full and latent groups still register their blocks, and the hits they hold are
-    /// served once every group is full or latent. Serving window hits needs the window
-    /// blocks at the hit's end to stay registered after they leave a sequence's window
-    /// (vLLM's `SlidingWindowManager` does this); not built yet.
+    /// have different block sizes). **A sliding-window group serves a hit only from a
+    /// live sequence** that still holds the blocks inside the window of the query at
+    /// the hit's end (and holds the hit's registered block at its last index in the
+    /// first full group, which proves its tokens up to there are the prompt's); the new
+    /// sequence shares those blocks and starts with holes before them. Window blocks
+    /// are not kept in a cache once a sequence gives them back (its manager registers
+    /// nothing), so a prefix whose holders are gone, or have decoded past the hit's
+    /// window, is served only as far as some live holder still reaches, and with no
+    /// full group, or window block sizes unlike the full group's, a window group
+    /// serves nothing. A sequence that recomputed blocks already registered (a
+    /// duplicate) serves no window hit.
     ///
     /// Cached blocks count as free pages for every group: when a group needs a page
     /// and only cached pages of another group are left, that group's prefix cache
@@ -496,18 +501,28 @@ impl KvCacheGroups {
             });
         }
         let mut hits = Vec::new();
-        let cached = self.common_hit(tokens, opts, &mut hits)?;
+        let (cached, source) = self.common_hit(tokens, opts, &mut hits)?;
         // Every group's need, revivals of cached hit pages included, against the
-        // arena's free and evictable pages, before anything changes.
+        // arena's free and evictable pages, before anything changes. A window group's
+        // hit blocks are held by `source` already; its holes need no page.
         for ((need, kv), hit) in self.needs.iter_mut().zip(&self.groups).zip(&hits) {
-            *need = kv.hit_admission_blocks(hit);
+            *need = match (kv.window, source) {
+                (Some(_), Some(_)) => {
+                    kv.layout.blocks_for_tokens(tokens.len()) - cached / kv.block_size()
+                }
+                _ => kv.hit_admission_blocks(hit),
+            };
         }
         self.check_needs()?;
         // Revive the hits first: a page moved to another group below must not be one
         // of them (moving evicts by the giver's policy).
         let mut sum = Admission::default();
         for (g, hit) in hits.iter().enumerate() {
-            let done = self.groups[g].admit_prompt(seq, tokens, hit);
+            let kv = &mut self.groups[g];
+            let done = match (kv.window, source) {
+                (Some(_), Some(src)) => kv.admit_window_hit(seq, src, cached),
+                _ => kv.admit_prompt(seq, tokens, hit),
+            };
             let done = match done {
                 Ok(a) if a.cached_tokens == cached => Ok(a),
                 Ok(a) => Err(Error::CorruptBlockTable(format!(
@@ -527,8 +542,8 @@ impl KvCacheGroups {
                 }
             }
         }
-        for ((need, kv), hit) in self.needs.iter_mut().zip(&self.groups).zip(&hits) {
-            *need = kv.layout.blocks_for_tokens(tokens.len()) - hit.cached_blocks();
+        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
+            *need = kv.layout.blocks_for_tokens(tokens.len()) - cached / kv.block_size();
         }
         sum.new_blocks = self.needs.iter().sum();
         sum.cached_tokens = cached;
@@ -1028,17 +1043,26 @@ impl KvCacheGroups {
     }
 
     /// Looks `tokens` up in every group (`hits[g]`) and cuts every hit to the tokens
-    /// all groups serve, in whole blocks of each; returns those tokens.
+    /// all groups serve, in whole blocks of each; returns those tokens and, when a
+    /// window group is among the groups and the hit is not empty, the live sequence
+    /// whose window blocks serve it.
     fn common_hit(
         &self,
         tokens: &[u32],
         opts: &AdmitOptions<'_>,
         hits: &mut Vec<PrefixHit>,
-    ) -> Result<usize> {
+    ) -> Result<(usize, Option<SeqId>)> {
         hits.resize_with(self.groups.len(), PrefixHit::default);
         let mut cached = usize::MAX;
         for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
-            cached = cached.min(kv.lookup_prefix(tokens, opts, hit)?);
+            let found = kv.lookup_prefix(tokens, opts, hit)?;
+            if kv.window.is_none() {
+                cached = cached.min(found);
+            }
+        }
+        if cached == usize::MAX {
+            // Window groups only: no group registers anything.
+            cached = 0;
         }
         // Rounding down to one group's blocks can cut a whole block of another: repeat
         // until every group agrees (the count only falls, so this ends).
@@ -1054,10 +1078,63 @@ impl KvCacheGroups {
             }
             cached = agreed;
         }
+        let mut source = None;
+        if cached > 0 && self.groups.iter().any(|kv| kv.window.is_some()) {
+            (cached, source) = self.window_hit(hits, cached);
+        }
         for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
             hit.truncate_blocks(cached / kv.block_size());
         }
-        Ok(cached)
+        Ok((cached, source))
+    }
+
+    /// The longest hit of at most `cached` tokens the window groups can serve, and the
+    /// live sequence that serves it: one that holds, in the first full group, the hit's
+    /// block at the hit's last index (so its tokens up to there are the prompt's: a
+    /// registered block is keyed by its whole prefix) and, in every window group, the
+    /// blocks inside the window of the query at the hit's end. Sequences with a swap
+    /// in flight are skipped. Needs every window group's block size equal to the full
+    /// group's (else no hit). O(live sequences x hit blocks) at worst, per admission.
+    fn window_hit(&self, hits: &[PrefixHit], cached: usize) -> (usize, Option<SeqId>) {
+        let Some(f) = self.groups.iter().position(|kv| kv.window.is_none()) else {
+            return (0, None);
+        };
+        let full = &self.groups[f];
+        let bs = full.block_size();
+        if self.groups.iter().any(|kv| kv.block_size() != bs) {
+            return (0, None);
+        }
+        let hit = &hits[f].blocks()[..cached / bs];
+        let mut best = (0, None);
+        for (&id, s) in full.seqs.iter() {
+            if is_hidden(id) || s.in_flight.is_some() || s.table.first() != hit.first() {
+                continue;
+            }
+            let top = hit.len().min(s.table.len()).min(s.computed / bs);
+            for l in (best.0 + 1..=top).rev() {
+                if s.table[l - 1] == hit[l - 1] && self.window_blocks_held(id, l * bs) {
+                    best = (l, Some(id));
+                    break;
+                }
+            }
+        }
+        (best.0 * bs, best.1)
+    }
+
+    /// Whether `id` holds, in every window group, the computed blocks the query at
+    /// position `end` reads before `end`.
+    fn window_blocks_held(&self, id: SeqId, end: usize) -> bool {
+        self.groups
+            .iter()
+            .filter(|kv| kv.window.is_some())
+            .all(|kv| {
+                kv.seq(id).is_ok_and(|s| {
+                    s.in_flight.is_none()
+                        && s.computed >= end
+                        && s.released <= kv.first_block_in_window(end)
+                        && s.table.len() * kv.block_size() >= end
+                })
+            })
     }
 
     /// Fails with [`Error::OutOfBlocks`] when the arena's free (and evictable) pages
@@ -1195,6 +1272,48 @@ impl KvCacheManager {
             .iter()
             .filter(|&&b| self.pool.refcount(b).unwrap_or(0) == 1)
             .count())
+    }
+
+    /// Admits `seq` with the first `cached` tokens computed, sharing `source`'s blocks
+    /// inside the window of the query at `cached` (the blocks before are holes), for a
+    /// prefix hit of the KV-cache groups. Registers nothing (a window manager does not).
+    fn admit_window_hit(&mut self, seq: SeqId, source: SeqId, cached: usize) -> Result<Admission> {
+        if self.contains(seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let bs = self.block_size();
+        let end = cached / bs;
+        let keep = self.first_block_in_window(cached).min(end);
+        let src = self.seq(source)?;
+        let shared = src.table.get(keep..end).ok_or_else(|| {
+            Error::CorruptBlockTable(format!("{source} holds no blocks {keep}..{end}"))
+        })?;
+        if src.released > keep || src.computed < cached {
+            return Err(Error::CorruptBlockTable(format!(
+                "{source} no longer holds the window of a hit of {cached} tokens"
+            )));
+        }
+        let mut table = vec![BlockId::RELEASED; keep];
+        table.extend_from_slice(shared);
+        self.seqs.reserve_room(1)?;
+        // Full computed blocks: their fill is already the whole block.
+        self.pool.incref_all(&table[keep..])?;
+        let s = Sequence {
+            table,
+            released: keep,
+            num_tokens: cached,
+            computed: cached,
+            admission: self.tiers.next_admission(),
+            ..Sequence::default()
+        };
+        self.seqs.insert(seq, s)?;
+        self.note_usage();
+        Ok(Admission {
+            cached_tokens: cached,
+            cached_blocks: end - keep,
+            new_blocks: 0,
+            registered_blocks: 0,
+        })
     }
 
     /// Releases `seq`'s blocks before the window of its next query (no query reads

@@ -81,6 +81,11 @@ impl PrefixHit {
         self.prompt_len
     }
 
+    /// The cached blocks found, in prompt order.
+    pub(crate) fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+
     /// Keeps the first `blocks` blocks of the hit (a hit limited by another KV-cache
     /// group, which serves fewer).
     pub(crate) fn truncate_blocks(&mut self, blocks: usize) {
