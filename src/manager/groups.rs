@@ -129,7 +129,7 @@ pub struct GroupStats {
     pub owned_per_group: Vec<usize>,
     /// Pages moved from one group to another so far.
     pub page_moves: u64,
-    /// Sequences.
+    /// Sequences on the device (swapped-out ones are not counted).
     pub num_sequences: usize,
 }
 
@@ -342,7 +342,7 @@ impl KvCacheGroups {
         !is_hidden(seq) && self.groups[0].contains(seq)
     }
 
-    /// The sequences, in no particular order.
+    /// The sequences on the device (not the swapped-out ones), in no particular order.
     pub fn sequence_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
         self.groups[0].sequence_ids().filter(|&s| s != LENDER)
     }
