@@ -858,3 +858,27 @@ fn swap_moves_host_blocks_between_groups_and_failures_change_nothing() {
     assert_eq!(kv.num_free_host_blocks(), 6);
     kv.check_invariants().unwrap();
 }
+
+#[test]
+fn gemma3_like_swap_moves_only_the_window_blocks_held() {
+    // One full and five window groups (window 1,024, blocks of 16), as Gemma-3's
+    // 8 global and 40 local layers; one layer a group here (page bytes do not matter).
+    let l = layout(16, 1);
+    let mut specs = vec![GroupSpec::full(l)];
+    specs.extend(std::iter::repeat(GroupSpec::window(l, 1024)).take(5));
+    let mut kv = KvCacheGroups::with_host_tier(&specs, 2000, 2000).unwrap();
+    let mut step = GroupStep::default();
+    kv.admit(SeqId(1), 4000, &mut step).unwrap();
+    kv.append(SeqId(1), 1, &mut step).unwrap();
+    // 4,001 tokens: 251 blocks; the query at 4,000 reads from 2,977, block 186.
+    let job = kv.swap_out(SeqId(1)).unwrap();
+    let moved: Vec<usize> = job.plans.iter().map(|p| p.len()).collect();
+    assert_eq!(moved, [251, 65, 65, 65, 65, 65]);
+    assert_eq!(moved.iter().sum::<usize>(), 576); // every layer full: 6 x 251 = 1,506
+    kv.complete_swap(&job).unwrap();
+    assert_eq!(kv.stats().used_pages, 0);
+    let job = kv.swap_in(SeqId(1)).unwrap();
+    kv.complete_swap(&job).unwrap();
+    kv.append(SeqId(1), 1, &mut step).unwrap();
+    kv.check_invariants().unwrap();
+}
