@@ -101,6 +101,8 @@ use crate::layout::shape::{DType, ModelShape};
 use crate::layout::{KvLayout, Strides};
 use crate::manager::KvCacheManager;
 
+pub mod groups;
+
 /// First 8 bytes of every export.
 pub const EXPORT_MAGIC: [u8; 8] = *b"PAGEDKV\0";
 

@@ -35,6 +35,9 @@ pub use error::{Error, Result};
 pub use executor::shard::ShardedStorage;
 pub use executor::storage::{HostStorage, Storage, SwapFence};
 pub use executor::tier::{DiskTier, TransferEngine, TransferEvent};
+pub use export::groups::{
+    export_group_sequence, exported_group_len, import_group_sequence, GroupExportView, GroupRecord,
+};
 pub use export::{
     export_blocks, export_sequence, exported_len, import_sequence, ExportHeader, ExportView,
     ImportedSequence,

@@ -882,3 +882,226 @@ fn gemma3_like_swap_moves_only_the_window_blocks_held() {
     kv.append(SeqId(1), 1, &mut step).unwrap();
     kv.check_invariants().unwrap();
 }
+
+// ---- export and import of a sequence across groups -------------------------------
+
+/// The K value group `g` writes for layer `layer` at position `pos` (V is its negation).
+fn export_value(g: usize, layer: usize, pos: usize) -> f32 {
+    (100_000 * layer + 1_000 * g + pos) as f32 + 0.25
+}
+
+fn f32_bytes(vals: impl Iterator<Item = f32>) -> Vec<u8> {
+    vals.flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Writes every layer of every group's slots of `step` for the tokens from `first`.
+fn write_step(store: &mut HostStorage, step: &GroupStep, first: usize, layers: usize) {
+    for (g, slots) in step.slots.iter().enumerate() {
+        for layer in 0..layers {
+            let vals = |sign: f32| {
+                f32_bytes(
+                    (0..slots.len())
+                        .flat_map(move |i| [sign * export_value(g, layer, first + i); HEAD_DIM]),
+                )
+            };
+            store
+                .write_slots(layer, slots, &vals(1.0), &vals(-1.0))
+                .unwrap();
+        }
+    }
+}
+
+/// Checks that `seq` holds, in every group, its own values for every token it still
+/// holds, and returns each group's hole blocks.
+fn check_sequence_bytes(
+    kv: &KvCacheGroups,
+    store: &HostStorage,
+    seq: SeqId,
+    layers: usize,
+) -> Vec<usize> {
+    let n = kv.num_computed_tokens(seq).unwrap();
+    let mut holes = Vec::new();
+    for g in 0..kv.num_groups() {
+        let grp = kv.group(g);
+        let (table, computed) = grp.readable_blocks(seq).unwrap();
+        assert_eq!(computed, n);
+        let h = table
+            .iter()
+            .take_while(|&&b| b == BlockId::RELEASED)
+            .count();
+        let first = h * grp.block_size();
+        let tokens = n - first;
+        for layer in 0..layers {
+            let mut k = vec![0u8; tokens * HEAD_DIM * 4];
+            let mut v = k.clone();
+            store
+                .read_tokens(layer, &table[h..], tokens, &mut k, &mut v)
+                .unwrap();
+            let want = |sign: f32| {
+                f32_bytes((first..n).flat_map(|p| [sign * export_value(g, layer, p); HEAD_DIM]))
+            };
+            assert_eq!(k, want(1.0), "group {g} layer {layer} K");
+            assert_eq!(v, want(-1.0), "group {g} layer {layer} V");
+        }
+        holes.push(h);
+    }
+    holes
+}
+
+/// Every byte of every page of the storage.
+fn storage_bytes(store: &HostStorage, pages: usize, bs: usize, layers: usize) -> Vec<u8> {
+    let table: Vec<BlockId> = (0..pages as u32).map(BlockId).collect();
+    let mut out = Vec::new();
+    for layer in 0..layers {
+        let mut k = vec![0u8; pages * bs * HEAD_DIM * 4];
+        let mut v = k.clone();
+        store
+            .read_tokens(layer, &table, pages * bs, &mut k, &mut v)
+            .unwrap();
+        out.extend(k);
+        out.extend(v);
+    }
+    out
+}
+
+#[test]
+fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
+    use pagedkv::{export_group_sequence, exported_group_len, import_group_sequence};
+    const LAYERS: usize = 2;
+    const PAGES: usize = 32;
+    let l = layout(4, LAYERS);
+    let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
+    let mut sender = KvCacheGroups::new(&specs, PAGES).unwrap();
+    let mut sender_kv = HostStorage::new(l, PAGES).unwrap();
+    let mut step = GroupStep::default();
+    sender.admit(SeqId(1), 10, &mut step).unwrap();
+    write_step(&mut sender_kv, &step, 0, LAYERS);
+    for pos in 10..30 {
+        sender.append(SeqId(1), 1, &mut step).unwrap();
+        write_step(&mut sender_kv, &step, pos, LAYERS);
+    }
+    let sent_holes = check_sequence_bytes(&sender, &sender_kv, SeqId(1), LAYERS);
+    assert_eq!(sent_holes[0], 0);
+    assert!(
+        sent_holes[1] >= 4,
+        "the window group gave blocks back: {sent_holes:?}"
+    );
+
+    let len = exported_group_len(&sender, &sender_kv, SeqId(1)).unwrap();
+    let mut wire = vec![0u8; len];
+    assert_eq!(
+        export_group_sequence(&sender, &sender_kv, SeqId(1), &mut wire).unwrap(),
+        len
+    );
+    // Only held blocks carry bytes: the window group's record is shorter.
+    let view = pagedkv::GroupExportView::parse(&wire).unwrap();
+    assert_eq!(view.num_tokens(), 30);
+    let held: Vec<usize> = view
+        .records()
+        .iter()
+        .map(|r| r.view.header().num_tokens())
+        .collect();
+    assert_eq!(held, vec![30, 30 - 4 * sent_holes[1]]);
+
+    // The receiver holds another sequence first, so the pages differ.
+    let mut receiver = KvCacheGroups::new(&specs, PAGES).unwrap();
+    let mut receiver_kv = HostStorage::new(l, PAGES).unwrap();
+    receiver.admit(SeqId(9), 7, &mut step).unwrap();
+    write_step(&mut receiver_kv, &step, 0, LAYERS);
+
+    // Every bad buffer or mismatch is refused with nothing changed, bytes included.
+    let before = (
+        snapshot(&receiver),
+        storage_bytes(&receiver_kv, PAGES, 4, LAYERS),
+    );
+    let unchanged = |kv: &KvCacheGroups, st: &HostStorage| {
+        assert_eq!(snapshot(kv), before.0);
+        assert_eq!(storage_bytes(st, PAGES, 4, LAYERS), before.1);
+        assert!(!kv.contains(SeqId(5)));
+        kv.check_invariants().unwrap();
+    };
+    let header_len = 40 + 24 * 2;
+    let second_record = header_len + view.records()[0].view.header().total_len();
+    for at in [3, 20, header_len + 150, second_record + 140, len - 1] {
+        let mut bad = wire.clone();
+        bad[at] ^= 0x10;
+        let e = import_group_sequence(&mut receiver, &mut receiver_kv, SeqId(5), &bad);
+        assert!(
+            matches!(e, Err(Error::Checksum { .. } | Error::ExportFormat { .. })),
+            "byte {at}: {e:?}"
+        );
+        unchanged(&receiver, &receiver_kv);
+    }
+    for cut in [
+        0,
+        10,
+        header_len - 1,
+        header_len + 10,
+        second_record,
+        len - 1,
+    ] {
+        let e = import_group_sequence(&mut receiver, &mut receiver_kv, SeqId(5), &wire[..cut]);
+        assert!(
+            matches!(e, Err(Error::ExportTruncated { .. })),
+            "cut {cut}: {e:?}"
+        );
+        unchanged(&receiver, &receiver_kv);
+    }
+    let e = import_group_sequence(&mut receiver, &mut receiver_kv, SeqId(9), &wire);
+    assert!(matches!(e, Err(Error::DuplicateSequence(_))), "{e:?}");
+    unchanged(&receiver, &receiver_kv);
+    // Mismatched group specs: another window, another number of groups.
+    for other in [
+        vec![GroupSpec::full(l), GroupSpec::window(l, 12)],
+        vec![GroupSpec::full(l), GroupSpec::full(l)],
+        vec![GroupSpec::full(l)],
+        vec![
+            GroupSpec::full(l),
+            GroupSpec::window(l, 8),
+            GroupSpec::window(l, 8),
+        ],
+    ] {
+        let mut kv = KvCacheGroups::new(&other, PAGES).unwrap();
+        let mut st = HostStorage::new(l, PAGES).unwrap();
+        let snap = snapshot(&kv);
+        let e = import_group_sequence(&mut kv, &mut st, SeqId(5), &wire);
+        assert!(matches!(e, Err(Error::ExportShape { .. })), "{e:?}");
+        assert_eq!(snapshot(&kv), snap);
+    }
+    // Out of pages: 8 full + 3 window pages needed, 10 in the arena.
+    let mut small = KvCacheGroups::new(&specs, 10).unwrap();
+    let mut small_kv = HostStorage::new(l, 10).unwrap();
+    let snap = snapshot(&small);
+    let e = import_group_sequence(&mut small, &mut small_kv, SeqId(5), &wire);
+    assert!(matches!(e, Err(Error::OutOfBlocks { .. })), "{e:?}");
+    assert_eq!(snapshot(&small), snap);
+
+    // The good buffer imports: the same tokens, the same holes, every held byte.
+    import_group_sequence(&mut receiver, &mut receiver_kv, SeqId(5), &wire).unwrap();
+    receiver.check_invariants().unwrap();
+    assert_eq!(receiver.num_computed_tokens(SeqId(5)).unwrap(), 30);
+    assert_eq!(
+        check_sequence_bytes(&receiver, &receiver_kv, SeqId(5), LAYERS),
+        sent_holes
+    );
+    check_sequence_bytes(&receiver, &receiver_kv, SeqId(9), LAYERS);
+    // Pages taken: only the held blocks.
+    let st = receiver.stats();
+    assert_eq!(st.used_per_group, vec![2 + 8, 2 + 8 - sent_holes[1]]);
+    // The imported sequence decodes on: the window group keeps giving blocks back.
+    for pos in 30..40 {
+        receiver.append(SeqId(5), 1, &mut step).unwrap();
+        write_step(&mut receiver_kv, &step, pos, LAYERS);
+    }
+    receiver.check_invariants().unwrap();
+    check_sequence_bytes(&receiver, &receiver_kv, SeqId(5), LAYERS);
+    // Exported again from the receiver, it is the same K/V.
+    let mut again = vec![0u8; exported_group_len(&receiver, &receiver_kv, SeqId(5)).unwrap()];
+    export_group_sequence(&receiver, &receiver_kv, SeqId(5), &mut again).unwrap();
+    let back = pagedkv::GroupExportView::parse(&again).unwrap();
+    assert_eq!(back.num_tokens(), 40);
+    receiver.free(SeqId(5)).unwrap();
+    receiver.free(SeqId(9)).unwrap();
+    receiver.check_invariants().unwrap();
+    assert_eq!(receiver.stats().used_pages, 0);
+}

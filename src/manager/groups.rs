@@ -410,6 +410,45 @@ impl KvCacheGroups {
     /// [`Error::DuplicateSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`] (with the
     /// pages all groups need and the arena's free pages). Nothing changed on error.
     pub fn admit(&mut self, seq: SeqId, num_tokens: usize, step: &mut GroupStep) -> Result<()> {
+        self.admit_holed(seq, num_tokens, None, step)
+    }
+
+    /// Admits `seq` with `num_tokens` tokens, all computed, whose first `holes[g]`
+    /// blocks in group `g` are holes (blocks a window group gave back): `step.slots[g]`
+    /// gets the slots of the tokens after the holes, which the caller writes. For an
+    /// import ([`crate::export::groups`]); registers nothing in a prefix cache.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `holes` does not have one entry per group, or a
+    /// group has holes it could not have (a full group, or a window group past the
+    /// blocks before the window of the query at `num_tokens`); as [`Self::admit`].
+    /// Nothing changed on error.
+    pub(crate) fn admit_with_holes(
+        &mut self,
+        seq: SeqId,
+        num_tokens: usize,
+        holes: &[usize],
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        if holes.len() != self.groups.len() {
+            step.reset(self.groups.len());
+            return Err(Error::ShapeMismatch {
+                what: "hole counts (one per group)",
+                expected: self.groups.len(),
+                got: holes.len(),
+            });
+        }
+        self.admit_holed(seq, num_tokens, Some(holes), step)
+    }
+
+    /// [`Self::admit`] with `holes[g]` hole blocks in group `g` (none when `None`).
+    fn admit_holed(
+        &mut self,
+        seq: SeqId,
+        num_tokens: usize,
+        holes: Option<&[usize]>,
+        step: &mut GroupStep,
+    ) -> Result<()> {
         step.reset(self.groups.len());
         if is_hidden(seq) || self.groups[0].contains(seq) {
             return Err(Error::DuplicateSequence(seq));
@@ -421,14 +460,24 @@ impl KvCacheGroups {
                 limit,
             });
         }
-        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
-            *need = kv.layout.blocks_for_tokens(num_tokens);
+        let holes_of = |g: usize| holes.and_then(|h| h.get(g).copied()).unwrap_or(0);
+        for (g, (need, kv)) in self.needs.iter_mut().zip(&self.groups).enumerate() {
+            let h = holes_of(g);
+            let most = kv.first_block_in_window(num_tokens);
+            if h > most {
+                return Err(Error::ShapeMismatch {
+                    what: "hole blocks of a group (at most those before its window)",
+                    expected: most,
+                    got: h,
+                });
+            }
+            *need = kv.layout.blocks_for_tokens(num_tokens) - h;
         }
         self.give_pages()?;
         for g in 0..self.groups.len() {
-            if let Err(e) = self.groups[g].admit(seq, num_tokens, &mut step.slots[g]) {
-                // Unreachable after the checks above (groups hold the same sequences
-                // and have the pages); undo the groups already done all the same.
+            let h = holes_of(g);
+            if let Err(e) = self.groups[g].admit_holed(seq, num_tokens, h, &mut step.slots[g]) {
+                // Unreachable after the checks above; undo the groups already done.
                 for kv in &mut self.groups[..g] {
                     let _ = kv.free(seq);
                 }
@@ -1272,6 +1321,45 @@ impl KvCacheManager {
             .iter()
             .filter(|&&b| self.pool.refcount(b).unwrap_or(0) == 1)
             .count())
+    }
+
+    /// Admits `seq` with `num_tokens` computed tokens whose first `holes` blocks are
+    /// holes (checked by the caller: at most those before the window), allocating the
+    /// rest and writing their tokens' slots into `slots`.
+    fn admit_holed(
+        &mut self,
+        seq: SeqId,
+        num_tokens: usize,
+        holes: usize,
+        slots: &mut Vec<Slot>,
+    ) -> Result<()> {
+        slots.clear();
+        if holes == 0 {
+            return self.admit(seq, num_tokens, slots);
+        }
+        if self.contains(seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let needed = self.layout.blocks_for_tokens(num_tokens);
+        self.ensure_available(needed - holes)?;
+        self.seqs.reserve_room(1)?;
+        let mut table = Vec::with_capacity(needed + 1);
+        table.resize(holes, BlockId::RELEASED);
+        while table.len() < needed {
+            table.push(self.alloc_block()?);
+        }
+        let mut s = Sequence {
+            table,
+            released: holes,
+            num_tokens: holes * self.block_size(),
+            admission: self.tiers.next_admission(),
+            ..Sequence::default()
+        };
+        self.fill_tokens(&mut s, num_tokens, slots);
+        s.computed = num_tokens;
+        self.seqs.insert(seq, s)?;
+        self.note_usage();
+        Ok(())
     }
 
     /// Admits `seq` with the first `cached` tokens computed, sharing `source`'s blocks
