@@ -77,11 +77,6 @@ fn parts<'a, S: Storage + ?Sized>(
     for g in 0..groups.num_groups() {
         let kv = groups.group(g);
         check_storage(kv, storage)?;
-        if kv.layout().is_latent() {
-            return Err(Error::Unsupported(format!(
-                "export of group {g}: the export format has no latent (MLA) layout"
-            )));
-        }
         let (table, computed) = kv.readable_blocks(seq)?;
         num_tokens = computed;
         let holes = table
@@ -128,8 +123,7 @@ pub fn exported_group_len<S: Storage + ?Sized>(
 /// # Errors
 /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when the sequence's bytes are
 /// not readable (swapped out, or a swap in flight); [`Error::InvalidConfig`] when a
-/// group's layout is not the storage's; [`Error::Unsupported`] for a latent group;
-/// [`Error::ShapeMismatch`] when `out` is too short; as [`export_blocks`]. Nothing
+/// group's layout is not the storage's; [`Error::ShapeMismatch`] when `out` is too short; as [`export_blocks`]. Nothing
 /// changes; `out` holds unspecified bytes after an error.
 pub fn export_group_sequence<S: Storage + ?Sized>(
     groups: &KvCacheGroups,
