@@ -261,6 +261,19 @@ enum Action {
     SwapOut(usize, bool),
     /// Swap a swapped-out sequence back in.
     SwapIn(usize),
+    /// Export a sequence and import it as a new one on the same groups and storage;
+    /// with `Some(at)`, flip byte `at % len` of the buffer first (refused, no change).
+    ExportImport(usize, Option<usize>),
+}
+
+/// [`action`] with export/import among the actions (a separate strategy, so the
+/// persisted seeds of the tests that use `action` still generate what they did).
+fn action_with_export() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        8 => action(),
+        1 => (0usize..8, proptest::option::weighted(0.3, 0usize..100_000))
+            .prop_map(|(s, c)| Action::ExportImport(s, c)),
+    ]
 }
 
 fn action() -> impl Strategy<Value = Action> {
@@ -482,6 +495,35 @@ impl Model {
                 }
                 r.map(drop)
             }
+            Action::ExportImport(s, corrupt) => {
+                let Some(i) = pick(s, &self.seqs) else { return };
+                let id = self.seqs[i].0;
+                let len = pagedkv::exported_group_len(&self.kv, &self.store, id).unwrap();
+                let mut wire = vec![0u8; len];
+                pagedkv::export_group_sequence(&self.kv, &self.store, id, &mut wire).unwrap();
+                let copy = SeqId(self.next);
+                self.next += 1;
+                if let Some(at) = corrupt {
+                    wire[at % len] ^= 0x20;
+                    let r =
+                        pagedkv::import_group_sequence(&mut self.kv, &mut self.store, copy, &wire);
+                    assert!(
+                        matches!(r, Err(Error::Checksum { .. } | Error::ExportFormat { .. })),
+                        "byte {} of {len}: {r:?}",
+                        at % len
+                    );
+                    assert_eq!(snapshot(&self.kv), before);
+                    Ok(())
+                } else {
+                    let r =
+                        pagedkv::import_group_sequence(&mut self.kv, &mut self.store, copy, &wire);
+                    if r.is_ok() {
+                        let w = self.seqs[i].1.clone();
+                        self.seqs.push((copy, w));
+                    }
+                    r
+                }
+            }
             Action::Free(s) => {
                 let Some(i) = pick(s, &self.seqs) else { return };
                 let (id, _) = self.seqs.swap_remove(i);
@@ -600,6 +642,17 @@ proptest! {
     ) {
         let l = layout(BS, 1);
         run_and_free_all(&[GroupSpec::full(l), GroupSpec::full(l)], &actions);
+    }
+
+    /// Export and import among the other actions: the imported copy holds its
+    /// source's bytes in every group (window holes stay holes), and a flipped byte
+    /// anywhere in the buffer is refused with nothing changed.
+    #[test]
+    fn exported_sequences_import_with_their_bytes_in_every_group(
+        actions in proptest::collection::vec(action_with_export(), 1..80)
+    ) {
+        let l = layout(BS, 1);
+        run_and_free_all(&[GroupSpec::full(l), GroupSpec::window(l, WINDOW)], &actions);
     }
 }
 
@@ -1104,4 +1157,70 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
     receiver.free(SeqId(9)).unwrap();
     receiver.check_invariants().unwrap();
     assert_eq!(receiver.stats().used_pages, 0);
+}
+
+#[test]
+fn latent_groups_export_and_import_with_window_holes() {
+    use pagedkv::{export_group_sequence, exported_group_len, import_group_sequence};
+    let kind = KvKind::Latent {
+        kv_lora_rank: 6,
+        rope_dim: 2,
+    };
+    let l = KvLayout::with_kind(ModelShape::latent(1, 4, 6, 2, DType::F32), 4, kind).unwrap();
+    let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
+    let latent = |g: usize, pos: usize| f32_bytes((0..8).map(|i| (1000 * g + 10 * pos + i) as f32));
+    let write = |store: &mut HostStorage, step: &GroupStep, first: usize| {
+        for (g, slots) in step.slots.iter().enumerate() {
+            let k: Vec<u8> = (first..first + slots.len())
+                .flat_map(|p| latent(g, p))
+                .collect();
+            store.write_slots(0, slots, &k, &[]).unwrap();
+        }
+    };
+    let held = |kv: &KvCacheGroups, store: &HostStorage, seq: SeqId| -> Vec<(usize, Vec<u8>)> {
+        (0..kv.num_groups())
+            .map(|g| {
+                let (table, n) = kv.group(g).readable_blocks(seq).unwrap();
+                let h = table
+                    .iter()
+                    .take_while(|&&b| b == BlockId::RELEASED)
+                    .count();
+                let mut k = vec![0u8; (n - 4 * h) * 32];
+                store
+                    .read_tokens(0, &table[h..], n - 4 * h, &mut k, &mut [])
+                    .unwrap();
+                let want: Vec<u8> = (4 * h..n).flat_map(|p| latent(g, p)).collect();
+                assert_eq!(k, want, "group {g}");
+                (h, k)
+            })
+            .collect()
+    };
+    let mut sender = KvCacheGroups::new(&specs, 16).unwrap();
+    let mut sender_kv = HostStorage::new(l, 16).unwrap();
+    let mut step = GroupStep::default();
+    sender.admit(SeqId(1), 6, &mut step).unwrap();
+    write(&mut sender_kv, &step, 0);
+    for pos in 6..21 {
+        sender.append(SeqId(1), 1, &mut step).unwrap();
+        write(&mut sender_kv, &step, pos);
+    }
+    let sent = held(&sender, &sender_kv, SeqId(1));
+    assert!(sent[1].0 > 0, "the window group holds holes");
+    let mut wire = vec![0u8; exported_group_len(&sender, &sender_kv, SeqId(1)).unwrap()];
+    export_group_sequence(&sender, &sender_kv, SeqId(1), &mut wire).unwrap();
+
+    let mut receiver = KvCacheGroups::new(&specs, 16).unwrap();
+    let mut receiver_kv = HostStorage::new(l, 16).unwrap();
+    import_group_sequence(&mut receiver, &mut receiver_kv, SeqId(3), &wire).unwrap();
+    receiver.check_invariants().unwrap();
+    assert_eq!(held(&receiver, &receiver_kv, SeqId(3)), sent);
+    // A K/V receiver of the same page bytes refuses it, unchanged.
+    let std = layout(4, 2);
+    let mut kv_groups =
+        KvCacheGroups::new(&[GroupSpec::full(std), GroupSpec::window(std, 8)], 16).unwrap();
+    let mut kv_store = HostStorage::new(std, 16).unwrap();
+    let snap = snapshot(&kv_groups);
+    let e = import_group_sequence(&mut kv_groups, &mut kv_store, SeqId(3), &wire);
+    assert!(matches!(e, Err(Error::ExportShape { .. })), "{e:?}");
+    assert_eq!(snapshot(&kv_groups), snap);
 }

@@ -11,10 +11,13 @@
 //! | 0 | `[u8; 8]` | magic [`GROUP_EXPORT_MAGIC`] |
 //! | 8 | `u32` | version [`GROUP_EXPORT_VERSION`] |
 //! | 12 | `u32` | `num_groups` (1 to 255) |
-//! | 16 | `u64` | header checksum: XXH64 (seed 0) of the group header with this field zeroed |
+//! | 16 | `u64` | fixed checksum: XXH64 (seed 0) of bytes 0..40 with this field zeroed |
 //! | 24 | `u64` | `num_tokens` of the sequence |
-//! | 32 | `u64` | `total_len`: the group header plus every record |
+//! | 32 | `u64` | group table checksum: XXH64 of bytes 40 to the end of the group header |
 //! | 40 + 24 g | `u64` x 3 | group `g`: sliding window in tokens (0: none), hole blocks, record bytes |
+//!
+//! As in the single-manager format, no count is trusted before the checksum that
+//! covers it passed: a flipped `num_groups` fails the fixed checksum, not a length check.
 //!
 //! then one record per group, in group order: an export of the
 //! [single-manager format](super) of the tokens the group holds, from its first held
@@ -50,6 +53,7 @@ pub const GROUP_EXPORT_VERSION: u32 = 1;
 const FIXED: usize = 40;
 const PER_GROUP: usize = 24;
 const CHECKSUM_AT: usize = 16;
+const TABLE_CHECKSUM_AT: usize = 32;
 
 fn header_len(num_groups: usize) -> usize {
     FIXED + PER_GROUP * num_groups
@@ -152,13 +156,14 @@ pub fn export_group_sequence<S: Storage + ?Sized>(
     // `KvCacheGroups::new` allows at most 255 groups.
     head[12..16].copy_from_slice(&(parts.len() as u32).to_le_bytes());
     head[24..32].copy_from_slice(&(num_tokens as u64).to_le_bytes());
-    head[32..40].copy_from_slice(&(total as u64).to_le_bytes());
     for (p, dst) in parts.iter().zip(head[FIXED..].chunks_exact_mut(PER_GROUP)) {
         for (i, v) in [p.window, p.holes, p.record_len].into_iter().enumerate() {
             dst[8 * i..8 * i + 8].copy_from_slice(&(v as u64).to_le_bytes());
         }
     }
-    let checksum = xxh64(head);
+    let table = xxh64(&head[FIXED..]);
+    head[TABLE_CHECKSUM_AT..FIXED].copy_from_slice(&table.to_le_bytes());
+    let checksum = xxh64(&head[..FIXED]);
     head[CHECKSUM_AT..CHECKSUM_AT + 8].copy_from_slice(&checksum.to_le_bytes());
     Ok(total)
 }
@@ -215,6 +220,19 @@ impl<'a> GroupExportView<'a> {
                 got: buf.len(),
             });
         }
+        let stored = read_u64(&buf[CHECKSUM_AT..]);
+        let mut h = xxhash_rust::xxh64::Xxh64::new(0);
+        h.update(&buf[..CHECKSUM_AT]);
+        h.update(&[0; 8]);
+        h.update(&buf[CHECKSUM_AT + 8..FIXED]);
+        let computed = h.digest();
+        if stored != computed {
+            return Err(Error::Checksum {
+                what: "KV group export header".into(),
+                expected: stored,
+                got: computed,
+            });
+        }
         let num_groups = read_u32(&buf[12..]) as usize;
         if !(1..=255).contains(&num_groups) {
             return Err(format_err("num_groups", 255, num_groups as u64));
@@ -227,21 +245,16 @@ impl<'a> GroupExportView<'a> {
             });
         }
         let head = &buf[..head_len];
-        let stored = read_u64(&head[CHECKSUM_AT..]);
-        let mut h = xxhash_rust::xxh64::Xxh64::new(0);
-        h.update(&head[..CHECKSUM_AT]);
-        h.update(&[0; 8]);
-        h.update(&head[CHECKSUM_AT + 8..]);
-        let computed = h.digest();
+        let stored = read_u64(&head[TABLE_CHECKSUM_AT..]);
+        let computed = xxh64(&head[FIXED..]);
         if stored != computed {
             return Err(Error::Checksum {
-                what: "KV group export header".into(),
+                what: "KV group export table".into(),
                 expected: stored,
                 got: computed,
             });
         }
         let num_tokens = usize_field("num_tokens", read_u64(&head[24..]))?;
-        let total = usize_field("total_len", read_u64(&head[32..]))?;
         let mut sum = head_len;
         let mut fields = Vec::with_capacity(num_groups);
         for f in head[FIXED..].chunks_exact(PER_GROUP) {
@@ -253,9 +266,7 @@ impl<'a> GroupExportView<'a> {
                     .ok_or(format_err("record_len (overflows)", 0, len as u64))?;
             fields.push((window, holes, len));
         }
-        if sum != total {
-            return Err(format_err("total_len", sum as u64, total as u64));
-        }
+        let total = sum;
         if buf.len() < total {
             return Err(Error::ExportTruncated {
                 needed: total,
