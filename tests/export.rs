@@ -14,6 +14,10 @@ use pagedkv::{
     ShardedStorage, Storage,
 };
 
+#[path = "common/faulty_storage.rs"]
+mod faulty_storage;
+use faulty_storage::FaultyStorage;
+
 const LAYERS: usize = 3;
 const KV_HEADS: usize = 4;
 const HEAD_DIM: usize = 8;
@@ -582,35 +586,6 @@ fn receiver_refusals_allocate_nothing() {
     // And the good buffer still imports afterwards.
     import_sequence(&mut rx.c.mgr, &mut rx.c.kv, SeqId(1), &good).unwrap();
     rx.c.mgr.check_invariants().unwrap();
-}
-
-/// A storage whose writes to one layer fail, as a device fault would.
-struct FaultyStorage {
-    inner: HostStorage,
-    failing_layer: usize,
-}
-
-// No host tier: per-layer swaps and host-block I/O keep the trait's refusal.
-pagedkv::delegate_storage! {
-    FaultyStorage => inner, except [
-        write_slots, num_host_blocks, swap_layer, read_host_block, write_host_block,
-    ];
-
-    fn write_slots(
-        &mut self,
-        layer: usize,
-        slots: &[pagedkv::Slot],
-        k: &[u8],
-        v: &[u8],
-    ) -> pagedkv::Result<()> {
-        if layer == self.failing_layer {
-            return Err(Error::Cuda("simulated fault".into()));
-        }
-        self.inner.write_slots(layer, slots, k, v)
-    }
-    fn num_host_blocks(&self) -> usize {
-        0
-    }
 }
 
 #[test]

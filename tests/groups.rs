@@ -28,6 +28,10 @@ use pagedkv::{
 };
 use proptest::prelude::*;
 
+#[path = "common/faulty_storage.rs"]
+mod faulty_storage;
+use faulty_storage::FaultyStorage;
+
 const HEAD_DIM: usize = 2;
 
 fn layout(bs: usize, layers: usize) -> KvLayout {
@@ -1223,4 +1227,35 @@ fn latent_groups_export_and_import_with_window_holes() {
     let e = import_group_sequence(&mut kv_groups, &mut kv_store, SeqId(3), &wire);
     assert!(matches!(e, Err(Error::ExportShape { .. })), "{e:?}");
     assert_eq!(snapshot(&kv_groups), snap);
+}
+
+#[test]
+fn a_storage_fault_during_a_group_import_frees_the_sequence_in_every_group() {
+    use pagedkv::{export_group_sequence, exported_group_len, import_group_sequence};
+    let l = layout(4, 2);
+    let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
+    let mut sender = KvCacheGroups::new(&specs, 16).unwrap();
+    let mut sender_kv = HostStorage::new(l, 16).unwrap();
+    let mut step = GroupStep::default();
+    sender.admit(SeqId(1), 21, &mut step).unwrap();
+    write_step(&mut sender_kv, &step, 0, 2);
+    let mut wire = vec![0u8; exported_group_len(&sender, &sender_kv, SeqId(1)).unwrap()];
+    export_group_sequence(&sender, &sender_kv, SeqId(1), &mut wire).unwrap();
+    // Admitted in both groups, then group 0's layer 1 fails to write.
+    let mut receiver = KvCacheGroups::new(&specs, 16).unwrap();
+    let mut faulty = FaultyStorage {
+        inner: HostStorage::new(l, 16).unwrap(),
+        failing_layer: 1,
+    };
+    let before = receiver.stats();
+    let e = import_group_sequence(&mut receiver, &mut faulty, SeqId(2), &wire).unwrap_err();
+    assert_eq!(e, Error::Cuda("simulated fault".into()));
+    assert!(!receiver.contains(SeqId(2)));
+    receiver.check_invariants().unwrap();
+    let now = receiver.stats();
+    assert_eq!((now.used_pages, now.num_sequences), (before.used_pages, 0));
+    // With a working storage the same buffer imports.
+    faulty.failing_layer = usize::MAX;
+    import_group_sequence(&mut receiver, &mut faulty, SeqId(2), &wire).unwrap();
+    check_sequence_bytes(&receiver, &faulty.inner, SeqId(2), 2);
 }
