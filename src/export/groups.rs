@@ -2,6 +2,41 @@
 //! buffer carries every group's part, and the import admits the sequence in every
 //! group at once.
 //!
+//! ```
+//! use pagedkv::{export_group_sequence, exported_group_len, import_group_sequence, BlockId, DType,
+//!               GroupSpec, GroupStep, HostStorage, KvCacheGroups, KvLayout, ModelShape,
+//!               SeqId, Storage};
+//!
+//! let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 4,
+//!                          kv_dtype: DType::F32 };
+//! let l = KvLayout::new(shape, 4)?;
+//! let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
+//! let (mut prefill, mut prefill_kv) = (KvCacheGroups::new(&specs, 16)?, HostStorage::new(l, 16)?);
+//! let mut step = GroupStep::default();
+//! prefill.admit(SeqId(1), 20, &mut step)?;
+//! for slots in &step.slots {                   // each group's K/V of the 20 tokens
+//!     prefill_kv.write_slots(0, slots, &[7; 20 * 16], &[8; 20 * 16])?;
+//! }
+//! prefill.append(SeqId(1), 1, &mut step)?;     // the window group gives 3 blocks back
+//! for slots in &step.slots {
+//!     prefill_kv.write_slots(0, slots, &[7; 16], &[8; 16])?;
+//! }
+//!
+//! let mut wire = vec![0; exported_group_len(&prefill, &prefill_kv, SeqId(1))?];
+//! export_group_sequence(&prefill, &prefill_kv, SeqId(1), &mut wire)?;
+//!
+//! let (mut decode, mut decode_kv) = (KvCacheGroups::new(&specs, 16)?, HostStorage::new(l, 16)?);
+//! import_group_sequence(&mut decode, &mut decode_kv, SeqId(5), &wire)?;
+//! assert_eq!(decode.num_computed_tokens(SeqId(5))?, 21);
+//! let window_table = decode.group(1).block_table(SeqId(5))?;
+//! assert_eq!(window_table.iter().filter(|&&b| b == BlockId::RELEASED).count(), 3); // holes
+//!
+//! wire[100] ^= 1;                              // corrupted on the way
+//! assert!(import_group_sequence(&mut decode, &mut decode_kv, SeqId(6), &wire).is_err());
+//! assert!(!decode.contains(SeqId(6)));
+//! # Ok::<(), pagedkv::Error>(())
+//! ```
+//!
 //! # Format (version 1)
 //!
 //! All integers little-endian. A group header of `40 + 24 x num_groups` bytes:
