@@ -1259,3 +1259,56 @@ fn a_storage_fault_during_a_group_import_frees_the_sequence_in_every_group() {
     import_group_sequence(&mut receiver, &mut faulty, SeqId(2), &wire).unwrap();
     check_sequence_bytes(&receiver, &faulty.inner, SeqId(2), 2);
 }
+
+#[test]
+fn a_group_export_re_pages_to_another_block_size_when_the_holes_are_whole_blocks() {
+    use pagedkv::{export_group_sequence, exported_group_len, import_group_sequence};
+    let (small, big) = (layout(4, 2), layout(8, 2));
+    let sent = |tokens: usize| {
+        let specs = [GroupSpec::full(small), GroupSpec::window(small, 8)];
+        let mut kv = KvCacheGroups::new(&specs, 32).unwrap();
+        let mut st = HostStorage::new(small, 32).unwrap();
+        let mut step = GroupStep::default();
+        kv.admit(SeqId(1), 1, &mut step).unwrap();
+        write_step(&mut st, &step, 0, 2);
+        for pos in 1..tokens {
+            kv.append(SeqId(1), 1, &mut step).unwrap();
+            write_step(&mut st, &step, pos, 2);
+        }
+        let holes = check_sequence_bytes(&kv, &st, SeqId(1), 2);
+        let mut wire = vec![0u8; exported_group_len(&kv, &st, SeqId(1)).unwrap()];
+        export_group_sequence(&kv, &st, SeqId(1), &mut wire).unwrap();
+        (holes, wire)
+    };
+    let receiver = || {
+        let specs = [GroupSpec::full(big), GroupSpec::window(big, 8)];
+        (
+            KvCacheGroups::new(&specs, 16).unwrap(),
+            HostStorage::new(big, 16).unwrap(),
+        )
+    };
+    // 26 tokens: 4 holes of 4 tokens are 2 of 8.
+    let (holes, wire) = sent(26);
+    assert_eq!(holes, vec![0, 4]);
+    let (mut kv, mut st) = receiver();
+    import_group_sequence(&mut kv, &mut st, SeqId(2), &wire).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(check_sequence_bytes(&kv, &st, SeqId(2), 2), vec![0, 2]);
+    // 30 tokens: 5 holes of 4 tokens are not whole blocks of 8: refused, no change.
+    let (holes, wire) = sent(30);
+    assert_eq!(holes, vec![0, 5]);
+    let snap = snapshot(&kv);
+    let e = import_group_sequence(&mut kv, &mut st, SeqId(3), &wire);
+    assert!(
+        matches!(
+            e,
+            Err(Error::ExportShape {
+                sender: 20,
+                receiver: 8,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    assert_eq!(snapshot(&kv), snap);
+}
