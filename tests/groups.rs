@@ -502,9 +502,9 @@ impl Model {
             Action::ExportImport(s, corrupt) => {
                 let Some(i) = pick(s, &self.seqs) else { return };
                 let id = self.seqs[i].0;
-                let len = pagedkv::exported_group_len(&self.kv, &self.store, id).unwrap();
+                let len = pagedkv::exported_group_len(&self.kv, &self.store, id, false).unwrap();
                 let mut wire = vec![0u8; len];
-                pagedkv::export_group_sequence(&self.kv, &self.store, id, &mut wire).unwrap();
+                pagedkv::export_group_sequence(&self.kv, &self.store, id, None, &mut wire).unwrap();
                 let copy = SeqId(self.next);
                 self.next += 1;
                 if let Some(at) = corrupt {
@@ -1044,10 +1044,10 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
         "the window group gave blocks back: {sent_holes:?}"
     );
 
-    let len = exported_group_len(&sender, &sender_kv, SeqId(1)).unwrap();
+    let len = exported_group_len(&sender, &sender_kv, SeqId(1), false).unwrap();
     let mut wire = vec![0u8; len];
     assert_eq!(
-        export_group_sequence(&sender, &sender_kv, SeqId(1), &mut wire).unwrap(),
+        export_group_sequence(&sender, &sender_kv, SeqId(1), None, &mut wire).unwrap(),
         len
     );
     // Only held blocks carry bytes: the window group's record is shorter.
@@ -1153,8 +1153,9 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
     receiver.check_invariants().unwrap();
     check_sequence_bytes(&receiver, &receiver_kv, SeqId(5), LAYERS);
     // Exported again from the receiver, it is the same K/V.
-    let mut again = vec![0u8; exported_group_len(&receiver, &receiver_kv, SeqId(5)).unwrap()];
-    export_group_sequence(&receiver, &receiver_kv, SeqId(5), &mut again).unwrap();
+    let mut again =
+        vec![0u8; exported_group_len(&receiver, &receiver_kv, SeqId(5), false).unwrap()];
+    export_group_sequence(&receiver, &receiver_kv, SeqId(5), None, &mut again).unwrap();
     let back = pagedkv::GroupExportView::parse(&again).unwrap();
     assert_eq!(back.num_tokens(), 40);
     receiver.free(SeqId(5)).unwrap();
@@ -1210,8 +1211,8 @@ fn latent_groups_export_and_import_with_window_holes() {
     }
     let sent = held(&sender, &sender_kv, SeqId(1));
     assert!(sent[1].0 > 0, "the window group holds holes");
-    let mut wire = vec![0u8; exported_group_len(&sender, &sender_kv, SeqId(1)).unwrap()];
-    export_group_sequence(&sender, &sender_kv, SeqId(1), &mut wire).unwrap();
+    let mut wire = vec![0u8; exported_group_len(&sender, &sender_kv, SeqId(1), false).unwrap()];
+    export_group_sequence(&sender, &sender_kv, SeqId(1), None, &mut wire).unwrap();
 
     let mut receiver = KvCacheGroups::new(&specs, 16).unwrap();
     let mut receiver_kv = HostStorage::new(l, 16).unwrap();
@@ -1239,8 +1240,9 @@ fn a_storage_fault_during_a_group_import_frees_the_sequence_in_every_group() {
     let mut step = GroupStep::default();
     sender.admit(SeqId(1), 21, &mut step).unwrap();
     write_step(&mut sender_kv, &step, 0, 2);
-    let mut wire = vec![0u8; exported_group_len(&sender, &sender_kv, SeqId(1)).unwrap()];
-    export_group_sequence(&sender, &sender_kv, SeqId(1), &mut wire).unwrap();
+    let ids: Vec<u32> = (0..21).collect();
+    let mut wire = vec![0u8; exported_group_len(&sender, &sender_kv, SeqId(1), true).unwrap()];
+    export_group_sequence(&sender, &sender_kv, SeqId(1), Some(&ids), &mut wire).unwrap();
     // Admitted in both groups, then group 0's layer 1 fails to write.
     let mut receiver = KvCacheGroups::new(&specs, 16).unwrap();
     let mut faulty = FaultyStorage {
@@ -1254,6 +1256,17 @@ fn a_storage_fault_during_a_group_import_frees_the_sequence_in_every_group() {
     receiver.check_invariants().unwrap();
     let now = receiver.stats();
     assert_eq!((now.used_pages, now.num_sequences), (before.used_pages, 0));
+    // Through the prefix caches: the blocks registered by the failed import are
+    // evicted, so no later prompt hits bytes that were never written.
+    let opts = AdmitOptions::default();
+    let e = pagedkv::GroupExportView::parse(&wire)
+        .unwrap()
+        .import_into_cache(&mut receiver, &mut faulty, SeqId(2), &opts);
+    assert_eq!(e.unwrap_err(), Error::Cuda("simulated fault".into()));
+    assert!(!receiver.contains(SeqId(2)));
+    assert_eq!(receiver.stats().cached_pages, 0);
+    assert_eq!(receiver.cached_prefix_len(&ids, &opts).unwrap(), 0);
+    receiver.check_invariants().unwrap();
     // With a working storage the same buffer imports.
     faulty.failing_layer = usize::MAX;
     import_group_sequence(&mut receiver, &mut faulty, SeqId(2), &wire).unwrap();
@@ -1276,8 +1289,8 @@ fn a_group_export_re_pages_to_another_block_size_when_the_holes_are_whole_blocks
             write_step(&mut st, &step, pos, 2);
         }
         let holes = check_sequence_bytes(&kv, &st, SeqId(1), 2);
-        let mut wire = vec![0u8; exported_group_len(&kv, &st, SeqId(1)).unwrap()];
-        export_group_sequence(&kv, &st, SeqId(1), &mut wire).unwrap();
+        let mut wire = vec![0u8; exported_group_len(&kv, &st, SeqId(1), false).unwrap()];
+        export_group_sequence(&kv, &st, SeqId(1), None, &mut wire).unwrap();
         (holes, wire)
     };
     let receiver = || {
@@ -1311,4 +1324,89 @@ fn a_group_export_re_pages_to_another_block_size_when_the_holes_are_whole_blocks
         "{e:?}"
     );
     assert_eq!(snapshot(&kv), snap);
+}
+
+#[test]
+fn a_group_export_with_token_ids_imports_through_the_prefix_caches() {
+    use pagedkv::{export_group_sequence, exported_group_len, GroupExportView};
+    let l = layout(4, 2);
+    let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
+    let opts = AdmitOptions::default();
+    let tokens: Vec<u32> = (100..123).collect();
+    let mut sender = KvCacheGroups::new(&specs, 32).unwrap();
+    let mut sender_kv = HostStorage::new(l, 32).unwrap();
+    let mut step = GroupStep::default();
+    sender
+        .admit_tokens(SeqId(1), &tokens, &opts, &mut step)
+        .unwrap();
+    write_step(&mut sender_kv, &step, 0, 2);
+    let export = |kv: &KvCacheGroups, st: &HostStorage, ids: Option<&[u32]>| {
+        let mut wire = vec![0u8; exported_group_len(kv, st, SeqId(1), ids.is_some()).unwrap()];
+        export_group_sequence(kv, st, SeqId(1), ids, &mut wire).map(|_| wire)
+    };
+    assert!(matches!(
+        export(&sender, &sender_kv, Some(&tokens[1..])),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    // Right after the prefill: no holes yet.
+    let wire = export(&sender, &sender_kv, Some(&tokens)).unwrap();
+    let view = GroupExportView::parse(&wire).unwrap();
+    // Records whose token ids disagree (each checksummed on its own) are refused.
+    let other: Vec<u32> = tokens.iter().map(|t| t + 1).collect();
+    let mut spliced = export(&sender, &sender_kv, Some(&other)).unwrap();
+    let second = 40 + 24 * 2 + view.records()[0].view.header().total_len();
+    spliced[..second].copy_from_slice(&wire[..second]);
+    assert!(matches!(
+        GroupExportView::parse(&spliced),
+        Err(Error::ExportFormat { .. })
+    ));
+
+    let mut rx = KvCacheGroups::new(&specs, 32).unwrap();
+    let mut rx_kv = HostStorage::new(l, 32).unwrap();
+    let a = view
+        .import_into_cache(&mut rx, &mut rx_kv, SeqId(10), &opts)
+        .unwrap();
+    assert_eq!(a.cached_tokens, 0);
+    check_sequence_bytes(&rx, &rx_kv, SeqId(10), 2);
+    // The same conversation again: the prefix every group serves is shared (the
+    // window group's from the live sequence 10), only the rest is written.
+    let looked = rx.cached_prefix_len(&tokens, &opts).unwrap();
+    assert_eq!(looked, 20);
+    let used = rx.stats().used_pages;
+    let b = view
+        .import_into_cache(&mut rx, &mut rx_kv, SeqId(11), &opts)
+        .unwrap();
+    assert_eq!(b.cached_tokens, 20);
+    assert_eq!(rx.stats().used_pages, used + 2);
+    check_sequence_bytes(&rx, &rx_kv, SeqId(11), 2);
+    rx.check_invariants().unwrap();
+
+    // Refusals change nothing: no token ids; window holes.
+    let snap = snapshot(&rx);
+    let plain = export(&sender, &sender_kv, None).unwrap();
+    let e = GroupExportView::parse(&plain).unwrap().import_into_cache(
+        &mut rx,
+        &mut rx_kv,
+        SeqId(12),
+        &opts,
+    );
+    assert!(matches!(e, Err(Error::ExportFormat { .. })), "{e:?}");
+    let mut ids = tokens.clone();
+    for t in 0..10 {
+        sender
+            .append_tokens(SeqId(1), &[200 + t], &mut step)
+            .unwrap();
+        write_step(&mut sender_kv, &step, 23 + t as usize, 2);
+        ids.push(200 + t);
+    }
+    let holed = export(&sender, &sender_kv, Some(&ids)).unwrap();
+    let holed = GroupExportView::parse(&holed).unwrap();
+    assert!(holed.records()[1].holes > 0);
+    let e = holed.import_into_cache(&mut rx, &mut rx_kv, SeqId(12), &opts);
+    assert!(matches!(e, Err(Error::Unsupported(_))), "{e:?}");
+    assert_eq!(snapshot(&rx), snap);
+    // The holed export still imports without the caches, holes and all.
+    holed.import_into(&mut rx, &mut rx_kv, SeqId(12)).unwrap();
+    check_sequence_bytes(&rx, &rx_kv, SeqId(12), 2);
+    rx.check_invariants().unwrap();
 }

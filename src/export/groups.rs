@@ -22,8 +22,8 @@
 //!     prefill_kv.write_slots(0, slots, &[7; 16], &[8; 16])?;
 //! }
 //!
-//! let mut wire = vec![0; exported_group_len(&prefill, &prefill_kv, SeqId(1))?];
-//! export_group_sequence(&prefill, &prefill_kv, SeqId(1), &mut wire)?;
+//! let mut wire = vec![0; exported_group_len(&prefill, &prefill_kv, SeqId(1), false)?];
+//! export_group_sequence(&prefill, &prefill_kv, SeqId(1), None, &mut wire)?;
 //!
 //! let (mut decode, mut decode_kv) = (KvCacheGroups::new(&specs, 16)?, HostStorage::new(l, 16)?);
 //! import_group_sequence(&mut decode, &mut decode_kv, SeqId(5), &wire)?;
@@ -67,16 +67,20 @@
 //! record compatible with its group's layout ([`super::ExportHeader::check_compatible`];
 //! block sizes may differ, but a window group's holes must be whole blocks of the
 //! receiver), then the pages of every group against the arena
-//! ([`Error::OutOfBlocks`]). Records carry no token ids: the imported sequence is
-//! registered in no prefix cache.
+//! ([`Error::OutOfBlocks`]). With token ids (in every record, each carrying its
+//! tokens' ids, checked to agree), [`GroupExportView::import_into_cache`] imports
+//! through the receiver's prefix caches, for a sequence without window holes (an
+//! export right after the prefill).
 
 use crate::error::{Error, Result};
 use crate::executor::storage::Storage;
 use crate::ids::{BlockId, SeqId};
 use crate::manager::groups::{GroupStep, KvCacheGroups};
+use crate::pool::prefix::{Admission, AdmitOptions};
 
 use super::{
-    check_storage, export_blocks, exported_len, format_err, read_u32, read_u64, xxh64, ExportView,
+    check_storage, export_blocks, exported_len, format_err, read_u32, read_u64, row_bytes, xxh64,
+    ExportView,
 };
 
 /// First 8 bytes of every group export.
@@ -107,6 +111,7 @@ fn parts<'a, S: Storage + ?Sized>(
     groups: &'a KvCacheGroups,
     storage: &S,
     seq: SeqId,
+    with_token_ids: bool,
 ) -> Result<(usize, Vec<Part<'a>>)> {
     if !groups.contains(seq) {
         return Err(Error::UnknownSequence(seq));
@@ -128,7 +133,7 @@ fn parts<'a, S: Storage + ?Sized>(
             holes,
             held: &table[holes..],
             tokens,
-            record_len: exported_len(kv.layout(), tokens, false)?,
+            record_len: exported_len(kv.layout(), tokens, with_token_ids)?,
         });
     }
     Ok((num_tokens, out))
@@ -143,7 +148,7 @@ fn total_len(parts: &[Part<'_>]) -> Result<usize> {
         .ok_or_else(|| Error::Unsupported("group export size overflows usize".into()))
 }
 
-/// Bytes [`export_group_sequence`] writes for `seq` now.
+/// Bytes [`export_group_sequence`] writes for `seq` now, with or without token ids.
 ///
 /// # Errors
 /// As [`export_group_sequence`], except for the buffer.
@@ -151,26 +156,38 @@ pub fn exported_group_len<S: Storage + ?Sized>(
     groups: &KvCacheGroups,
     storage: &S,
     seq: SeqId,
+    with_token_ids: bool,
 ) -> Result<usize> {
-    total_len(&parts(groups, storage, seq)?.1)
+    total_len(&parts(groups, storage, seq, with_token_ids)?.1)
 }
 
 /// Exports every computed token of `seq` in every group of `groups` (their K/V in
 /// `storage`, shared by all groups, so every group's layout must be the storage's)
 /// into `out` (see the [module docs](self) for the format); returns the bytes written.
+/// `token_ids`, when given, travel in every record (a holed record carries the ids of
+/// its tokens), for [`GroupExportView::import_into_cache`].
 ///
 /// # Errors
 /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when the sequence's bytes are
 /// not readable (swapped out, or a swap in flight); [`Error::InvalidConfig`] when a
-/// group's layout is not the storage's; [`Error::ShapeMismatch`] when `out` is too short; as [`export_blocks`]. Nothing
-/// changes; `out` holds unspecified bytes after an error.
+/// group's layout is not the storage's; [`Error::ShapeMismatch`] when `out` is too
+/// short or `token_ids` is not one per computed token; as [`export_blocks`]. Nothing changes; `out` holds unspecified bytes after
+/// an error.
 pub fn export_group_sequence<S: Storage + ?Sized>(
     groups: &KvCacheGroups,
     storage: &S,
     seq: SeqId,
+    token_ids: Option<&[u32]>,
     out: &mut [u8],
 ) -> Result<usize> {
-    let (num_tokens, parts) = parts(groups, storage, seq)?;
+    let (num_tokens, parts) = parts(groups, storage, seq, token_ids.is_some())?;
+    if let Some(ids) = token_ids.filter(|ids| ids.len() != num_tokens) {
+        return Err(Error::ShapeMismatch {
+            what: "token ids for the exported tokens",
+            expected: num_tokens,
+            got: ids.len(),
+        });
+    }
     let total = total_len(&parts)?;
     if out.len() < total {
         return Err(Error::ShapeMismatch {
@@ -182,7 +199,8 @@ pub fn export_group_sequence<S: Storage + ?Sized>(
     let (head, mut rest) = out[..total].split_at_mut(header_len(parts.len()));
     for p in &parts {
         let (record, tail) = rest.split_at_mut(p.record_len);
-        export_blocks(storage, p.held, p.tokens, None, record)?;
+        let ids = token_ids.map(|ids| &ids[num_tokens - p.tokens..]);
+        export_blocks(storage, p.held, p.tokens, ids, record)?;
         rest = tail;
     }
     head.fill(0);
@@ -340,6 +358,19 @@ impl<'a> GroupExportView<'a> {
             });
             at += len;
         }
+        let with_ids = records[0].view.header().has_token_ids();
+        // Every record's ids are the tail of a whole record's (when one has no holes).
+        let whole = records.iter().find(|r| r.holes == 0);
+        for r in &records {
+            let agree = r.view.header().has_token_ids() == with_ids
+                && whole.map_or(true, |w| {
+                    let skip = num_tokens - r.view.header().num_tokens();
+                    w.view.token_ids().skip(skip).eq(r.view.token_ids())
+                });
+            if !agree {
+                return Err(format_err("token ids (the same in every record)", 1, 0));
+            }
+        }
         Ok(GroupExportView {
             num_tokens,
             records,
@@ -374,6 +405,69 @@ impl<'a> GroupExportView<'a> {
         storage: &mut S,
         seq: SeqId,
     ) -> Result<()> {
+        let holes = self.receiver_holes(groups, storage)?;
+        let mut step = GroupStep::default();
+        groups.admit_with_holes(seq, self.num_tokens, &holes, &mut step)?;
+        self.write(groups, storage, seq, &step, 0)
+    }
+
+    /// [`Self::import_into`] through the receiver's prefix caches
+    /// ([`KvCacheGroups::admit_tokens`] with the exported token ids): a prefix every
+    /// group already serves is shared instead of written, and the imported full blocks
+    /// are registered in the full and latent groups. Only the uncached tokens' K/V is
+    /// written. Returns what the admission did.
+    ///
+    /// # Errors
+    /// [`Error::ExportFormat`] when the export carries no token ids;
+    /// [`Error::Unsupported`] when a window group's part has holes (the prefix caches
+    /// admit whole prompts: export right after the prefill, before the window moves);
+    /// otherwise as [`Self::import_into`] and [`KvCacheGroups::admit_tokens`], all
+    /// before anything changes. If the storage fails a write, the sequence is freed
+    /// and every evictable cached page evicted, so a page registered by this call but
+    /// never written cannot be hit later.
+    pub fn import_into_cache<S: Storage + ?Sized>(
+        &self,
+        groups: &mut KvCacheGroups,
+        storage: &mut S,
+        seq: SeqId,
+        opts: &AdmitOptions<'_>,
+    ) -> Result<Admission> {
+        let Some(first) = self
+            .records
+            .first()
+            .filter(|r| r.view.header().has_token_ids())
+        else {
+            return Err(format_err(
+                "token ids (needed to use the prefix cache)",
+                1,
+                0,
+            ));
+        };
+        if let Some((g, r)) = self.records.iter().enumerate().find(|(_, r)| r.holes > 0) {
+            return Err(Error::Unsupported(format!(
+                "import through the prefix caches of a sequence whose group {g} has {} \
+                 window holes",
+                r.holes
+            )));
+        }
+        self.receiver_holes(groups, storage)?;
+        let tokens: Vec<u32> = first.view.token_ids().collect();
+        let mut step = GroupStep::default();
+        let admission = groups.admit_tokens(seq, &tokens, opts, &mut step)?;
+        if let Err(e) = self.write(groups, storage, seq, &step, admission.cached_tokens) {
+            groups.evict_cached(usize::MAX);
+            return Err(e);
+        }
+        Ok(admission)
+    }
+
+    /// Checks that `groups` and `storage` can take this export; returns each group's
+    /// holes in the receiver's blocks.
+    fn receiver_holes<S: Storage + ?Sized>(
+        &self,
+        groups: &KvCacheGroups,
+        storage: &S,
+    ) -> Result<Vec<usize>> {
         if self.records.len() != groups.num_groups() {
             return Err(Error::ExportShape {
                 what: "num_groups",
@@ -393,7 +487,7 @@ impl<'a> GroupExportView<'a> {
                 });
             }
             r.view.header().check_compatible(kv.layout())?;
-            check_storage(kv, &*storage)?;
+            check_storage(kv, storage)?;
             let hole_tokens = r.holes * r.view.header().layout().block_size();
             if hole_tokens % kv.block_size() != 0 {
                 return Err(Error::ExportShape {
@@ -404,13 +498,29 @@ impl<'a> GroupExportView<'a> {
             }
             holes.push(hole_tokens / kv.block_size());
         }
-        let mut step = GroupStep::default();
-        groups.admit_with_holes(seq, self.num_tokens, &holes, &mut step)?;
+        Ok(holes)
+    }
+
+    /// Writes every record's tokens from position `skip` on (and past its holes) into
+    /// the slots of `step`; frees `seq` when a write fails.
+    fn write<S: Storage + ?Sized>(
+        &self,
+        groups: &mut KvCacheGroups,
+        storage: &mut S,
+        seq: SeqId,
+        step: &GroupStep,
+        skip: usize,
+    ) -> Result<()> {
         for (r, slots) in self.records.iter().zip(&step.slots) {
-            let layers = r.view.header().layout().num_layers();
-            for layer in 0..layers {
+            let layout = r.view.header().layout();
+            let first = self.num_tokens - r.view.header().num_tokens();
+            let at = skip.saturating_sub(first) * row_bytes(layout);
+            for layer in 0..layout.num_layers() {
                 let written = match r.view.layer(layer) {
-                    Some((k, v)) => storage.write_slots(layer, slots, k, v),
+                    // A latent layout's V is empty.
+                    Some((k, v)) => {
+                        storage.write_slots(layer, slots, &k[at..], &v[at.min(v.len())..])
+                    }
                     None => Ok(()),
                 };
                 if let Err(e) = written {

@@ -862,6 +862,16 @@ impl KvCacheGroups {
         self.finish_swap(job, KvCacheManager::abort_swap)
     }
 
+    /// Evicts up to `max_pages` cached pages from the groups' prefix caches (each by
+    /// its group's policy, group 0 first); returns how many were evicted.
+    pub fn evict_cached(&mut self, max_pages: usize) -> usize {
+        let mut evicted = 0;
+        for kv in &mut self.groups {
+            evicted += kv.evict_cached(max_pages - evicted);
+        }
+        evicted
+    }
+
     /// Whether `seq` is swapped out (in every group).
     pub fn is_swapped(&self, seq: SeqId) -> bool {
         !is_hidden(seq) && self.groups[0].is_swapped(seq)
