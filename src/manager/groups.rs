@@ -37,6 +37,9 @@
 //! spans the whole tier; a hidden swapped sequence holds the host blocks other groups
 //! own, and free host blocks move to the group that needs them). A window group moves
 //! only the blocks a sequence still holds; its holes come back as holes.
+//!
+//! Export and import of one sequence across every group (window holes stay holes):
+//! [`crate::export::groups`].
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqId, SwapTicket};
