@@ -10,6 +10,7 @@
 //! cargo run --release --example serve -- --elastic     # shrink the arena mid-trace, then grow it
 //! cargo run --release --example serve -- --svg kv.svg  # KV memory over time, paged vs contiguous
 //! cargo run --release --example serve -- --backend cuda  # the same runs on CudaStorage + CUDA kernels, checked against the host
+//! cargo run --release --example serve -- --hybrid      # Gemma-3-like hybrid: KV-cache groups
 //! cargo run --release --example serve -- --help
 //! ```
 
@@ -31,6 +32,9 @@ use pagedkv::{
     ModelConfig, PaddedTables, SeqId, Slot, Storage, SwapPlan,
 };
 use pagedkv::{PreemptAction, PreemptPolicy, TierConfig};
+
+#[path = "serve_hybrid/mod.rs"]
+mod hybrid;
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Continuous-batching simulation: paged vs contiguous KV allocation on one arena")]
@@ -1089,6 +1093,9 @@ struct Outcome {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::args().any(|a| a == "--hybrid") {
+        return hybrid::main(); // its own trace and flags: see examples/serve_hybrid/mod.rs
+    }
     let args = Args::parse();
     let checks = gpu::SharedChecks::default();
     checks.borrow_mut().tolerance = gpu::tolerance(args.max_len);

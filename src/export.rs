@@ -60,15 +60,20 @@
 //! | 72 | `u64` x 4 | sender's arena strides in elements: block, K/V, head, token |
 //! | 104 | `u64` | `num_tokens` |
 //! | 112 | `u64` | `num_blocks` = `ceil(num_tokens / block_size)` |
-//! | 120 | `u64` | reserved, 0 |
+//! | 120 | `u32` | reserved, 0 |
+//! | 124 | `u32` | `kv_lora_rank`: 0 for separate K and V; otherwise a latent (MLA) layout ([`KvKind::Latent`]) of one vector of `head_dim` per token, `rope_dim = head_dim - kv_lora_rank` |
 //!
 //! then the token ids (`num_tokens` x `u32`, zero-padded to a multiple of 8 bytes) when
 //! flag bit 0 is set, then one `u64` content hash per sender block, then the payload at
 //! offset `header_len`: for each layer, K then V, each `[num_tokens, num_kv_heads,
-//! head_dim]` in the cache dtype, i.e. exactly what [`Storage::read_tokens`] returns.
+//! head_dim]` in the cache dtype, i.e. exactly what [`Storage::read_tokens`] returns
+//! (a latent layout: the `[num_tokens, head_dim]` latent vectors of each layer, no V).
+//! Bytes 120..128 were one reserved `u64` before latent layouts: a K/V export is
+//! byte-for-byte what it was, and a build that predates latent exports refuses one
+//! as a nonzero reserved field.
 //!
 //! The hash of block `b` is XXH64 over its tokens' rows of the payload, in payload
-//! order (layer 0 K, layer 0 V, layer 1 K, ...). Together the hashes cover every payload
+//! order (layer 0 K, layer 0 V, layer 1 K, ...; a latent layout: layer 0, layer 1, ...). Together the hashes cover every payload
 //! byte once, so they are the payload checksum, and a mismatch names the block. They
 //! are content checksums, not the prefix cache's chained token hashes (the prefix cache
 //! is being built on another branch; registering imported blocks in it is left to
@@ -97,9 +102,11 @@ use rayon::prelude::*;
 use crate::error::{Error, Result};
 use crate::executor::storage::Storage;
 use crate::ids::{BlockId, SeqId};
-use crate::layout::shape::{DType, ModelShape};
+use crate::layout::shape::{DType, KvKind, ModelShape};
 use crate::layout::{KvLayout, Strides};
 use crate::manager::KvCacheManager;
+
+pub mod groups;
 
 /// First 8 bytes of every export.
 pub const EXPORT_MAGIC: [u8; 8] = *b"PAGEDKV\0";
@@ -131,6 +138,7 @@ mod off {
     pub const NUM_TOKENS: usize = 104;
     pub const NUM_BLOCKS: usize = 112;
     pub const RESERVED: usize = 120;
+    pub const KV_LORA_RANK: usize = 124;
 }
 
 fn dtype_code(d: DType) -> u32 {
@@ -223,7 +231,7 @@ fn too_long(layout: &KvLayout, num_tokens: usize) -> Error {
 fn block_hashes(layout: &KvLayout, num_tokens: usize, payload: &[u8]) -> Vec<u64> {
     let bs = layout.block_size();
     let row = row_bytes(layout);
-    let halves = 2 * layout.num_layers();
+    let halves = layout.kind().vectors_per_head() * layout.num_layers();
     (0..layout.blocks_for_tokens(num_tokens))
         .into_par_iter()
         .with_min_len(4)
@@ -240,6 +248,14 @@ fn block_hashes(layout: &KvLayout, num_tokens: usize, payload: &[u8]) -> Vec<u64
 }
 
 // ---- header ------------------------------------------------------------------------
+
+/// The header's `kv_lora_rank` of a layout: 0 for separate K and V.
+fn kv_lora_rank(layout: &KvLayout) -> usize {
+    match layout.kind() {
+        KvKind::Standard => 0,
+        KvKind::Latent { kv_lora_rank, .. } => kv_lora_rank,
+    }
+}
 
 /// What the fixed part of an export header says, after validation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -314,8 +330,8 @@ impl ExportHeader {
         if flags & !KNOWN_FLAGS != 0 {
             return Err(format_err("flags", KNOWN_FLAGS.into(), flags.into()));
         }
-        if u64_at(off::RESERVED) != 0 {
-            return Err(format_err("reserved", 0, u64_at(off::RESERVED)));
+        if u32_at(off::RESERVED) != 0 {
+            return Err(format_err("reserved", 0, u32_at(off::RESERVED).into()));
         }
         let code = u32_at(off::DTYPE);
         let kv_dtype = dtype_from_code(code).ok_or(format_err("dtype code", 3, code.into()))?;
@@ -326,7 +342,21 @@ impl ExportHeader {
             head_dim: u32_at(off::HEAD_DIM) as usize,
             kv_dtype,
         };
-        let layout = KvLayout::new(shape, u32_at(off::BLOCK_SIZE) as usize)?;
+        let kind = match u32_at(off::KV_LORA_RANK) as usize {
+            0 => KvKind::Standard,
+            rank if rank < shape.head_dim => KvKind::Latent {
+                kv_lora_rank: rank,
+                rope_dim: shape.head_dim - rank,
+            },
+            rank => {
+                return Err(format_err(
+                    "kv_lora_rank (below head_dim)",
+                    shape.head_dim as u64,
+                    rank as u64,
+                ))
+            }
+        };
+        let layout = KvLayout::with_kind(shape, u32_at(off::BLOCK_SIZE) as usize, kind)?;
         let s = layout.strides();
         for (i, (what, want)) in [
             ("stride_block", s.block),
@@ -431,6 +461,13 @@ impl ExportHeader {
                 });
             }
         }
+        if self.layout.kind() != receiver.kind() {
+            return Err(Error::ExportShape {
+                what: "kv_lora_rank (0: separate K and V)",
+                sender: kv_lora_rank(&self.layout),
+                receiver: kv_lora_rank(receiver),
+            });
+        }
         if s.kv_dtype != r.kv_dtype {
             return Err(Error::ExportDType {
                 sender: s.kv_dtype.name(),
@@ -482,7 +519,9 @@ pub fn export_blocks<S: Storage + ?Sized>(
     let (head, payload) = out[..total].split_at_mut(l.header);
 
     let half = num_tokens * row_bytes(&layout);
-    for (layer, kv) in payload.chunks_exact_mut(2 * half.max(1)).enumerate() {
+    let per_layer = layout.kind().vectors_per_head() * half;
+    for (layer, kv) in payload.chunks_exact_mut(per_layer.max(1)).enumerate() {
+        // A latent layout's one vector travels as K, with an empty V.
         let (k, v) = kv.split_at_mut(half);
         storage.read_tokens(layer, table, num_tokens, k, v)?;
     }
@@ -533,6 +572,7 @@ pub fn export_blocks<S: Storage + ?Sized>(
         (off::NUM_KV_HEADS, shape.num_kv_heads),
         (off::HEAD_DIM, shape.head_dim),
         (off::BLOCK_SIZE, layout.block_size()),
+        (off::KV_LORA_RANK, kv_lora_rank(&layout)),
     ] {
         put(o, &(v as u32).to_le_bytes());
     }
@@ -690,14 +730,16 @@ impl<'a> ExportView<'a> {
         &self.bytes[self.header.header_len()..]
     }
 
-    /// One layer's K and V, each `[num_tokens, num_kv_heads, head_dim]`, or `None` for a
-    /// layer past the last.
+    /// One layer's K and V, each `[num_tokens, num_kv_heads, head_dim]` (a latent
+    /// layout: its `[num_tokens, head_dim]` latent vectors and an empty V), or `None`
+    /// for a layer past the last.
     pub fn layer(&self, layer: usize) -> Option<(&'a [u8], &'a [u8])> {
         if layer >= self.header.layout.num_layers() {
             return None;
         }
         let half = self.header.num_tokens * row_bytes(&self.header.layout);
-        let kv = &self.payload()[2 * layer * half..2 * (layer + 1) * half];
+        let per_layer = self.header.layout.kind().vectors_per_head() * half;
+        let kv = &self.payload()[layer * per_layer..(layer + 1) * per_layer];
         Some(kv.split_at(half))
     }
 
@@ -782,7 +824,13 @@ impl<'a> ExportView<'a> {
         for layer in 0..self.header.layout.num_layers() {
             let written = match self.layer(layer) {
                 Some((k, v)) => {
-                    storage.write_slots(layer, &slots, &k[cached * row..], &v[cached * row..])
+                    // A latent layout's V is empty.
+                    storage.write_slots(
+                        layer,
+                        &slots,
+                        &k[cached * row..],
+                        &v[(cached * row).min(v.len())..],
+                    )
                 }
                 None => Ok(()),
             };

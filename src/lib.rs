@@ -35,6 +35,9 @@ pub use error::{Error, Result};
 pub use executor::shard::ShardedStorage;
 pub use executor::storage::{HostStorage, Storage, SwapFence};
 pub use executor::tier::{DiskTier, TransferEngine, TransferEvent};
+pub use export::groups::{
+    export_group_sequence, exported_group_len, import_group_sequence, GroupExportView, GroupRecord,
+};
 pub use export::{
     export_blocks, export_sequence, exported_len, import_sequence, ExportHeader, ExportView,
     ImportedSequence,
@@ -43,6 +46,9 @@ pub use ids::{BlockId, DiskSlot, PinId, SeqHandle, SeqId, SwapTicket};
 pub use layout::plans::{BlockCopy, CopyPlan, MovePlan, SwapDirection, SwapPair, SwapPlan};
 pub use layout::shape::{DType, KvKind, ModelConfig, ModelShape};
 pub use layout::{Kv, KvLayout, Slot};
+pub use manager::groups::{
+    GroupSpec, GroupStats, GroupStep, GroupSwapJob, KvCacheGroups, PendingGroupDefrag,
+};
 pub use manager::preempt::{
     CostModel, PreemptAction, PreemptEvent, PreemptMode, PreemptPolicy, PreemptReason, Preemption,
 };

@@ -103,6 +103,7 @@ use std::fmt;
 use crate::error::{Error, Result};
 use crate::layout::shape::{builtin, DType, KvKind, ModelConfig, QuantScheme, Quantization};
 use crate::layout::KvLayout;
+use crate::manager::groups::GroupSpec;
 
 /// Bytes in one GiB.
 pub const GIB: u64 = 1 << 30;
@@ -1056,6 +1057,37 @@ impl PlanInput {
                 KvLayout::with_kind(shape, self.block_size, kind)
             }
         }
+    }
+
+    /// The KV-cache groups of one GPU, for [`crate::KvCacheGroups`]: the model's layers
+    /// split into groups of the same number of layers, so that every group's page has
+    /// the same bytes (vLLM's hybrid allocator does the same): `gcd(full layers, window
+    /// layers)` layers a group, the full-attention (or latent) groups first, then the
+    /// window groups with the config's window (see [`window_layers`]). A model without
+    /// window layers is one group of every layer. Group `g`'s layer slot `j` holds the
+    /// `j`-th layer of its kind in that group's share, in model order; that mapping is
+    /// the engine's. Gemma-3 (8 global, 40 local layers) gives one full group and five
+    /// window groups of 8 layers; gpt-oss-20b (12 and 12) one of each.
+    ///
+    /// # Errors
+    /// As the plan's layout: [`Error::InvalidConfig`] for a shape the layout refuses.
+    pub fn kv_cache_groups(&self) -> Result<Vec<GroupSpec>> {
+        let layout = self.layout()?;
+        let layers = layout.shape().num_layers;
+        let (windowed, window) = window_layers(&self.model.config.arch, layers);
+        let full = layers - windowed;
+        let (mut a, mut b) = (full, windowed);
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        let per_group = a;
+        let mut shape = *layout.shape();
+        shape.num_layers = per_group;
+        let group = KvLayout::with_kind(shape, self.block_size, layout.kind())?;
+        let mut specs = vec![GroupSpec::full(group); full / per_group];
+        specs
+            .extend(std::iter::repeat(GroupSpec::window(group, window)).take(windowed / per_group));
+        Ok(specs)
     }
 
     /// The estimated reserve for activations and workspace of one GPU (module docs).

@@ -14,6 +14,10 @@ use pagedkv::{
     ShardedStorage, Storage,
 };
 
+#[path = "common/faulty_storage.rs"]
+mod faulty_storage;
+use faulty_storage::FaultyStorage;
+
 const LAYERS: usize = 3;
 const KV_HEADS: usize = 4;
 const HEAD_DIM: usize = 8;
@@ -584,35 +588,6 @@ fn receiver_refusals_allocate_nothing() {
     rx.c.mgr.check_invariants().unwrap();
 }
 
-/// A storage whose writes to one layer fail, as a device fault would.
-struct FaultyStorage {
-    inner: HostStorage,
-    failing_layer: usize,
-}
-
-// No host tier: per-layer swaps and host-block I/O keep the trait's refusal.
-pagedkv::delegate_storage! {
-    FaultyStorage => inner, except [
-        write_slots, num_host_blocks, swap_layer, read_host_block, write_host_block,
-    ];
-
-    fn write_slots(
-        &mut self,
-        layer: usize,
-        slots: &[pagedkv::Slot],
-        k: &[u8],
-        v: &[u8],
-    ) -> pagedkv::Result<()> {
-        if layer == self.failing_layer {
-            return Err(Error::Cuda("simulated fault".into()));
-        }
-        self.inner.write_slots(layer, slots, k, v)
-    }
-    fn num_host_blocks(&self) -> usize {
-        0
-    }
-}
-
 #[test]
 fn a_storage_fault_during_import_frees_the_new_sequence() {
     let (good, _, _) = good_export();
@@ -681,4 +656,146 @@ fn imports_go_through_the_receivers_prefix_cache() {
     );
     assert!(matches!(err, Err(Error::ExportFormat { .. })));
     assert_eq!(receiver.mgr.stats(), before);
+}
+
+/// A DeepSeek-like latent layout in miniature: 2 layers, latent 6 + rope 2, f16.
+fn latent_layout(block_size: usize) -> KvLayout {
+    let kind = pagedkv::KvKind::Latent {
+        kv_lora_rank: 6,
+        rope_dim: 2,
+    };
+    KvLayout::with_kind(ModelShape::latent(2, 4, 6, 2, DType::F16), block_size, kind).unwrap()
+}
+
+/// Admits `seq` with `n` tokens in `mgr` and writes latent bytes that name the token,
+/// the layer and `salt`; returns every layer's latents.
+fn latent_prefill(
+    mgr: &mut KvCacheManager,
+    kv: &mut HostStorage,
+    seq: SeqId,
+    n: usize,
+    salt: u8,
+) -> Vec<Vec<u8>> {
+    let mut slots = Vec::new();
+    mgr.admit(seq, n, &mut slots).unwrap();
+    let width = 8 * 2;
+    (0..2)
+        .map(|layer| {
+            let bytes: Vec<u8> = (0..n * width)
+                .map(|i| (i / width * 7 + i % width * 3 + layer * 101) as u8 ^ salt)
+                .collect();
+            kv.write_slots(layer, &slots, &bytes, &[]).unwrap();
+            bytes
+        })
+        .collect()
+}
+
+fn read_latents(mgr: &KvCacheManager, kv: &HostStorage, seq: SeqId) -> Vec<Vec<u8>> {
+    let (table, n) = mgr.readable_blocks(seq).unwrap();
+    (0..2)
+        .map(|layer| {
+            let mut k = vec![0u8; n * 16];
+            kv.read_tokens(layer, table, n, &mut k, &mut []).unwrap();
+            k
+        })
+        .collect()
+}
+
+#[test]
+fn a_latent_layout_round_trips_and_is_refused_by_a_kv_receiver() {
+    let sender_layout = latent_layout(4);
+    let mut sender = KvCacheManager::new(sender_layout, pagedkv::CacheConfig::new(16)).unwrap();
+    let mut sender_kv = HostStorage::new(sender_layout, 16).unwrap();
+    let want = latent_prefill(&mut sender, &mut sender_kv, SeqId(1), 23, 0x5a);
+    let ids = ids_for(23, 3);
+    let mut wire = vec![0u8; exported_len(&sender_layout, 23, true).unwrap()];
+    export_sequence(&sender, &sender_kv, SeqId(1), Some(&ids), &mut wire).unwrap();
+    // One vector per token and layer: half a K/V payload of the same width.
+    let view = ExportView::parse(&wire).unwrap();
+    assert_eq!(view.header().layout(), &sender_layout);
+    assert_eq!(view.header().payload_len(), 23 * 2 * 16);
+    assert_eq!(view.layer(1).unwrap(), (&want[1][..], &[][..]));
+    assert_eq!(u32::from_le_bytes(wire[124..128].try_into().unwrap()), 6);
+
+    // The receiver pages by 8 tokens: re-paged, every latent byte the same.
+    let rx_layout = latent_layout(8);
+    let mut rx = KvCacheManager::new(rx_layout, pagedkv::CacheConfig::new(16)).unwrap();
+    let mut rx_kv = HostStorage::new(rx_layout, 16).unwrap();
+    let got = import_sequence(&mut rx, &mut rx_kv, SeqId(7), &wire).unwrap();
+    assert_eq!((got.num_tokens, got.table.len()), (23, 3));
+    assert_eq!(read_latents(&rx, &rx_kv, SeqId(7)), want);
+    // Through the prefix cache: the second import shares the full blocks.
+    let opts = pagedkv::AdmitOptions::default();
+    view.import_into_cache(&mut rx, &mut rx_kv, SeqId(8), &opts)
+        .unwrap();
+    let (b, cached) = view
+        .import_into_cache(&mut rx, &mut rx_kv, SeqId(9), &opts)
+        .unwrap();
+    assert_eq!((b.num_tokens, cached), (23, 16));
+    assert_eq!(read_latents(&rx, &rx_kv, SeqId(9)), want);
+    rx.check_invariants().unwrap();
+
+    // A corrupted latent byte names its block; nothing is allocated.
+    let before = format!("{rx:?}");
+    let mut bad = wire.clone();
+    let at = view.header().header_len() + 16 * 23 + 5 * 16; // layer 1, token 5
+    bad[at] ^= 1;
+    let e = import_sequence(&mut rx, &mut rx_kv, SeqId(10), &bad).unwrap_err();
+    assert!(
+        matches!(&e, Error::Checksum { what, .. } if what.ends_with("block 1")),
+        "{e}"
+    );
+    // A rank that leaves no rope part, behind a valid checksum, is a format error.
+    let mut bad = wire.clone();
+    patch(&mut bad, 124, &8u32.to_le_bytes());
+    assert!(matches!(
+        import_sequence(&mut rx, &mut rx_kv, SeqId(10), &bad),
+        Err(Error::ExportFormat { .. })
+    ));
+    assert_eq!(format!("{rx:?}"), before);
+
+    // A K/V receiver of the same bytes per token refuses a latent export, and the
+    // other way round: the kinds differ.
+    let kv_shape = ModelShape {
+        num_layers: 2,
+        num_q_heads: 4,
+        num_kv_heads: 1,
+        head_dim: 8,
+        kv_dtype: DType::F16,
+    };
+    let kv_layout = KvLayout::new(kv_shape, 4).unwrap();
+    let mut kv_rx = KvCacheManager::new(kv_layout, pagedkv::CacheConfig::new(16)).unwrap();
+    let mut kv_rx_kv = HostStorage::new(kv_layout, 16).unwrap();
+    let e = import_sequence(&mut kv_rx, &mut kv_rx_kv, SeqId(1), &wire).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::ExportShape {
+                sender: 6,
+                receiver: 0,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(kv_rx.stats().used_blocks, 0);
+    let mut slots = Vec::new();
+    kv_rx.admit(SeqId(2), 5, &mut slots).unwrap();
+    let mut kv_wire = vec![0u8; exported_len(&kv_layout, 5, false).unwrap()];
+    export_sequence(&kv_rx, &kv_rx_kv, SeqId(2), None, &mut kv_wire).unwrap();
+    // A K/V export keeps its reserved bytes zero, as before latent layouts.
+    assert_eq!(&kv_wire[120..128], &[0; 8]);
+    let e = import_sequence(&mut rx, &mut rx_kv, SeqId(10), &kv_wire).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::ExportShape {
+                sender: 0,
+                receiver: 6,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(format!("{rx:?}"), before);
 }

@@ -994,3 +994,68 @@ fn gemma2_9b_sizes_window_layers_by_their_window() {
     full.context_tokens = 8192;
     assert_eq!(full.plan().unwrap().blocks_per_request, 512);
 }
+
+#[test]
+fn planner_splits_hybrid_models_into_kv_cache_groups_of_equal_pages() {
+    // gpt-oss-20b: 24 layers alternating window 128 and full; 8 KV heads of 64.
+    let i = PlanInput::new(data("gpt-oss-20b.json"), 80 * GIB);
+    let groups = i.kv_cache_groups().unwrap();
+    assert_eq!(groups.len(), 2);
+    assert_eq!((groups[0].window, groups[1].window), (None, Some(128)));
+    assert!(groups.iter().all(|g| g.layout.shape().num_layers == 12));
+    // Every page the same bytes; together the bytes of a whole-model block.
+    let page = groups[0].layout.block_bytes();
+    assert_eq!(page, 2 * 12 * 8 * 64 * 2 * 16);
+    assert_eq!(page * 2, i.plan().unwrap().block_bytes as usize);
+    let kv = pagedkv::KvCacheGroups::new(&groups, 64).unwrap();
+    assert_eq!(kv.num_groups(), 2);
+
+    // Gemma-2-9B: 42 layers, 21 local: two groups of 21.
+    let g = PlanInput::new(data("gemma-2-9b.json"), 80 * GIB)
+        .kv_cache_groups()
+        .unwrap();
+    assert_eq!(g.len(), 2);
+    assert_eq!(g[1].window, Some(4096));
+    assert_eq!(g[0].layout.shape().num_layers, 21);
+    // A Gemma-3-like split, 8 global and 40 local layers: 1 + 5 groups of 8.
+    let mut g3 = PlanInput::new(data("gemma-2-9b.json"), 80 * GIB);
+    g3.model.config.shape.num_layers = 48;
+    g3.model.config.arch.layer_types = (0..48)
+        .map(|l| {
+            if l % 6 == 5 {
+                "full_attention"
+            } else {
+                "sliding_attention"
+            }
+            .to_string()
+        })
+        .collect();
+    let g = g3.kv_cache_groups().unwrap();
+    let windows: Vec<_> = g.iter().map(|s| s.window).collect();
+    assert_eq!(
+        windows,
+        [
+            None,
+            Some(4096),
+            Some(4096),
+            Some(4096),
+            Some(4096),
+            Some(4096)
+        ]
+    );
+    assert!(g.iter().all(|s| s.layout.shape().num_layers == 8));
+
+    // No window: one group of every layer; DeepSeek-V3's is one latent group.
+    let g = PlanInput::new(data("llama-3-8b.json"), 80 * GIB)
+        .kv_cache_groups()
+        .unwrap();
+    assert_eq!(
+        (g.len(), g[0].window, g[0].layout.shape().num_layers),
+        (1, None, 32)
+    );
+    let g = PlanInput::new(data("deepseek-v3.json"), 80 * GIB)
+        .kv_cache_groups()
+        .unwrap();
+    assert_eq!((g.len(), g[0].layout.shape().num_layers), (1, 61));
+    assert!(matches!(g[0].layout.kind(), pagedkv::KvKind::Latent { .. }));
+}

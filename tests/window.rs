@@ -123,7 +123,7 @@ fn chunked_prefill_releases_at_commit_and_refuses_what_needs_released_blocks() {
     kv.check_invariants().unwrap();
     // Slots of released positions are refused.
     assert!(kv.slots(SeqId(1), 0..4, &mut slots).is_err());
-    // No prefix hits from a window manager; no swap-out of a holed sequence.
+    // No prefix hits from a window manager.
     let prompt: Vec<u32> = (0..16).collect();
     let opts = pagedkv::AdmitOptions::default();
     kv.admit_tokens(SeqId(2), &prompt, &opts, &mut slots)
@@ -137,7 +137,7 @@ fn chunked_prefill_releases_at_commit_and_refuses_what_needs_released_blocks() {
 }
 
 #[test]
-fn holed_sequence_is_not_swapped_and_preemption_recomputes_it() {
+fn holed_sequence_swaps_only_its_held_blocks_and_preemption_may_swap_it() {
     let mut kv = KvCacheManager::builder(layout(4, DType::F32, 4))
         .num_blocks(8)
         .watermark_blocks(0)
@@ -153,11 +153,25 @@ fn holed_sequence_is_not_swapped_and_preemption_recomputes_it() {
     for _ in 0..10 {
         kv.append(SeqId(1), 1, &mut slots, &mut copies).unwrap();
     }
-    assert!(kv.block_table(SeqId(1)).unwrap()[0] == BlockId::RELEASED);
-    assert!(matches!(
-        kv.swap_out(SeqId(1)),
-        Err(Error::SequenceState { .. })
-    ));
+    let table = kv.block_table(SeqId(1)).unwrap().to_vec();
+    let held = table.iter().filter(|&&b| b != BlockId::RELEASED).count();
+    assert!(table[0] == BlockId::RELEASED && held < table.len());
+    // Only the held blocks move; the holes come back as holes.
+    let job = kv.swap_out(SeqId(1)).unwrap();
+    assert_eq!(job.plan.len(), held);
+    kv.complete_swap(job.ticket).unwrap();
+    assert_eq!(kv.swapped_table(SeqId(1)).unwrap().len(), held);
+    kv.check_invariants().unwrap();
+    let job = kv.swap_in(SeqId(1)).unwrap();
+    assert_eq!(job.plan.len(), held);
+    kv.complete_swap(job.ticket).unwrap();
+    let back = kv.block_table(SeqId(1)).unwrap();
+    assert_eq!(back.len(), table.len());
+    assert!(back[..table.len() - held]
+        .iter()
+        .all(|&b| b == BlockId::RELEASED));
+    kv.append(SeqId(1), 1, &mut slots, &mut copies).unwrap();
+    kv.check_invariants().unwrap();
     let policy = pagedkv::PreemptPolicy {
         mode: pagedkv::PreemptMode::AlwaysSwap,
         cost: pagedkv::CostModel::new(1e9, 1e3).unwrap(),
@@ -166,8 +180,8 @@ fn holed_sequence_is_not_swapped_and_preemption_recomputes_it() {
         .preempt_for(kv.num_available_blocks() + 1, &policy)
         .unwrap();
     assert_eq!(p.len(), 1);
-    assert_eq!(p[0].reason, pagedkv::PreemptReason::WindowReleased);
-    assert!(!kv.contains(SeqId(1)));
+    assert_eq!(p[0].reason, pagedkv::PreemptReason::Forced);
+    assert!(matches!(p[0].action, pagedkv::PreemptAction::Swap(_)));
     kv.check_invariants().unwrap();
 }
 
@@ -497,4 +511,28 @@ proptest! {
         }
         prop_assert_eq!(e.kv.stats().used_blocks, 0);
     }
+}
+
+/// A window manager holds only the window, so its longest sequence is not capped by
+/// the arena: 8 blocks of 16 serve a 1,000-token decode with window 32. A full
+/// manager of the same arena refuses past 128 tokens.
+#[test]
+fn window_manager_decodes_past_its_arena() {
+    let mut kv = window_manager(16, 8, Some(32));
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+    kv.admit(SeqId(1), 16, &mut slots).unwrap();
+    for _ in 16..1000 {
+        kv.append(SeqId(1), 1, &mut slots, &mut copies).unwrap();
+    }
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.num_tokens(SeqId(1)).unwrap(), 1000);
+    let mut full = window_manager(16, 8, None);
+    full.admit(SeqId(1), 128, &mut slots).unwrap();
+    assert!(matches!(
+        full.append(SeqId(1), 1, &mut slots, &mut copies),
+        Err(Error::TooLong {
+            tokens: 129,
+            limit: 128
+        })
+    ));
 }

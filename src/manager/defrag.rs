@@ -496,7 +496,7 @@ impl KvCacheManager {
     /// destination, the source is freed, and every table entry naming a source is
     /// remapped in one pass. Validates the whole plan first, so an error leaves
     /// everything unchanged.
-    fn commit_moves(&mut self, plan: &MovePlan) -> Result<()> {
+    pub(crate) fn commit_moves(&mut self, plan: &MovePlan) -> Result<()> {
         let moves = plan.moves();
         let (Some(first), Some(last)) = (moves.first(), moves.last()) else {
             return Ok(());

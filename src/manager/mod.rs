@@ -5,6 +5,7 @@
 
 mod builder;
 mod defrag;
+pub mod groups;
 pub mod preempt;
 mod prefix;
 mod prefix_spill;
@@ -309,9 +310,13 @@ impl KvCacheManager {
         self.pool.num_free() + self.pool.num_cached() - self.prefix.pinned_cached()
     }
 
-    /// Longest sequence the manager accepts.
+    /// Longest sequence the manager accepts: `max_seq_len_tokens`, and without a
+    /// sliding window at most the arena (a window manager holds only the window).
     pub fn max_seq_len(&self) -> usize {
-        let arena = self.num_blocks() * self.block_size();
+        let arena = match self.window {
+            Some(_) => usize::MAX,
+            None => self.num_blocks() * self.block_size(),
+        };
         match self.config.max_seq_len_tokens {
             0 => arena,
             n => n.min(arena),

@@ -140,9 +140,6 @@ pub enum PreemptReason {
     HostTierFull,
     /// The policy forces this action.
     Forced,
-    /// The group's sliding window already gave blocks back, so a swap cannot restore
-    /// the whole sequence: only recomputing can.
-    WindowReleased,
 }
 
 /// What happened to one preempted group.
@@ -207,8 +204,6 @@ struct Candidate {
     blocks: usize,
     blocks_freed: usize,
     tokens: usize,
-    /// A sequence of the group has given blocks back to its sliding window.
-    released: bool,
 }
 
 impl KvCacheManager {
@@ -234,12 +229,10 @@ impl KvCacheManager {
             let mut refs: std::collections::HashMap<BlockId, u32> = Default::default();
             let mut tokens = 0;
             let mut priority = i32::MAX;
-            let mut released = false;
             for id in &seqs {
                 let s = self.resident(*id)?;
                 tokens += s.computed;
                 priority = priority.min(s.preempt_priority);
-                released |= s.released > 0;
                 for &b in &s.table[s.released..] {
                     *refs.entry(b).or_default() += 1;
                 }
@@ -257,7 +250,6 @@ impl KvCacheManager {
                 blocks: refs.len(),
                 blocks_freed,
                 tokens,
-                released,
             });
         }
         // Lowest priority first, then the most recent admission.
@@ -326,9 +318,7 @@ impl KvCacheManager {
                 PreemptMode::CostBased => (false, PreemptReason::RecomputeCheaper),
             };
             // A swap the host tier cannot take becomes a recompute.
-            let (swap, reason) = if swap && c.released {
-                (false, PreemptReason::WindowReleased)
-            } else if swap && c.blocks > host_free {
+            let (swap, reason) = if swap && c.blocks > host_free {
                 (false, PreemptReason::HostTierFull)
             } else {
                 (swap, reason)

@@ -80,6 +80,18 @@ impl PrefixHit {
     pub fn prompt_len(&self) -> usize {
         self.prompt_len
     }
+
+    /// The cached blocks found, in prompt order.
+    pub(crate) fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+
+    /// Keeps the first `blocks` blocks of the hit (a hit limited by another KV-cache
+    /// group, which serves fewer).
+    pub(crate) fn truncate_blocks(&mut self, blocks: usize) {
+        self.blocks.truncate(blocks);
+        self.hashes.truncate(blocks);
+    }
 }
 
 /// Records token ids for positions `s.computed..` (the tokens a one-call append or
@@ -678,6 +690,14 @@ impl KvCacheManager {
 
     /// Cached blocks among `blocks` that count as available (so reviving them uses
     /// availability up).
+    /// Blocks admitting `hit`'s prompt in full takes from the available ones: the
+    /// uncached blocks, plus each cached hit block it revives (it stops being
+    /// evictable).
+    pub(crate) fn hit_admission_blocks(&self, hit: &PrefixHit) -> usize {
+        self.layout.blocks_for_tokens(hit.prompt_len) - hit.blocks.len()
+            + self.count_evictable(&hit.blocks)
+    }
+
     fn count_evictable(&self, blocks: &[BlockId]) -> usize {
         blocks
             .iter()

@@ -134,7 +134,11 @@ pub(crate) struct InFlight {
 /// A sequence with no device blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SwappedSeq {
+    /// Its held blocks: those after the `released` leading blocks a sliding window
+    /// gave back.
     pub(crate) table: Vec<TierBlock>,
+    /// Leading blocks a sliding window gave back before the swap-out (not stored).
+    pub(crate) released: usize,
     pub(crate) num_tokens: usize,
     pub(crate) computed: usize,
     pub(crate) admission: u64,
@@ -467,7 +471,8 @@ impl KvCacheManager {
         self.tiers.swapped.keys().copied()
     }
 
-    /// Where each block of swapped-out `seq` lives.
+    /// Where each block of swapped-out `seq` lives: the blocks it held, after the
+    /// leading ones a sliding window had given back (those stay holes).
     ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is on the device.
@@ -534,14 +539,8 @@ impl KvCacheManager {
         let mut tables = Vec::with_capacity(seqs.len());
         for &id in seqs {
             let s = self.idle(id)?;
-            if s.released > 0 {
-                return Err(state_error(
-                    id,
-                    "missing blocks its sliding window gave back",
-                    "whole (recompute it instead of swapping)",
-                ));
-            }
-            tables.push(&s.table);
+            // Blocks a sliding window gave back are not moved: they stay holes.
+            tables.push(&s.table[s.released..]);
         }
         let (distinct, index) = distinct_with_counts(tables.iter().flat_map(|t| t.iter().copied()));
         let free = self.tiers.host.num_free();
@@ -665,13 +664,13 @@ impl KvCacheManager {
             let Some(old) = self.tiers.swapped.remove(&id) else {
                 continue;
             };
-            let table = old
-                .table
-                .iter()
-                .filter_map(|e| match e {
-                    TierBlock::Host(h) => Some(devs[index[h]]),
-                    TierBlock::Disk(_) => None,
-                })
+            let held = old.table.iter().filter_map(|e| match e {
+                TierBlock::Host(h) => Some(devs[index[h]]),
+                TierBlock::Disk(_) => None,
+            });
+            let table = std::iter::repeat(BlockId::RELEASED)
+                .take(old.released)
+                .chain(held)
                 .collect();
             self.seqs.insert(
                 id,
@@ -691,8 +690,7 @@ impl KvCacheManager {
                     registration_stopped: true,
                     computed: old.computed,
                     scheduled: 0,
-                    // Only whole sequences are swapped (see `swap_out_group`).
-                    released: 0,
+                    released: old.released,
                 },
             )?;
             saved.push((id, old));
@@ -703,7 +701,7 @@ impl KvCacheManager {
             let Some(s) = self.seqs.get(&id) else {
                 continue;
             };
-            for (i, &b) in s.table.iter().enumerate() {
+            for (i, &b) in s.table.iter().enumerate().skip(s.released) {
                 let want = s.num_tokens.saturating_sub(i * bs).min(bs) as u16;
                 let fill = &mut self.block_fill[b.index()];
                 if *fill < want {
@@ -750,11 +748,12 @@ impl KvCacheManager {
                         result = result.and(Err(Error::UnknownSequence(id)));
                         continue;
                     };
-                    result = result.and(self.release_table(&s.table));
+                    result = result.and(self.release_table(&s.table[s.released..]));
                     self.tiers.swapped.insert(
                         id,
                         SwappedSeq {
                             table: host_table.into_iter().map(TierBlock::Host).collect(),
+                            released: s.released,
                             num_tokens: s.num_tokens,
                             computed: s.computed,
                             admission: s.admission,
@@ -806,7 +805,7 @@ impl KvCacheManager {
             Pending::In { seqs, .. } => {
                 for (id, old) in seqs {
                     if let Some(s) = self.seqs.remove(&id) {
-                        result = result.and(self.release_table(&s.table));
+                        result = result.and(self.release_table(&s.table[s.released..]));
                     }
                     self.tiers.swapped.insert(id, old);
                 }
@@ -959,11 +958,12 @@ impl KvCacheManager {
             if self.seqs.contains_key(&id) {
                 return Err(format!("{id} is both swapped and on the device"));
             }
-            if s.table.len() != self.layout.blocks_for_tokens(s.num_tokens) {
+            if s.released + s.table.len() != self.layout.blocks_for_tokens(s.num_tokens) {
                 return Err(format!(
-                    "swapped {id}: {} tokens but {} blocks",
+                    "swapped {id}: {} tokens but {} + {} released blocks",
                     s.num_tokens,
-                    s.table.len()
+                    s.table.len(),
+                    s.released
                 ));
             }
             for &e in &s.table {
@@ -1009,10 +1009,12 @@ impl KvCacheManager {
                 if s.in_flight != Some(InFlight { ticket, direction }) {
                     return Err(format!("{id} in {ticket} is marked {:?}", s.in_flight));
                 }
-                if s.table.len() != len {
+                if s.table.len() - s.released.min(s.table.len()) != len {
                     return Err(format!(
-                        "{id} in {ticket}: {} device blocks but {len} tier blocks",
-                        s.table.len()
+                        "{id} in {ticket}: {} device blocks ({} released) but {len} tier \
+                         blocks",
+                        s.table.len(),
+                        s.released
                     ));
                 }
                 in_flight += 1;
@@ -1048,5 +1050,89 @@ impl KvCacheManager {
             }
         }
         Ok(())
+    }
+}
+
+fn lender_mut(swapped: &mut super::SeqMap<SwappedSeq>, lender: SeqId) -> Result<&mut SwappedSeq> {
+    swapped
+        .get_mut(&lender)
+        .ok_or(Error::UnknownSequence(lender))
+}
+
+/// The host-tier lending of KV-cache groups that share one host tier (see
+/// [`crate::manager::groups`]): each group's host pool spans the whole tier, and a
+/// hidden swapped sequence holds the host blocks other groups own.
+impl KvCacheManager {
+    /// Adds the hidden swapped sequence `lender`, which will hold lent host blocks.
+    pub(crate) fn insert_host_lender(&mut self, lender: SeqId) {
+        self.tiers.swapped.insert(
+            lender,
+            SwappedSeq {
+                table: Vec::new(),
+                released: 0,
+                num_tokens: 0,
+                computed: 0,
+                admission: 0,
+                preempt_priority: i32::MAX,
+            },
+        );
+    }
+
+    /// Free host-tier blocks of this manager.
+    pub(crate) fn num_free_host_blocks(&self) -> usize {
+        self.tiers.host_free()
+    }
+
+    /// Takes one free host block and lends it to `lender`. Returns the block and its
+    /// index in the lender's table.
+    pub(crate) fn lend_host_block(&mut self, lender: SeqId) -> Result<(BlockId, usize)> {
+        let bs = self.layout.block_size();
+        let t = &mut self.tiers;
+        let s = lender_mut(&mut t.swapped, lender)?;
+        let h = t.host.allocate()?;
+        t.host_fill[h.index()] = bs as u16;
+        s.table.push(TierBlock::Host(h));
+        s.num_tokens += bs;
+        s.computed += bs;
+        Ok((h, s.table.len() - 1))
+    }
+
+    /// Takes back the host block lent at index `pos` of `lender`'s table: it becomes
+    /// free here. Returns the block the swap-remove moved into `pos`, if any.
+    pub(crate) fn reclaim_host_block(
+        &mut self,
+        lender: SeqId,
+        pos: usize,
+    ) -> Result<Option<BlockId>> {
+        let bs = self.layout.block_size();
+        let t = &mut self.tiers;
+        let s = lender_mut(&mut t.swapped, lender)?;
+        let host = |e: Option<&TierBlock>| match e {
+            Some(&TierBlock::Host(h)) => Ok(h),
+            other => Err(Error::CorruptBlockTable(format!(
+                "lent host block {pos}: {other:?}"
+            ))),
+        };
+        let h = host(s.table.get(pos))?;
+        s.table.swap_remove(pos);
+        let moved = s.table.get(pos).map(|e| host(Some(e))).transpose()?;
+        s.num_tokens -= bs;
+        s.computed -= bs;
+        t.host.decref(h)?;
+        t.host_fill[h.index()] = 0;
+        Ok(moved)
+    }
+
+    /// The host blocks `lender` holds, in table order.
+    pub(crate) fn lent_host_blocks(&self, lender: SeqId) -> impl Iterator<Item = BlockId> + '_ {
+        self.tiers
+            .swapped
+            .get(&lender)
+            .into_iter()
+            .flat_map(|s| &s.table)
+            .filter_map(|e| match e {
+                TierBlock::Host(h) => Some(*h),
+                TierBlock::Disk(_) => None,
+            })
     }
 }

@@ -1,0 +1,1489 @@
+//! KV-cache groups: a hybrid model (full-attention, sliding-window and latent layers)
+//! as one block table per group for every sequence, over **one** arena of pages.
+//!
+//! The design is vLLM's hybrid allocator: every group's block is one *page* of the
+//! same size in bytes, and a page belongs to exactly one group at a time. Each group
+//! is a [`KvCacheManager`] whose pool spans every page of the arena; the pages another
+//! group owns are held, in that group's pool, by a hidden *lender* sequence (one
+//! reference each, no token of its own), so the group's own allocator, window
+//! freeing, copy-on-write and invariants run unchanged. When a group needs more free
+//! pages than it owns, [`KvCacheGroups`] moves free pages to it from the others (O(1)
+//! a page: one pool `allocate` in the giver, one swap-remove in the taker's lender
+//! table). Memory therefore moves freely between groups, and a hybrid model's
+//! concurrency is bounded by the whole arena, not by a fixed split.
+//!
+//! One storage holds every group when the groups' layouts are equal (the usual way:
+//! split the model's layers into groups of the same number of layers, as vLLM does;
+//! Gemma-3 with 8 global and 40 local layers is one full group and five window groups
+//! of 8 layers): layer slot `j` of page `p` holds layer `j` of whichever group owns
+//! `p`. Groups of different layouts with the same page bytes share the page budget,
+//! but their storage must address a page per layout.
+//!
+//! Every call acts on all groups at once and is atomic across them: the whole need of
+//! every group is checked against the arena's free pages (counting the window blocks
+//! the call may give back first) before anything changes, so a failure in any group
+//! leaves every group as it was.
+//!
+//! Prefix caching ([`KvCacheGroups::admit_tokens`]): every full or latent group
+//! registers its prompt blocks in its own manager's prefix cache, and a hit is served
+//! only as far as every group holds it. A sliding-window group serves a hit only from
+//! a live sequence that still holds the window blocks at the hit's end (window blocks
+//! are not cached once given back). Cached pages count as free for every group: a
+//! group that needs a page takes it from another group's cache, evicted by that
+//! group's policy.
+//!
+//! Swap ([`KvCacheGroups::swap_out`], [`KvCacheGroups::swap_in`]): one plan per
+//! group, over one host tier shared the way the arena is (each group's host pool
+//! spans the whole tier; a hidden swapped sequence holds the host blocks other groups
+//! own, and free host blocks move to the group that needs them). A window group moves
+//! only the blocks a sequence still holds; its holes come back as holes.
+//!
+//! Export and import of one sequence across every group (window holes stay holes):
+//! [`crate::export::groups`].
+
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, SeqId, SwapTicket};
+use crate::layout::plans::{CopyPlan, MovePlan, SwapPlan};
+use crate::layout::{KvLayout, Slot};
+use crate::pool::prefix::{Admission, AdmitOptions};
+use crate::pool::BlockState;
+
+use super::{KvCacheManager, PrefixHit, Sequence, TierConfig};
+
+/// The sequence id that holds, in each group, the pages other groups own.
+const LENDER: SeqId = SeqId(u64::MAX);
+
+/// The swapped sequence id that holds, in each group, the host-tier blocks other
+/// groups own.
+const HOST_LENDER: SeqId = SeqId(u64::MAX - 1);
+
+fn is_hidden(seq: SeqId) -> bool {
+    seq == LENDER || seq == HOST_LENDER
+}
+
+const NOT_LENT: u32 = u32::MAX;
+
+/// One KV-cache group: its layout (the layers it holds) and its attention kind.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupSpec {
+    /// The group's layers, dtype and block size; its `block_bytes()` is the page size
+    /// and must be equal across groups.
+    pub layout: KvLayout,
+    /// Sliding window in tokens (`None`: every token stays, as for full attention and
+    /// latent/MLA layers).
+    pub window: Option<usize>,
+}
+
+impl GroupSpec {
+    /// A group of full-attention (or latent) layers.
+    pub fn full(layout: KvLayout) -> Self {
+        GroupSpec {
+            layout,
+            window: None,
+        }
+    }
+
+    /// A group of sliding-window layers of `tokens`.
+    pub fn window(layout: KvLayout, tokens: usize) -> Self {
+        GroupSpec {
+            layout,
+            window: Some(tokens),
+        }
+    }
+}
+
+/// What one call hands the engine, per group: the slots to write (`slots[g]`) and the
+/// copy-on-write plan to run first (`copies[g]`). Reused across calls (cleared by
+/// each call), so a step allocates nothing once the buffers have grown.
+#[derive(Debug, Clone, Default)]
+pub struct GroupStep {
+    /// Slots of each group, in token order.
+    pub slots: Vec<Vec<Slot>>,
+    /// Copy-on-write plan of each group; execute before writing K/V.
+    pub copies: Vec<CopyPlan>,
+}
+
+impl GroupStep {
+    fn reset(&mut self, groups: usize) {
+        self.slots.resize_with(groups, Vec::new);
+        self.copies.resize_with(groups, CopyPlan::new);
+        self.slots.iter_mut().for_each(Vec::clear);
+        self.copies.iter_mut().for_each(CopyPlan::clear);
+    }
+}
+
+/// Counters of a [`KvCacheGroups`] now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupStats {
+    /// Pages in the arena.
+    pub num_pages: usize,
+    /// Pages held by sequences, all groups together.
+    pub used_pages: usize,
+    /// Pages an allocation can obtain, all groups together: free, and cached in a
+    /// group's prefix cache (unreferenced, evicted when needed).
+    pub free_pages: usize,
+    /// Of `free_pages`, those cached in a prefix cache.
+    pub cached_pages: usize,
+    /// Highest `used_pages` so far.
+    pub peak_used_pages: usize,
+    /// Pages each group's sequences hold.
+    pub used_per_group: Vec<usize>,
+    /// Pages each group owns (held or free).
+    pub owned_per_group: Vec<usize>,
+    /// Pages moved from one group to another so far.
+    pub page_moves: u64,
+    /// Sequences on the device (swapped-out ones are not counted).
+    pub num_sequences: usize,
+}
+
+/// A hybrid model's KV cache: several KV-cache groups, each with its own block tables,
+/// drawing pages from one arena. See the [module docs](self).
+///
+/// ```
+/// use pagedkv::manager::groups::{GroupSpec, GroupStep, KvCacheGroups};
+/// use pagedkv::{DType, KvLayout, ModelShape, SeqId};
+///
+/// // One global and one local (window 32) group of 2 layers each: equal pages.
+/// let shape = ModelShape { num_layers: 2, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+///                          kv_dtype: DType::BF16 };
+/// let layout = KvLayout::new(shape, 16)?;
+/// let mut kv = KvCacheGroups::new(&[GroupSpec::full(layout), GroupSpec::window(layout, 32)], 64)?;
+/// let mut step = GroupStep::default();
+/// kv.admit(SeqId(1), 100, &mut step)?;            // 7 pages in each group
+/// assert_eq!(step.slots[0].len(), 100);
+/// for _ in 0..100 {
+///     kv.append(SeqId(1), 1, &mut step)?;        // the window group gives pages back
+/// }
+/// let st = kv.stats();
+/// assert_eq!(st.used_per_group, vec![13, 3]);
+/// assert_eq!(kv.group(1).block_table(SeqId(1))?.len(), 13); // holes before the window
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct KvCacheGroups {
+    groups: Vec<KvCacheManager>,
+    /// `lent_pos[g][page]`: the page's index in group `g`'s lender table, or
+    /// `NOT_LENT` when group `g` owns the page.
+    lent_pos: Vec<Vec<u32>>,
+    /// Pages each group lends (its lender's table length), kept here so that usage
+    /// needs no lookup.
+    lent: Vec<usize>,
+    num_pages: usize,
+    watermark_pages: usize,
+    peak_used_pages: usize,
+    page_moves: u64,
+    /// Scratch: each group's need in the call being checked.
+    needs: Vec<usize>,
+    /// `host_lent_pos[g][block]`: as `lent_pos`, for the shared host tier.
+    host_lent_pos: Vec<Vec<u32>>,
+}
+
+impl KvCacheGroups {
+    /// Groups `specs` over one arena of `num_pages` pages; every page starts owned by
+    /// the first group.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when there is no group, more than 255, no page, or the
+    /// groups' page bytes (`layout.block_bytes()`) differ; a window of 0 tokens.
+    pub fn new(specs: &[GroupSpec], num_pages: usize) -> Result<Self> {
+        Self::with_host_tier(specs, num_pages, 0)
+    }
+
+    /// Groups `specs` over one arena of `num_pages` pages and one host tier of
+    /// `num_host_blocks` blocks (the storage's host tier, shared by every group as the
+    /// arena is: a host block belongs to one group at a time and moves to the group
+    /// that needs it), for [`Self::swap_out`] and [`Self::swap_in`].
+    ///
+    /// # Errors
+    /// As [`Self::new`]; [`Error::InvalidConfig`] when the host tier does not fit
+    /// `u32` ids.
+    pub fn with_host_tier(
+        specs: &[GroupSpec],
+        num_pages: usize,
+        num_host_blocks: usize,
+    ) -> Result<Self> {
+        let first = specs
+            .first()
+            .ok_or_else(|| Error::config("groups", "a model needs at least one group"))?;
+        if specs.len() > 255 {
+            return Err(Error::config(
+                "groups",
+                format!("{} groups; at most 255", specs.len()),
+            ));
+        }
+        if num_host_blocks >= NOT_LENT as usize {
+            return Err(Error::config(
+                "num_host_blocks",
+                format!("{num_host_blocks} blocks; at most 2^32 - 2"),
+            ));
+        }
+        if num_pages == 0 || num_pages >= NOT_LENT as usize {
+            return Err(Error::config(
+                "num_pages",
+                format!("{num_pages} pages; the arena needs 1 to 2^32 - 2"),
+            ));
+        }
+        let page = first.layout.block_bytes();
+        if let Some((g, s)) = specs
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.layout.block_bytes() != page)
+        {
+            return Err(Error::config(
+                "groups",
+                format!(
+                    "group {g} has pages of {} bytes, group 0 of {page}: every group's \
+                     block must be the same number of bytes (split the layers evenly or \
+                     choose block sizes that match)",
+                    s.layout.block_bytes()
+                ),
+            ));
+        }
+        // Every group accepts the same longest sequence: the arena in the smallest
+        // block size of a full group (window groups hold only their window).
+        let max_len = specs
+            .iter()
+            .filter(|s| s.window.is_none())
+            .map(|s| num_pages * s.layout.block_size())
+            .min()
+            .unwrap_or(usize::MAX);
+        let mut groups = Vec::with_capacity(specs.len());
+        let mut lent_pos = Vec::with_capacity(specs.len());
+        let mut host_lent_pos = Vec::with_capacity(specs.len());
+        for (g, spec) in specs.iter().enumerate() {
+            let mut b = KvCacheManager::builder(spec.layout)
+                .num_blocks(num_pages)
+                .watermark_blocks(0)
+                .max_seq_len_tokens(max_len)
+                .tiers(TierConfig {
+                    num_host_blocks,
+                    num_disk_slots: 0,
+                });
+            if let Some(w) = spec.window {
+                b = b.sliding_window(w);
+            }
+            let mut kv = b.build()?;
+            kv.seqs.reserve_room(1)?;
+            kv.seqs.insert(LENDER, Sequence::default())?;
+            kv.insert_host_lender(HOST_LENDER);
+            let mut pos = vec![NOT_LENT; num_pages];
+            let mut host_pos = vec![NOT_LENT; num_host_blocks];
+            if g > 0 {
+                // Every page and host block starts in group 0: the others lend them.
+                for _ in 0..num_pages {
+                    let (p, at) = kv.lend_page()?;
+                    pos[p.index()] = at as u32;
+                }
+                for _ in 0..num_host_blocks {
+                    let (h, at) = kv.lend_host_block(HOST_LENDER)?;
+                    host_pos[h.index()] = at as u32;
+                }
+            }
+            groups.push(kv);
+            lent_pos.push(pos);
+            host_lent_pos.push(host_pos);
+        }
+        let lent = (0..groups.len())
+            .map(|g| if g == 0 { 0 } else { num_pages })
+            .collect();
+        Ok(KvCacheGroups {
+            needs: vec![0; groups.len()],
+            lent,
+            groups,
+            lent_pos,
+            host_lent_pos,
+            num_pages,
+            watermark_pages: 0,
+            peak_used_pages: 0,
+            page_moves: 0,
+        })
+    }
+
+    /// Keeps `pages` free at admission ([`Self::can_admit`]), so running sequences can
+    /// grow without an immediate preemption.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when `pages` is not below the arena.
+    pub fn with_watermark(mut self, pages: usize) -> Result<Self> {
+        if pages >= self.num_pages {
+            return Err(Error::config(
+                "watermark_pages",
+                format!("{pages} must be below num_pages {}", self.num_pages),
+            ));
+        }
+        self.watermark_pages = pages;
+        Ok(self)
+    }
+
+    /// Number of groups.
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Pages in the arena.
+    pub fn num_pages(&self) -> usize {
+        self.num_pages
+    }
+
+    /// Bytes of one page (every group's block).
+    pub fn page_bytes(&self) -> usize {
+        self.groups[0].layout.block_bytes()
+    }
+
+    /// Group `g`, read-only: its block tables, batch views (`fill_padded`, `fill_csr`),
+    /// `readable_blocks`. Its own `stats` and `sequence_ids` count the hidden sequence
+    /// that holds the pages other groups own; use [`Self::stats`] instead.
+    ///
+    /// # Panics
+    /// When `g >= num_groups()`.
+    pub fn group(&self, g: usize) -> &KvCacheManager {
+        &self.groups[g]
+    }
+
+    /// Whether `seq` is here.
+    pub fn contains(&self, seq: SeqId) -> bool {
+        !is_hidden(seq) && self.groups[0].contains(seq)
+    }
+
+    /// The sequences on the device (not the swapped-out ones), in no particular order.
+    pub fn sequence_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.groups[0].sequence_ids().filter(|&s| s != LENDER)
+    }
+
+    /// Tokens of `seq` whose K/V is written (the same in every group).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`].
+    pub fn num_computed_tokens(&self, seq: SeqId) -> Result<usize> {
+        self.check_id(seq)?;
+        self.groups[0].num_computed_tokens(seq)
+    }
+
+    /// Context attention reads for `seq` this step (computed plus reserved).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`].
+    pub fn context_len(&self, seq: SeqId) -> Result<usize> {
+        self.check_id(seq)?;
+        self.groups[0].context_len(seq)
+    }
+
+    /// Pages of the whole arena an allocation can obtain: free, or cached in a
+    /// group's prefix cache (evicted when taken).
+    pub fn num_free_pages(&self) -> usize {
+        self.groups.iter().map(|kv| kv.num_available_blocks()).sum()
+    }
+
+    /// Whether a new sequence of `num_tokens` tokens fits in every group at once while
+    /// keeping the watermark.
+    pub fn can_admit(&self, num_tokens: usize) -> bool {
+        num_tokens <= self.groups[0].max_seq_len()
+            && self.admit_pages(num_tokens) + self.watermark_pages <= self.num_free_pages()
+    }
+
+    /// Pages admitting a prompt of `num_tokens` takes, all groups together.
+    pub fn admit_pages(&self, num_tokens: usize) -> usize {
+        self.groups
+            .iter()
+            .map(|kv| kv.layout.blocks_for_tokens(num_tokens))
+            .sum()
+    }
+
+    /// Pages [`Self::reserve`]`(seq, n, lookahead, ..)` would take from the arena now,
+    /// all groups together, net of the window pages the call gives back first (pass it
+    /// to a preemption decision).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it holds an
+    /// uncommitted reservation; [`Error::TooLong`].
+    pub fn pages_needed(&self, seq: SeqId, n: usize, lookahead: usize) -> Result<usize> {
+        let mut total = 0usize;
+        let mut back = 0usize;
+        for kv in &self.groups {
+            total += kv.blocks_needed(seq, n, lookahead)?;
+            back += kv.dead_window_pages(seq)?;
+        }
+        Ok(total.saturating_sub(back))
+    }
+
+    /// Admits `seq` with a prompt of `num_tokens` tokens in every group; `step.slots[g]`
+    /// gets the slots of every prompt token in group `g`.
+    ///
+    /// # Errors
+    /// [`Error::DuplicateSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`] (with the
+    /// pages all groups need and the arena's free pages). Nothing changed on error.
+    pub fn admit(&mut self, seq: SeqId, num_tokens: usize, step: &mut GroupStep) -> Result<()> {
+        self.admit_holed(seq, num_tokens, None, step)
+    }
+
+    /// Admits `seq` with `num_tokens` tokens, all computed, whose first `holes[g]`
+    /// blocks in group `g` are holes (blocks a window group gave back): `step.slots[g]`
+    /// gets the slots of the tokens after the holes, which the caller writes. For an
+    /// import ([`crate::export::groups`]); registers nothing in a prefix cache.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `holes` does not have one entry per group, or a
+    /// group has holes it could not have (a full group, or a window group past the
+    /// blocks before the window of the query at `num_tokens`); as [`Self::admit`].
+    /// Nothing changed on error.
+    pub(crate) fn admit_with_holes(
+        &mut self,
+        seq: SeqId,
+        num_tokens: usize,
+        holes: &[usize],
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        if holes.len() != self.groups.len() {
+            step.reset(self.groups.len());
+            return Err(Error::ShapeMismatch {
+                what: "hole counts (one per group)",
+                expected: self.groups.len(),
+                got: holes.len(),
+            });
+        }
+        self.admit_holed(seq, num_tokens, Some(holes), step)
+    }
+
+    /// [`Self::admit`] with `holes[g]` hole blocks in group `g` (none when `None`).
+    fn admit_holed(
+        &mut self,
+        seq: SeqId,
+        num_tokens: usize,
+        holes: Option<&[usize]>,
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        step.reset(self.groups.len());
+        if is_hidden(seq) || self.groups[0].contains(seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let limit = self.groups[0].max_seq_len();
+        if num_tokens > limit {
+            return Err(Error::TooLong {
+                tokens: num_tokens,
+                limit,
+            });
+        }
+        let holes_of = |g: usize| holes.and_then(|h| h.get(g).copied()).unwrap_or(0);
+        for (g, (need, kv)) in self.needs.iter_mut().zip(&self.groups).enumerate() {
+            let h = holes_of(g);
+            let most = kv.first_block_in_window(num_tokens);
+            if h > most {
+                return Err(Error::ShapeMismatch {
+                    what: "hole blocks of a group (at most those before its window)",
+                    expected: most,
+                    got: h,
+                });
+            }
+            *need = kv.layout.blocks_for_tokens(num_tokens) - h;
+        }
+        self.give_pages()?;
+        for g in 0..self.groups.len() {
+            let h = holes_of(g);
+            if let Err(e) = self.groups[g].admit_holed(seq, num_tokens, h, &mut step.slots[g]) {
+                // Unreachable after the checks above; undo the groups already done.
+                for kv in &mut self.groups[..g] {
+                    let _ = kv.free(seq);
+                }
+                return Err(e);
+            }
+        }
+        self.note_usage();
+        Ok(())
+    }
+
+    /// Leading tokens of `tokens` every group can serve from its prefix cache now: the
+    /// longest prefix, in whole blocks of every group, that each group's cache holds
+    /// (see [`Self::admit_tokens`]). Changes nothing.
+    ///
+    /// # Errors
+    /// [`Error::PrefixKeyTooLong`] (for the cache salt, the extra key or a block key).
+    pub fn cached_prefix_len(&self, tokens: &[u32], opts: &AdmitOptions<'_>) -> Result<usize> {
+        let mut hits = Vec::new();
+        Ok(self.common_hit(tokens, opts, &mut hits)?.0)
+    }
+
+    /// Admits `seq` with prompt `tokens` in every group, sharing the cached prefix every
+    /// group holds, and schedules the whole uncached rest in this step (committed at
+    /// once, as [`KvCacheManager::admit_tokens`] does in one manager): `step.slots[g]`
+    /// gets the slots of `tokens[cached_tokens..]` in group `g`. The prompt's full
+    /// blocks are registered in the prefix cache of every full or latent group, so the
+    /// engine must write every slot it was given in the step that follows.
+    ///
+    /// The hit is the same number of tokens in every group: the longest prefix each
+    /// group's cache holds, rounded down to whole blocks of every group (groups may
+    /// have different block sizes). **A sliding-window group serves a hit only from a
+    /// live sequence** that still holds the blocks inside the window of the query at
+    /// the hit's end (and holds the hit's registered block at its last index in the
+    /// first full group, which proves its tokens up to there are the prompt's); the new
+    /// sequence shares those blocks and starts with holes before them. Window blocks
+    /// are not kept in a cache once a sequence gives them back (its manager registers
+    /// nothing), so a prefix whose holders are gone, or have decoded past the hit's
+    /// window, is served only as far as some live holder still reaches, and with no
+    /// full group, or window block sizes unlike the full group's, a window group
+    /// serves nothing. A sequence that recomputed blocks already registered (a
+    /// duplicate) serves no window hit.
+    ///
+    /// Cached blocks count as free pages for every group: when a group needs a page
+    /// and only cached pages of another group are left, that group's prefix cache
+    /// evicts one (its own policy) and the page moves.
+    ///
+    /// Returns what the admission did: `cached_tokens` is common to all groups,
+    /// `cached_blocks`, `new_blocks` and `registered_blocks` are summed over the groups.
+    ///
+    /// # Errors
+    /// [`Error::DuplicateSequence`], [`Error::TooLong`], [`Error::PrefixKeyTooLong`],
+    /// [`Error::OutOfBlocks`] (with the pages all groups need, cached hit pages not
+    /// counted, and the arena's free and evictable pages). Nothing changed on error.
+    pub fn admit_tokens(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        opts: &AdmitOptions<'_>,
+        step: &mut GroupStep,
+    ) -> Result<Admission> {
+        step.reset(self.groups.len());
+        if is_hidden(seq) || self.groups[0].contains(seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let limit = self.groups[0].max_seq_len();
+        if tokens.len() > limit {
+            return Err(Error::TooLong {
+                tokens: tokens.len(),
+                limit,
+            });
+        }
+        let mut hits = Vec::new();
+        let (cached, source) = self.common_hit(tokens, opts, &mut hits)?;
+        // Every group's need, revivals of cached hit pages included, against the
+        // arena's free and evictable pages, before anything changes. A window group's
+        // hit blocks are held by `source` already; its holes need no page.
+        for ((need, kv), hit) in self.needs.iter_mut().zip(&self.groups).zip(&hits) {
+            *need = match (kv.window, source) {
+                (Some(_), Some(_)) => {
+                    kv.layout.blocks_for_tokens(tokens.len()) - cached / kv.block_size()
+                }
+                _ => kv.hit_admission_blocks(hit),
+            };
+        }
+        self.check_needs()?;
+        // Revive the hits first: a page moved to another group below must not be one
+        // of them (moving evicts by the giver's policy).
+        let mut sum = Admission::default();
+        for (g, hit) in hits.iter().enumerate() {
+            let kv = &mut self.groups[g];
+            let done = match (kv.window, source) {
+                (Some(_), Some(src)) => kv.admit_window_hit(seq, src, cached),
+                _ => kv.admit_prompt(seq, tokens, hit),
+            };
+            let done = match done {
+                Ok(a) if a.cached_tokens == cached => Ok(a),
+                Ok(a) => Err(Error::CorruptBlockTable(format!(
+                    "group {g} served {} cached tokens of {cached} looked up",
+                    a.cached_tokens
+                ))),
+                Err(e) => Err(e),
+            };
+            match done {
+                Ok(a) => sum.cached_blocks += a.cached_blocks,
+                Err(e) => {
+                    // Unreachable: the hits were looked up under the same borrow.
+                    for kv in &mut self.groups[..=g] {
+                        let _ = kv.free(seq);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
+            *need = kv.layout.blocks_for_tokens(tokens.len()) - cached / kv.block_size();
+        }
+        sum.new_blocks = self.needs.iter().sum();
+        sum.cached_tokens = cached;
+        let rest = tokens.len() - cached;
+        let done = self.give_and_reserve(seq, rest, 0, true, None, step);
+        if let Ok(registered) = done {
+            sum.registered_blocks = registered;
+        }
+        if let Err(e) = done {
+            // Unreachable after the check above; undo all the same.
+            for kv in &mut self.groups {
+                let _ = kv.free(seq);
+            }
+            return Err(e);
+        }
+        self.note_usage();
+        Ok(sum)
+    }
+
+    /// Appends and commits `n` tokens of `seq` in every group (the decode path; see
+    /// [`KvCacheManager::append`]).
+    ///
+    /// # Errors
+    /// As [`Self::reserve`]. Nothing changed on error.
+    pub fn append(&mut self, seq: SeqId, n: usize, step: &mut GroupStep) -> Result<()> {
+        self.step(seq, n, 0, true, None, step)
+    }
+
+    /// Appends and commits `tokens` to `seq` in every group as [`Self::append`] does,
+    /// and records their ids, so that every full computed block is registered in the
+    /// prefix caches of the full and latent groups (a later prompt that continues this
+    /// conversation hits them).
+    ///
+    /// # Errors
+    /// As [`Self::append`]. Nothing changed on error.
+    pub fn append_tokens(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        self.step(seq, tokens.len(), 0, true, Some(tokens), step)
+    }
+
+    /// Reserves slots for the next `n` tokens of `seq` plus `lookahead` in every group
+    /// (see [`KvCacheManager::reserve`]); [`Self::commit`] marks the computed ones.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`], [`Error::SequenceState`] (swapped out, or holding
+    /// an uncommitted reservation), [`Error::TooLong`], [`Error::OutOfBlocks`] with the
+    /// pages all groups need. Nothing changed on error.
+    pub fn reserve(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        lookahead: usize,
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        self.step(seq, n, lookahead, false, None, step)
+    }
+
+    fn step(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        lookahead: usize,
+        commit_now: bool,
+        tokens: Option<&[u32]>,
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        step.reset(self.groups.len());
+        self.check_id(seq)?;
+        let kv0 = &self.groups[0];
+        if kv0.context_len(seq)? != kv0.num_computed_tokens(seq)? {
+            return Err(Error::SequenceState {
+                seq,
+                state: "holding an uncommitted reservation",
+                needed: "committed (commit first; commit(seq, 0) cancels)",
+            });
+        }
+        let mut back = 0;
+        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
+            *need = kv.blocks_needed(seq, n, lookahead)?;
+            back += kv.dead_window_pages(seq)?;
+        }
+        let total: usize = self.needs.iter().sum();
+        let free = self.num_free_pages();
+        if total > free + back {
+            return Err(Error::OutOfBlocks {
+                needed: total,
+                free: free + back,
+            });
+        }
+        // The call succeeds from here: give back the window pages no query reads any
+        // more *before* allocating, so that a group sized to its steady state does
+        // not need a page more for the instant between allocation and release.
+        if back > 0 {
+            for kv in &mut self.groups {
+                kv.release_dead_window(seq)?;
+            }
+        }
+        self.give_and_reserve(seq, n, lookahead, commit_now, tokens, step)?;
+        self.note_usage();
+        Ok(())
+    }
+
+    /// Moves pages to the groups by `needs`, then reserves in every group (the checks
+    /// are the caller's: failures here are internal corruption). Returns the blocks
+    /// registered in the prefix caches.
+    fn give_and_reserve(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        lookahead: usize,
+        commit_now: bool,
+        tokens: Option<&[u32]>,
+        step: &mut GroupStep,
+    ) -> Result<usize> {
+        self.give_pages()?;
+        let mut registered = 0;
+        for (g, kv) in self.groups.iter_mut().enumerate() {
+            registered += kv.reserve_inner(
+                seq,
+                n,
+                lookahead,
+                commit_now,
+                tokens,
+                &mut step.slots[g],
+                &mut step.copies[g],
+            )?;
+        }
+        Ok(registered)
+    }
+
+    /// Marks `n` reserved tokens of `seq` computed in every group (see
+    /// [`KvCacheManager::commit`]); window groups give back what left the window.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`], [`Error::SequenceState`],
+    /// [`Error::CommitPastReservation`]. Nothing changed on error.
+    pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<()> {
+        self.check_id(seq)?;
+        // Group 0 checks; the others hold the same sequence state.
+        self.groups[0].commit(seq, n)?;
+        for kv in &mut self.groups[1..] {
+            kv.commit(seq, n)?;
+        }
+        Ok(())
+    }
+
+    /// Forks `parent` into `child` in every group: all pages shared, copy-on-write on
+    /// the next write.
+    ///
+    /// # Errors
+    /// As [`KvCacheManager::fork`]. Nothing changed on error.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
+        self.check_id(parent)?;
+        if is_hidden(child) {
+            return Err(Error::DuplicateSequence(child));
+        }
+        self.groups[0].fork(parent, child)?;
+        for kv in &mut self.groups[1..] {
+            kv.fork(parent, child)?;
+        }
+        Ok(())
+    }
+
+    /// Frees `seq` in every group (preemption by recompute is a free and a later
+    /// admission).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]. Nothing changed on error.
+    pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        self.check_id(seq)?;
+        self.groups[0].free(seq)?;
+        let mut result = Ok(());
+        for kv in &mut self.groups[1..] {
+            if let Err(e) = kv.free(seq) {
+                result = result.and(Err(e));
+            }
+        }
+        result
+    }
+
+    /// Plans the swap-out of `seq` in every group at once: each group's plan copies
+    /// the blocks the sequence holds there (a window group's holes stay holes) to host
+    /// blocks of the shared host tier, which move to the groups that need them.
+    /// Execute every plan of the job (one storage: its host block ids are the shared
+    /// tier's), then [`Self::complete_swap`], or [`Self::abort_swap`] when a transfer
+    /// failed. Preemption by swap is a swap-out and a later [`Self::swap_in`].
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped, has
+    /// a swap in flight or holds an uncommitted reservation; [`Error::TierFull`] when
+    /// the host tier lacks room for every group's blocks. Nothing changed on error.
+    pub fn swap_out(&mut self, seq: SeqId) -> Result<GroupSwapJob> {
+        self.check_id(seq)?;
+        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
+            let s = kv.idle(seq)?;
+            *need = s.table.len() - s.released;
+        }
+        let total: usize = self.needs.iter().sum();
+        let free = self.num_free_host_blocks();
+        if total > free {
+            return Err(Error::TierFull {
+                tier: "host",
+                needed: total,
+                free,
+            });
+        }
+        for to in 0..self.groups.len() {
+            while self.groups[to].num_free_host_blocks() < self.needs[to] {
+                let from = (0..self.groups.len())
+                    .find(|&h| h != to && self.groups[h].num_free_host_blocks() > self.needs[h])
+                    .ok_or(Error::TierFull {
+                        tier: "host",
+                        needed: total,
+                        free,
+                    })?;
+                let (block, at) = self.groups[from].lend_host_block(HOST_LENDER)?;
+                self.host_lent_pos[from][block.index()] = at as u32;
+                let pos = self.host_lent_pos[to][block.index()];
+                if let Some(moved) =
+                    self.groups[to].reclaim_host_block(HOST_LENDER, pos as usize)?
+                {
+                    self.host_lent_pos[to][moved.index()] = pos;
+                }
+                self.host_lent_pos[to][block.index()] = NOT_LENT;
+            }
+        }
+        self.each_group_swap(seq, KvCacheManager::swap_out)
+    }
+
+    /// Plans the swap-in of swapped-out `seq` in every group at once (pages move to
+    /// the groups that need them); execute every plan, then [`Self::complete_swap`]
+    /// or [`Self::abort_swap`].
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is not swapped
+    /// out; [`Error::OutOfBlocks`] with the pages all groups need. Nothing changed on
+    /// error.
+    pub fn swap_in(&mut self, seq: SeqId) -> Result<GroupSwapJob> {
+        self.check_id(seq)?;
+        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
+            *need = kv.swapped_table(seq)?.len();
+        }
+        self.give_pages()?;
+        let job = self.each_group_swap(seq, KvCacheManager::swap_in)?;
+        self.note_usage();
+        Ok(job)
+    }
+
+    /// Finishes both directions of a swap in every group (see
+    /// [`KvCacheManager::complete_swap`]).
+    ///
+    /// # Errors
+    /// [`Error::UnknownTicket`] when the job is not in flight (nothing changed).
+    pub fn complete_swap(&mut self, job: &GroupSwapJob) -> Result<()> {
+        self.finish_swap(job, KvCacheManager::complete_swap)
+    }
+
+    /// Undoes a swap in every group (see [`KvCacheManager::abort_swap`]).
+    ///
+    /// # Errors
+    /// [`Error::UnknownTicket`] when the job is not in flight (nothing changed).
+    pub fn abort_swap(&mut self, job: &GroupSwapJob) -> Result<()> {
+        self.finish_swap(job, KvCacheManager::abort_swap)
+    }
+
+    /// Evicts up to `max_pages` cached pages from the groups' prefix caches (each by
+    /// its group's policy, group 0 first); returns how many were evicted.
+    pub fn evict_cached(&mut self, max_pages: usize) -> usize {
+        let mut evicted = 0;
+        for kv in &mut self.groups {
+            evicted += kv.evict_cached(max_pages - evicted);
+        }
+        evicted
+    }
+
+    /// Whether `seq` is swapped out (in every group).
+    pub fn is_swapped(&self, seq: SeqId) -> bool {
+        !is_hidden(seq) && self.groups[0].is_swapped(seq)
+    }
+
+    /// Free host-tier blocks, all groups together.
+    pub fn num_free_host_blocks(&self) -> usize {
+        self.groups.iter().map(|kv| kv.num_free_host_blocks()).sum()
+    }
+
+    /// Counters now.
+    pub fn stats(&self) -> GroupStats {
+        let used_per_group: Vec<usize> = (0..self.groups.len()).map(|g| self.own_used(g)).collect();
+        let used_pages = used_per_group.iter().sum();
+        GroupStats {
+            num_pages: self.num_pages,
+            used_pages,
+            free_pages: self.num_free_pages(),
+            cached_pages: self.groups.iter().map(|kv| kv.pool.num_cached()).sum(),
+            peak_used_pages: self.peak_used_pages.max(used_pages),
+            owned_per_group: self.lent.iter().map(|l| self.num_pages - l).collect(),
+            used_per_group,
+            page_moves: self.page_moves,
+            num_sequences: self.groups[0].seqs.len() - 1,
+        }
+    }
+
+    /// Checks every group's invariants and the page ownership: every page is owned by
+    /// exactly one group and lent (held once by the lender) in all the others, and the
+    /// groups hold the same sequences with the same token counts.
+    ///
+    /// # Errors
+    /// A message describing the first violation.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        for (g, kv) in self.groups.iter().enumerate() {
+            kv.check_invariants()
+                .map_err(|e| format!("group {g}: {e}"))?;
+            let lender = kv.seq(LENDER).map_err(|e| format!("group {g}: {e}"))?;
+            for (i, &p) in lender.table.iter().enumerate() {
+                if self.lent_pos[g].get(p.index()) != Some(&(i as u32)) {
+                    return Err(format!("group {g}: page {p} lent at {i}, not recorded"));
+                }
+            }
+            let recorded = self.lent_pos[g].iter().filter(|&&x| x != NOT_LENT).count();
+            if recorded != lender.table.len() || self.lent[g] != recorded {
+                return Err(format!(
+                    "group {g}: {recorded} pages recorded lent, {} counted, {} held by the \
+                     lender",
+                    self.lent[g],
+                    lender.table.len()
+                ));
+            }
+        }
+        for (g, kv) in self.groups.iter().enumerate() {
+            for (i, h) in kv.lent_host_blocks(HOST_LENDER).enumerate() {
+                if self.host_lent_pos[g].get(h.index()) != Some(&(i as u32)) {
+                    return Err(format!(
+                        "group {g}: host block {h} lent at {i}, not recorded"
+                    ));
+                }
+            }
+        }
+        let host_blocks = self.host_lent_pos.first().map_or(0, Vec::len);
+        for h in 0..host_blocks {
+            let owners = self
+                .host_lent_pos
+                .iter()
+                .filter(|pos| pos[h] == NOT_LENT)
+                .count();
+            if owners != 1 {
+                return Err(format!("host block {h} is owned by {owners} groups"));
+            }
+        }
+        for p in 0..self.num_pages {
+            let owners = self
+                .lent_pos
+                .iter()
+                .filter(|pos| pos[p] == NOT_LENT)
+                .count();
+            if owners != 1 {
+                return Err(format!("page {p} is owned by {owners} groups"));
+            }
+        }
+        let kv0 = &self.groups[0];
+        for id in kv0.swapped_sequence_ids().filter(|&s| !is_hidden(s)) {
+            if self.groups.iter().any(|kv| !kv.is_swapped(id)) {
+                return Err(format!("sequence {id} is not swapped in every group"));
+            }
+        }
+        for id in self.sequence_ids() {
+            let want = (kv0.num_tokens(id).ok(), kv0.num_computed_tokens(id).ok());
+            for (g, kv) in self.groups.iter().enumerate().skip(1) {
+                if (kv.num_tokens(id).ok(), kv.num_computed_tokens(id).ok()) != want {
+                    return Err(format!("sequence {id}: group {g} differs from group 0"));
+                }
+            }
+        }
+        if self.groups.iter().any(|kv| kv.seqs.len() != kv0.seqs.len()) {
+            return Err("groups hold different numbers of sequences".into());
+        }
+        Ok(())
+    }
+
+    /// One past the highest page any group holds (used or cached): equal to the held
+    /// pages (`used_pages + cached_pages`) in a compact arena, which [`Self::plan_defragment`] makes. O(groups x pages), a
+    /// monitoring call.
+    pub fn high_water(&self) -> usize {
+        self.held_pages().rposition(|h| h).map_or(0, |p| p + 1)
+    }
+
+    /// Plans a compaction of the whole arena: every page held (by any group) at or
+    /// above the number of held pages moves into the lowest free page below it, the
+    /// fewest moves possible; a destination owned by another group changes owner at
+    /// commit. Execute [`PendingGroupDefrag::plan`] on the storage (when all groups
+    /// share one storage, the plan's page ids are that storage's blocks; otherwise
+    /// [`PendingGroupDefrag::group_plan`] per group), then commit. Dropping the
+    /// pending value changes nothing.
+    pub fn plan_defragment(&mut self) -> PendingGroupDefrag<'_> {
+        let mut held: Vec<bool> = self.held_pages().collect();
+        if self.groups.iter().any(|kv| kv.tiers.num_in_flight() > 0) {
+            // Pages must not move while a swap transfer reads or writes them: plan
+            // nothing (every page counts as held in place).
+            held.iter_mut().for_each(|h| *h = true);
+        }
+        let resident = held.iter().filter(|&&h| h).count();
+        let sources = (resident..self.num_pages).filter(|&p| held[p]);
+        let dests = (0..resident).filter(|&p| !held[p]);
+        let mut plan = MovePlan::new();
+        let mut per_group = vec![MovePlan::new(); self.groups.len()];
+        for (src, dst) in sources.zip(dests) {
+            let (src, dst) = (BlockId(src as u32), BlockId(dst as u32));
+            plan.push(src, dst);
+            per_group[self.owner(src)].push(src, dst);
+        }
+        PendingGroupDefrag {
+            groups: self,
+            plan,
+            per_group,
+        }
+    }
+
+    // ---- internals ----------------------------------------------------------------
+
+    /// Runs one swap call in every group; undoes the groups done when one fails
+    /// (unreachable after the caller's checks).
+    fn each_group_swap(
+        &mut self,
+        seq: SeqId,
+        call: fn(&mut KvCacheManager, SeqId) -> Result<super::SwapJob>,
+    ) -> Result<GroupSwapJob> {
+        let mut job = GroupSwapJob {
+            seq,
+            tickets: Vec::with_capacity(self.groups.len()),
+            plans: Vec::with_capacity(self.groups.len()),
+        };
+        for g in 0..self.groups.len() {
+            match call(&mut self.groups[g], seq) {
+                Ok(j) => {
+                    job.tickets.push(j.ticket);
+                    job.plans.push(j.plan);
+                }
+                Err(e) => {
+                    for (kv, &t) in self.groups.iter_mut().zip(&job.tickets) {
+                        let _ = kv.abort_swap(t);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(job)
+    }
+
+    fn finish_swap(
+        &mut self,
+        job: &GroupSwapJob,
+        call: fn(&mut KvCacheManager, SwapTicket) -> Result<()>,
+    ) -> Result<()> {
+        if job.tickets.len() != self.groups.len() {
+            return Err(Error::ShapeMismatch {
+                what: "tickets of the group swap job",
+                expected: self.groups.len(),
+                got: job.tickets.len(),
+            });
+        }
+        // Group 0 refuses an unknown ticket before anything changes.
+        call(&mut self.groups[0], job.tickets[0])?;
+        let mut result = Ok(());
+        for (kv, &t) in self.groups.iter_mut().zip(&job.tickets).skip(1) {
+            result = result.and(call(kv, t));
+        }
+        result
+    }
+
+    /// The group that owns `page`.
+    fn owner(&self, page: BlockId) -> usize {
+        self.lent_pos
+            .iter()
+            .position(|pos| pos[page.index()] == NOT_LENT)
+            .unwrap_or(0)
+    }
+
+    /// For every page, whether its owner holds it (live or cached).
+    fn held_pages(&self) -> impl DoubleEndedIterator<Item = bool> + ExactSizeIterator + '_ {
+        (0..self.num_pages).map(move |p| {
+            let page = BlockId(p as u32);
+            self.groups[self.owner(page)]
+                .pool
+                .state(page)
+                .is_ok_and(|s| s != BlockState::Free)
+        })
+    }
+
+    /// Moves the free page `page` from its owner to group `to`.
+    fn move_page_to(&mut self, page: BlockId, to: usize) -> Result<()> {
+        let from = self.owner(page);
+        if from == to {
+            return Ok(());
+        }
+        let at = self.groups[from].lend_this_page(page)?;
+        self.hand_over(from, page, at, to)
+    }
+
+    fn check_id(&self, seq: SeqId) -> Result<()> {
+        if is_hidden(seq) {
+            return Err(Error::UnknownSequence(seq));
+        }
+        Ok(())
+    }
+
+    /// Looks `tokens` up in every group (`hits[g]`) and cuts every hit to the tokens
+    /// all groups serve, in whole blocks of each; returns those tokens and, when a
+    /// window group is among the groups and the hit is not empty, the live sequence
+    /// whose window blocks serve it.
+    fn common_hit(
+        &self,
+        tokens: &[u32],
+        opts: &AdmitOptions<'_>,
+        hits: &mut Vec<PrefixHit>,
+    ) -> Result<(usize, Option<SeqId>)> {
+        hits.resize_with(self.groups.len(), PrefixHit::default);
+        let mut cached = usize::MAX;
+        for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
+            let found = kv.lookup_prefix(tokens, opts, hit)?;
+            if kv.window.is_none() {
+                cached = cached.min(found);
+            }
+        }
+        if cached == usize::MAX {
+            // Window groups only: no group registers anything.
+            cached = 0;
+        }
+        // Rounding down to one group's blocks can cut a whole block of another: repeat
+        // until every group agrees (the count only falls, so this ends).
+        loop {
+            let agreed = self
+                .groups
+                .iter()
+                .map(|kv| cached / kv.block_size() * kv.block_size())
+                .min()
+                .unwrap_or(0);
+            if agreed == cached {
+                break;
+            }
+            cached = agreed;
+        }
+        let mut source = None;
+        if cached > 0 && self.groups.iter().any(|kv| kv.window.is_some()) {
+            (cached, source) = self.window_hit(hits, cached);
+        }
+        for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
+            hit.truncate_blocks(cached / kv.block_size());
+        }
+        Ok((cached, source))
+    }
+
+    /// The longest hit of at most `cached` tokens the window groups can serve, and the
+    /// live sequence that serves it: one that holds, in the first full group, the hit's
+    /// block at the hit's last index (so its tokens up to there are the prompt's: a
+    /// registered block is keyed by its whole prefix) and, in every window group, the
+    /// blocks inside the window of the query at the hit's end. Sequences with a swap
+    /// in flight are skipped. Needs every window group's block size equal to the full
+    /// group's (else no hit). O(live sequences x hit blocks) at worst, per admission.
+    fn window_hit(&self, hits: &[PrefixHit], cached: usize) -> (usize, Option<SeqId>) {
+        let Some(f) = self.groups.iter().position(|kv| kv.window.is_none()) else {
+            return (0, None);
+        };
+        let full = &self.groups[f];
+        let bs = full.block_size();
+        if self.groups.iter().any(|kv| kv.block_size() != bs) {
+            return (0, None);
+        }
+        let hit = &hits[f].blocks()[..cached / bs];
+        let mut best = (0, None);
+        for (&id, s) in full.seqs.iter() {
+            if is_hidden(id) || s.in_flight.is_some() || s.table.first() != hit.first() {
+                continue;
+            }
+            let top = hit.len().min(s.table.len()).min(s.computed / bs);
+            for l in (best.0 + 1..=top).rev() {
+                if s.table[l - 1] == hit[l - 1] && self.window_blocks_held(id, l * bs) {
+                    best = (l, Some(id));
+                    break;
+                }
+            }
+        }
+        (best.0 * bs, best.1)
+    }
+
+    /// Whether `id` holds, in every window group, the computed blocks the query at
+    /// position `end` reads before `end`.
+    fn window_blocks_held(&self, id: SeqId, end: usize) -> bool {
+        self.groups
+            .iter()
+            .filter(|kv| kv.window.is_some())
+            .all(|kv| {
+                kv.seq(id).is_ok_and(|s| {
+                    s.in_flight.is_none()
+                        && s.computed >= end
+                        && s.released <= kv.first_block_in_window(end)
+                        && s.table.len() * kv.block_size() >= end
+                })
+            })
+    }
+
+    /// Fails with [`Error::OutOfBlocks`] when the arena's free (and evictable) pages
+    /// are fewer than all groups' `needs`; returns both counts.
+    fn check_needs(&self) -> Result<(usize, usize)> {
+        let total: usize = self.needs.iter().sum();
+        let free = self.num_free_pages();
+        if total > free {
+            return Err(Error::OutOfBlocks {
+                needed: total,
+                free,
+            });
+        }
+        Ok((total, free))
+    }
+
+    /// Moves free pages so that every group `g` has `needs[g]` available, or fails
+    /// with nothing moved when the arena has too few.
+    fn give_pages(&mut self) -> Result<()> {
+        let (total, free) = self.check_needs()?;
+        for to in 0..self.groups.len() {
+            while self.groups[to].num_available_blocks() < self.needs[to] {
+                let from = (0..self.groups.len())
+                    .find(|&h| h != to && self.groups[h].num_available_blocks() > self.needs[h])
+                    .ok_or(Error::OutOfBlocks {
+                        needed: total,
+                        free,
+                    })?;
+                self.move_page(from, to)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves one free page of group `from` to group `to`.
+    fn move_page(&mut self, from: usize, to: usize) -> Result<()> {
+        let (page, at) = self.groups[from].lend_page()?;
+        self.hand_over(from, page, at, to)
+    }
+
+    /// Records `page` lent by `from` at index `at` of its lender, and takes it back in
+    /// group `to`, which owns it from now on.
+    fn hand_over(&mut self, from: usize, page: BlockId, at: usize, to: usize) -> Result<()> {
+        self.lent_pos[from][page.index()] = at as u32;
+        let pos = self.lent_pos[to][page.index()];
+        if pos == NOT_LENT {
+            return Err(Error::CorruptBlockTable(format!(
+                "page {page} is owned by groups {from} and {to}"
+            )));
+        }
+        if let Some(moved) = self.groups[to].reclaim_page(pos as usize)? {
+            self.lent_pos[to][moved.index()] = pos;
+        }
+        self.lent_pos[to][page.index()] = NOT_LENT;
+        self.lent[from] += 1;
+        self.lent[to] -= 1;
+        self.page_moves += 1;
+        Ok(())
+    }
+
+    /// Pages group `g`'s sequences hold.
+    fn own_used(&self, g: usize) -> usize {
+        self.groups[g].pool.num_live() - self.lent[g]
+    }
+
+    fn note_usage(&mut self) {
+        let used: usize = (0..self.groups.len()).map(|g| self.own_used(g)).sum();
+        self.peak_used_pages = self.peak_used_pages.max(used);
+    }
+}
+
+impl KvCacheManager {
+    /// Takes one free page of this group and lends it: the lender holds it (one
+    /// reference, full fill). Returns the page and its index in the lender's table.
+    fn lend_page(&mut self) -> Result<(BlockId, usize)> {
+        let b = self.alloc_block()?;
+        Ok((b, self.push_lent(b)?))
+    }
+
+    /// Lends the free page `page` (see [`Self::lend_page`]).
+    fn lend_this_page(&mut self, page: BlockId) -> Result<usize> {
+        self.pool.take(page)?;
+        self.block_fill[page.index()] = 0;
+        self.push_lent(page)
+    }
+
+    /// Gives the just-taken page `b` to the lender; returns its index there.
+    fn push_lent(&mut self, b: BlockId) -> Result<usize> {
+        let bs = self.block_size();
+        self.set_fill(b, bs);
+        let s = self
+            .seqs
+            .get_mut(&LENDER)
+            .ok_or(Error::UnknownSequence(LENDER))?;
+        s.table.push(b);
+        s.num_tokens += bs;
+        s.computed += bs;
+        Ok(s.table.len() - 1)
+    }
+
+    /// Takes back the lent page at index `pos` of the lender's table: it becomes free
+    /// here. Returns the page the swap-remove moved into `pos`, if any.
+    fn reclaim_page(&mut self, pos: usize) -> Result<Option<BlockId>> {
+        let bs = self.block_size();
+        let s = self
+            .seqs
+            .get_mut(&LENDER)
+            .ok_or(Error::UnknownSequence(LENDER))?;
+        if pos >= s.table.len() {
+            return Err(Error::CorruptBlockTable(format!(
+                "lent page index {pos} of {}",
+                s.table.len()
+            )));
+        }
+        let b = s.table.swap_remove(pos);
+        let moved = s.table.get(pos).copied();
+        s.num_tokens -= bs;
+        s.computed -= bs;
+        self.release_block(b)?;
+        Ok(moved)
+    }
+
+    /// Pages a window group gives back now if `seq`'s blocks before the window of its
+    /// next query (at `computed`) are released: those only `seq` holds.
+    fn dead_window_pages(&self, seq: SeqId) -> Result<usize> {
+        if self.window.is_none() {
+            return Ok(0);
+        }
+        let s = self.seq(seq)?;
+        if s.scheduled > 0 {
+            return Ok(0);
+        }
+        let keep_from = self.first_block_in_window(s.computed).min(s.table.len());
+        Ok(s.table[s.released.min(keep_from)..keep_from]
+            .iter()
+            .filter(|&&b| self.pool.refcount(b).unwrap_or(0) == 1)
+            .count())
+    }
+
+    /// Admits `seq` with `num_tokens` computed tokens whose first `holes` blocks are
+    /// holes (checked by the caller: at most those before the window), allocating the
+    /// rest and writing their tokens' slots into `slots`.
+    fn admit_holed(
+        &mut self,
+        seq: SeqId,
+        num_tokens: usize,
+        holes: usize,
+        slots: &mut Vec<Slot>,
+    ) -> Result<()> {
+        slots.clear();
+        if holes == 0 {
+            return self.admit(seq, num_tokens, slots);
+        }
+        if self.contains(seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let needed = self.layout.blocks_for_tokens(num_tokens);
+        self.ensure_available(needed - holes)?;
+        self.seqs.reserve_room(1)?;
+        let mut table = Vec::with_capacity(needed + 1);
+        table.resize(holes, BlockId::RELEASED);
+        while table.len() < needed {
+            table.push(self.alloc_block()?);
+        }
+        let mut s = Sequence {
+            table,
+            released: holes,
+            num_tokens: holes * self.block_size(),
+            admission: self.tiers.next_admission(),
+            ..Sequence::default()
+        };
+        self.fill_tokens(&mut s, num_tokens, slots);
+        s.computed = num_tokens;
+        self.seqs.insert(seq, s)?;
+        self.note_usage();
+        Ok(())
+    }
+
+    /// Admits `seq` with the first `cached` tokens computed, sharing `source`'s blocks
+    /// inside the window of the query at `cached` (the blocks before are holes), for a
+    /// prefix hit of the KV-cache groups. Registers nothing (a window manager does not).
+    fn admit_window_hit(&mut self, seq: SeqId, source: SeqId, cached: usize) -> Result<Admission> {
+        if self.contains(seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        let bs = self.block_size();
+        let end = cached / bs;
+        let keep = self.first_block_in_window(cached).min(end);
+        let src = self.seq(source)?;
+        let shared = src.table.get(keep..end).ok_or_else(|| {
+            Error::CorruptBlockTable(format!("{source} holds no blocks {keep}..{end}"))
+        })?;
+        if src.released > keep || src.computed < cached {
+            return Err(Error::CorruptBlockTable(format!(
+                "{source} no longer holds the window of a hit of {cached} tokens"
+            )));
+        }
+        let mut table = vec![BlockId::RELEASED; keep];
+        table.extend_from_slice(shared);
+        self.seqs.reserve_room(1)?;
+        // Full computed blocks: their fill is already the whole block.
+        self.pool.incref_all(&table[keep..])?;
+        let s = Sequence {
+            table,
+            released: keep,
+            num_tokens: cached,
+            computed: cached,
+            admission: self.tiers.next_admission(),
+            ..Sequence::default()
+        };
+        self.seqs.insert(seq, s)?;
+        self.note_usage();
+        Ok(Admission {
+            cached_tokens: cached,
+            cached_blocks: end - keep,
+            new_blocks: 0,
+            registered_blocks: 0,
+        })
+    }
+
+    /// Releases `seq`'s blocks before the window of its next query (no query reads
+    /// them: the sequence holds no reservation).
+    fn release_dead_window(&mut self, seq: SeqId) -> Result<()> {
+        if self.window.is_none() {
+            return Ok(());
+        }
+        let computed = self.seq(seq)?.computed;
+        let h = self.handle(seq)?;
+        self.release_out_of_window(h, computed)
+    }
+}
+
+/// A swap of one sequence in every group, planned by [`KvCacheGroups::swap_out`] or
+/// [`KvCacheGroups::swap_in`]: execute `plans` (any order), then
+/// [`KvCacheGroups::complete_swap`] or [`KvCacheGroups::abort_swap`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupSwapJob {
+    /// The sequence.
+    pub seq: SeqId,
+    /// Each group's ticket.
+    pub tickets: Vec<SwapTicket>,
+    /// Each group's plan: device pages and blocks of the shared host tier.
+    pub plans: Vec<SwapPlan>,
+}
+
+/// A compaction of a [`KvCacheGroups`] arena planned but not yet committed. It holds
+/// the groups' `&mut` borrow; dropping it aborts with nothing changed.
+#[derive(Debug)]
+#[must_use = "dropping a pending compaction aborts it"]
+pub struct PendingGroupDefrag<'a> {
+    groups: &'a mut KvCacheGroups,
+    plan: MovePlan,
+    per_group: Vec<MovePlan>,
+}
+
+impl PendingGroupDefrag<'_> {
+    /// Every move, over page ids (one storage shared by all groups executes this).
+    pub fn plan(&self) -> &MovePlan {
+        &self.plan
+    }
+
+    /// The moves of group `g`'s pages (for a storage per group).
+    ///
+    /// # Panics
+    /// When `g >= num_groups()`.
+    pub fn group_plan(&self, g: usize) -> &MovePlan {
+        &self.per_group[g]
+    }
+
+    /// Records that the plan was executed: destinations change owner where needed,
+    /// every group's tables point at them, the sources are free. Returns the plan.
+    ///
+    /// # Errors
+    /// [`Error::CorruptBlockTable`] when the groups' state contradicts the plan (it
+    /// cannot: the plan was made under the same borrow).
+    pub fn commit(self) -> Result<MovePlan> {
+        for (g, plan) in self.per_group.iter().enumerate() {
+            for m in plan.moves() {
+                self.groups.move_page_to(m.dst, g)?;
+            }
+        }
+        for (kv, plan) in self.groups.groups.iter_mut().zip(&self.per_group) {
+            if !plan.is_empty() {
+                kv.commit_moves(plan)?;
+                kv.pool.reorder_free_low_first();
+            }
+        }
+        Ok(self.plan)
+    }
+}
