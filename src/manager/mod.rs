@@ -439,7 +439,9 @@ impl KvCacheManager {
         // the blocks are available.
         for (k, &h) in seqs.iter().enumerate() {
             let ids = tokens.and_then(|t| t.get(k..k + 1));
-            self.reserve_at(h, 1, 0, true, ids, slots, copies)?;
+            if self.append_in_last_block(h, 1, ids, slots).is_none() {
+                self.reserve_at(h, 1, 0, true, ids, slots, copies)?;
+            }
         }
         Ok(())
     }
@@ -689,7 +691,77 @@ impl KvCacheManager {
     ) -> Result<usize> {
         slots.clear();
         let h = self.handle(seq)?;
+        if commit_now && lookahead == 0 {
+            if let Some(registered) = self.append_in_last_block(h, n, tokens, slots) {
+                return Ok(registered);
+            }
+        }
         self.reserve_at(h, n, lookahead, commit_now, tokens, slots, copies)
+    }
+
+    /// The common decode step, in place: `n` committed tokens that all land in the
+    /// sequence's own last block, which already holds computed tokens and is neither
+    /// shared nor registered (so no block is taken, copied or released and no
+    /// window moves). Does what [`Self::reserve_at`] does in that case, without its
+    /// general bookkeeping (cost count, replacement scan, block loop); returns the
+    /// blocks registered, or `None`, having changed nothing, when the call needs the
+    /// general path (which also reports every error).
+    #[inline(always)]
+    fn append_in_last_block(
+        &mut self,
+        h: SeqHandle,
+        n: usize,
+        tokens: Option<&[u32]>,
+        slots: &mut Vec<Slot>,
+    ) -> Option<usize> {
+        if self.window.is_some() {
+            return None;
+        }
+        let max_len = self.max_seq_len();
+        let KvCacheManager {
+            layout,
+            pool,
+            prefix,
+            seqs,
+            block_fill,
+            live_token_slots,
+            ..
+        } = self;
+        let bs = layout.block_size();
+        let s = seqs.at_mut(h)?;
+        let off = layout.block_offset(s.computed);
+        // `off + n <= bs` also keeps `s.computed + n` from overflowing.
+        if off == 0
+            || n == 0
+            || n > bs - off
+            || s.computed != s.num_tokens
+            || s.scheduled != 0
+            || s.in_flight.is_some()
+        {
+            return None;
+        }
+        let end = s.computed + n;
+        if end > max_len {
+            return None;
+        }
+        let &last = s.table.last()?;
+        if !pool.is_private(last) || prefix.is_registered(last) {
+            return None;
+        }
+        let fill = block_fill.get_mut(last.index())?;
+        let base = layout.slot(last, 0).0;
+        slots.extend((off..off + n).map(|o| Slot(base + o as u64)));
+        let filled = off + n;
+        if usize::from(*fill) < filled {
+            *live_token_slots += filled - usize::from(*fill);
+            *fill = filled as u16;
+        }
+        s.num_tokens = end;
+        if let Some(ids) = tokens {
+            prefix::record_ids(s, ids, bs);
+        }
+        s.computed = end;
+        Some(prefix::extend_chain_in(prefix, bs, s))
     }
 
     /// The one slot-handing path: reserve `n + lookahead` slots after the computed

@@ -106,6 +106,13 @@ impl BlockPool {
         Ok(self.refcount[block.index()])
     }
 
+    /// Whether `block` is live with exactly one reference (a table may write into it
+    /// in place); `false` for anything else, out-of-range ids included.
+    #[inline]
+    pub fn is_private(&self, block: BlockId) -> bool {
+        self.refcount.get(block.index()) == Some(&1)
+    }
+
     #[inline]
     fn check(&self, block: BlockId) -> Result<()> {
         if block.index() < self.state.len() {
