@@ -99,7 +99,11 @@ pub(crate) fn record_ids(s: &mut Sequence, ids: &[u32], bs: usize) {
     let skip = known_start.saturating_sub(pos).min(ids.len());
     let at = pos.max(known_start) - known_start;
     p.ids.truncate(at);
-    p.ids.extend_from_slice(&ids[skip..]);
+    match &ids[skip..] {
+        // The decode step: one id, pushed without a copy call.
+        &[id] => p.ids.push(id),
+        rest => p.ids.extend_from_slice(rest),
+    }
 }
 
 /// Registers every block of `s` that is full, computed and whose ids are known, in
@@ -156,7 +160,9 @@ fn register_next(
     let hash = prefix
         .hasher()
         .block(p.last.unwrap_or(p.ns.seed), ids, key.map_or(&[][..], |k| k));
-    if !prefix.register(b, hash, p.last, &p.ns, key, ids, p.priority) {
+    // The parent is the block before, checked above.
+    let parent_block = p.chain.checked_sub(1).and_then(|i| table.get(i).copied());
+    if !prefix.register(b, hash, p.last, parent_block, &p.ns, key, ids, p.priority) {
         return false;
     }
     p.chain += 1;
@@ -282,6 +288,19 @@ impl KvCacheManager {
         tokens: &[u32],
         hit: &PrefixHit,
     ) -> Result<Admission> {
+        self.admit_prompt_inner(seq, tokens, hit, true)
+    }
+
+    /// [`Self::admit_prompt`]; `recheck: false` only for a hit looked up on `tokens`
+    /// with nothing changed since (inside [`Self::admit_tokens`]), whose blocks the
+    /// lookup has just confirmed.
+    fn admit_prompt_inner(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        hit: &PrefixHit,
+        recheck: bool,
+    ) -> Result<Admission> {
         if self.contains(seq) {
             return Err(Error::DuplicateSequence(seq));
         }
@@ -309,15 +328,16 @@ impl KvCacheManager {
         let mut valid = 0;
         let mut parent = None;
         for (i, (&b, &h)) in hit.blocks.iter().zip(&hit.hashes).enumerate() {
-            let same = self.prefix.hash_of(b) == Some(h)
-                && self.prefix.confirms(
-                    b,
-                    parent,
-                    &ns,
-                    &tokens[i * bs..(i + 1) * bs],
-                    hit.keys.bytes(i),
-                )
-                && self.pool.state(b).is_ok_and(|s| s != BlockState::Free);
+            let same = !recheck
+                || (self.prefix.hash_of(b) == Some(h)
+                    && self.prefix.confirms(
+                        b,
+                        parent,
+                        &ns,
+                        &tokens[i * bs..(i + 1) * bs],
+                        hit.keys.bytes(i),
+                    )
+                    && self.pool.state(b).is_ok_and(|s| s != BlockState::Free));
             if !same {
                 break;
             }
@@ -440,7 +460,8 @@ impl KvCacheManager {
         self.ensure_available(total - hit.cached_blocks() + self.count_evictable(&hit.blocks))?;
         // Nothing below fails on a consistent manager: the availability check covered
         // the revivals and the new blocks.
-        let mut a = self.admit_prompt(seq, tokens, &hit)?;
+        // The hit was looked up just now on these very tokens: nothing to re-check.
+        let mut a = self.admit_prompt_inner(seq, tokens, &hit, false)?;
         let rest = tokens.len() - a.cached_tokens;
         let mut copies = CopyPlan::default();
         match self.reserve_inner(seq, rest, 0, true, None, slots, &mut copies) {

@@ -87,6 +87,11 @@ impl BlockKeys {
 struct Entry {
     hash: BlockHash,
     parent: Option<BlockHash>,
+    /// Where the parent was registered when this block was: a hint, trusted only while
+    /// that block's entry still carries the `parent` hash (a relocation or an eviction
+    /// since makes it stale, and the lookup by hash answers then). Saves a hash probe
+    /// per eviction.
+    parent_block: Option<BlockId>,
     /// The namespace key, on first blocks only (later blocks inherit it by the chain).
     ns: Option<Arc<[u8]>>,
     /// The block's extra-key bytes, on blocks where a keyed span starts only (later
@@ -308,6 +313,16 @@ impl PrefixIndex {
         })
     }
 
+    /// The block registered under parent hash `ph`: `hint` when its entry carries
+    /// `ph` (hashes are unique in the index, so that is the block), else by hash.
+    #[inline]
+    fn resolve_parent(&self, ph: BlockHash, hint: Option<BlockId>) -> Option<BlockId> {
+        match hint {
+            Some(b) if self.entry(b).is_some_and(|e| e.hash == ph) => Some(b),
+            _ => self.block_of(ph),
+        }
+    }
+
     fn entry(&self, b: BlockId) -> Option<&Entry> {
         self.entries.get(b.index()).and_then(Option::as_ref)
     }
@@ -386,14 +401,16 @@ impl PrefixIndex {
     }
 
     /// Registers live full block `b` (with its extra-key bytes `key`, if a keyed span
-    /// starts in it). Returns `false` (and changes nothing but a counter) when `hash` is
-    /// taken or the parent is not registered.
+    /// starts in it). `parent_hint` is where the caller holds the parent block (checked
+    /// against `parent`, see [`Self::resolve_parent`]). Returns `false` (and changes
+    /// nothing but a counter) when `hash` is taken or the parent is not registered.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn register(
         &mut self,
         b: BlockId,
         hash: BlockHash,
         parent: Option<BlockHash>,
+        parent_hint: Option<BlockId>,
         ns: &Namespace,
         key: Option<&Arc<[u8]>>,
         tokens: &[u32],
@@ -409,10 +426,10 @@ impl PrefixIndex {
             self.counters.duplicate_blocks += 1;
             return false;
         }
-        let depth = match parent {
-            None => 1,
+        let (depth, parent_block) = match parent {
+            None => (1, None),
             Some(ph) => {
-                let Some(pb) = self.block_of(ph) else {
+                let Some(pb) = self.resolve_parent(ph, parent_hint) else {
                     return false;
                 };
                 let Some(pe) = self.entry_mut(pb) else {
@@ -425,7 +442,7 @@ impl PrefixIndex {
                     // kept so the candidate set never holds a non-leaf.
                     self.candidates.remove(p, k, pb.0);
                 }
-                depth
+                (depth, Some(pb))
             }
         };
         let clock = self.tick();
@@ -433,6 +450,7 @@ impl PrefixIndex {
         self.entries[b.index()] = Some(Entry {
             hash,
             parent,
+            parent_block,
             ns: parent.is_none().then(|| ns.key.clone()),
             key: key.filter(|k| !k.is_empty()).cloned(),
             depth,
@@ -512,7 +530,10 @@ impl PrefixIndex {
                 medium: Medium::Device,
             });
         }
-        if let Some(pb) = e.parent.and_then(|ph| self.block_of(ph)) {
+        if let Some(pb) = e
+            .parent
+            .and_then(|ph| self.resolve_parent(ph, e.parent_block))
+        {
             if let Some(pe) = self.entry_mut(pb) {
                 pe.children -= 1;
             }
