@@ -1178,7 +1178,7 @@ impl KvCacheManager {
         for &b in table.iter().rev() {
             // `if let` reads the tag only: folding a large `Result` per block through
             // `and` was most of the cost of a free.
-            if let Err(e) = self.release_block(b) {
+            if let Err(e) = self.release_block_inline(b) {
                 first_error.get_or_insert(e);
             }
         }
@@ -1189,6 +1189,13 @@ impl KvCacheManager {
     /// Whether it is registered is a flag read, not an index lookup.
     #[inline]
     pub(crate) fn release_block(&mut self, b: BlockId) -> Result<()> {
+        self.release_block_inline(b)
+    }
+
+    /// [`Self::release_block`], inlined into the table loop of a free (no call and no
+    /// `Result` through memory per block).
+    #[inline(always)]
+    fn release_block_inline(&mut self, b: BlockId) -> Result<()> {
         let registered = self.prefix.is_registered(b);
         let rc = if registered {
             self.pool.decref_keep(b)?
