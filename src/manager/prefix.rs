@@ -86,11 +86,26 @@ impl PrefixHit {
 /// admission gives slots to). Ids before the known range are already registered
 /// content and skipped; ids after a gap (tokens appended without ids) cannot be placed
 /// and are dropped: registration waits for [`KvCacheManager::add_token_ids`].
+#[inline(always)]
 pub(crate) fn record_ids(s: &mut Sequence, ids: &[u32], bs: usize) {
     let pos = s.computed;
     let Some(p) = s.prefix.as_deref_mut() else {
         return;
     };
+    // The decode step: one id right after the known ones, with room for it (what the
+    // general path below does in that case, without a call: it ran per token).
+    if let &[id] = ids {
+        if pos == p.chain * bs + p.ids.len() && p.ids.len() < p.ids.capacity() {
+            p.ids.push(id);
+            return;
+        }
+    }
+    record_ids_at(p, pos, ids, bs);
+}
+
+/// [`record_ids`] for every other case.
+#[inline(never)]
+fn record_ids_at(p: &mut SeqPrefix, pos: usize, ids: &[u32], bs: usize) {
     let known_start = p.chain * bs;
     let known_end = known_start + p.ids.len();
     if pos > known_end {
@@ -111,14 +126,24 @@ pub(crate) fn record_ids(s: &mut Sequence, ids: &[u32], bs: usize) {
 /// already registered elsewhere (a duplicate) stops the sequence's registration for
 /// good (see the module docs). Called after every slot-handing call: the common case
 /// (no block completed) is one comparison, so the work is per block, not per token.
-#[inline]
+#[inline(always)]
 pub(crate) fn extend_chain_in(prefix: &mut PrefixIndex, bs: usize, s: &mut Sequence) -> usize {
-    let Some(p) = s.prefix.as_deref_mut() else {
+    let Some(p) = s.prefix.as_deref() else {
         return 0;
     };
     if p.ids.len() < bs || (p.chain + 1) * bs > s.computed {
         return 0;
     }
+    extend_chain_full(prefix, bs, s)
+}
+
+/// [`extend_chain_in`] once at least one block is ready to register (out of line: the
+/// check above runs per token, this per block).
+#[inline(never)]
+fn extend_chain_full(prefix: &mut PrefixIndex, bs: usize, s: &mut Sequence) -> usize {
+    let Some(p) = s.prefix.as_deref_mut() else {
+        return 0;
+    };
     let (mut registered, mut used) = (0, 0);
     let mut ok = true;
     while p.ids.len() - used >= bs && (p.chain + 1) * bs <= s.computed {
