@@ -422,29 +422,44 @@ impl PrefixIndex {
         {
             return false;
         }
-        if self.by_hash.contains_key(&hash) {
-            self.counters.duplicate_blocks += 1;
-            return false;
-        }
+        // The parent first (reads only), then one probe that both refuses a taken
+        // hash and claims a free one; a duplicate counts whether or not the parent
+        // is registered, as it did when the hash was checked first.
         let (depth, parent_block) = match parent {
             None => (1, None),
-            Some(ph) => {
-                let Some(pb) = self.resolve_parent(ph, parent_hint) else {
+            Some(ph) => match self
+                .resolve_parent(ph, parent_hint)
+                .and_then(|pb| Some((self.entry(pb)?.depth + 1, Some(pb))))
+            {
+                Some(found) => found,
+                None => {
+                    if self.by_hash.contains_key(&hash) {
+                        self.counters.duplicate_blocks += 1;
+                    }
                     return false;
-                };
-                let Some(pe) = self.entry_mut(pb) else {
-                    return false;
-                };
+                }
+            },
+        };
+        match self.by_hash.entry(hash) {
+            std::collections::hash_map::Entry::Occupied(_) => {
+                self.counters.duplicate_blocks += 1;
+                return false;
+            }
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(b);
+            }
+        }
+        // Every check passed: from here on the registration completes.
+        if let Some(pb) = parent_block {
+            if let Some(pe) = self.entry_mut(pb) {
                 pe.children += 1;
-                let (depth, candidate) = (pe.depth + 1, pe.candidate.take());
-                if let Some((p, k)) = candidate {
+                if let Some((p, k)) = pe.candidate.take() {
                     // Unreachable while parents are held by the registering sequence;
                     // kept so the candidate set never holds a non-leaf.
                     self.candidates.remove(p, k, pb.0);
                 }
-                (depth, Some(pb))
             }
-        };
+        }
         let clock = self.tick();
         self.registered[b.index()] = true;
         self.entries[b.index()] = Some(Entry {
@@ -464,7 +479,6 @@ impl PrefixIndex {
         });
         let start = b.index() * self.block_size;
         self.tokens[start..start + self.block_size].copy_from_slice(tokens);
-        self.by_hash.insert(hash, b);
         self.counters.stored_blocks += 1;
         self.emit_stored(b);
         true
