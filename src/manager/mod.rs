@@ -446,7 +446,9 @@ impl KvCacheManager {
         // the blocks are available.
         for (k, &h) in seqs.iter().enumerate() {
             let ids = tokens.and_then(|t| t.get(k..k + 1));
-            self.reserve_at(h, 1, 0, true, ids, slots, copies)?;
+            if self.append_in_last_block(h, 1, ids, slots).is_none() {
+                self.reserve_at(h, 1, 0, true, ids, slots, copies)?;
+            }
         }
         Ok(())
     }
@@ -696,7 +698,88 @@ impl KvCacheManager {
     ) -> Result<usize> {
         slots.clear();
         let h = self.handle(seq)?;
+        if commit_now && lookahead == 0 {
+            if let Some(registered) = self.append_in_last_block(h, n, tokens, slots) {
+                return Ok(registered);
+            }
+        }
         self.reserve_at(h, n, lookahead, commit_now, tokens, slots, copies)
+    }
+
+    /// The common decode step, in place: `n` committed tokens that all land in the
+    /// sequence's own last block, which already holds computed tokens and is neither
+    /// shared nor registered (so no block is taken, copied or released and no
+    /// window moves). Does what [`Self::reserve_at`] does in that case, without its
+    /// general bookkeeping (cost count, replacement scan, block loop); returns the
+    /// blocks registered, or `None`, having changed nothing, when the call needs the
+    /// general path (which also reports every error).
+    #[inline(always)]
+    fn append_in_last_block(
+        &mut self,
+        h: SeqHandle,
+        n: usize,
+        tokens: Option<&[u32]>,
+        slots: &mut Vec<Slot>,
+    ) -> Option<usize> {
+        if self.window.is_some() {
+            return None;
+        }
+        let max_len = self.max_seq_len();
+        let KvCacheManager {
+            layout,
+            pool,
+            prefix,
+            seqs,
+            block_fill,
+            live_token_slots,
+            ..
+        } = self;
+        let bs = layout.block_size();
+        let s = seqs.at_mut(h)?;
+        let off = layout.block_offset(s.computed);
+        // `off + n <= bs` also keeps `s.computed + n` from overflowing.
+        if off == 0
+            || n == 0
+            || n > bs - off
+            || s.computed != s.num_tokens
+            || s.scheduled != 0
+            || s.in_flight.is_some()
+        {
+            return None;
+        }
+        let end = s.computed + n;
+        if end > max_len {
+            return None;
+        }
+        let &last = s.table.last()?;
+        if !pool.is_private(last) || prefix.is_registered(last) {
+            return None;
+        }
+        let fill = block_fill.get_mut(last.index())?;
+        let base = layout.slot(last, 0).0;
+        if n == 1 {
+            // The decode step: a push, not the general extend (a third of the path's
+            // instructions under callgrind).
+            slots.push(Slot(base + off as u64));
+        } else {
+            slots.extend((off..off + n).map(|o| Slot(base + o as u64)));
+        }
+        let filled = off + n;
+        if usize::from(*fill) < filled {
+            *live_token_slots += filled - usize::from(*fill);
+            *fill = filled as u16;
+        }
+        s.num_tokens = end;
+        if let Some(ids) = tokens {
+            prefix::record_ids(s, ids, bs);
+        }
+        s.computed = end;
+        // Without token ids there is nothing to register: skip the call.
+        Some(if s.prefix.is_some() {
+            prefix::extend_chain_in(prefix, bs, s)
+        } else {
+            0
+        })
     }
 
     /// The one slot-handing path: reserve `n + lookahead` slots after the computed
@@ -1113,7 +1196,7 @@ impl KvCacheManager {
         for &b in table.iter().rev() {
             // `if let` reads the tag only: folding a large `Result` per block through
             // `and` was most of the cost of a free.
-            if let Err(e) = self.release_block(b) {
+            if let Err(e) = self.release_block_inline(b) {
                 first_error.get_or_insert(e);
             }
         }
@@ -1124,6 +1207,13 @@ impl KvCacheManager {
     /// Whether it is registered is a flag read, not an index lookup.
     #[inline]
     pub(crate) fn release_block(&mut self, b: BlockId) -> Result<()> {
+        self.release_block_inline(b)
+    }
+
+    /// [`Self::release_block`], inlined into the table loop of a free (no call and no
+    /// `Result` through memory per block).
+    #[inline(always)]
+    fn release_block_inline(&mut self, b: BlockId) -> Result<()> {
         let registered = self.prefix.is_registered(b);
         let rc = if registered {
             self.pool.decref_keep(b)?

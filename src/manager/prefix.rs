@@ -98,11 +98,26 @@ impl PrefixHit {
 /// admission gives slots to). Ids before the known range are already registered
 /// content and skipped; ids after a gap (tokens appended without ids) cannot be placed
 /// and are dropped: registration waits for [`KvCacheManager::add_token_ids`].
+#[inline(always)]
 pub(crate) fn record_ids(s: &mut Sequence, ids: &[u32], bs: usize) {
     let pos = s.computed;
     let Some(p) = s.prefix.as_deref_mut() else {
         return;
     };
+    // The decode step: one id right after the known ones, with room for it (what the
+    // general path below does in that case, without a call: it ran per token).
+    if let &[id] = ids {
+        if pos == p.chain * bs + p.ids.len() && p.ids.len() < p.ids.capacity() {
+            p.ids.push(id);
+            return;
+        }
+    }
+    record_ids_at(p, pos, ids, bs);
+}
+
+/// [`record_ids`] for every other case.
+#[inline(never)]
+fn record_ids_at(p: &mut SeqPrefix, pos: usize, ids: &[u32], bs: usize) {
     let known_start = p.chain * bs;
     let known_end = known_start + p.ids.len();
     if pos > known_end {
@@ -111,7 +126,11 @@ pub(crate) fn record_ids(s: &mut Sequence, ids: &[u32], bs: usize) {
     let skip = known_start.saturating_sub(pos).min(ids.len());
     let at = pos.max(known_start) - known_start;
     p.ids.truncate(at);
-    p.ids.extend_from_slice(&ids[skip..]);
+    match &ids[skip..] {
+        // The decode step: one id, pushed without a copy call.
+        &[id] => p.ids.push(id),
+        rest => p.ids.extend_from_slice(rest),
+    }
 }
 
 /// Registers every block of `s` that is full, computed and whose ids are known, in
@@ -119,14 +138,24 @@ pub(crate) fn record_ids(s: &mut Sequence, ids: &[u32], bs: usize) {
 /// already registered elsewhere (a duplicate) stops the sequence's registration for
 /// good (see the module docs). Called after every slot-handing call: the common case
 /// (no block completed) is one comparison, so the work is per block, not per token.
-#[inline]
+#[inline(always)]
 pub(crate) fn extend_chain_in(prefix: &mut PrefixIndex, bs: usize, s: &mut Sequence) -> usize {
-    let Some(p) = s.prefix.as_deref_mut() else {
+    let Some(p) = s.prefix.as_deref() else {
         return 0;
     };
     if p.ids.len() < bs || (p.chain + 1) * bs > s.computed {
         return 0;
     }
+    extend_chain_full(prefix, bs, s)
+}
+
+/// [`extend_chain_in`] once at least one block is ready to register (out of line: the
+/// check above runs per token, this per block).
+#[inline(never)]
+fn extend_chain_full(prefix: &mut PrefixIndex, bs: usize, s: &mut Sequence) -> usize {
+    let Some(p) = s.prefix.as_deref_mut() else {
+        return 0;
+    };
     let (mut registered, mut used) = (0, 0);
     let mut ok = true;
     while p.ids.len() - used >= bs && (p.chain + 1) * bs <= s.computed {
@@ -168,7 +197,9 @@ fn register_next(
     let hash = prefix
         .hasher()
         .block(p.last.unwrap_or(p.ns.seed), ids, key.map_or(&[][..], |k| k));
-    if !prefix.register(b, hash, p.last, &p.ns, key, ids, p.priority) {
+    // The parent is the block before, checked above.
+    let parent_block = p.chain.checked_sub(1).and_then(|i| table.get(i).copied());
+    if !prefix.register(b, hash, p.last, parent_block, &p.ns, key, ids, p.priority) {
         return false;
     }
     p.chain += 1;
@@ -294,6 +325,19 @@ impl KvCacheManager {
         tokens: &[u32],
         hit: &PrefixHit,
     ) -> Result<Admission> {
+        self.admit_prompt_inner(seq, tokens, hit, true)
+    }
+
+    /// [`Self::admit_prompt`]; `recheck: false` only for a hit looked up on `tokens`
+    /// with nothing changed since (inside [`Self::admit_tokens`]), whose blocks the
+    /// lookup has just confirmed.
+    fn admit_prompt_inner(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        hit: &PrefixHit,
+        recheck: bool,
+    ) -> Result<Admission> {
         if self.contains(seq) {
             return Err(Error::DuplicateSequence(seq));
         }
@@ -321,15 +365,16 @@ impl KvCacheManager {
         let mut valid = 0;
         let mut parent = None;
         for (i, (&b, &h)) in hit.blocks.iter().zip(&hit.hashes).enumerate() {
-            let same = self.prefix.hash_of(b) == Some(h)
-                && self.prefix.confirms(
-                    b,
-                    parent,
-                    &ns,
-                    &tokens[i * bs..(i + 1) * bs],
-                    hit.keys.bytes(i),
-                )
-                && self.pool.state(b).is_ok_and(|s| s != BlockState::Free);
+            let same = !recheck
+                || (self.prefix.hash_of(b) == Some(h)
+                    && self.prefix.confirms(
+                        b,
+                        parent,
+                        &ns,
+                        &tokens[i * bs..(i + 1) * bs],
+                        hit.keys.bytes(i),
+                    )
+                    && self.pool.state(b).is_ok_and(|s| s != BlockState::Free));
             if !same {
                 break;
             }
@@ -452,7 +497,8 @@ impl KvCacheManager {
         self.ensure_available(total - hit.cached_blocks() + self.count_evictable(&hit.blocks))?;
         // Nothing below fails on a consistent manager: the availability check covered
         // the revivals and the new blocks.
-        let mut a = self.admit_prompt(seq, tokens, &hit)?;
+        // The hit was looked up just now on these very tokens: nothing to re-check.
+        let mut a = self.admit_prompt_inner(seq, tokens, &hit, false)?;
         let rest = tokens.len() - a.cached_tokens;
         let mut copies = CopyPlan::default();
         match self.reserve_inner(seq, rest, 0, true, None, slots, &mut copies) {

@@ -106,6 +106,13 @@ impl BlockPool {
         Ok(self.refcount[block.index()])
     }
 
+    /// Whether `block` is live with exactly one reference (a table may write into it
+    /// in place); `false` for anything else, out-of-range ids included.
+    #[inline]
+    pub fn is_private(&self, block: BlockId) -> bool {
+        self.refcount.get(block.index()) == Some(&1)
+    }
+
     #[inline]
     fn check(&self, block: BlockId) -> Result<()> {
         if block.index() < self.state.len() {
@@ -204,28 +211,43 @@ impl BlockPool {
     /// As [`Self::incref`] for the first block that cannot take one more reference;
     /// nothing changed then.
     pub fn incref_all(&mut self, blocks: &[BlockId]) -> Result<()> {
-        // Check every block first. Only a corrupt table lists a block twice; one
-        // listed more than twice near `u32::MAX` is still reported by the checked
-        // increment below, after the earlier increments.
-        for &b in blocks {
-            self.check(b)?;
-            if self.state[b.index()] != BlockState::Live {
-                return Err(Error::CorruptBlockTable(format!(
-                    "incref of non-live block {b}"
-                )));
-            }
-            if self.refcount[b.index()] >= u32::MAX - 1 {
-                return Err(Error::CorruptBlockTable(format!(
-                    "refcount overflow on block {b}"
-                )));
+        // One pass that checks each block as it adds its reference; the first block
+        // that cannot take one undoes the references added before it. (A block listed
+        // twice, which only a corrupt table does, is checked at each listing.)
+        for (i, &b) in blocks.iter().enumerate() {
+            if let Err(e) = self.incref_checked(b) {
+                for &done in &blocks[..i] {
+                    self.refcount[done.index()] -= 1;
+                }
+                return Err(e);
             }
         }
-        for &b in blocks {
-            let rc = &mut self.refcount[b.index()];
-            *rc = rc.checked_add(1).ok_or_else(|| {
-                Error::CorruptBlockTable(format!("refcount overflow on block {b}"))
-            })?;
+        Ok(())
+    }
+
+    /// [`Self::incref`] without the new count, for [`Self::incref_all`]'s loop.
+    #[inline(always)]
+    fn incref_checked(&mut self, b: BlockId) -> Result<()> {
+        let (Some(&state), Some(rc)) =
+            (self.state.get(b.index()), self.refcount.get_mut(b.index()))
+        else {
+            return Err(Error::BlockOutOfRange {
+                block: b,
+                num_blocks: self.state.len(),
+            });
+        };
+        if state != BlockState::Live {
+            return Err(Error::CorruptBlockTable(format!(
+                "incref of non-live block {b}"
+            )));
         }
+        // The bound `incref_all` has always kept: one reference of headroom.
+        if *rc >= u32::MAX - 1 {
+            return Err(Error::CorruptBlockTable(format!(
+                "refcount overflow on block {b}"
+            )));
+        }
+        *rc += 1;
         Ok(())
     }
 
@@ -495,6 +517,36 @@ mod tests {
         p.allocate_n(3, &mut out).unwrap();
         assert_eq!(out, vec![BlockId(0), BlockId(1), BlockId(2)]);
         p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn incref_all_is_all_or_nothing() {
+        let mut p = BlockPool::new(4).unwrap();
+        let (a, b) = (p.allocate().unwrap(), p.allocate().unwrap());
+        p.incref(b).unwrap();
+        let free = BlockId(3);
+        // A free block, an out-of-range id, then a block listed twice at the headroom
+        // bound: each fails after earlier increments, which are undone.
+        for bad in [
+            vec![a, b, free],
+            vec![a, b, BlockId(9)],
+            vec![b, a, free, a],
+        ] {
+            assert!(p.incref_all(&bad).is_err());
+            assert_eq!((p.refcount(a).unwrap(), p.refcount(b).unwrap()), (1, 2));
+            p.check_invariants().unwrap();
+        }
+        p.refcount[a.index()] = u32::MAX - 2;
+        assert!(p.incref_all(&[b, a, a]).is_err());
+        assert_eq!(
+            (p.refcount(a).unwrap(), p.refcount(b).unwrap()),
+            (u32::MAX - 2, 2)
+        );
+        p.incref_all(&[a, b]).unwrap();
+        assert_eq!(
+            (p.refcount(a).unwrap(), p.refcount(b).unwrap()),
+            (u32::MAX - 1, 3)
+        );
     }
 
     #[test]

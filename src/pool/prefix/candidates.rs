@@ -19,15 +19,32 @@ const NIL: u32 = u32::MAX;
 /// `(priority, key, block)`, compared in that order.
 type Rank = (i32, u64, u32);
 
+/// One block's place in the list. 32 bytes, aligned to 32, so never split across two
+/// cache lines.
+#[derive(Debug, Clone, Copy)]
+#[repr(align(32))]
+struct Node {
+    /// `(priority, key)` while the block is in the list.
+    rank: (i32, u64),
+    prev: u32,
+    next: u32,
+    /// In the list (not the overflow set).
+    listed: bool,
+}
+
+const FREE_NODE: Node = Node {
+    rank: (0, 0),
+    prev: NIL,
+    next: NIL,
+    listed: false,
+};
+
 /// See the module docs.
 #[derive(Debug, Clone)]
 pub(crate) struct Candidates {
-    /// Per block: `(priority, key)` while it is in the list.
-    rank: Vec<(i32, u64)>,
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    /// Per block: in the list (not the overflow set).
-    listed: Vec<bool>,
+    /// Per block, its rank, links and flag in one record: an insert or an unlink
+    /// touches one cache line per block instead of one per array.
+    nodes: Vec<Node>,
     head: u32,
     tail: u32,
     listed_len: usize,
@@ -37,10 +54,7 @@ pub(crate) struct Candidates {
 impl Candidates {
     pub(crate) fn new(num_blocks: usize) -> Self {
         Candidates {
-            rank: vec![(0, 0); num_blocks],
-            prev: vec![NIL; num_blocks],
-            next: vec![NIL; num_blocks],
-            listed: vec![false; num_blocks],
+            nodes: vec![FREE_NODE; num_blocks],
             head: NIL,
             tail: NIL,
             listed_len: 0,
@@ -49,7 +63,7 @@ impl Candidates {
     }
 
     fn rank_of(&self, b: u32) -> Rank {
-        let (p, k) = self.rank[b as usize];
+        let (p, k) = self.nodes[b as usize].rank;
         (p, k, b)
     }
 
@@ -61,40 +75,40 @@ impl Candidates {
     pub(crate) fn insert(&mut self, priority: i32, key: u64, b: u32) {
         let i = b as usize;
         let r = (priority, key, b);
-        if i >= self.listed.len() {
+        if i >= self.nodes.len() {
             // Not reachable (the index covers the arena); stays exact anyway.
             self.overflow.insert(r);
             return;
         }
         if self.tail == NIL {
-            self.rank[i] = (priority, key);
-            self.prev[i] = NIL;
-            self.next[i] = NIL;
+            self.nodes[i].rank = (priority, key);
+            self.nodes[i].prev = NIL;
+            self.nodes[i].next = NIL;
             self.head = b;
             self.tail = b;
         } else if r > self.rank_of(self.tail) {
-            self.rank[i] = (priority, key);
-            self.prev[i] = self.tail;
-            self.next[i] = NIL;
-            self.next[self.tail as usize] = b;
+            self.nodes[i].rank = (priority, key);
+            self.nodes[i].prev = self.tail;
+            self.nodes[i].next = NIL;
+            self.nodes[self.tail as usize].next = b;
             self.tail = b;
         } else if r < self.rank_of(self.head) {
-            self.rank[i] = (priority, key);
-            self.prev[i] = NIL;
-            self.next[i] = self.head;
-            self.prev[self.head as usize] = b;
+            self.nodes[i].rank = (priority, key);
+            self.nodes[i].prev = NIL;
+            self.nodes[i].next = self.head;
+            self.nodes[self.head as usize].prev = b;
             self.head = b;
         } else {
             self.overflow.insert(r);
             return;
         }
-        self.listed[i] = true;
+        self.nodes[i].listed = true;
         self.listed_len += 1;
     }
 
     /// Removes block `b`, a candidate with `priority` and `key`.
     pub(crate) fn remove(&mut self, priority: i32, key: u64, b: u32) {
-        if self.listed.get(b as usize).copied().unwrap_or(false) {
+        if self.nodes.get(b as usize).is_some_and(|n| n.listed) {
             self.unlink(b);
         } else {
             self.overflow.remove(&(priority, key, b));
@@ -103,20 +117,20 @@ impl Candidates {
 
     fn unlink(&mut self, b: u32) {
         let i = b as usize;
-        let (p, n) = (self.prev[i], self.next[i]);
+        let (p, n) = (self.nodes[i].prev, self.nodes[i].next);
         if p == NIL {
             self.head = n;
         } else {
-            self.next[p as usize] = n;
+            self.nodes[p as usize].next = n;
         }
         if n == NIL {
             self.tail = p;
         } else {
-            self.prev[n as usize] = p;
+            self.nodes[n as usize].prev = p;
         }
-        self.prev[i] = NIL;
-        self.next[i] = NIL;
-        self.listed[i] = false;
+        self.nodes[i].prev = NIL;
+        self.nodes[i].next = NIL;
+        self.nodes[i].listed = false;
         self.listed_len -= 1;
     }
 
@@ -135,8 +149,8 @@ impl Candidates {
 
     /// Whether block `b` is a candidate with `priority` and `key`.
     pub(crate) fn contains(&self, priority: i32, key: u64, b: u32) -> bool {
-        if self.listed.get(b as usize).copied().unwrap_or(false) {
-            self.rank[b as usize] == (priority, key)
+        if self.nodes.get(b as usize).is_some_and(|n| n.listed) {
+            self.nodes[b as usize].rank == (priority, key)
         } else {
             self.overflow.contains(&(priority, key, b))
         }
@@ -144,10 +158,7 @@ impl Candidates {
 
     /// Follows the arena to `num_blocks`; no candidate may be at or above it.
     pub(crate) fn resize(&mut self, num_blocks: usize) {
-        self.rank.resize(num_blocks, (0, 0));
-        self.prev.resize(num_blocks, NIL);
-        self.next.resize(num_blocks, NIL);
-        self.listed.resize(num_blocks, false);
+        self.nodes.resize(num_blocks, FREE_NODE);
     }
 
     /// Checks the list's links, order and count, and that no block is in both halves.
@@ -157,11 +168,14 @@ impl Candidates {
         let mut b = self.head;
         while b != NIL {
             let i = b as usize;
-            if !self.listed.get(i).copied().unwrap_or(false) {
+            if !self.nodes.get(i).is_some_and(|n| n.listed) {
                 return Err(format!("block #{b} is linked but not flagged as listed"));
             }
-            if self.prev[i] != prev {
-                return Err(format!("block #{b}: back link {} not {prev}", self.prev[i]));
+            if self.nodes[i].prev != prev {
+                return Err(format!(
+                    "block #{b}: back link {} not {prev}",
+                    self.nodes[i].prev
+                ));
             }
             if prev != NIL && self.rank_of(prev) >= self.rank_of(b) {
                 return Err(format!("candidate list out of order at block #{b}"));
@@ -174,7 +188,7 @@ impl Candidates {
                 return Err("candidate list longer than its count (a cycle?)".into());
             }
             prev = b;
-            b = self.next[i];
+            b = self.nodes[i].next;
         }
         if prev != self.tail {
             return Err(format!(
@@ -182,7 +196,7 @@ impl Candidates {
                 self.tail
             ));
         }
-        let flagged = self.listed.iter().filter(|&&l| l).count();
+        let flagged = self.nodes.iter().filter(|n| n.listed).count();
         if count != self.listed_len || flagged != count {
             return Err(format!(
                 "{count} linked candidates, {flagged} flagged, count {}",
@@ -192,7 +206,7 @@ impl Candidates {
         if let Some(&(_, _, b)) = self
             .overflow
             .iter()
-            .find(|r| self.listed.get(r.2 as usize).copied().unwrap_or(false))
+            .find(|r| self.nodes.get(r.2 as usize).is_some_and(|n| n.listed))
         {
             return Err(format!(
                 "block #{b} is in the overflow set and flagged listed"

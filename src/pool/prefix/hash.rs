@@ -93,6 +93,17 @@ pub struct Xxh3Hasher;
 /// Bytes encoded on the stack before XXH3 switches to streaming.
 const STACK_BYTES: usize = 512;
 
+/// Encoded block inputs up to this many bytes take [`Xxh3Hasher::block`]'s one-pass
+/// path: 32 token ids (128 bytes) plus the parent and the two lengths. Small enough
+/// that zeroing the buffer is a few vector stores, not a `memset` call.
+const SMALL_BLOCK_BYTES: usize = 144;
+
+/// A length as the encoding's `u32` (see [`Xxh3Writer::write_len`]).
+#[inline]
+fn encoded_len(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 /// Feeds XXH3 from a stack buffer: one-shot when everything fits, streaming otherwise
 /// (XXH3's streaming digest equals its one-shot digest of the same bytes).
 struct Xxh3Writer {
@@ -137,7 +148,7 @@ impl Xxh3Writer {
     /// keeps this total without a panic path.
     #[inline]
     fn write_len(&mut self, n: usize) {
-        self.write_u32(u32::try_from(n).unwrap_or(u32::MAX));
+        self.write_u32(encoded_len(n));
     }
 
     #[inline]
@@ -164,6 +175,22 @@ impl PrefixHasher for Xxh3Hasher {
 
     #[inline]
     fn block(&self, parent: BlockHash, tokens: &[u32], extra: &[u8]) -> BlockHash {
+        // The usual block (up to 32 ids, short or no extra key) is encoded in one pass
+        // into a small buffer: the same bytes as the writer below, without zeroing
+        // its 512-byte buffer or copying each id through a bounds-checked write.
+        let ids_end = tokens.len().saturating_mul(4).saturating_add(12);
+        let len = ids_end.saturating_add(4).saturating_add(extra.len());
+        if len <= SMALL_BLOCK_BYTES {
+            let mut buf = [0u8; SMALL_BLOCK_BYTES];
+            buf[..8].copy_from_slice(&parent.0.to_le_bytes());
+            buf[8..12].copy_from_slice(&encoded_len(tokens.len()).to_le_bytes());
+            for (dst, t) in buf[12..ids_end].chunks_exact_mut(4).zip(tokens) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            buf[ids_end..ids_end + 4].copy_from_slice(&encoded_len(extra.len()).to_le_bytes());
+            buf[ids_end + 4..len].copy_from_slice(extra);
+            return BlockHash(xxhash_rust::xxh3::xxh3_64(&buf[..len]));
+        }
         let mut w = Xxh3Writer::new();
         w.write(&parent.0.to_le_bytes());
         w.write_len(tokens.len());
@@ -295,6 +322,36 @@ mod tests {
     fn hashes_depend_on_parent_tokens_extra_and_namespace() {
         check(&ChainHasher);
         check(&Xxh3Hasher);
+    }
+
+    /// The documented encoding, written out byte by byte.
+    fn reference_xxh3(parent: u64, tokens: &[u32], extra: &[u8]) -> u64 {
+        let mut bytes = parent.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+        for t in tokens {
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        bytes.extend_from_slice(&(extra.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(extra);
+        xxhash_rust::xxh3::xxh3_64(&bytes)
+    }
+
+    #[test]
+    fn xxh3_one_pass_and_writer_paths_hash_the_same_encoding() {
+        // Sizes on both sides of SMALL_BLOCK_BYTES (32 ids and no key is 144 bytes).
+        let tokens: Vec<u32> = (0..70u32).map(|t| t.wrapping_mul(2_654_435_761)).collect();
+        let key: Vec<u8> = (0..600u32).map(|b| b as u8).collect();
+        for n in [0, 1, 15, 16, 17, 31, 32, 33, 64, 70] {
+            for k in [0, 1, 3, 4, 5, 17, 600] {
+                assert_eq!(
+                    Xxh3Hasher
+                        .block(BlockHash(n as u64), &tokens[..n], &key[..k])
+                        .0,
+                    reference_xxh3(n as u64, &tokens[..n], &key[..k]),
+                    "{n} ids, {k} key bytes"
+                );
+            }
+        }
     }
 
     #[test]

@@ -90,6 +90,11 @@ impl BlockKeys {
 struct Entry {
     hash: BlockHash,
     parent: Option<BlockHash>,
+    /// Where the parent was registered when this block was: a hint, trusted only while
+    /// that block's entry still carries the `parent` hash (a relocation or an eviction
+    /// since makes it stale, and the lookup by hash answers then). Saves a hash probe
+    /// per eviction.
+    parent_block: Option<BlockId>,
     /// The namespace key, on first blocks only (later blocks inherit it by the chain).
     ns: Option<Arc<[u8]>>,
     /// The block's extra-key bytes, on blocks where a keyed span starts only (later
@@ -311,6 +316,16 @@ impl PrefixIndex {
         })
     }
 
+    /// The block registered under parent hash `ph`: `hint` when its entry carries
+    /// `ph` (hashes are unique in the index, so that is the block), else by hash.
+    #[inline]
+    fn resolve_parent(&self, ph: BlockHash, hint: Option<BlockId>) -> Option<BlockId> {
+        match hint {
+            Some(b) if self.entry(b).is_some_and(|e| e.hash == ph) => Some(b),
+            _ => self.block_of(ph),
+        }
+    }
+
     fn entry(&self, b: BlockId) -> Option<&Entry> {
         self.entries.get(b.index()).and_then(Option::as_ref)
     }
@@ -389,14 +404,16 @@ impl PrefixIndex {
     }
 
     /// Registers live full block `b` (with its extra-key bytes `key`, if a keyed span
-    /// starts in it). Returns `false` (and changes nothing but a counter) when `hash` is
-    /// taken or the parent is not registered.
+    /// starts in it). `parent_hint` is where the caller holds the parent block (checked
+    /// against `parent`, see [`Self::resolve_parent`]). Returns `false` (and changes
+    /// nothing but a counter) when `hash` is taken or the parent is not registered.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn register(
         &mut self,
         b: BlockId,
         hash: BlockHash,
         parent: Option<BlockHash>,
+        parent_hint: Option<BlockId>,
         ns: &Namespace,
         key: Option<&Arc<[u8]>>,
         tokens: &[u32],
@@ -408,34 +425,50 @@ impl PrefixIndex {
         {
             return false;
         }
-        if self.by_hash.contains_key(&hash) {
-            self.counters.duplicate_blocks += 1;
-            return false;
+        // The parent first (reads only), then one probe that both refuses a taken
+        // hash and claims a free one; a duplicate counts whether or not the parent
+        // is registered, as it did when the hash was checked first.
+        let (depth, parent_block) = match parent {
+            None => (1, None),
+            Some(ph) => match self
+                .resolve_parent(ph, parent_hint)
+                .and_then(|pb| Some((self.entry(pb)?.depth + 1, Some(pb))))
+            {
+                Some(found) => found,
+                None => {
+                    if self.by_hash.contains_key(&hash) {
+                        self.counters.duplicate_blocks += 1;
+                    }
+                    return false;
+                }
+            },
+        };
+        match self.by_hash.entry(hash) {
+            std::collections::hash_map::Entry::Occupied(_) => {
+                self.counters.duplicate_blocks += 1;
+                return false;
+            }
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(b);
+            }
         }
-        let depth = match parent {
-            None => 1,
-            Some(ph) => {
-                let Some(pb) = self.block_of(ph) else {
-                    return false;
-                };
-                let Some(pe) = self.entry_mut(pb) else {
-                    return false;
-                };
+        // Every check passed: from here on the registration completes.
+        if let Some(pb) = parent_block {
+            if let Some(pe) = self.entry_mut(pb) {
                 pe.children += 1;
-                let (depth, candidate) = (pe.depth + 1, pe.candidate.take());
-                if let Some((p, k)) = candidate {
+                if let Some((p, k)) = pe.candidate.take() {
                     // Unreachable while parents are held by the registering sequence;
                     // kept so the candidate set never holds a non-leaf.
                     self.candidates.remove(p, k, pb.0);
                 }
-                depth
             }
-        };
+        }
         let clock = self.tick();
         self.registered[b.index()] = true;
         self.entries[b.index()] = Some(Entry {
             hash,
             parent,
+            parent_block,
             ns: parent.is_none().then(|| ns.key.clone()),
             key: key.filter(|k| !k.is_empty()).cloned(),
             depth,
@@ -449,7 +482,6 @@ impl PrefixIndex {
         });
         let start = b.index() * self.block_size;
         self.tokens[start..start + self.block_size].copy_from_slice(tokens);
-        self.by_hash.insert(hash, b);
         self.counters.stored_blocks += 1;
         self.emit_stored(b);
         true
@@ -515,7 +547,10 @@ impl PrefixIndex {
                 medium: Medium::Device,
             });
         }
-        if let Some(pb) = e.parent.and_then(|ph| self.block_of(ph)) {
+        if let Some(pb) = e
+            .parent
+            .and_then(|ph| self.resolve_parent(ph, e.parent_block))
+        {
             if let Some(pe) = self.entry_mut(pb) {
                 pe.children -= 1;
             }
