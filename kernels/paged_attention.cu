@@ -133,13 +133,18 @@ __device__ __forceinline__ void store_io(void* p, u64 i, float v, u32 dt) {
 // past the step's splits returns at once (the whole CTA, before any barrier); the others
 // take the split cut from the device words. With `step` null (the per-call launch) the
 // scalar arguments stand and every CTA runs, as before.
-__device__ __forceinline__ bool read_step(const u32* step, int seq, u32 split, u32& tokens_per_split,
-                                          u32& num_splits) {
+// Only the early exit and the cut are read here; the epilogue reads the split count
+// again (`step_splits`) rather than keep it live across the token loop, where a
+// register costs the page-8 specialisations a spill or occupancy.
+__device__ __forceinline__ bool read_step(const u32* step, int seq, u32 split, u32& tokens_per_split) {
     if (step == nullptr) return true;
     if ((u32)seq >= step[0] || split >= step[2]) return false;
     tokens_per_split = step[1];
-    num_splits = step[2];
     return true;
+}
+
+__device__ __forceinline__ u32 step_splits(const u32* step, u32 num_splits) {
+    return step == nullptr ? num_splits : step[2];
 }
 
 // Which decode path this specialisation compiles (the host mirrors this choice in
@@ -271,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     const int kv_head = blockIdx.x;
     const int seq = blockIdx.y;
     const u32 split = blockIdx.z;
-    if (!read_step(step, seq, split, tokens_per_split, num_splits)) return;
+    if (!read_step(step, seq, split, tokens_per_split)) return;
     const int q_heads = gridDim.x * GQA_GROUP;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
@@ -541,6 +546,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         }
     }
     __syncthreads();
+    num_splits = step_splits(step, num_splits);
     for (int i = threadIdx.x; i < GQA_GROUP * HEAD_DIM; i += NUM_THREADS) {
         const int r = i / HEAD_DIM;
         const int d = i % HEAD_DIM;
@@ -594,7 +600,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     const int kv_head = blockIdx.x;
     const int seq = blockIdx.y;
     const u32 split = blockIdx.z;
-    if (!read_step(step, seq, split, tokens_per_split, num_splits)) return;
+    if (!read_step(step, seq, split, tokens_per_split)) return;
     const int num_kv_heads = gridDim.x;
     const int q_heads = num_kv_heads * GQA_GROUP;
     const int tid = threadIdx.x;
@@ -759,6 +765,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         __syncthreads();
     }
 
+    num_splits = step_splits(step, num_splits);
     for (int i = tid; i < GQA_GROUP * HEAD_DIM; i += NUM_THREADS) {
         const int g = i / HEAD_DIM;
         const int d = i % HEAD_DIM;
@@ -794,7 +801,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_merge(
     u32 out_dtype,
     const u32* __restrict__ step) {      // null, or the fixed-grid step words (read_step)
     u32 unused_tokens = 0;
-    if (!read_step(step, blockIdx.y, 0, unused_tokens, num_splits)) return;
+    if (!read_step(step, blockIdx.y, 0, unused_tokens)) return;
+    num_splits = step_splits(step, num_splits);
     const u64 qh = (u64)blockIdx.y * gridDim.x + blockIdx.x;
     const float* pl = part_lse + qh * num_splits;
     float mx = -PKV_INF;
