@@ -127,6 +127,26 @@ __device__ __forceinline__ void store_io(void* p, u64 i, float v, u32 dt) {
     }
 }
 
+// The fixed-grid launch (DecodeGraphStep, capturable in a CUDA graph): the grid is
+// (KV heads, max batch, max splits) whatever the step, and `step` points at device words
+// [batch, tokens_per_split, num_splits] the step's upload wrote. A CTA past the batch or
+// past the step's splits returns at once (the whole CTA, before any barrier); the others
+// take the split cut from the device words. With `step` null (the per-call launch) the
+// scalar arguments stand and every CTA runs, as before.
+// Only the early exit and the cut are read here; the epilogue reads the split count
+// again (`step_splits`) rather than keep it live across the token loop, where a
+// register costs the page-8 specialisations a spill or occupancy.
+__device__ __forceinline__ bool read_step(const u32* step, int seq, u32 split, u32& tokens_per_split) {
+    if (step == nullptr) return true;
+    if ((u32)seq >= step[0] || split >= step[2]) return false;
+    tokens_per_split = step[1];
+    return true;
+}
+
+__device__ __forceinline__ u32 step_splits(const u32* step, u32 num_splits) {
+    return step == nullptr ? num_splits : step[2];
+}
+
 // Which decode path this specialisation compiles (the host mirrors this choice in
 // src/attention/decode_mma.rs to size the dynamic shared memory): tensor cores for
 // GQA 3..16 over 16-bit and fp8 caches whose head rows are 64, 128, 256 or 512 bytes
@@ -250,11 +270,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     const u32* __restrict__ indptr, const u32* __restrict__ lens, u32 row_stride,
     u64 stride_block, u64 stride_kv, u64 stride_head, u64 stride_token,
     const float* __restrict__ alibi_slopes, float scale_log2, float v_scale,
-    u32 sliding_window, u32 tokens_per_split, u32 num_splits, u32 q_dtype, u32 out_dtype) {
+    u32 sliding_window, u32 tokens_per_split, u32 num_splits, u32 q_dtype, u32 out_dtype,
+    const u32* __restrict__ step) {
     extern __shared__ __align__(16) unsigned char mma_smem[];
     const int kv_head = blockIdx.x;
     const int seq = blockIdx.y;
     const u32 split = blockIdx.z;
+    if (!read_step(step, seq, split, tokens_per_split)) return;
     const int q_heads = gridDim.x * GQA_GROUP;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
@@ -524,6 +546,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         }
     }
     __syncthreads();
+    num_splits = step_splits(step, num_splits);
     for (int i = threadIdx.x; i < GQA_GROUP * HEAD_DIM; i += NUM_THREADS) {
         const int r = i / HEAD_DIM;
         const int d = i % HEAD_DIM;
@@ -572,10 +595,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     u32 tokens_per_split,                // a multiple of BLOCK_SIZE
     u32 num_splits,
     u32 q_dtype,                         // 0 f32, 1 f16, 2 bf16
-    u32 out_dtype) {                     // the same codes (f32 when writing split partials)
+    u32 out_dtype,                       // the same codes (f32 when writing split partials)
+    const u32* __restrict__ step) {      // null, or the fixed-grid step words (read_step)
     const int kv_head = blockIdx.x;
     const int seq = blockIdx.y;
     const u32 split = blockIdx.z;
+    if (!read_step(step, seq, split, tokens_per_split)) return;
     const int num_kv_heads = gridDim.x;
     const int q_heads = num_kv_heads * GQA_GROUP;
     const int tid = threadIdx.x;
@@ -740,6 +765,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         __syncthreads();
     }
 
+    num_splits = step_splits(step, num_splits);
     for (int i = tid; i < GQA_GROUP * HEAD_DIM; i += NUM_THREADS) {
         const int g = i / HEAD_DIM;
         const int d = i % HEAD_DIM;
@@ -772,7 +798,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_merge(
     const float* __restrict__ part_out, // [batch, q_heads, num_splits, HEAD_DIM]
     const float* __restrict__ part_lse, // [batch, q_heads, num_splits]
     u32 num_splits,
-    u32 out_dtype) {
+    u32 out_dtype,
+    const u32* __restrict__ step) {      // null, or the fixed-grid step words (read_step)
+    u32 unused_tokens = 0;
+    if (!read_step(step, blockIdx.y, 0, unused_tokens)) return;
+    num_splits = step_splits(step, num_splits);
     const u64 qh = (u64)blockIdx.y * gridDim.x + blockIdx.x;
     const float* pl = part_lse + qh * num_splits;
     float mx = -PKV_INF;

@@ -764,3 +764,113 @@ fn kernel_algorithm_simulated_on_cpu_matches_reference() {
         }
     }
 }
+
+/// Rows `rows` of `s`'s padded tables as a batch of their own.
+fn sub_batch(s: &Setup, rows: &[usize]) -> PaddedTables {
+    let mb = s.padded.max_blocks;
+    PaddedTables {
+        tables: rows
+            .iter()
+            .flat_map(|&r| s.padded.tables[r * mb..(r + 1) * mb].iter().copied())
+            .collect(),
+        context_lens: rows.iter().map(|&r| s.padded.context_lens[r]).collect(),
+        batch: rows.len(),
+        max_blocks: mb,
+    }
+}
+
+#[test]
+fn a_decode_step_captured_in_a_cuda_graph_replays_new_inputs() {
+    use pagedkv::attention::StepCapacity;
+    // The tensor-core path (bf16 GQA 8) and the simple one (f16 GQA 1, ALiBi, window).
+    for (dtype, group, alibi, window) in [
+        (DType::BF16, 8, false, None),
+        (DType::F16, 1, true, Some(100)),
+    ] {
+        let case = Case {
+            dtype,
+            head_dim: 128,
+            group,
+            alibi,
+            window,
+            contexts: CONTEXTS.to_vec(),
+        };
+        let Some(s) = setup("a_decode_step_captured_in_a_cuda_graph", &case, 77, true) else {
+            return;
+        };
+        let Some(gpu) = s.gpu.as_ref() else {
+            return;
+        };
+        let shape = s.layout.shape();
+        let row = shape.num_q_heads * shape.head_dim;
+        let attn = CudaAttention::new(gpu).unwrap();
+        let stream = gpu.context().new_stream().unwrap();
+        let cap = StepCapacity {
+            max_batch: 8,
+            max_blocks_per_seq: 80,
+            max_splits: 8,
+        };
+        let mut step = attn.graph_step(gpu, &stream, cap, &s.params).unwrap();
+        let check = |what: &str, padded: &PaddedTables, q: &[f32], step: &_| {
+            let step: &pagedkv::attention::cuda::DecodeGraphStep = step;
+            stream.synchronize().unwrap();
+            let (d_out, d_lse) = step.outputs();
+            let mut out = stream.clone_dtoh(d_out).unwrap();
+            let mut lse = stream.clone_dtoh(d_lse).unwrap();
+            stream.synchronize().unwrap();
+            out.truncate(padded.batch * row);
+            lse.truncate(padded.batch * shape.num_q_heads);
+            if uses_mma(dtype, group, 128, s.layout.block_size()) {
+                if let Err(e) =
+                    check_against_reference(&s.host, LAYER, q, padded, &s.params, &out, &lse)
+                {
+                    panic!("{case:?} {what}: {e}");
+                }
+            } else {
+                let want = paged_decode_reference(&s.host, LAYER, q, padded, &s.params).unwrap();
+                compare(&format!("{case:?} {what} out"), &out, &want.out);
+                compare(&format!("{case:?} {what} lse"), &lse, &want.lse);
+            }
+        };
+        // Step 1, captured: three sequences (an empty one, a short one, the longest).
+        let rows_a = [6, 1, 7];
+        let tables_a = sub_batch(&s, &rows_a);
+        let q_a: Vec<f32> = rows_a
+            .iter()
+            .flat_map(|&r| s.q[r * row..(r + 1) * row].iter().map(|x| -0.5 * x))
+            .collect();
+        step.stage(gpu, &tables_a).unwrap();
+        step.stage_queries(&q_a).unwrap();
+        step.capture(gpu, &[LAYER], true).unwrap();
+        step.replay(gpu).unwrap();
+        check("replay 1", &tables_a, &q_a, &step);
+        // Step 2: the whole batch with other queries, written into the same staging;
+        // the same graph runs it (another batch size, another split plan).
+        let staged = step.stage(gpu, &s.padded).unwrap();
+        assert_eq!(staged.batch, 8);
+        step.stage_queries(&s.q).unwrap();
+        step.replay(gpu).unwrap();
+        check("replay 2", &s.padded, &s.q, &step);
+        // Over capacity: a typed error, the staged step unchanged, replay still right.
+        let nine = sub_batch(&s, &[0, 1, 2, 3, 4, 5, 6, 7, 0]);
+        assert!(step.stage(gpu, &nine).is_err());
+        assert_eq!(step.staged(), staged);
+        step.replay(gpu).unwrap();
+        check("replay 3 after a refused stage", &s.padded, &s.q, &step);
+        // The uncaptured enqueue path gives the same bits as the replay.
+        let (o1, _) = step.outputs();
+        let replayed = stream.clone_dtoh(o1).unwrap();
+        step.enqueue_upload().unwrap();
+        step.enqueue_upload_queries().unwrap();
+        step.enqueue_decode(gpu, LAYER).unwrap();
+        stream.synchronize().unwrap();
+        let direct = stream.clone_dtoh(step.outputs().0).unwrap();
+        stream.synchronize().unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&direct),
+            bits(&replayed),
+            "{case:?}: enqueue vs replay"
+        );
+    }
+}

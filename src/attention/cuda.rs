@@ -32,10 +32,10 @@
 //! # }
 //! ```
 
-use super::TableCapacity;
 use super::{
     plan_splits_for_occupancy, split_plan_with, validate_params, AttentionParams, SplitPlan,
 };
+use super::{StagedStep, StepCapacity, TableCapacity, STEP_HEADER_WORDS};
 use crate::error::{Error, Result};
 use crate::executor::cuda::{compile, driver_err, AttentionSpec, KernelSpec, ATTENTION_THREADS};
 use crate::executor::storage::{CudaStorage, Storage};
@@ -646,20 +646,21 @@ impl CudaAttention {
             .arg(&plan.tokens_per_split)
             .arg(&plan.num_splits)
             .arg(&q_code)
-            .arg(&part_code);
-        // SAFETY: arguments match `paged_attention_decode` (kernels/paged_attention.cu)
-        // compiled for this layout's head dim, block size, group and dtype, and the
-        // dynamic shared memory is what its path needs (`decode_dynamic_shared_bytes`
-        // mirrors the kernel's `DECODE_MMA` and `MMA_STAGES`); `q_code` and `part_code`
-        // name the element types of `q` and of the buffer written (f32 scratch when
-        // split), so the kernel reads and writes whole elements. Bounds:
-        // the grid is (KV heads, batch, splits); `q`, `out`, `lse` (or the split
-        // scratch, sized batch * q_heads * splits rows) hold every row the grid
-        // writes (checked above); the tables were validated at upload so that every
-        // entry read (the first ceil(len / block_size) of each row) is below the
-        // arena's block count, which is still at least `blocks_needed` (checked
-        // above), and the kernel reads only tokens below each context length; cache
-        // offsets use the layout's strides, so reads stay inside the mapped region.
+            .arg(&part_code)
+            .arg(&null); // no step words: every CTA of the grid runs
+                         // SAFETY: arguments match `paged_attention_decode` (kernels/paged_attention.cu)
+                         // compiled for this layout's head dim, block size, group and dtype, and the
+                         // dynamic shared memory is what its path needs (`decode_dynamic_shared_bytes`
+                         // mirrors the kernel's `DECODE_MMA` and `MMA_STAGES`); `q_code` and `part_code`
+                         // name the element types of `q` and of the buffer written (f32 scratch when
+                         // split), so the kernel reads and writes whole elements. Bounds:
+                         // the grid is (KV heads, batch, splits); `q`, `out`, `lse` (or the split
+                         // scratch, sized batch * q_heads * splits rows) hold every row the grid
+                         // writes (checked above); the tables were validated at upload so that every
+                         // entry read (the first ceil(len / block_size) of each row) is below the
+                         // arena's block count, which is still at least `blocks_needed` (checked
+                         // above), and the kernel reads only tokens below each context length; cache
+                         // offsets use the layout's strides, so reads stay inside the mapped region.
         unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel(paged_attention_decode)"))?;
         if plan.num_splits > 1 {
             let (Some(po), Some(pl)) = (&self.part_out, &self.part_lse) else {
@@ -679,7 +680,8 @@ impl CudaAttention {
                 .arg(po)
                 .arg(pl)
                 .arg(&plan.num_splits)
-                .arg(&out_code);
+                .arg(&out_code)
+                .arg(&null);
             // SAFETY: arguments match `paged_attention_merge`; `out_code` names the
             // element type of `out`. Bounds: the grid is
             // (q_heads, batch); it reads `num_splits` partial rows per output row from
@@ -740,5 +742,507 @@ impl CudaAttention {
         o.truncate(rows * shape.head_dim);
         l.truncate(rows);
         Ok((o, l))
+    }
+}
+
+/// Raw device addresses of a [`DecodeGraphStep`]'s buffers, taken once at
+/// construction: the step's launches and copies pass these instead of the
+/// [`CudaSlice`]s, so cudarc records and waits on no event for them (its event
+/// tracking is per slice use, and events cannot be waited on inside a capture).
+#[derive(Debug, Clone, Copy)]
+struct StepPtrs {
+    step: u64,
+    q: u64,
+    out: u64,
+    lse: u64,
+    part_out: u64,
+    part_lse: u64,
+    alibi: u64,
+}
+
+/// A decode step that can be captured in a CUDA graph and replayed: built once with
+/// fixed [`StepCapacity`]s, it owns every buffer a step touches (the staged tables and
+/// context lengths, f32 queries and outputs, the split partials) plus pinned host
+/// staging, and its launches use a grid of (KV heads, `max_batch`, `max_splits`) whatever
+/// the batch. The batch, lengths and split cut are words in device memory that the
+/// kernels read; CTAs past a sequence's batch index or splits return at once.
+///
+/// Per step the host only writes pinned memory ([`Self::stage`],
+/// [`Self::stage_queries`]); the device half ([`Self::enqueue_upload`],
+/// [`Self::enqueue_decode`], or the whole step as a graph: [`Self::capture`],
+/// [`Self::replay`]) enqueues `cuMemcpyHtoDAsync` from that pinned memory and the
+/// decode and merge kernels on the step's stream: no allocation, no pageable upload, no
+/// host synchronisation, no event.
+///
+/// Contract (the caller's, not checked): stage a new step only after the previous
+/// step's upload has run on the stream (a decode loop's wait for its sampled tokens
+/// orders this), and order swaps of the captured layers before the step (it does not
+/// wait on [`CudaStorage::layer_fence`], which would be an event wait inside the
+/// capture). Breaking it gives wrong results, not out-of-bounds reads: every word ever
+/// staged is in bounds (see [`super::stage_decode_step`]).
+pub struct DecodeGraphStep {
+    /// Dropped first: the graph names the buffers below.
+    graph: Option<(cudarc::driver::CudaGraph, Vec<(usize, u64)>)>,
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    decode: CudaFunction,
+    merge: CudaFunction,
+    shared_bytes: u32,
+    layout: crate::layout::KvLayout,
+    params: AttentionParams,
+    cap: StepCapacity,
+    num_sms: usize,
+    ctas_per_sm: usize,
+    staging: cudarc::driver::PinnedHostSlice<u32>,
+    q_staging: cudarc::driver::PinnedHostSlice<f32>,
+    /// Host addresses of `staging` and `q_staging`, taken once: cudarc's accessors
+    /// wait on the slice's event first, a driver call that has no place in a step (or
+    /// in a capture). Addresses, not pointers, keep the step `Send`.
+    staging_addr: usize,
+    q_staging_addr: usize,
+    staged: StagedStep,
+    ptrs: StepPtrs,
+    // Owned for their lifetime only; used through `ptrs`.
+    _step_dev: CudaSlice<u32>,
+    q: CudaSlice<f32>,
+    out: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
+    _part_out: CudaSlice<f32>,
+    _part_lse: CudaSlice<f32>,
+    _alibi: Option<CudaSlice<f32>>,
+}
+
+impl std::fmt::Debug for DecodeGraphStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeGraphStep")
+            .field("cap", &self.cap)
+            .field("staged", &self.staged)
+            .field("captured", &self.graph.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaAttention {
+    /// Builds a [`DecodeGraphStep`] for `storage`'s layout on `stream` (of the storage's
+    /// context) with fixed capacities and attention parameters (ALiBi slopes are
+    /// uploaded here, once). Allocates every buffer, zeroes them, and waits for the
+    /// stream once; no later step allocates. The split scratch is
+    /// `max_batch * q_heads * max_splits * (head_dim + 1)` f32s: size `max_splits` to
+    /// what the planner picks for the longest batch the engine runs.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for capacities [`StepCapacity::validate`] refuses and
+    /// for bad parameters ([`super::validate_params`]); [`Error::Cuda`].
+    pub fn graph_step(
+        &self,
+        storage: &CudaStorage,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        cap: StepCapacity,
+        params: &AttentionParams,
+    ) -> Result<DecodeGraphStep> {
+        use cudarc::driver::DevicePtr;
+        let layout = *storage.layout();
+        validate_params(&layout, params)?;
+        cap.validate(layout.block_size())?;
+        let shape = layout.shape();
+        let rows = cap.max_batch * shape.num_q_heads;
+        let elems = rows * shape.head_dim;
+        let part_rows = rows * cap.max_splits as usize;
+        let zeros_u32 = |n: usize| {
+            stream
+                .alloc_zeros::<u32>(n)
+                .map_err(driver_err("cuMemAlloc(step)"))
+        };
+        let zeros = |n: usize| {
+            stream
+                .alloc_zeros::<f32>(n)
+                .map_err(driver_err("cuMemAlloc(step)"))
+        };
+        let step_dev = zeros_u32(cap.staging_words())?;
+        let q = zeros(elems)?;
+        let out = zeros(elems)?;
+        let lse = zeros(rows)?;
+        let part_out = zeros(part_rows * shape.head_dim)?;
+        let part_lse = zeros(part_rows)?;
+        let alibi = params
+            .alibi_slopes
+            .as_ref()
+            .map(|s| {
+                stream
+                    .clone_htod(s)
+                    .map_err(driver_err("cuMemcpyHtoDAsync(alibi)"))
+            })
+            .transpose()?;
+        let ctx = storage.context();
+        // SAFETY: pinned allocations of `u32`/`f32`, for which every bit pattern is
+        // valid; both are filled with zeros below before any read.
+        let (mut staging, mut q_staging) = unsafe {
+            (
+                ctx.alloc_pinned::<u32>(cap.staging_words())
+                    .map_err(driver_err("cuMemHostAlloc(step staging)"))?,
+                ctx.alloc_pinned::<f32>(elems)
+                    .map_err(driver_err("cuMemHostAlloc(query staging)"))?,
+            )
+        };
+        staging
+            .as_mut_slice()
+            .map_err(driver_err("cuEventSynchronize"))?
+            .fill(0);
+        q_staging
+            .as_mut_slice()
+            .map_err(driver_err("cuEventSynchronize"))?
+            .fill(0.0);
+        let staging_addr = staging
+            .as_mut_ptr()
+            .map_err(driver_err("cuEventSynchronize"))? as usize;
+        let q_staging_addr = q_staging
+            .as_mut_ptr()
+            .map_err(driver_err("cuEventSynchronize"))? as usize;
+        let ptr = |s: &CudaSlice<f32>| s.device_ptr(stream).0;
+        let ptrs = StepPtrs {
+            step: step_dev.device_ptr(stream).0,
+            q: ptr(&q),
+            out: ptr(&out),
+            lse: ptr(&lse),
+            part_out: ptr(&part_out),
+            part_lse: ptr(&part_lse),
+            alibi: alibi.as_ref().map_or(0, ptr),
+        };
+        // The allocations and zero fills are on `stream`; the steps use the buffers
+        // there too, but an engine may read `out` elsewhere first.
+        stream
+            .synchronize()
+            .map_err(driver_err("cuStreamSynchronize"))?;
+        Ok(DecodeGraphStep {
+            graph: None,
+            stream: stream.clone(),
+            decode: self.decode.clone(),
+            merge: self.merge.clone(),
+            shared_bytes: self.shared_bytes,
+            layout,
+            params: params.clone(),
+            cap,
+            num_sms: storage.device().num_sms,
+            ctas_per_sm: self.ctas_per_sm as usize,
+            staging,
+            q_staging,
+            staging_addr,
+            q_staging_addr,
+            staged: StagedStep {
+                batch: 0,
+                max_context: 0,
+                plan: SplitPlan {
+                    num_splits: 1,
+                    tokens_per_split: layout.block_size() as u32,
+                },
+                blocks_needed: 0,
+            },
+            ptrs,
+            _step_dev: step_dev,
+            q,
+            out,
+            lse,
+            _part_out: part_out,
+            _part_lse: part_lse,
+            _alibi: alibi,
+        })
+    }
+}
+
+impl DecodeGraphStep {
+    fn staging_mut(&mut self) -> &mut [u32] {
+        // SAFETY: `staging_addr` is the start of `self.staging`, a live pinned
+        // allocation of `staging.len()` u32s (any bits valid, zeroed at construction)
+        // owned by `self`; `&mut self` makes this the only host reference.
+        unsafe { std::slice::from_raw_parts_mut(self.staging_addr as *mut u32, self.staging.len()) }
+    }
+
+    fn q_staging_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as `staging_mut`, for `q_staging`.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.q_staging_addr as *mut f32, self.q_staging.len())
+        }
+    }
+
+    /// The capacities the step was built with.
+    pub fn capacity(&self) -> StepCapacity {
+        self.cap
+    }
+
+    /// What the last successful [`Self::stage`] wrote (batch 0 before the first).
+    pub fn staged(&self) -> StagedStep {
+        self.staged
+    }
+
+    /// The host half of a step: validates `tables` against `storage`'s arena and the
+    /// capacities and writes them, with the split plan, into the pinned staging buffer
+    /// ([`super::stage_decode_step`]; no allocation, no device call).
+    ///
+    /// # Errors
+    /// As [`super::stage_decode_step`]; the staging buffer is unchanged on error.
+    pub fn stage(&mut self, storage: &CudaStorage, tables: &PaddedTables) -> Result<StagedStep> {
+        if *storage.layout() != self.layout {
+            return Err(Error::config(
+                "storage",
+                "not the layout this step was built for".to_string(),
+            ));
+        }
+        let (layout, cap, window) = (self.layout, self.cap, self.params.sliding_window);
+        let (num_sms, ctas_per_sm) = (self.num_sms, self.ctas_per_sm);
+        let staged = super::stage_decode_step(
+            &layout,
+            storage.num_blocks(),
+            &cap,
+            tables,
+            window,
+            num_sms,
+            ctas_per_sm,
+            self.staging_mut(),
+        )?;
+        self.staged = staged;
+        Ok(staged)
+    }
+
+    /// Writes f32 queries `[batch, q_heads, head_dim]` (at most `max_batch` rows of
+    /// sequences) into the pinned query staging; [`Self::enqueue_upload_queries`]
+    /// copies them. Engines whose queries are already on the device write
+    /// [`Self::queries_mut`] instead.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for more elements than the capacity holds.
+    pub fn stage_queries(&mut self, q: &[f32]) -> Result<()> {
+        let dst = self.q_staging_mut();
+        if q.len() > dst.len() {
+            return Err(Error::ShapeMismatch {
+                what: "query elements (max_batch * q_heads * head_dim)",
+                expected: dst.len(),
+                got: q.len(),
+            });
+        }
+        dst[..q.len()].copy_from_slice(q);
+        Ok(())
+    }
+
+    /// The device queries the step reads, `[max_batch, q_heads, head_dim]` f32.
+    pub fn queries_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.q
+    }
+
+    /// The outputs `[max_batch, q_heads, head_dim]` and log-sum-exps
+    /// `[max_batch, q_heads]` of the last step run (rows past its batch are stale).
+    pub fn outputs(&self) -> (&CudaSlice<f32>, &CudaSlice<f32>) {
+        (&self.out, &self.lse)
+    }
+
+    /// Enqueues the copy of the whole staging buffer (header, lengths, tables) from
+    /// pinned memory to the device on the step's stream. Capturable.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn enqueue_upload(&self) -> Result<()> {
+        let stream = &self.stream;
+        // SAFETY: see `staging_mut`; `&self` excludes host writes while it is borrowed.
+        let src = unsafe {
+            std::slice::from_raw_parts(self.staging_addr as *const u32, self.staging.len())
+        };
+        // SAFETY: `ptrs.step` is the step's own device buffer of exactly
+        // `staging_words` u32s (allocated with the same capacity), alive while `self`
+        // is; `src` is pinned, so the asynchronous copy reads it in place, and it lives
+        // as long as `self` (the caller's contract orders host rewrites after the copy).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(self.ptrs.step, src, stream.cu_stream())
+        }
+        .map_err(driver_err("cuMemcpyHtoDAsync(step staging)"))
+    }
+
+    /// Enqueues the copy of the whole query staging (see [`Self::stage_queries`]) to
+    /// the device queries on the step's stream. Capturable.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn enqueue_upload_queries(&self) -> Result<()> {
+        // SAFETY: see `q_staging_mut`; `&self` excludes host writes while borrowed.
+        let src = unsafe {
+            std::slice::from_raw_parts(self.q_staging_addr as *const f32, self.q_staging.len())
+        };
+        // SAFETY: `ptrs.q` is the step's query buffer, `max_batch * q_heads * head_dim`
+        // f32s, the same length as the pinned `src`; both live as long as `self`.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(self.ptrs.q, src, self.stream.cu_stream())
+        }
+        .map_err(driver_err("cuMemcpyHtoDAsync(query staging)"))
+    }
+
+    fn check_storage(&self, storage: &CudaStorage) -> Result<()> {
+        if *storage.layout() != self.layout {
+            return Err(Error::config(
+                "storage",
+                "not the layout this step was built for".to_string(),
+            ));
+        }
+        if self.staged.blocks_needed > storage.num_blocks() {
+            return Err(Error::BlockOutOfRange {
+                block: crate::ids::BlockId(self.staged.blocks_needed as u32 - 1),
+                num_blocks: storage.num_blocks(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Enqueues decode attention for `layer` over the staged step: the decode kernel on
+    /// the fixed grid, then the merge (always, so that the launch does not depend on
+    /// the split count; with one split it copies the row exactly). Reads the device
+    /// staging and queries, writes [`Self::outputs`]. Capturable.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for a bad layer; [`Error::BlockOutOfRange`] when the
+    /// arena shrank below the staged tables; [`Error::InvalidConfig`] for another
+    /// layout's storage; [`Error::Cuda`]. Nothing is enqueued on error.
+    pub fn enqueue_decode(&self, storage: &CudaStorage, layer: usize) -> Result<()> {
+        self.check_storage(storage)?;
+        let region = storage.region_ptr(layer)?;
+        self.launch(region)
+    }
+
+    fn launch(&self, region: u64) -> Result<()> {
+        let shape = self.layout.shape();
+        let p = &self.params;
+        let fp8 = shape.kv_dtype == DType::Fp8E4M3;
+        let scale_log2 = p.scale * if fp8 { p.k_scale } else { 1.0 } * std::f32::consts::LOG2_E;
+        let v_scale = if fp8 { p.v_scale } else { 1.0 };
+        let window = p.sliding_window.unwrap_or(0) as u32;
+        let s = self.layout.strides();
+        let (sb, skv, sh, st) = (s.block as u64, s.kv as u64, s.head as u64, s.token as u64);
+        let (null, zero, f32_code) = (0u64, 0u32, 0u32);
+        let lens = self.ptrs.step + (STEP_HEADER_WORDS * 4) as u64;
+        let ids = lens + (self.cap.max_batch * 4) as u64;
+        let row_stride = self.cap.max_blocks_per_seq as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                shape.num_kv_heads as u32,
+                self.cap.max_batch as u32,
+                self.cap.max_splits,
+            ),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: self.shared_bytes,
+        };
+        let mut b = self.stream.launch_builder(&self.decode);
+        b.arg(&self.ptrs.part_out)
+            .arg(&self.ptrs.part_lse)
+            .arg(&self.ptrs.q)
+            .arg(&region)
+            .arg(&ids)
+            .arg(&null)
+            .arg(&lens)
+            .arg(&row_stride)
+            .arg(&sb)
+            .arg(&skv)
+            .arg(&sh)
+            .arg(&st)
+            .arg(&self.ptrs.alibi)
+            .arg(&scale_log2)
+            .arg(&v_scale)
+            .arg(&window)
+            .arg(&zero)
+            .arg(&zero)
+            .arg(&f32_code)
+            .arg(&f32_code)
+            .arg(&self.ptrs.step);
+        // SAFETY: arguments match `paged_attention_decode` compiled for this layout
+        // (the step was built from its `CudaAttention`), with the dynamic shared memory
+        // its path needs; every pointer is raw (no cudarc event) and names a buffer
+        // owned by `self` or the layer's mapped region. Bounds: with `step` non-null
+        // the kernel reads [batch, tokens_per_split, num_splits] from the staged
+        // header and returns from every CTA with y >= batch or z >= num_splits, and
+        // every staged header has batch <= max_batch (the grid's y) and num_splits <=
+        // max_splits (its z) (`stage_decode_step` checks); so the partials it writes,
+        // rows (seq * q_heads + h) * num_splits + split, lie in the scratch of
+        // max_batch * q_heads * max_splits rows. Lengths are read at
+        // `lens[seq]`, seq < max_batch, ids at `seq * max_blocks_per_seq + i` for
+        // i < ceil(len / block_size) <= max_blocks_per_seq, and every staged id is
+        // below `blocks_needed`, at most the arena's block count (checked above).
+        unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel(paged_attention_decode)"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (shape.num_q_heads as u32, self.cap.max_batch as u32, 1),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut m = self.stream.launch_builder(&self.merge);
+        m.arg(&self.ptrs.out)
+            .arg(&self.ptrs.lse)
+            .arg(&self.ptrs.part_out)
+            .arg(&self.ptrs.part_lse)
+            .arg(&zero)
+            .arg(&f32_code)
+            .arg(&self.ptrs.step);
+        // SAFETY: arguments match `paged_attention_merge`; every CTA with y >= the
+        // staged batch returns, the others read `num_splits` (<= max_splits) partial
+        // rows of the scratch written above and write one row of `out` and `lse`
+        // (max_batch * q_heads rows each, f32).
+        unsafe { m.launch(cfg) }.map_err(driver_err("cuLaunchKernel(paged_attention_merge)"))?;
+        Ok(())
+    }
+
+    /// Captures one decode step into a CUDA graph on the step's stream: the staging
+    /// upload, the query upload when `upload_queries`, then decode and merge for each
+    /// of `layers`. Replaces a previous capture only on success.
+    ///
+    /// # Errors
+    /// As [`Self::enqueue_decode`] (checked for every layer before capture begins);
+    /// [`Error::Cuda`] when the stream cannot be captured (a legacy default stream) or
+    /// instantiation fails, with the capture ended.
+    pub fn capture(
+        &mut self,
+        storage: &CudaStorage,
+        layers: &[usize],
+        upload_queries: bool,
+    ) -> Result<()> {
+        self.check_storage(storage)?;
+        let regions = layers
+            .iter()
+            .map(|&l| storage.region_ptr(l).map(|r| (l, r)))
+            .collect::<Result<Vec<_>>>()?;
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver_err("cuStreamBeginCapture"))?;
+        let body = (|| {
+            self.enqueue_upload()?;
+            if upload_queries {
+                self.enqueue_upload_queries()?;
+            }
+            regions.iter().try_for_each(|&(_, r)| self.launch(r))
+        })();
+        // End the capture whatever happened, so the stream is usable again.
+        let ended = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(driver_err("cuStreamEndCapture/cuGraphInstantiate"));
+        body?;
+        let graph = ended?.ok_or_else(|| Error::Cuda("the capture recorded no graph".into()))?;
+        self.graph = Some((graph, regions));
+        Ok(())
+    }
+
+    /// Launches the captured graph on the step's stream: what [`Self::capture`]
+    /// recorded, over whatever is staged now.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] without a capture, or when a captured layer's region
+    /// moved (another storage); [`Error::BlockOutOfRange`] when the arena shrank below
+    /// the staged tables; [`Error::Cuda`]. Nothing is launched on error.
+    pub fn replay(&self, storage: &CudaStorage) -> Result<()> {
+        let Some((graph, regions)) = &self.graph else {
+            return Err(Error::config("graph", "nothing captured yet".to_string()));
+        };
+        self.check_storage(storage)?;
+        for &(layer, region) in regions {
+            if storage.region_ptr(layer)? != region {
+                return Err(Error::config(
+                    "storage",
+                    format!("layer {layer}'s region is not the one captured"),
+                ));
+            }
+        }
+        graph.launch().map_err(driver_err("cuGraphLaunch"))
     }
 }

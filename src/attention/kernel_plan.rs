@@ -7,7 +7,7 @@
 use super::AttentionParams;
 use crate::error::{Error, Result};
 use crate::layout::KvLayout;
-use crate::tables::MAX_CONTEXT_TOKENS;
+use crate::tables::{PaddedTables, MAX_CONTEXT_TOKENS};
 
 /// Most splits of one sequence's context.
 pub const MAX_SPLITS: u32 = 64;
@@ -193,6 +193,197 @@ impl TableCapacity {
     }
 }
 
+/// Words of a step's staging buffer before its context lengths: `[batch,
+/// tokens_per_split, num_splits, 0]`, read by the kernels of a fixed-grid launch.
+pub const STEP_HEADER_WORDS: usize = 4;
+
+/// Fixed capacities of a capturable decode step (`DecodeGraphStep` on the GPU): its
+/// grid and every buffer are sized from these once, so a step never allocates and its
+/// launches do not depend on the batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepCapacity {
+    /// Most sequences of a step (the grid's y dimension).
+    pub max_batch: usize,
+    /// Most block-table entries one sequence may need (`ceil(context / block_size)`):
+    /// the row stride of the staged tables.
+    pub max_blocks_per_seq: usize,
+    /// Most splits of one sequence (the grid's z dimension), `1..=MAX_SPLITS`.
+    pub max_splits: u32,
+}
+
+impl StepCapacity {
+    /// Checks the capacities: a batch of `1..=65535` (the grid's y limit), at least
+    /// one block per sequence (whose tokens fit `u32`), splits in `1..=MAX_SPLITS`, and a staging buffer whose size fits
+    /// `u32` offsets.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the capacity.
+    pub fn validate(&self, block_size: usize) -> Result<()> {
+        if !(1..=65535).contains(&self.max_batch) {
+            return Err(Error::config(
+                "max_batch",
+                format!("{}; must be in 1..=65535", self.max_batch),
+            ));
+        }
+        let max_tokens = self.max_blocks_per_seq.checked_mul(block_size.max(1));
+        if self.max_blocks_per_seq == 0 || max_tokens.map_or(true, |t| t > u32::MAX as usize) {
+            return Err(Error::config(
+                "max_blocks_per_seq",
+                format!(
+                    "{}; must be at least 1, its tokens within u32",
+                    self.max_blocks_per_seq
+                ),
+            ));
+        }
+        if !(1..=MAX_SPLITS).contains(&self.max_splits) {
+            return Err(Error::config(
+                "max_splits",
+                format!("{}; must be in 1..={MAX_SPLITS}", self.max_splits),
+            ));
+        }
+        if self
+            .staging_words_checked()
+            .map_or(true, |w| w > u32::MAX as usize)
+        {
+            return Err(Error::config(
+                "max_batch * max_blocks_per_seq",
+                "the staged tables must fit u32 offsets".to_string(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn staging_words_checked(&self) -> Option<usize> {
+        self.max_batch
+            .checked_mul(self.max_blocks_per_seq)?
+            .checked_add(self.max_batch)?
+            .checked_add(STEP_HEADER_WORDS)
+    }
+
+    /// `u32` words of the staging buffer: the header ([`STEP_HEADER_WORDS`]), then
+    /// `max_batch` context lengths, then `max_batch` rows of `max_blocks_per_seq`
+    /// block ids. Saturates for capacities [`Self::validate`] refuses.
+    pub fn staging_words(&self) -> usize {
+        self.staging_words_checked().unwrap_or(usize::MAX)
+    }
+}
+
+/// What [`stage_decode_step`] wrote: the host's record of a staged step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagedStep {
+    /// Sequences of the step.
+    pub batch: usize,
+    /// Longest context of the step.
+    pub max_context: usize,
+    /// The split cut the kernels will read from the staged header.
+    pub plan: SplitPlan,
+    /// One past the largest block id anywhere in the staged tables (at least 1): the
+    /// arena must still hold this many blocks when the step runs.
+    pub blocks_needed: usize,
+}
+
+/// The host half of a capturable decode step, pure and allocation-free: validates
+/// `tables` against the arena (`num_blocks` blocks, the window's holes allowed as in
+/// [`crate::tables::validate_tables_window`]) and against `cap`, plans the splits
+/// ([`plan_splits_for_occupancy`], capped at `cap.max_splits`), and writes the whole
+/// staging buffer (layout in [`StepCapacity::staging_words`]): lengths and rows past
+/// the batch, and entries past each row's blocks, are 0, and a window's released
+/// holes are written as block 0, so every word a kernel could read, even from a mix of
+/// two steps' words, names a block below `blocks_needed` and a context that fits its
+/// row.
+///
+/// # Errors
+/// The validation errors of [`crate::tables::validate_tables_window`];
+/// [`Error::ShapeMismatch`] for a batch over `cap.max_batch`, a sequence needing more
+/// than `cap.max_blocks_per_seq` blocks, or a `staging` slice of the wrong length;
+/// [`Error::InvalidConfig`] for capacities [`StepCapacity::validate`] refuses. On
+/// error `staging` is unchanged.
+#[allow(clippy::too_many_arguments)]
+pub fn stage_decode_step(
+    layout: &KvLayout,
+    num_blocks: usize,
+    cap: &StepCapacity,
+    tables: &PaddedTables,
+    sliding_window: Option<usize>,
+    num_sms: usize,
+    ctas_per_sm: usize,
+    staging: &mut [u32],
+) -> Result<StagedStep> {
+    let bs = layout.block_size();
+    cap.validate(bs)?;
+    if staging.len() != cap.staging_words() {
+        return Err(Error::ShapeMismatch {
+            what: "staging words (StepCapacity::staging_words)",
+            expected: cap.staging_words(),
+            got: staging.len(),
+        });
+    }
+    let max_context =
+        crate::tables::validate_tables_window(layout, num_blocks, tables, sliding_window, None)?;
+    if tables.batch > cap.max_batch {
+        return Err(Error::ShapeMismatch {
+            what: "sequences of a decode step (StepCapacity::max_batch)",
+            expected: cap.max_batch,
+            got: tables.batch,
+        });
+    }
+    let needed = |len: u32| (len as usize).div_ceil(bs);
+    if let Some(&len) = tables
+        .context_lens
+        .iter()
+        .find(|&&len| needed(len) > cap.max_blocks_per_seq)
+    {
+        return Err(Error::ShapeMismatch {
+            what: "blocks of one sequence (StepCapacity::max_blocks_per_seq)",
+            expected: cap.max_blocks_per_seq,
+            got: needed(len),
+        });
+    }
+    let mut plan = plan_splits_for_occupancy(
+        &tables.context_lens,
+        sliding_window,
+        layout.shape().num_kv_heads,
+        bs,
+        num_sms,
+        ctas_per_sm,
+    );
+    if plan.num_splits > cap.max_splits {
+        plan = split_plan_with(max_context, bs, cap.max_splits)?;
+    }
+    // Everything is checked: from here on the buffer is written whole.
+    let (header, rest) = staging.split_at_mut(STEP_HEADER_WORDS);
+    let (lens, ids) = rest.split_at_mut(cap.max_batch);
+    header.copy_from_slice(&[
+        tables.batch as u32,
+        plan.tokens_per_split,
+        plan.num_splits,
+        0,
+    ]);
+    lens[..tables.batch].copy_from_slice(&tables.context_lens);
+    lens[tables.batch..].fill(0);
+    let mut largest = 0u32;
+    for (i, row) in ids.chunks_exact_mut(cap.max_blocks_per_seq).enumerate() {
+        let n = tables.context_lens.get(i).map_or(0, |&l| needed(l));
+        let src: &[u32] = if i < tables.batch {
+            &tables.tables[i * tables.max_blocks..][..n]
+        } else {
+            &[]
+        };
+        for (d, &id) in row[..n].iter_mut().zip(src) {
+            // Validation let through only ids inside the arena and the window's holes.
+            *d = if (id as usize) < num_blocks { id } else { 0 };
+            largest = largest.max(*d);
+        }
+        row[n..].fill(0);
+    }
+    Ok(StagedStep {
+        batch: tables.batch,
+        max_context,
+        plan,
+        blocks_needed: largest as usize + 1,
+    })
+}
+
 fn even_splits(max_context: usize, bs: usize, splits: usize) -> SplitPlan {
     let per = max_context.div_ceil(splits).max(1).next_multiple_of(bs);
     let used = max_context.div_ceil(per).max(1);
@@ -347,6 +538,177 @@ mod occupancy_tests {
         for _ in 0..100 {
             assert_eq!(cap.grow_for(need), (cap, false));
         }
+    }
+
+    fn step_layout() -> KvLayout {
+        use crate::layout::shape::{DType, ModelShape};
+        let shape = ModelShape {
+            num_layers: 1,
+            num_q_heads: 8,
+            num_kv_heads: 2,
+            head_dim: 64,
+            kv_dtype: DType::BF16,
+        };
+        KvLayout::new(shape, 16).unwrap()
+    }
+
+    #[test]
+    fn a_staged_step_is_written_whole_in_its_fixed_layout() {
+        let l = step_layout();
+        let cap = StepCapacity {
+            max_batch: 3,
+            max_blocks_per_seq: 4,
+            max_splits: 2,
+        };
+        assert_eq!(cap.staging_words(), 4 + 3 + 12);
+        let mut staging = vec![0xdead_beefu32; cap.staging_words()];
+        // Two sequences: 17 tokens in blocks 5, 9 (the padding entry 7777 is never
+        // read and must not be staged), and 0 tokens.
+        let t = PaddedTables {
+            tables: vec![5, 9, 7777, 1, 2, 3],
+            context_lens: vec![17, 0],
+            batch: 2,
+            max_blocks: 3,
+        };
+        let st = stage_decode_step(&l, 10, &cap, &t, None, 132, 3, &mut staging).unwrap();
+        assert_eq!(st.batch, 2);
+        assert_eq!(st.max_context, 17);
+        assert_eq!(st.blocks_needed, 10);
+        assert_eq!(st.plan.num_splits, 1);
+        assert_eq!(
+            staging,
+            [
+                2,
+                st.plan.tokens_per_split,
+                1,
+                0, // header
+                17,
+                0,
+                0, // lengths, the third row past the batch
+                5,
+                9,
+                0,
+                0, // row 0: its two blocks
+                0,
+                0,
+                0,
+                0, // row 1: empty
+                0,
+                0,
+                0,
+                0, // row 2: past the batch
+            ]
+        );
+        // A window's released hole before the window is staged as block 0.
+        let hole = crate::ids::BlockId::RELEASED.0;
+        let t = PaddedTables {
+            tables: vec![hole, hole, 4, 6],
+            context_lens: vec![60],
+            batch: 1,
+            max_blocks: 4,
+        };
+        let st = stage_decode_step(&l, 10, &cap, &t, Some(16), 132, 3, &mut staging).unwrap();
+        assert_eq!(&staging[7..11], &[0, 0, 4, 6]);
+        assert_eq!(st.blocks_needed, 7);
+    }
+
+    #[test]
+    fn a_step_over_its_capacities_is_refused_and_changes_nothing() {
+        let l = step_layout();
+        let cap = StepCapacity {
+            max_batch: 2,
+            max_blocks_per_seq: 2,
+            max_splits: 3,
+        };
+        let mut staging = vec![7u32; cap.staging_words()];
+        let before = staging.clone();
+        let three = PaddedTables {
+            tables: vec![1, 2, 3],
+            context_lens: vec![1, 1, 1],
+            batch: 3,
+            max_blocks: 1,
+        };
+        let long = PaddedTables {
+            tables: vec![1, 2, 3],
+            context_lens: vec![33],
+            batch: 1,
+            max_blocks: 3,
+        };
+        let bad_id = PaddedTables {
+            tables: vec![10],
+            context_lens: vec![1],
+            batch: 1,
+            max_blocks: 1,
+        };
+        for (t, n) in [(&three, 10), (&long, 10), (&bad_id, 10)] {
+            let r = stage_decode_step(&l, n, &cap, t, None, 132, 3, &mut staging);
+            assert!(r.is_err(), "{t:?}");
+            assert_eq!(staging, before);
+        }
+        let ok = PaddedTables {
+            tables: vec![1],
+            context_lens: vec![1],
+            batch: 1,
+            max_blocks: 1,
+        };
+        assert!(matches!(
+            stage_decode_step(&l, 10, &cap, &ok, None, 132, 3, &mut staging[1..]),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        for bad in [
+            StepCapacity {
+                max_batch: 0,
+                ..cap
+            },
+            StepCapacity {
+                max_batch: 65536,
+                ..cap
+            },
+            StepCapacity {
+                max_blocks_per_seq: 0,
+                ..cap
+            },
+            StepCapacity {
+                max_splits: 0,
+                ..cap
+            },
+            StepCapacity {
+                max_splits: MAX_SPLITS + 1,
+                ..cap
+            },
+        ] {
+            let mut s = vec![0u32; 64];
+            assert!(matches!(
+                stage_decode_step(&l, 10, &bad, &ok, None, 132, 3, &mut s),
+                Err(Error::InvalidConfig { .. })
+            ));
+        }
+        assert_eq!(staging, before);
+    }
+
+    #[test]
+    fn the_staged_split_count_never_exceeds_the_grid() {
+        // One 32k sequence wants ~33 splits on 132 SMs; a grid of 4 gets exactly 4,
+        // which still cover the context.
+        let l = step_layout();
+        let cap = StepCapacity {
+            max_batch: 1,
+            max_blocks_per_seq: 2048,
+            max_splits: 4,
+        };
+        let mut staging = vec![0u32; cap.staging_words()];
+        let t = PaddedTables {
+            tables: (0..2048).collect(),
+            context_lens: vec![32768],
+            batch: 1,
+            max_blocks: 2048,
+        };
+        let free = plan_splits_for_occupancy(&[32768], None, 2, 16, 132, 3);
+        assert!(free.num_splits > 4);
+        let st = stage_decode_step(&l, 2048, &cap, &t, None, 132, 3, &mut staging).unwrap();
+        assert_eq!(st.plan.num_splits, 4);
+        assert!(4 * st.plan.tokens_per_split as usize >= 32768);
+        assert_eq!(&staging[..3], &[1, st.plan.tokens_per_split, 4]);
     }
 
     #[test]

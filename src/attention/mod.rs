@@ -45,8 +45,8 @@ pub mod rope;
 
 pub use kernel_plan::{
     plan_splits, plan_splits_for_occupancy, resident_ctas, split_merge_bytes, split_plan_with,
-    validate_params, SplitPlan, TableCapacity, CTA_OVERHEAD_TOKENS, MAX_SPLITS,
-    MIN_TOKENS_PER_SPLIT,
+    stage_decode_step, validate_params, SplitPlan, StagedStep, StepCapacity, TableCapacity,
+    CTA_OVERHEAD_TOKENS, MAX_SPLITS, MIN_TOKENS_PER_SPLIT, STEP_HEADER_WORDS,
 };
 pub use rope::{rope_and_cache, Rope, RopeStyle};
 

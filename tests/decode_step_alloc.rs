@@ -1,0 +1,132 @@
+//! The host half of a capturable decode step (`stage_decode_step`, what
+//! `DecodeGraphStep::stage` runs) allocates nothing: a counting global allocator
+//! watches a 2,000-step decode trace whose batch, lengths and split plans change every
+//! step, refused steps included. Runs without a GPU.
+
+use pagedkv::attention::{stage_decode_step, StepCapacity};
+use pagedkv::{DType, KvLayout, ModelShape, PaddedTables};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+struct Counting;
+
+thread_local! {
+    /// Allocations (and reallocations) made by this thread.
+    static ALLOCS: Cell<usize> = const { Cell::new(0) };
+}
+
+fn bump() {
+    // `try_with`: a thread being torn down has no counter left; it is not the test's.
+    let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; the counter is a
+// const-initialised thread local that never allocates.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        bump();
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        bump();
+        // SAFETY: as above.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        bump();
+        // SAFETY: as above.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as above.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocs() -> usize {
+    ALLOCS.with(Cell::get)
+}
+
+#[test]
+fn staging_a_step_allocates_nothing() {
+    let shape = ModelShape {
+        num_layers: 1,
+        num_q_heads: 64,
+        num_kv_heads: 8,
+        head_dim: 128,
+        kv_dtype: DType::BF16,
+    };
+    let layout = KvLayout::new(shape, 16).unwrap();
+    let cap = StepCapacity {
+        max_batch: 64,
+        max_blocks_per_seq: 320,
+        max_splits: 8,
+    };
+    let num_blocks = 64 * 320;
+    // Every buffer of the trace is made before counting starts; the step reuses them.
+    let mut staging = vec![0u32; cap.staging_words()];
+    let mut tables = PaddedTables {
+        tables: vec![0; 64 * 320],
+        context_lens: Vec::with_capacity(65),
+        batch: 0,
+        max_blocks: 320,
+    };
+    for (i, id) in tables.tables.iter_mut().enumerate() {
+        *id = ((i * 7919) % num_blocks) as u32;
+    }
+    let mut plans = [0usize; 9];
+    let mut refused = 0;
+    let before = allocs();
+    for step in 0..2000usize {
+        // Batch 1..=64 and lengths 0..~5000 changing every step; every 97th step
+        // asks for 65 sequences, over the capacity.
+        let batch = if step % 97 == 96 {
+            65
+        } else {
+            1 + step * 37 % 64
+        };
+        tables.batch = batch;
+        tables.context_lens.clear();
+        tables
+            .context_lens
+            .extend((0..batch).map(|i| ((step * 131 + i * 977) % 5000) as u32));
+        tables.max_blocks = if batch > 64 { 1 } else { 320 };
+        if batch > 64 {
+            tables.context_lens.iter_mut().for_each(|l| *l = 1);
+            tables.tables.truncate(65);
+        }
+        match stage_decode_step(
+            &layout,
+            num_blocks,
+            &cap,
+            &tables,
+            None,
+            132,
+            3,
+            &mut staging,
+        ) {
+            Ok(st) => plans[st.plan.num_splits as usize] += 1,
+            Err(_) => refused += 1,
+        }
+        if batch > 64 {
+            // Back to the full table without allocating: truncate kept the capacity.
+            tables.tables.resize(64 * 320, 0);
+        }
+    }
+    let counted = allocs() - before;
+    assert_eq!(
+        counted, 0,
+        "the host half of 2,000 steps allocated {counted} times"
+    );
+    // The counter does count: one allocation of this thread shows.
+    let probe: Vec<u8> = std::hint::black_box(Vec::with_capacity(1));
+    assert_eq!(allocs() - before, 1);
+    drop(probe);
+    // The trace did exercise different plans and the refusal path.
+    assert!(refused >= 20, "{refused}");
+    assert!(plans.iter().filter(|&&n| n > 0).count() >= 2, "{plans:?}");
+}
