@@ -98,6 +98,7 @@ impl PrefixIndex {
             b,
             saved.hash,
             saved.parent,
+            None,
             &ns,
             saved.key.as_ref(),
             &saved.tokens,
