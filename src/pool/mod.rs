@@ -228,15 +228,16 @@ impl BlockPool {
     /// [`Self::incref`] without the new count, for [`Self::incref_all`]'s loop.
     #[inline(always)]
     fn incref_checked(&mut self, b: BlockId) -> Result<()> {
-        let (Some(&state), Some(rc)) =
-            (self.state.get(b.index()), self.refcount.get_mut(b.index()))
-        else {
+        let num_blocks = self.refcount.len();
+        let Some(rc) = self.refcount.get_mut(b.index()) else {
             return Err(Error::BlockOutOfRange {
                 block: b,
-                num_blocks: self.state.len(),
+                num_blocks,
             });
         };
-        if state != BlockState::Live {
+        // Live <=> refcount > 0 (see the module table; `check_invariants` holds the
+        // pool to it), so the refcount alone answers and a fork reads one array.
+        if *rc == 0 {
             return Err(Error::CorruptBlockTable(format!(
                 "incref of non-live block {b}"
             )));
@@ -279,12 +280,17 @@ impl BlockPool {
     }
 
     fn decref_inner(&mut self, block: BlockId) -> Result<u32> {
-        self.check(block)?;
-        if self.state[block.index()] != BlockState::Live || self.refcount[block.index()] == 0 {
+        let num_blocks = self.refcount.len();
+        let Some(rc) = self.refcount.get_mut(block.index()) else {
+            return Err(Error::BlockOutOfRange { block, num_blocks });
+        };
+        // Live <=> refcount > 0 (as in `incref_checked`): free and cached blocks have
+        // none, so a zero count is the double free, whatever the state says.
+        if *rc == 0 {
             return Err(Error::DoubleFree(block));
         }
-        self.refcount[block.index()] -= 1;
-        Ok(self.refcount[block.index()])
+        *rc -= 1;
+        Ok(*rc)
     }
 
     fn push_free(&mut self, block: BlockId) {

@@ -86,31 +86,79 @@ impl BlockKeys {
     }
 }
 
+/// One registered block, in one aligned 64-byte record: registration, eviction and
+/// hit confirmation each read or write it, so it is one cache line (it was 112 bytes
+/// over two). The rarely read namespace and extra-key bytes live in `PrefixIndex::cold`.
 #[derive(Debug, Clone)]
+#[repr(align(64))]
 struct Entry {
     hash: BlockHash,
-    parent: Option<BlockHash>,
-    /// Where the parent was registered when this block was: a hint, trusted only while
-    /// that block's entry still carries the `parent` hash (a relocation or an eviction
-    /// since makes it stale, and the lookup by hash answers then). Saves a hash probe
-    /// per eviction.
-    parent_block: Option<BlockId>,
-    /// The namespace key, on first blocks only (later blocks inherit it by the chain).
-    ns: Option<Arc<[u8]>>,
-    /// The block's extra-key bytes, on blocks where a keyed span starts only (later
-    /// blocks inherit them by the chain).
-    key: Option<Arc<[u8]>>,
+    /// The parent's hash, meaningful when `has_parent` (an `Option` would take 16 bytes).
+    parent_hash: BlockHash,
+    last_used: u64,
+    /// The policy key while `is_candidate`.
+    candidate_key: u64,
+    /// Where the parent was registered when this block was (meaningful when
+    /// `has_parent`): a hint, trusted only while that block's entry still carries the
+    /// parent hash (a relocation or an eviction since makes it stale, and the lookup
+    /// by hash answers then). Saves a hash probe per eviction.
+    parent_block: BlockId,
     depth: u32,
     /// Registered blocks whose parent is this one.
     children: u32,
     pins: u32,
     hits: u32,
-    last_used: u64,
     priority: i32,
+    /// The priority while `is_candidate`.
+    candidate_priority: i32,
+    has_parent: bool,
     /// Mirrors the pool: refcount 0, content kept.
     cached: bool,
-    /// `(priority, key)` while in the candidate set.
-    candidate: Option<(i32, u64)>,
+    /// In the candidate set under `(candidate_priority, candidate_key)`.
+    is_candidate: bool,
+    /// `PrefixIndex::cold` holds a record for this block (a first block, or one
+    /// where a keyed span starts).
+    has_cold: bool,
+}
+
+const _: () = assert!(std::mem::size_of::<Option<Entry>>() == 64);
+
+impl Entry {
+    fn parent(&self) -> Option<BlockHash> {
+        self.has_parent.then_some(self.parent_hash)
+    }
+
+    fn parent_hint(&self) -> Option<BlockId> {
+        self.has_parent.then_some(self.parent_block)
+    }
+
+    fn candidate(&self) -> Option<(i32, u64)> {
+        self.is_candidate
+            .then_some((self.candidate_priority, self.candidate_key))
+    }
+
+    fn take_candidate(&mut self) -> Option<(i32, u64)> {
+        let c = self.candidate();
+        self.is_candidate = false;
+        c
+    }
+
+    fn set_candidate(&mut self, priority: i32, key: u64) {
+        self.candidate_priority = priority;
+        self.candidate_key = key;
+        self.is_candidate = true;
+    }
+}
+
+/// The cold part of an entry: read on a first block's hit confirmation, on events
+/// and on spills, never on the per-block paths.
+#[derive(Debug, Clone, Default)]
+struct ColdEntry {
+    /// The namespace key, on first blocks only (later blocks inherit it by the chain).
+    ns: Option<Arc<[u8]>>,
+    /// The block's extra-key bytes, on blocks where a keyed span starts only (later
+    /// blocks inherit them by the chain).
+    key: Option<Arc<[u8]>>,
 }
 
 /// What a lookup found.
@@ -127,6 +175,8 @@ pub(crate) struct Lookup {
 pub(crate) struct PrefixIndex {
     block_size: usize,
     entries: Vec<Option<Entry>>,
+    /// Namespace and extra-key bytes of the entries flagged `has_cold`, by block.
+    cold: HashMap<BlockId, ColdEntry>,
     /// `registered[b] == entries[b].is_some()`, one byte per block: the question
     /// every block release asks, answered without touching the (large) entry.
     registered: Vec<bool>,
@@ -164,6 +214,7 @@ impl PrefixIndex {
         Ok(PrefixIndex {
             block_size,
             entries: vec![None; num_blocks],
+            cold: HashMap::new(),
             registered: vec![false; num_blocks],
             tokens: vec![0; num_blocks * block_size],
             by_hash: HashIndex::default(),
@@ -309,10 +360,10 @@ impl PrefixIndex {
         extra: &[u8],
     ) -> bool {
         self.entry(b).is_some_and(|e| {
-            e.parent == parent
+            e.parent() == parent
                 && self.block_tokens(b) == tokens
-                && e.key.as_deref().unwrap_or(&[]) == extra
-                && (e.parent.is_some() || e.ns.as_deref() == Some(&*ns.key))
+                && self.cold_key(b, e).unwrap_or(&[]) == extra
+                && (e.has_parent || self.cold_ns(b, e) == Some(&*ns.key))
         })
     }
 
@@ -324,6 +375,25 @@ impl PrefixIndex {
             Some(b) if self.entry(b).is_some_and(|e| e.hash == ph) => Some(b),
             _ => self.block_of(ph),
         }
+    }
+
+    /// The cold record of registered block `b` (entry `e`), if it has one.
+    fn cold_entry(&self, b: BlockId, e: &Entry) -> Option<&ColdEntry> {
+        if e.has_cold {
+            self.cold.get(&b)
+        } else {
+            None
+        }
+    }
+
+    /// The extra-key bytes of registered block `b` (entry `e`), if it has any.
+    fn cold_key(&self, b: BlockId, e: &Entry) -> Option<&[u8]> {
+        self.cold_entry(b, e).and_then(|c| c.key.as_deref())
+    }
+
+    /// The namespace key of registered first block `b` (entry `e`).
+    fn cold_ns(&self, b: BlockId, e: &Entry) -> Option<&[u8]> {
+        self.cold_entry(b, e).and_then(|c| c.ns.as_deref())
     }
 
     fn entry(&self, b: BlockId) -> Option<&Entry> {
@@ -381,7 +451,7 @@ impl PrefixIndex {
         if revived {
             e.cached = false;
             e.priority = priority;
-            let (candidate, pinned) = (e.candidate.take(), e.pins > 0);
+            let (candidate, pinned) = (e.take_candidate(), e.pins > 0);
             if let Some((p, k)) = candidate {
                 self.candidates.remove(p, k, b.0);
             }
@@ -456,7 +526,7 @@ impl PrefixIndex {
         if let Some(pb) = parent_block {
             if let Some(pe) = self.entry_mut(pb) {
                 pe.children += 1;
-                if let Some((p, k)) = pe.candidate.take() {
+                if let Some((p, k)) = pe.take_candidate() {
                     // Unreachable while parents are held by the registering sequence;
                     // kept so the candidate set never holds a non-leaf.
                     self.candidates.remove(p, k, pb.0);
@@ -465,20 +535,30 @@ impl PrefixIndex {
         }
         let clock = self.tick();
         self.registered[b.index()] = true;
-        self.entries[b.index()] = Some(Entry {
-            hash,
-            parent,
-            parent_block,
+        let cold = ColdEntry {
             ns: parent.is_none().then(|| ns.key.clone()),
             key: key.filter(|k| !k.is_empty()).cloned(),
+        };
+        let has_cold = cold.ns.is_some() || cold.key.is_some();
+        if has_cold {
+            self.cold.insert(b, cold);
+        }
+        self.entries[b.index()] = Some(Entry {
+            hash,
+            parent_hash: parent.unwrap_or(BlockHash(0)),
+            last_used: clock,
+            candidate_key: 0,
+            parent_block: parent_block.unwrap_or(BlockId(u32::MAX)),
             depth,
             children: 0,
             pins: 0,
             hits: 0,
-            last_used: clock,
             priority,
+            candidate_priority: 0,
+            has_parent: parent.is_some(),
             cached: false,
-            candidate: None,
+            is_candidate: false,
+            has_cold,
         });
         let start = b.index() * self.block_size;
         self.tokens[start..start + self.block_size].copy_from_slice(tokens);
@@ -505,7 +585,7 @@ impl PrefixIndex {
         let Some(e) = self.entries.get(b.index()).and_then(Option::as_ref) else {
             return;
         };
-        if !e.cached || e.pins > 0 || e.children > 0 || e.candidate.is_some() {
+        if !e.cached || e.pins > 0 || e.children > 0 || e.is_candidate {
             return;
         }
         let info = EvictionCandidate {
@@ -516,7 +596,7 @@ impl PrefixIndex {
         let key = self.config.policy.key(&info);
         let priority = e.priority;
         if let Some(e) = self.entry_mut(b) {
-            e.candidate = Some((priority, key));
+            e.set_candidate(priority, key);
         }
         self.candidates.insert(priority, key, b.0);
     }
@@ -537,6 +617,9 @@ impl PrefixIndex {
         let b = BlockId(id);
         let e = self.entries.get_mut(b.index())?.take()?;
         self.registered[b.index()] = false;
+        if e.has_cold {
+            self.cold.remove(&b);
+        }
         self.by_hash.remove(&e.hash);
         self.config.policy.on_evict(key);
         self.counters.evicted_blocks += 1;
@@ -548,8 +631,8 @@ impl PrefixIndex {
             });
         }
         if let Some(pb) = e
-            .parent
-            .and_then(|ph| self.resolve_parent(ph, e.parent_block))
+            .parent()
+            .and_then(|ph| self.resolve_parent(ph, e.parent_hint()))
         {
             if let Some(pe) = self.entry_mut(pb) {
                 pe.children -= 1;
@@ -580,7 +663,7 @@ impl PrefixIndex {
                 if e.cached {
                     self.pinned_cached += 1;
                 }
-                if let Some((p, k)) = e.candidate.take() {
+                if let Some((p, k)) = e.take_candidate() {
                     self.candidates.remove(p, k, b.0);
                 }
             }
@@ -598,7 +681,7 @@ impl PrefixIndex {
         while let Some(b) = self.block_of(hash) {
             let Some(e) = self.entry_mut(b) else { break };
             e.pins -= 1;
-            let (unpinned, cached, parent) = (e.pins == 0, e.cached, e.parent);
+            let (unpinned, cached, parent) = (e.pins == 0, e.cached, e.parent());
             blocks += 1;
             if unpinned {
                 self.pinned_blocks -= 1;
@@ -643,7 +726,12 @@ impl PrefixIndex {
         self.tokens
             .copy_within(src.index() * bs..src.index() * bs + bs, dst.index() * bs);
         self.by_hash.insert(e.hash, dst);
-        if let Some((p, k)) = e.candidate {
+        if e.has_cold {
+            if let Some(cold) = self.cold.remove(&src) {
+                self.cold.insert(dst, cold);
+            }
+        }
+        if let Some((p, k)) = e.candidate() {
             self.candidates.remove(p, k, src.0);
             self.candidates.insert(p, k, dst.0);
         }
@@ -696,6 +784,7 @@ impl PrefixIndex {
             ));
         }
         self.entries.resize(num_blocks, None);
+        self.cold.retain(|b, _| b.index() < num_blocks);
         self.registered.resize(num_blocks, false);
         self.candidates.resize(num_blocks);
         self.tokens.resize(num_blocks * self.block_size, 0);
@@ -716,11 +805,11 @@ impl PrefixIndex {
         let Some(e) = self.entry(b) else { return };
         let event = PrefixEvent::BlockStored {
             hash: e.hash,
-            parent: e.parent,
+            parent: e.parent(),
             block: b,
             token_ids: self.block_tokens(b).to_vec(),
             block_size: self.block_size,
-            extra_keys: e.key.as_deref().map(<[u8]>::to_vec).unwrap_or_default(),
+            extra_keys: self.cold_key(b, e).map(<[u8]>::to_vec).unwrap_or_default(),
             medium: Medium::Device,
         };
         self.emit(event);
@@ -760,7 +849,7 @@ impl PrefixIndex {
 
     /// Parent hash of registered block `b` (`Some(None)` for a first block).
     pub(crate) fn parent_of(&self, b: BlockId) -> Option<Option<BlockHash>> {
-        self.entry(b).map(|e| e.parent)
+        self.entry(b).map(Entry::parent)
     }
 
     /// Checks the index against the pool; see `KvCacheManager::check_invariants`.
@@ -800,8 +889,20 @@ impl PrefixIndex {
                 continue;
             };
             registered += 1;
-            if e.key.as_deref().is_some_and(<[u8]>::is_empty) {
+            if self.cold_key(b, e).is_some_and(<[u8]>::is_empty) {
                 return Err(format!("block {b} stores an empty extra key"));
+            }
+            let cold = self.cold.get(&b);
+            if e.has_cold != cold.is_some()
+                || cold.is_some_and(|c| c.ns.is_none() && c.key.is_none())
+            {
+                return Err(format!(
+                    "block {b}: cold flag {} but cold record {cold:?}",
+                    e.has_cold
+                ));
+            }
+            if !e.has_parent && e.parent_hash != BlockHash(0) {
+                return Err(format!("first block {b} carries a parent hash"));
             }
             if self.by_hash.get(&e.hash) != Some(&b) {
                 return Err(format!(
@@ -819,9 +920,10 @@ impl PrefixIndex {
                 }
                 _ => {}
             }
-            match e.parent {
+            let has_ns = self.cold_ns(b, e).is_some();
+            match e.parent() {
                 None => {
-                    if e.depth != 1 || e.ns.is_none() {
+                    if e.depth != 1 || !has_ns {
                         return Err(format!(
                             "first block {b}: depth {} or no namespace",
                             e.depth
@@ -833,7 +935,7 @@ impl PrefixIndex {
                         .block_of(ph)
                         .ok_or_else(|| format!("block {b}: parent {ph} is not registered"))?;
                     let pe = self.entry(pb).ok_or("parent entry missing")?;
-                    if pe.depth + 1 != e.depth || e.ns.is_some() {
+                    if pe.depth + 1 != e.depth || has_ns {
                         return Err(format!("block {b}: depth {} under {}", e.depth, pe.depth));
                     }
                     if e.pins > pe.pins {
@@ -849,7 +951,7 @@ impl PrefixIndex {
                 pinned += 1;
                 pinned_cached += usize::from(e.cached);
             }
-            if e.candidate.is_some() {
+            if e.is_candidate {
                 candidates += 1;
             }
         }
@@ -863,7 +965,7 @@ impl PrefixIndex {
             }
             let should = e.cached && e.pins == 0 && e.children == 0;
             let is = e
-                .candidate
+                .candidate()
                 .is_some_and(|(p, k)| self.candidates.contains(p, k, i as u32));
             if should != is {
                 return Err(format!("block #{i}: candidate {is}, should be {should}"));
@@ -896,7 +998,7 @@ impl PrefixIndex {
                     .block_of(hash)
                     .ok_or_else(|| format!("{id} names unregistered {hash}"))?;
                 pins[b.index()] += 1;
-                h = self.entry(b).and_then(|e| e.parent);
+                h = self.entry(b).and_then(Entry::parent);
             }
         }
         for (i, slot) in self.entries.iter().enumerate() {

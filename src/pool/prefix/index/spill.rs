@@ -48,7 +48,7 @@ impl PrefixIndex {
                 }
                 at = self.entries[j]
                     .as_ref()
-                    .and_then(|e| e.parent)
+                    .and_then(Entry::parent)
                     .and_then(|ph| self.block_of(ph))
                     .map(BlockId::index);
             }
@@ -75,11 +75,11 @@ impl PrefixIndex {
         let e: &Entry = self.entry(b)?;
         Some(SavedEntry {
             hash: e.hash,
-            parent: e.parent,
+            parent: e.parent(),
             depth: e.depth,
             last_used: e.last_used,
-            ns: e.ns.clone(),
-            key: e.key.clone(),
+            ns: self.cold_entry(b, e).and_then(|c| c.ns.clone()),
+            key: self.cold_entry(b, e).and_then(|c| c.key.clone()),
             priority: e.priority,
             tokens: self.block_tokens(b).into(),
         })
@@ -98,6 +98,7 @@ impl PrefixIndex {
             b,
             saved.hash,
             saved.parent,
+            None,
             &ns,
             saved.key.as_ref(),
             &saved.tokens,
