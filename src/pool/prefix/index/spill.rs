@@ -98,6 +98,8 @@ impl PrefixIndex {
             b,
             saved.hash,
             saved.parent,
+            // No block in hand for the parent: `register` resolves it by hash.
+            None,
             &ns,
             saved.key.as_ref(),
             &saved.tokens,
