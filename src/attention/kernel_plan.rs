@@ -118,10 +118,7 @@ pub fn plan_splits_for_occupancy(
     let max_context = context_lens.iter().copied().max().unwrap_or(0) as usize;
     let resident = resident_ctas(num_sms, ctas_per_sm);
     let heads = num_kv_heads.max(1);
-    let start = |ctx: usize| match sliding_window {
-        Some(w) if w > 0 && ctx > w => ctx - w,
-        _ => 0,
-    };
+    let start = |ctx: usize| live_range(ctx as u32, sliding_window).0 as usize;
     let max_splits = (max_context / MIN_TOKENS_PER_SPLIT).clamp(1, MAX_SPLITS as usize);
     let mut best: Option<(u128, SplitPlan)> = None;
     let mut last_per = 0;
@@ -462,12 +459,16 @@ pub struct WorkList {
 
 impl WorkList {
     /// The device encoding: [`WORK_ITEM_WORDS`] words per item,
-    /// `[seq, chunk, begin, end]`, followed by nothing (the per-sequence chunk count
-    /// and first item are recovered on the device from the items themselves).
+    /// `[seq, chunk | chunks << 16, begin, end]` (`chunks` being the sequence's chunk
+    /// count, at most [`MAX_SPLITS`]); the sequence's first item is the item's index
+    /// minus `chunk`.
     pub fn device_words(&self) -> Vec<u32> {
         self.items
             .iter()
-            .flat_map(|w| [w.seq, w.chunk, w.begin, w.end])
+            .flat_map(|w| {
+                let n = self.chunks.get(w.seq as usize).copied().unwrap_or(0);
+                [w.seq, w.chunk | n << 16, w.begin, w.end]
+            })
             .collect()
     }
 }
@@ -664,6 +665,9 @@ mod occupancy_tests {
         assert_eq!(wl.items.len(), 64 * 3);
         let sizes: Vec<u32> = wl.items[..3].iter().map(|w| w.end - w.begin).collect();
         assert_eq!(sizes, [1376, 1376, 1344]);
+        let words = wl.device_words();
+        assert_eq!(words.len(), 64 * 3 * WORK_ITEM_WORDS);
+        assert_eq!(&words[4..8], &[0, 1 | 3 << 16, 1376, 2752]);
         // One long sequence among short ones: the short ones cost one item each,
         // the fixed grid would have given them the long one's split count.
         let mut lens = vec![100u32; 20];
