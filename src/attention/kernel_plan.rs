@@ -458,17 +458,19 @@ pub struct WorkList {
 }
 
 impl WorkList {
-    /// The device encoding: [`WORK_ITEM_WORDS`] words per item,
+    /// The device encoding the kernel's `read_work` takes: a header
+    /// `[items, 0, 0, 0]`, then [`WORK_ITEM_WORDS`] words per item,
     /// `[seq, chunk | chunks << 16, begin, end]` (`chunks` being the sequence's chunk
     /// count, at most [`MAX_SPLITS`]); the sequence's first item is the item's index
-    /// minus `chunk`.
+    /// minus `chunk`. A fixed-capacity grid's CTAs past `items` return.
     pub fn device_words(&self) -> Vec<u32> {
-        self.items
-            .iter()
-            .flat_map(|w| {
+        let header = [self.items.len() as u32, 0, 0, 0];
+        header
+            .into_iter()
+            .chain(self.items.iter().flat_map(|w| {
                 let n = self.chunks.get(w.seq as usize).copied().unwrap_or(0);
                 [w.seq, w.chunk | n << 16, w.begin, w.end]
-            })
+            }))
             .collect()
     }
 }
@@ -666,8 +668,9 @@ mod occupancy_tests {
         let sizes: Vec<u32> = wl.items[..3].iter().map(|w| w.end - w.begin).collect();
         assert_eq!(sizes, [1376, 1376, 1344]);
         let words = wl.device_words();
-        assert_eq!(words.len(), 64 * 3 * WORK_ITEM_WORDS);
-        assert_eq!(&words[4..8], &[0, 1 | 3 << 16, 1376, 2752]);
+        assert_eq!(words.len(), (64 * 3 + 1) * WORK_ITEM_WORDS);
+        assert_eq!(&words[..4], &[192, 0, 0, 0]);
+        assert_eq!(&words[8..12], &[0, 1 | 3 << 16, 1376, 2752]);
         // One long sequence among short ones: the short ones cost one item each,
         // the fixed grid would have given them the long one's split count.
         let mut lens = vec![100u32; 20];
