@@ -685,8 +685,8 @@ pub struct WorkListReplay {
 /// Otherwise each CTA writes its f32 partial at row `item * q_heads + q_head`, then
 /// bumps its (sequence, KV head) counter; the CTA that brings it to the sequence's
 /// chunk count merges the partials of items `first..first + chunks` in chunk order
-/// ([`merge_row`]'s order, so the bits do not depend on which CTA came last) and
-/// resets the counter to 0. Partials not yet written read as NaN here, so a merge
+/// (`paged_attention_merge`'s sums, so the bits do not depend on which CTA came last)
+/// and resets the counter to 0. Partials not yet written read as NaN here, so a merge
 /// that ran early would show.
 ///
 /// # Errors
