@@ -147,6 +147,98 @@ __device__ __forceinline__ u32 step_splits(const u32* step, u32 num_splits) {
     return step == nullptr ? num_splits : step[2];
 }
 
+// The work-list launch (issue 19): grid (KV heads, max items, 1); `work` holds
+// [num_items, 0, 0, 0] then per item [seq, chunk | chunks << 16, begin, end], the
+// chunks of each sequence's own live range (window included) as
+// `build_work_list` cuts them. A CTA past `num_items` returns at once; the others
+// take their sequence and token range from their item. With `work` null the grid
+// path above stands.
+__device__ __forceinline__ bool read_work(const u32* work, int& seq, u32& begin, u32& end) {
+    if (blockIdx.y >= work[0]) return false;
+    const u32* w = work + 4 * (blockIdx.y + 1);
+    seq = (int)w[0];
+    begin = w[2];
+    end = w[3];
+    return true;
+}
+
+// Chunks of this CTA's sequence in a work-list launch (1: the CTA writes the output).
+__device__ __forceinline__ u32 work_chunks(const u32* work) {
+    return work[4 * (blockIdx.y + 1) + 1] >> 16;
+}
+
+// One result element of a CTA: the output row (one split, or a work-list sequence of
+// one chunk), else the split's partial (grid path: row qh's split `split`;
+// work-list path: f32 partial row `item * q_heads + h`, h the query head within the
+// sequence).
+__device__ __forceinline__ void store_result(void* out, float* lse, const u32* work,
+                                             float* part_out, float* part_lse, u32 num_splits,
+                                             u32 split, u64 qh, int q_heads, int d, float val,
+                                             float lse_val, u32 out_dtype) {
+    if (work != nullptr && work_chunks(work) > 1) {
+        const u64 row = (u64)blockIdx.y * q_heads + qh % q_heads;
+        part_out[row * HEAD_DIM + d] = val;
+        if (d == 0) part_lse[row] = lse_val;
+    } else if (work != nullptr || num_splits == 1) {
+        store_io(out, qh * HEAD_DIM + d, val, out_dtype);
+        if (d == 0) lse[qh] = lse_val;
+    } else {
+        store_io(out, (qh * num_splits + split) * HEAD_DIM + d, val, out_dtype);
+        if (d == 0) lse[qh * num_splits + split] = lse_val;
+    }
+}
+
+// The fused merge of a work-list launch: after writing its partials a CTA counts
+// itself in its (sequence, KV head) counter; the one that brings it to the chunk count
+// merges the sequence's partials in chunk order (so the bits do not depend on which CTA
+// came last; the same sums as `paged_attention_merge`), writes the output rows and
+// resets the counter to 0 for the next launch (the counters start at 0 when allocated).
+// Partials are read with ld.global.cg: the other CTAs' stores are in L2, not this SM's L1.
+__device__ __noinline__ void fused_merge(void* out, float* lse, const u32* work, u32* counters,
+                                         const float* part_out, const float* part_lse,
+                                         int kv_head, int num_kv_heads, u32 out_dtype) {
+    __shared__ u32 merge_last;
+    const u32* w = work + 4 * (blockIdx.y + 1);
+    const u32 seq = w[0], chunk = w[1] & 0xffffu, n = w[1] >> 16;
+    if (n <= 1) return;
+    u32* counter = counters + (u64)seq * num_kv_heads + kv_head;
+    __threadfence();  // this CTA's partials before its count
+    __syncthreads();
+    if (threadIdx.x == 0) merge_last = atomicAdd(counter, 1u) == n - 1;
+    __syncthreads();
+    if (!merge_last) return;
+    __threadfence();  // the others' partials after their counts
+    const u32 first = blockIdx.y - chunk;
+    const int q_heads = num_kv_heads * GQA_GROUP;
+    for (int i = threadIdx.x; i < GQA_GROUP * HEAD_DIM; i += NUM_THREADS) {
+        const int d = i % HEAD_DIM;
+        const u64 h = (u64)kv_head * GQA_GROUP + i / HEAD_DIM;
+        float mx = -PKV_INF;
+        for (u32 c = 0; c < n; ++c) mx = fmaxf(mx, __ldcg(part_lse + (first + c) * q_heads + h));
+        float wsum = 0.0f;
+        if (mx != -PKV_INF) {
+            for (u32 c = 0; c < n; ++c) {
+                const float x = __ldcg(part_lse + (first + c) * q_heads + h);
+                if (x != -PKV_INF) wsum += expf(x - mx);
+            }
+        }
+        float accum = 0.0f;
+        if (wsum > 0.0f) {
+            for (u32 c = 0; c < n; ++c) {
+                const float x = __ldcg(part_lse + (first + c) * q_heads + h);
+                if (x != -PKV_INF) {
+                    accum += expf(x - mx) * __ldcg(part_out + ((first + c) * q_heads + h) * HEAD_DIM + d);
+                }
+            }
+            accum /= wsum;
+        }
+        const u64 qh = (u64)seq * q_heads + h;
+        store_io(out, qh * HEAD_DIM + d, accum, out_dtype);
+        if (d == 0) lse[qh] = wsum > 0.0f ? mx + logf(wsum) : -PKV_INF;
+    }
+    if (threadIdx.x == 0) *counter = 0;
+}
+
 // Which decode path this specialisation compiles (the host mirrors this choice in
 // src/attention/decode_mma.rs to size the dynamic shared memory): tensor cores for
 // GQA 3..16 over 16-bit and fp8 caches whose head rows are 64, 128, 256 or 512 bytes
@@ -271,12 +363,21 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     u64 stride_block, u64 stride_kv, u64 stride_head, u64 stride_token,
     const float* __restrict__ alibi_slopes, float scale_log2, float v_scale,
     u32 sliding_window, u32 tokens_per_split, u32 num_splits, u32 q_dtype, u32 out_dtype,
-    const u32* __restrict__ step) {
+    const u32* __restrict__ step,
+    const u32* __restrict__ work,        // null, or the work list (read_work)
+    u32* __restrict__ counters,          // work list: [max batch, KV heads] arrival counts
+    float* __restrict__ part_out,        // work list: [items, q_heads, HEAD_DIM] partials
+    float* __restrict__ part_lse) {      // work list: [items, q_heads]
     extern __shared__ __align__(16) unsigned char mma_smem[];
     const int kv_head = blockIdx.x;
-    const int seq = blockIdx.y;
+    int seq = blockIdx.y;
     const u32 split = blockIdx.z;
-    if (!read_step(step, seq, split, tokens_per_split)) return;
+    u32 begin = 0, end = 0;
+    if (work != nullptr) {
+        if (!read_work(work, seq, begin, end)) return;
+    } else if (!read_step(step, seq, split, tokens_per_split)) {
+        return;
+    }
     const int q_heads = gridDim.x * GQA_GROUP;
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
@@ -293,10 +394,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         row = (u64)seq * row_stride;
         ctx = lens[seq];
     }
-    u32 begin = split * tokens_per_split;
-    const u32 end = begin + tokens_per_split < ctx ? begin + tokens_per_split : ctx;
-    if (sliding_window != 0 && ctx > sliding_window && begin < ctx - sliding_window) {
-        begin = ctx - sliding_window;
+    if (work == nullptr) {
+        begin = split * tokens_per_split;
+        end = begin + tokens_per_split < ctx ? begin + tokens_per_split : ctx;
+        if (sliding_window != 0 && ctx > sliding_window && begin < ctx - sliding_window) {
+            begin = ctx - sliding_window;
+        }
     }
     // Tiles are aligned to 16 tokens, so a tile lies in one page (or whole pages).
     const u32 tile0 = begin / MMA_TILE * MMA_TILE;
@@ -566,13 +669,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         const u64 qh = (u64)seq * q_heads + kv_head * GQA_GROUP + r;
         const float val = lsum > 0.0f ? acc / lsum * v_scale : 0.0f;
         const float lse_val = lsum > 0.0f ? (mt + log2f(lsum)) * PKV_LN2 : -PKV_INF;
-        if (num_splits == 1) {
-            store_io(out, qh * HEAD_DIM + d, val, out_dtype);
-            if (d == 0) lse[qh] = lse_val;
-        } else {
-            store_io(out, (qh * num_splits + split) * HEAD_DIM + d, val, out_dtype);
-            if (d == 0) lse[qh * num_splits + split] = lse_val;
-        }
+        store_result(out, lse, work, part_out, part_lse, num_splits, split, qh, q_heads, d, val,
+                     lse_val, out_dtype);
+    }
+    if (work != nullptr) {
+        fused_merge(out, lse, work, counters, part_out, part_lse, kv_head, gridDim.x, out_dtype);
     }
 }
 
@@ -596,11 +697,20 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
     u32 num_splits,
     u32 q_dtype,                         // 0 f32, 1 f16, 2 bf16
     u32 out_dtype,                       // the same codes (f32 when writing split partials)
-    const u32* __restrict__ step) {      // null, or the fixed-grid step words (read_step)
+    const u32* __restrict__ step,        // null, or the fixed-grid step words (read_step)
+    const u32* __restrict__ work,        // null, or the work list (read_work)
+    u32* __restrict__ counters,          // work list: [max batch, KV heads] arrival counts
+    float* __restrict__ part_out,        // work list: [items, q_heads, HEAD_DIM] partials
+    float* __restrict__ part_lse) {      // work list: [items, q_heads]      // null, or the fixed-grid step words (read_step)
     const int kv_head = blockIdx.x;
-    const int seq = blockIdx.y;
+    int seq = blockIdx.y;
     const u32 split = blockIdx.z;
-    if (!read_step(step, seq, split, tokens_per_split)) return;
+    u32 begin = 0, end = 0;
+    if (work != nullptr) {
+        if (!read_work(work, seq, begin, end)) return;
+    } else if (!read_step(step, seq, split, tokens_per_split)) {
+        return;
+    }
     const int num_kv_heads = gridDim.x;
     const int q_heads = num_kv_heads * GQA_GROUP;
     const int tid = threadIdx.x;
@@ -617,10 +727,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         row = (u64)seq * row_stride;
         ctx = lens[seq];
     }
-    u32 begin = split * tokens_per_split;
-    u32 end = begin + tokens_per_split < ctx ? begin + tokens_per_split : ctx;
-    if (sliding_window != 0 && ctx > sliding_window && begin < ctx - sliding_window) {
-        begin = ctx - sliding_window;
+    if (work == nullptr) {
+        begin = split * tokens_per_split;
+        end = begin + tokens_per_split < ctx ? begin + tokens_per_split : ctx;
+        if (sliding_window != 0 && ctx > sliding_window && begin < ctx - sliding_window) {
+            begin = ctx - sliding_window;
+        }
     }
 
     __shared__ float q_sh[GQA_GROUP][HEAD_DIM];
@@ -772,19 +884,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
         const u64 qh = (u64)seq * q_heads + kv_head * GQA_GROUP + g;
         const float lsum = ltot_sh[g];
         const float val = lsum > 0.0f ? acc_sh[g][d] / lsum * v_scale : 0.0f;
-        if (num_splits == 1) {
-            store_io(out, qh * HEAD_DIM + d, val, out_dtype);
-        } else {
-            store_io(out, (qh * num_splits + split) * HEAD_DIM + d, val, out_dtype);
-        }
-        if (d == 0) {
-            const float lse_val = lsum > 0.0f ? (mtot_sh[g] + log2f(lsum)) * PKV_LN2 : -PKV_INF;
-            if (num_splits == 1) {
-                lse[qh] = lse_val;
-            } else {
-                lse[qh * num_splits + split] = lse_val;
-            }
-        }
+        const float lse_val = lsum > 0.0f ? (mtot_sh[g] + log2f(lsum)) * PKV_LN2 : -PKV_INF;
+        store_result(out, lse, work, part_out, part_lse, num_splits, split, qh, q_heads, d, val,
+                     lse_val, out_dtype);
+    }
+    if (work != nullptr) {
+        fused_merge(out, lse, work, counters, part_out, part_lse, kv_head, num_kv_heads, out_dtype);
     }
 }
 

@@ -647,20 +647,25 @@ impl CudaAttention {
             .arg(&plan.num_splits)
             .arg(&q_code)
             .arg(&part_code)
-            .arg(&null); // no step words: every CTA of the grid runs
-                         // SAFETY: arguments match `paged_attention_decode` (kernels/paged_attention.cu)
-                         // compiled for this layout's head dim, block size, group and dtype, and the
-                         // dynamic shared memory is what its path needs (`decode_dynamic_shared_bytes`
-                         // mirrors the kernel's `DECODE_MMA` and `MMA_STAGES`); `q_code` and `part_code`
-                         // name the element types of `q` and of the buffer written (f32 scratch when
-                         // split), so the kernel reads and writes whole elements. Bounds:
-                         // the grid is (KV heads, batch, splits); `q`, `out`, `lse` (or the split
-                         // scratch, sized batch * q_heads * splits rows) hold every row the grid
-                         // writes (checked above); the tables were validated at upload so that every
-                         // entry read (the first ceil(len / block_size) of each row) is below the
-                         // arena's block count, which is still at least `blocks_needed` (checked
-                         // above), and the kernel reads only tokens below each context length; cache
-                         // offsets use the layout's strides, so reads stay inside the mapped region.
+            .arg(&null) // no step words: every CTA of the grid runs
+            // No work list (the grid path): its counters and partial buffers unused.
+            .arg(&null)
+            .arg(&null)
+            .arg(&null)
+            .arg(&null);
+        // SAFETY: arguments match `paged_attention_decode` (kernels/paged_attention.cu)
+        // compiled for this layout's head dim, block size, group and dtype, and the
+        // dynamic shared memory is what its path needs (`decode_dynamic_shared_bytes`
+        // mirrors the kernel's `DECODE_MMA` and `MMA_STAGES`); `q_code` and `part_code`
+        // name the element types of `q` and of the buffer written (f32 scratch when
+        // split), so the kernel reads and writes whole elements. Bounds:
+        // the grid is (KV heads, batch, splits); `q`, `out`, `lse` (or the split
+        // scratch, sized batch * q_heads * splits rows) hold every row the grid
+        // writes (checked above); the tables were validated at upload so that every
+        // entry read (the first ceil(len / block_size) of each row) is below the
+        // arena's block count, which is still at least `blocks_needed` (checked
+        // above), and the kernel reads only tokens below each context length; cache
+        // offsets use the layout's strides, so reads stay inside the mapped region.
         unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel(paged_attention_decode)"))?;
         if plan.num_splits > 1 {
             let (Some(po), Some(pl)) = (&self.part_out, &self.part_lse) else {
@@ -1146,7 +1151,12 @@ impl DecodeGraphStep {
             .arg(&zero)
             .arg(&f32_code)
             .arg(&f32_code)
-            .arg(&self.ptrs.step);
+            .arg(&self.ptrs.step)
+            // The fixed grid, not the work list: its counters and partials unused.
+            .arg(&null)
+            .arg(&null)
+            .arg(&null)
+            .arg(&null);
         // SAFETY: arguments match `paged_attention_decode` compiled for this layout
         // (the step was built from its `CudaAttention`), with the dynamic shared memory
         // its path needs; every pointer is raw (no cudarc event) and names a buffer

@@ -23,7 +23,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::reference::paged_decode_reference;
-use super::{check_decode_q, check_paged, AttentionParams, SplitPlan};
+use super::{check_decode_q, check_paged, AttentionParams, SplitPlan, WorkList};
 use crate::error::{Error, Result};
 use crate::executor::storage::{HostStorage, Storage};
 use crate::layout::convert::fp8_e4m3_to_f32;
@@ -213,6 +213,338 @@ struct WarpState {
     l: [[f32; 2]; 32],
 }
 
+/// One CTA of the tensor-core path: tokens `[begin, end)` of `seq` for `kv_head`.
+#[derive(Debug, Clone, Copy)]
+struct Cta {
+    seq: usize,
+    kv_head: usize,
+    begin: u32,
+    end: u32,
+}
+
+/// One CTA's result: the normalised partial output of its group's query heads
+/// (`group x head_dim`, times `v_scale`) and their log-sum-exps (natural log, `-inf`
+/// for an empty range), as the kernel writes a split's partial.
+struct Partial {
+    out: Vec<f32>,
+    lse: Vec<f32>,
+}
+
+/// Replays each CTA of `ctas` lane by lane: the cp.async stage, the tensor-core
+/// products, the per-tile softmax and the warp merge.
+fn replay_ctas(
+    storage: &HostStorage,
+    layer: usize,
+    q: &[f32],
+    tables: &PaddedTables,
+    params: &AttentionParams,
+    ctas: &[Cta],
+) -> Result<Vec<Partial>> {
+    let layout = *storage.layout();
+    let batch = check_paged(&layout, storage.num_blocks(), layer, tables, params, None)?;
+    check_decode_q(&layout, batch, q.len())?;
+    let s = layout.shape();
+    let (d, group, bs, dtype) = (s.head_dim, s.group_size(), layout.block_size(), s.kv_dtype);
+    if !uses_mma(dtype, group, d, bs) {
+        return Err(Error::Unsupported(format!(
+            "the tensor-core decode path does not take {dtype} GQA {group} head_dim {d} block {bs}"
+        )));
+    }
+    let geo = Geometry {
+        dtype,
+        head_dim: d,
+        es: dtype.size_bytes(),
+    };
+    let fp8 = dtype == DType::Fp8E4M3;
+    let scale_log2 =
+        params.scale * if fp8 { params.k_scale } else { 1.0 } * std::f32::consts::LOG2_E;
+    let v_scale = if fp8 { params.v_scale } else { 1.0 };
+    let region = storage.region(layer);
+    let st = layout.strides();
+    let es = geo.es;
+    let (sb, skv, sh, stok) = (st.block * es, st.kv * es, st.head * es, st.token * es);
+    let qh = s.num_q_heads;
+    let (row_bytes, chunks) = (geo.row_bytes(), geo.row_chunks());
+    let tile_bytes = MMA_TILE * row_bytes;
+    let mut parts = Vec::with_capacity(ctas.len());
+    for &Cta {
+        seq,
+        kv_head,
+        begin,
+        end,
+    } in ctas
+    {
+        let table = tables.row(seq);
+        let ctx = tables.context_lens[seq];
+        let mut part = Partial {
+            out: vec![0.0; group * d],
+            lse: vec![f32::NEG_INFINITY; group],
+        };
+        let tile0 = begin / MMA_TILE as u32 * MMA_TILE as u32;
+        let num_tiles = if begin < end {
+            (end - tile0).div_ceil(MMA_TILE as u32) as usize
+        } else {
+            0
+        };
+        // q as A fragments, per lane.
+        let qrow0 = seq * qh + kv_head * group;
+        let qa: Vec<[[u32; 4]; 32]> = (0..geo.ksteps())
+            .map(|ks| {
+                let mut regs = [[0u32; 4]; 32];
+                for (lane, r) in regs.iter_mut().enumerate() {
+                    let (g, j) = (lane / 4, lane % 4);
+                    for half in 0..2 {
+                        let row = g + 8 * half;
+                        let v = |e: usize| {
+                            let dim = geo.k_dim(j, 4 * ks + e);
+                            if row < group {
+                                q[(qrow0 + row) * d + dim] * scale_log2
+                            } else {
+                                0.0
+                            }
+                        };
+                        r[half] = geo.pack(v(0), v(1));
+                        r[2 + half] = geo.pack(v(2), v(3));
+                    }
+                }
+                regs
+            })
+            .collect();
+        let slope = |lane: usize, half: usize| -> f32 {
+            let row = lane / 4 + 8 * half;
+            if row < group {
+                params.slope(kv_head * group + row) * std::f32::consts::LOG2_E
+            } else {
+                0.0
+            }
+        };
+        let two_halves = group > 8;
+        let mut warps: Vec<WarpState> = (0..MMA_WARPS)
+            .map(|_| WarpState {
+                o: vec![[[0.0; 4]; 32]; geo.ntiles_o()],
+                m: [[f32::NEG_INFINITY; 2]; 32],
+                l: [[0.0; 2]; 32],
+            })
+            .collect();
+        let pages_per_tile = if bs >= MMA_TILE { 1 } else { MMA_TILE / bs };
+        for (warp, ws) in warps.iter_mut().enumerate() {
+            let mut tile = warp;
+            while tile < num_tiles {
+                // The stage as the lanes' cp.async leave it.
+                let mut smem = vec![0u8; 2 * tile_bytes];
+                let tbase = tile0 + (tile * MMA_TILE) as u32;
+                let ids: Vec<u32> = (0..pages_per_tile)
+                    .map(|p| {
+                        let t = tbase + (p * (MMA_TILE / pages_per_tile)) as u32;
+                        if t < end {
+                            table[t as usize / bs]
+                        } else {
+                            0
+                        }
+                    })
+                    .collect();
+                for lane in 0..32 {
+                    for c in 0..MMA_TILE * chunks / 32 {
+                        let x = lane + 32 * c;
+                        let (tt, ch) = (x / chunks, x % chunks);
+                        let t = tbase + tt as u32;
+                        if t < begin || t >= end {
+                            continue; // zero-filled
+                        }
+                        // The kernel's compile-time page of copy c.
+                        let page = (32 * c) / ((MMA_TILE / pages_per_tile) * chunks);
+                        assert_eq!(page, tt / (MMA_TILE / pages_per_tile));
+                        let blk = ids[page] as usize;
+                        let src = kv_head * sh + blk * sb + (t as usize % bs) * stok + ch * 16;
+                        let dst = tt * row_bytes + (ch ^ geo.swizzle(tt)) * 16;
+                        smem[dst..dst + 16].copy_from_slice(&region[src..src + 16]);
+                        smem[tile_bytes + dst..tile_bytes + dst + 16]
+                            .copy_from_slice(&region[src + skv..src + skv + 16]);
+                    }
+                }
+                let word = |off: usize| {
+                    u32::from_le_bytes([smem[off], smem[off + 1], smem[off + 2], smem[off + 3]])
+                };
+                // S = Q K^T.
+                let mut sc = [[[0.0f32; 4]; 32]; 2];
+                for (nt, snt) in sc.iter_mut().enumerate() {
+                    for ks in 0..geo.ksteps() {
+                        let mut b = [[0u32; 2]; 32];
+                        for (lane, bl) in b.iter_mut().enumerate() {
+                            let (g, j) = (lane / 4, lane % 4);
+                            let tt = 8 * nt + g;
+                            // Lane-local word w of the row: chunk j + 4 (w / 4).
+                            let kw = |w: usize| {
+                                let c = j + 4 * (w / 4);
+                                word(tt * row_bytes + (c ^ geo.swizzle(tt)) * 16 + 4 * (w % 4))
+                            };
+                            if fp8 {
+                                let w = kw(ks);
+                                *bl = [fp8x2_to_f16x2(w & 0xffff), fp8x2_to_f16x2(w >> 16)];
+                            } else {
+                                *bl = [kw(2 * ks), kw(2 * ks + 1)];
+                            }
+                        }
+                        mma_16816(&geo, snt, &qa[ks], &b);
+                    }
+                }
+                // Mask, ALiBi, per-tile softmax, P fragments.
+                let mut pa = [[0u32; 4]; 32];
+                let mut corr = [[1.0f32; 2]; 32];
+                let mut tmax = [[f32::NEG_INFINITY; 2]; 32];
+                for lane in 0..32 {
+                    let j = lane % 4;
+                    for nt in 0..2 {
+                        for e in 0..4 {
+                            let t = tbase + (8 * nt + 2 * j + (e & 1)) as u32;
+                            let x = sc[nt][lane][e]
+                                + slope(lane, e >> 1) * (t as f32 - (ctx as f32 - 1.0));
+                            let x = if t >= begin && t < end {
+                                x
+                            } else {
+                                f32::NEG_INFINITY
+                            };
+                            sc[nt][lane][e] = x;
+                            tmax[lane][e >> 1] = tmax[lane][e >> 1].max(x);
+                        }
+                    }
+                }
+                let halves = if two_halves { 2 } else { 1 };
+                for half in 0..halves {
+                    // shfl_xor 1 then 2: the quad's max.
+                    let t1: Vec<f32> = (0..32)
+                        .map(|ln| tmax[ln][half].max(tmax[ln ^ 1][half]))
+                        .collect();
+                    let t2: Vec<f32> = (0..32).map(|ln| t1[ln].max(t1[ln ^ 2])).collect();
+                    for lane in 0..32 {
+                        let m_old = ws.m[lane][half];
+                        let m_new = m_old.max(t2[lane]);
+                        let m_use = if m_new == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            m_new
+                        };
+                        corr[lane][half] = (m_old - m_use).exp2();
+                        ws.m[lane][half] = m_new;
+                        for snt in sc.iter_mut() {
+                            for e in 0..2 {
+                                let v = &mut snt[lane][2 * half + e];
+                                *v = (*v - m_use).exp2();
+                            }
+                        }
+                        let p = |nt: usize, e: usize| sc[nt][lane][2 * half + e];
+                        ws.l[lane][half] = ws.l[lane][half] * corr[lane][half]
+                            + ((p(0, 0) + p(0, 1)) + (p(1, 0) + p(1, 1)));
+                    }
+                }
+                for lane in 0..32 {
+                    if !two_halves {
+                        for snt in sc.iter_mut() {
+                            snt[lane][2] = 0.0;
+                            snt[lane][3] = 0.0;
+                        }
+                    }
+                    let pk = |nt: usize, e: usize| geo.pack(sc[nt][lane][e], sc[nt][lane][e + 1]);
+                    pa[lane] = [
+                        pk(0, 0),
+                        if two_halves { pk(0, 2) } else { 0 },
+                        pk(1, 0),
+                        if two_halves { pk(1, 2) } else { 0 },
+                    ];
+                }
+                // V: eighth g of the rows of tokens 2j, 2j+1, 2j+8, 2j+9.
+                let eighth = geo.eighth_bytes();
+                let vw = |lane: usize, r: usize, w: usize| {
+                    let (g, j) = (lane / 4, lane % 4);
+                    let tt = 2 * j + (r & 1) + 8 * (r >> 1);
+                    let byte = g * eighth + 4 * w;
+                    word(
+                        tile_bytes
+                            + tt * row_bytes
+                            + ((byte / 16) ^ geo.swizzle(tt)) * 16
+                            + byte % 16,
+                    )
+                };
+                for u in 0..geo.ntiles_o() {
+                    let mut b = [[0u32; 2]; 32];
+                    for (lane, bl) in b.iter_mut().enumerate() {
+                        for (kh, slot) in bl.iter_mut().enumerate() {
+                            let a = vw(lane, 2 * kh, u * es / 4);
+                            let c = vw(lane, 2 * kh + 1, u * es / 4);
+                            *slot = if fp8 {
+                                let byte = (u % 4) as u32;
+                                fp8x2_to_f16x2(byte_perm(a, c, byte | ((byte + 4) << 4)))
+                            } else {
+                                byte_perm(a, c, if u % 2 == 0 { 0x5410 } else { 0x7632 })
+                            };
+                        }
+                    }
+                    let o = &mut ws.o[u];
+                    for lane in 0..32 {
+                        o[lane][0] *= corr[lane][0];
+                        o[lane][1] *= corr[lane][0];
+                        if two_halves {
+                            o[lane][2] *= corr[lane][1];
+                            o[lane][3] *= corr[lane][1];
+                        }
+                    }
+                    mma_16816(&geo, o, &pa, &b);
+                }
+                tile += MMA_WARPS;
+            }
+            // The quad's partial sums: shfl_xor 1, then 2.
+            for half in 0..2 {
+                let l1: Vec<f32> = (0..32)
+                    .map(|ln| ws.l[ln][half] + ws.l[ln ^ 1][half])
+                    .collect();
+                for ln in 0..32 {
+                    ws.l[ln][half] = l1[ln] + l1[ln ^ 2];
+                }
+            }
+        }
+        // Warp merge, in warp order, from the shared-memory rows.
+        for r in 0..group {
+            let lane_of = |r: usize| (r % 8) * 4; // j = 0 writes m and l
+            let half = r / 8;
+            let ms: Vec<f32> = warps.iter().map(|w| w.m[lane_of(r)][half]).collect();
+            let ls: Vec<f32> = warps.iter().map(|w| w.l[lane_of(r)][half]).collect();
+            let mt = ms.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let row = r;
+            for dim in 0..d {
+                // dim = (2j + (e & 1)) * ntiles + u
+                let (n, u) = (dim / geo.ntiles_o(), dim % geo.ntiles_o());
+                debug_assert_eq!(geo.o_dim(u, n), dim);
+                let lane = (r % 8) * 4 + n / 2;
+                let e = 2 * half + (n & 1);
+                let (mut lsum, mut acc) = (0.0f32, 0.0f32);
+                if mt != f32::NEG_INFINITY {
+                    for (w, ws) in warps.iter().enumerate() {
+                        if ms[w] != f32::NEG_INFINITY {
+                            let f = (ms[w] - mt).exp2();
+                            lsum += ls[w] * f;
+                            acc += ws.o[u][lane][e] * f;
+                        }
+                    }
+                }
+                part.out[row * d + dim] = if lsum > 0.0 {
+                    acc / lsum * v_scale
+                } else {
+                    0.0
+                };
+                if dim == 0 {
+                    part.lse[row] = if lsum > 0.0 {
+                        (mt + lsum.log2()) * std::f32::consts::LN_2
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                }
+            }
+        }
+        parts.push(part);
+    }
+    Ok(parts)
+}
+
 /// Replays `paged_attention_decode`'s tensor-core path on the CPU for every sequence,
 /// KV head and split of `plan`, then merges the splits as `paged_attention_merge`
 /// does. Returns `out` and `lse` (natural log) like the kernel.
@@ -230,16 +562,7 @@ pub fn replay_decode_mma(
     params: &AttentionParams,
     plan: SplitPlan,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
-    let layout = *storage.layout();
-    let batch = check_paged(&layout, storage.num_blocks(), layer, tables, params, None)?;
-    check_decode_q(&layout, batch, q.len())?;
-    let s = layout.shape();
-    let (d, group, bs, dtype) = (s.head_dim, s.group_size(), layout.block_size(), s.kv_dtype);
-    if !uses_mma(dtype, group, d, bs) {
-        return Err(Error::Unsupported(format!(
-            "the tensor-core decode path does not take {dtype} GQA {group} head_dim {d} block {bs}"
-        )));
-    }
+    let bs = storage.layout().block_size();
     if plan.num_splits == 0
         || plan.num_splits > super::MAX_SPLITS
         || plan.tokens_per_split as usize % bs != 0
@@ -259,29 +582,11 @@ pub fn replay_decode_mma(
             format!("{plan:?} does not cover a context of {max_context}"),
         ));
     }
-    let geo = Geometry {
-        dtype,
-        head_dim: d,
-        es: dtype.size_bytes(),
-    };
-    let fp8 = dtype == DType::Fp8E4M3;
-    let scale_log2 =
-        params.scale * if fp8 { params.k_scale } else { 1.0 } * std::f32::consts::LOG2_E;
-    let v_scale = if fp8 { params.v_scale } else { 1.0 };
+    let s = storage.layout().shape();
+    let (d, group, qh) = (s.head_dim, s.group_size(), s.num_q_heads);
     let window = params.sliding_window.unwrap_or(0) as u32;
-    let region = storage.region(layer);
-    let st = layout.strides();
-    let es = geo.es;
-    let (sb, skv, sh, stok) = (st.block * es, st.kv * es, st.head * es, st.token * es);
-    let qh = s.num_q_heads;
-    let splits = plan.num_splits as usize;
-    let mut part_out = vec![0.0f32; batch * qh * splits * d];
-    let mut part_lse = vec![f32::NEG_INFINITY; batch * qh * splits];
-    let (row_bytes, chunks) = (geo.row_bytes(), geo.row_chunks());
-    let tile_bytes = MMA_TILE * row_bytes;
-    for seq in 0..batch {
-        let table = tables.row(seq);
-        let ctx = tables.context_lens[seq];
+    let mut ctas = Vec::new();
+    for (seq, &ctx) in tables.context_lens.iter().enumerate() {
         for kv_head in 0..s.num_kv_heads {
             for split in 0..plan.num_splits {
                 let mut begin = split * plan.tokens_per_split;
@@ -289,279 +594,26 @@ pub fn replay_decode_mma(
                 if window != 0 && ctx > window && begin < ctx - window {
                     begin = ctx - window;
                 }
-                let tile0 = begin / MMA_TILE as u32 * MMA_TILE as u32;
-                let num_tiles = if begin < end {
-                    (end - tile0).div_ceil(MMA_TILE as u32) as usize
-                } else {
-                    0
-                };
-                // q as A fragments, per lane.
-                let qrow0 = seq * qh + kv_head * group;
-                let qa: Vec<[[u32; 4]; 32]> = (0..geo.ksteps())
-                    .map(|ks| {
-                        let mut regs = [[0u32; 4]; 32];
-                        for (lane, r) in regs.iter_mut().enumerate() {
-                            let (g, j) = (lane / 4, lane % 4);
-                            for half in 0..2 {
-                                let row = g + 8 * half;
-                                let v = |e: usize| {
-                                    let dim = geo.k_dim(j, 4 * ks + e);
-                                    if row < group {
-                                        q[(qrow0 + row) * d + dim] * scale_log2
-                                    } else {
-                                        0.0
-                                    }
-                                };
-                                r[half] = geo.pack(v(0), v(1));
-                                r[2 + half] = geo.pack(v(2), v(3));
-                            }
-                        }
-                        regs
-                    })
-                    .collect();
-                let slope = |lane: usize, half: usize| -> f32 {
-                    let row = lane / 4 + 8 * half;
-                    if row < group {
-                        params.slope(kv_head * group + row) * std::f32::consts::LOG2_E
-                    } else {
-                        0.0
-                    }
-                };
-                let two_halves = group > 8;
-                let mut warps: Vec<WarpState> = (0..MMA_WARPS)
-                    .map(|_| WarpState {
-                        o: vec![[[0.0; 4]; 32]; geo.ntiles_o()],
-                        m: [[f32::NEG_INFINITY; 2]; 32],
-                        l: [[0.0; 2]; 32],
-                    })
-                    .collect();
-                let pages_per_tile = if bs >= MMA_TILE { 1 } else { MMA_TILE / bs };
-                for (warp, ws) in warps.iter_mut().enumerate() {
-                    let mut tile = warp;
-                    while tile < num_tiles {
-                        // The stage as the lanes' cp.async leave it.
-                        let mut smem = vec![0u8; 2 * tile_bytes];
-                        let tbase = tile0 + (tile * MMA_TILE) as u32;
-                        let ids: Vec<u32> = (0..pages_per_tile)
-                            .map(|p| {
-                                let t = tbase + (p * (MMA_TILE / pages_per_tile)) as u32;
-                                if t < end {
-                                    table[t as usize / bs]
-                                } else {
-                                    0
-                                }
-                            })
-                            .collect();
-                        for lane in 0..32 {
-                            for c in 0..MMA_TILE * chunks / 32 {
-                                let x = lane + 32 * c;
-                                let (tt, ch) = (x / chunks, x % chunks);
-                                let t = tbase + tt as u32;
-                                if t < begin || t >= end {
-                                    continue; // zero-filled
-                                }
-                                // The kernel's compile-time page of copy c.
-                                let page = (32 * c) / ((MMA_TILE / pages_per_tile) * chunks);
-                                assert_eq!(page, tt / (MMA_TILE / pages_per_tile));
-                                let blk = ids[page] as usize;
-                                let src =
-                                    kv_head * sh + blk * sb + (t as usize % bs) * stok + ch * 16;
-                                let dst = tt * row_bytes + (ch ^ geo.swizzle(tt)) * 16;
-                                smem[dst..dst + 16].copy_from_slice(&region[src..src + 16]);
-                                smem[tile_bytes + dst..tile_bytes + dst + 16]
-                                    .copy_from_slice(&region[src + skv..src + skv + 16]);
-                            }
-                        }
-                        let word = |off: usize| {
-                            u32::from_le_bytes([
-                                smem[off],
-                                smem[off + 1],
-                                smem[off + 2],
-                                smem[off + 3],
-                            ])
-                        };
-                        // S = Q K^T.
-                        let mut sc = [[[0.0f32; 4]; 32]; 2];
-                        for (nt, snt) in sc.iter_mut().enumerate() {
-                            for ks in 0..geo.ksteps() {
-                                let mut b = [[0u32; 2]; 32];
-                                for (lane, bl) in b.iter_mut().enumerate() {
-                                    let (g, j) = (lane / 4, lane % 4);
-                                    let tt = 8 * nt + g;
-                                    // Lane-local word w of the row: chunk j + 4 (w / 4).
-                                    let kw = |w: usize| {
-                                        let c = j + 4 * (w / 4);
-                                        word(
-                                            tt * row_bytes
-                                                + (c ^ geo.swizzle(tt)) * 16
-                                                + 4 * (w % 4),
-                                        )
-                                    };
-                                    if fp8 {
-                                        let w = kw(ks);
-                                        *bl = [fp8x2_to_f16x2(w & 0xffff), fp8x2_to_f16x2(w >> 16)];
-                                    } else {
-                                        *bl = [kw(2 * ks), kw(2 * ks + 1)];
-                                    }
-                                }
-                                mma_16816(&geo, snt, &qa[ks], &b);
-                            }
-                        }
-                        // Mask, ALiBi, per-tile softmax, P fragments.
-                        let mut pa = [[0u32; 4]; 32];
-                        let mut corr = [[1.0f32; 2]; 32];
-                        let mut tmax = [[f32::NEG_INFINITY; 2]; 32];
-                        for lane in 0..32 {
-                            let j = lane % 4;
-                            for nt in 0..2 {
-                                for e in 0..4 {
-                                    let t = tbase + (8 * nt + 2 * j + (e & 1)) as u32;
-                                    let x = sc[nt][lane][e]
-                                        + slope(lane, e >> 1) * (t as f32 - (ctx as f32 - 1.0));
-                                    let x = if t >= begin && t < end {
-                                        x
-                                    } else {
-                                        f32::NEG_INFINITY
-                                    };
-                                    sc[nt][lane][e] = x;
-                                    tmax[lane][e >> 1] = tmax[lane][e >> 1].max(x);
-                                }
-                            }
-                        }
-                        let halves = if two_halves { 2 } else { 1 };
-                        for half in 0..halves {
-                            // shfl_xor 1 then 2: the quad's max.
-                            let t1: Vec<f32> = (0..32)
-                                .map(|ln| tmax[ln][half].max(tmax[ln ^ 1][half]))
-                                .collect();
-                            let t2: Vec<f32> = (0..32).map(|ln| t1[ln].max(t1[ln ^ 2])).collect();
-                            for lane in 0..32 {
-                                let m_old = ws.m[lane][half];
-                                let m_new = m_old.max(t2[lane]);
-                                let m_use = if m_new == f32::NEG_INFINITY {
-                                    0.0
-                                } else {
-                                    m_new
-                                };
-                                corr[lane][half] = (m_old - m_use).exp2();
-                                ws.m[lane][half] = m_new;
-                                for snt in sc.iter_mut() {
-                                    for e in 0..2 {
-                                        let v = &mut snt[lane][2 * half + e];
-                                        *v = (*v - m_use).exp2();
-                                    }
-                                }
-                                let p = |nt: usize, e: usize| sc[nt][lane][2 * half + e];
-                                ws.l[lane][half] = ws.l[lane][half] * corr[lane][half]
-                                    + ((p(0, 0) + p(0, 1)) + (p(1, 0) + p(1, 1)));
-                            }
-                        }
-                        for lane in 0..32 {
-                            if !two_halves {
-                                for snt in sc.iter_mut() {
-                                    snt[lane][2] = 0.0;
-                                    snt[lane][3] = 0.0;
-                                }
-                            }
-                            let pk = |nt: usize, e: usize| {
-                                geo.pack(sc[nt][lane][e], sc[nt][lane][e + 1])
-                            };
-                            pa[lane] = [
-                                pk(0, 0),
-                                if two_halves { pk(0, 2) } else { 0 },
-                                pk(1, 0),
-                                if two_halves { pk(1, 2) } else { 0 },
-                            ];
-                        }
-                        // V: eighth g of the rows of tokens 2j, 2j+1, 2j+8, 2j+9.
-                        let eighth = geo.eighth_bytes();
-                        let vw = |lane: usize, r: usize, w: usize| {
-                            let (g, j) = (lane / 4, lane % 4);
-                            let tt = 2 * j + (r & 1) + 8 * (r >> 1);
-                            let byte = g * eighth + 4 * w;
-                            word(
-                                tile_bytes
-                                    + tt * row_bytes
-                                    + ((byte / 16) ^ geo.swizzle(tt)) * 16
-                                    + byte % 16,
-                            )
-                        };
-                        for u in 0..geo.ntiles_o() {
-                            let mut b = [[0u32; 2]; 32];
-                            for (lane, bl) in b.iter_mut().enumerate() {
-                                for (kh, slot) in bl.iter_mut().enumerate() {
-                                    let a = vw(lane, 2 * kh, u * es / 4);
-                                    let c = vw(lane, 2 * kh + 1, u * es / 4);
-                                    *slot = if fp8 {
-                                        let byte = (u % 4) as u32;
-                                        fp8x2_to_f16x2(byte_perm(a, c, byte | ((byte + 4) << 4)))
-                                    } else {
-                                        byte_perm(a, c, if u % 2 == 0 { 0x5410 } else { 0x7632 })
-                                    };
-                                }
-                            }
-                            let o = &mut ws.o[u];
-                            for lane in 0..32 {
-                                o[lane][0] *= corr[lane][0];
-                                o[lane][1] *= corr[lane][0];
-                                if two_halves {
-                                    o[lane][2] *= corr[lane][1];
-                                    o[lane][3] *= corr[lane][1];
-                                }
-                            }
-                            mma_16816(&geo, o, &pa, &b);
-                        }
-                        tile += MMA_WARPS;
-                    }
-                    // The quad's partial sums: shfl_xor 1, then 2.
-                    for half in 0..2 {
-                        let l1: Vec<f32> = (0..32)
-                            .map(|ln| ws.l[ln][half] + ws.l[ln ^ 1][half])
-                            .collect();
-                        for ln in 0..32 {
-                            ws.l[ln][half] = l1[ln] + l1[ln ^ 2];
-                        }
-                    }
-                }
-                // Warp merge, in warp order, from the shared-memory rows.
-                for r in 0..group {
-                    let lane_of = |r: usize| (r % 8) * 4; // j = 0 writes m and l
-                    let half = r / 8;
-                    let ms: Vec<f32> = warps.iter().map(|w| w.m[lane_of(r)][half]).collect();
-                    let ls: Vec<f32> = warps.iter().map(|w| w.l[lane_of(r)][half]).collect();
-                    let mt = ms.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let row = (seq * qh + kv_head * group + r) * splits + split as usize;
-                    for dim in 0..d {
-                        // dim = (2j + (e & 1)) * ntiles + u
-                        let (n, u) = (dim / geo.ntiles_o(), dim % geo.ntiles_o());
-                        debug_assert_eq!(geo.o_dim(u, n), dim);
-                        let lane = (r % 8) * 4 + n / 2;
-                        let e = 2 * half + (n & 1);
-                        let (mut lsum, mut acc) = (0.0f32, 0.0f32);
-                        if mt != f32::NEG_INFINITY {
-                            for (w, ws) in warps.iter().enumerate() {
-                                if ms[w] != f32::NEG_INFINITY {
-                                    let f = (ms[w] - mt).exp2();
-                                    lsum += ls[w] * f;
-                                    acc += ws.o[u][lane][e] * f;
-                                }
-                            }
-                        }
-                        part_out[row * d + dim] = if lsum > 0.0 {
-                            acc / lsum * v_scale
-                        } else {
-                            0.0
-                        };
-                        if dim == 0 {
-                            part_lse[row] = if lsum > 0.0 {
-                                (mt + lsum.log2()) * std::f32::consts::LN_2
-                            } else {
-                                f32::NEG_INFINITY
-                            };
-                        }
-                    }
-                }
+                ctas.push(Cta {
+                    seq,
+                    kv_head,
+                    begin,
+                    end,
+                });
             }
+        }
+    }
+    let parts = replay_ctas(storage, layer, q, tables, params, &ctas)?;
+    let batch = tables.batch;
+    let splits = plan.num_splits as usize;
+    let mut part_out = vec![0.0f32; batch * qh * splits * d];
+    let mut part_lse = vec![f32::NEG_INFINITY; batch * qh * splits];
+    for (i, (cta, part)) in ctas.iter().zip(&parts).enumerate() {
+        let split = i % splits;
+        for r in 0..group {
+            let row = (cta.seq * qh + cta.kv_head * group + r) * splits + split;
+            part_out[row * d..(row + 1) * d].copy_from_slice(&part.out[r * d..(r + 1) * d]);
+            part_lse[row] = part.lse[r];
         }
     }
     // paged_attention_merge (identity for one split, as the kernel writes directly).
@@ -571,35 +623,192 @@ pub fn replay_decode_mma(
     let mut out = vec![0.0f32; batch * qh * d];
     let mut lse = vec![f32::NEG_INFINITY; batch * qh];
     for row in 0..batch * qh {
-        let pl = &part_lse[row * splits..(row + 1) * splits];
-        let mx = pl.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut wsum = 0.0f32;
-        if mx != f32::NEG_INFINITY {
-            for &x in pl {
-                if x != f32::NEG_INFINITY {
-                    wsum += (x - mx).exp();
-                }
-            }
-        }
-        for dim in 0..d {
-            let mut acc = 0.0f32;
-            if wsum > 0.0 {
-                for (sp, &x) in pl.iter().enumerate() {
-                    if x != f32::NEG_INFINITY {
-                        acc += (x - mx).exp() * part_out[(row * splits + sp) * d + dim];
-                    }
-                }
-                acc /= wsum;
-            }
-            out[row * d + dim] = acc;
-        }
-        lse[row] = if wsum > 0.0 {
-            mx + wsum.ln()
-        } else {
-            f32::NEG_INFINITY
-        };
+        lse[row] = merge_row(
+            &part_lse[row * splits..(row + 1) * splits],
+            |sp, dim| part_out[(row * splits + sp) * d + dim],
+            &mut out[row * d..(row + 1) * d],
+        );
     }
     Ok((out, lse))
+}
+
+/// The split merge of one query head's row, as `paged_attention_merge` and the fused
+/// merge compute it: the log-sum-exps `pl` of the splits in split order, `part(sp,
+/// dim)` the splits' partial outputs; writes the row and returns its log-sum-exp.
+/// The order of the sums is the split order, whatever order the splits finished in.
+fn merge_row(pl: &[f32], part: impl Fn(usize, usize) -> f32, out: &mut [f32]) -> f32 {
+    let mx = pl.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut wsum = 0.0f32;
+    if mx != f32::NEG_INFINITY {
+        for &x in pl {
+            if x != f32::NEG_INFINITY {
+                wsum += (x - mx).exp();
+            }
+        }
+    }
+    for (dim, o) in out.iter_mut().enumerate() {
+        let mut acc = 0.0f32;
+        if wsum > 0.0 {
+            for (sp, &x) in pl.iter().enumerate() {
+                if x != f32::NEG_INFINITY {
+                    acc += (x - mx).exp() * part(sp, dim);
+                }
+            }
+            acc /= wsum;
+        }
+        *o = acc;
+    }
+    if wsum > 0.0 {
+        mx + wsum.ln()
+    } else {
+        f32::NEG_INFINITY
+    }
+}
+
+/// What [`replay_decode_work_list`] leaves behind: the output and log-sum-exp rows
+/// like the kernel's, and the per-(sequence, KV head) arrival counters after the
+/// launch (all 0 when every merging CTA reset its counter, as the next launch needs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkListReplay {
+    /// `[batch, q_heads, head_dim]`.
+    pub out: Vec<f32>,
+    /// `[batch, q_heads]`, natural log.
+    pub lse: Vec<f32>,
+    /// `[batch, num_kv_heads]` arrival counters after the launch.
+    pub counters: Vec<u32>,
+}
+
+/// Replays a work-list launch of the tensor-core path with its fused merge: CTA `i`
+/// serves KV head `i % num_kv_heads` of item `i / num_kv_heads` (grid x = KV head,
+/// y = item), and the CTAs finish in the order `arrival` gives (a permutation of
+/// `0..items * num_kv_heads`). A sequence of one chunk writes its output directly.
+/// Otherwise each CTA writes its f32 partial at row `item * q_heads + q_head`, then
+/// bumps its (sequence, KV head) counter; the CTA that brings it to the sequence's
+/// chunk count merges the partials of items `first..first + chunks` in chunk order
+/// (`paged_attention_merge`'s sums, so the bits do not depend on which CTA came last)
+/// and resets the counter to 0. Partials not yet written read as NaN here, so a merge
+/// that ran early would show.
+///
+/// # Errors
+/// As [`replay_decode_mma`] for the storage, tables and queries;
+/// [`Error::ShapeMismatch`] for a list whose per-sequence counts do not match the
+/// batch or its items, or an `arrival` of the wrong length;
+/// [`crate::Error::InvalidConfig`] for an item outside its sequence's context or out
+/// of order, or an `arrival` that is not a permutation.
+pub fn replay_decode_work_list(
+    storage: &HostStorage,
+    layer: usize,
+    q: &[f32],
+    tables: &PaddedTables,
+    params: &AttentionParams,
+    list: &WorkList,
+    arrival: &[usize],
+) -> Result<WorkListReplay> {
+    let s = storage.layout().shape();
+    let (d, group, qh, kvh) = (s.head_dim, s.group_size(), s.num_q_heads, s.num_kv_heads);
+    let batch = tables.batch;
+    if list.first.len() != batch || list.chunks.len() != batch {
+        return Err(Error::ShapeMismatch {
+            what: "sequences of the work list",
+            expected: batch,
+            got: list.first.len().min(list.chunks.len()),
+        });
+    }
+    let total: usize = list.chunks.iter().map(|&c| c as usize).sum();
+    if total != list.items.len() {
+        return Err(Error::ShapeMismatch {
+            what: "items of the work list (sum of its chunk counts)",
+            expected: total,
+            got: list.items.len(),
+        });
+    }
+    for (i, w) in list.items.iter().enumerate() {
+        let seq = w.seq as usize;
+        let ok = seq < batch
+            && w.begin <= w.end
+            && w.end <= tables.context_lens[seq]
+            && w.chunk < list.chunks[seq]
+            && list.first[seq] as usize + w.chunk as usize == i;
+        if !ok {
+            return Err(Error::config(
+                "work list",
+                format!("item {i} {w:?} is outside its sequence or out of order"),
+            ));
+        }
+    }
+    let n_ctas = list.items.len() * kvh;
+    if arrival.len() != n_ctas {
+        return Err(Error::ShapeMismatch {
+            what: "CTAs in the arrival order",
+            expected: n_ctas,
+            got: arrival.len(),
+        });
+    }
+    let mut seen = vec![false; n_ctas];
+    for &a in arrival {
+        if a >= n_ctas || std::mem::replace(&mut seen[a], true) {
+            return Err(Error::config(
+                "arrival",
+                format!("{a}: not a permutation of 0..{n_ctas}"),
+            ));
+        }
+    }
+    let ctas: Vec<Cta> = arrival
+        .iter()
+        .map(|&a| {
+            let w = list.items[a / kvh];
+            Cta {
+                seq: w.seq as usize,
+                kv_head: a % kvh,
+                begin: w.begin,
+                end: w.end,
+            }
+        })
+        .collect();
+    let parts = replay_ctas(storage, layer, q, tables, params, &ctas)?;
+    let mut out = vec![0.0f32; batch * qh * d];
+    let mut lse = vec![f32::NEG_INFINITY; batch * qh];
+    let mut part_out = vec![f32::NAN; list.items.len() * qh * d];
+    let mut part_lse = vec![f32::NAN; list.items.len() * qh];
+    let mut counters = vec![0u32; batch * kvh];
+    for (&a, part) in arrival.iter().zip(&parts) {
+        let (item, kv_head) = (a / kvh, a % kvh);
+        let w = list.items[item];
+        let seq = w.seq as usize;
+        let n = list.chunks[seq] as usize;
+        let heads = kv_head * group..(kv_head + 1) * group;
+        if n == 1 {
+            for (r, h) in heads.enumerate() {
+                let row = seq * qh + h;
+                out[row * d..(row + 1) * d].copy_from_slice(&part.out[r * d..(r + 1) * d]);
+                lse[row] = part.lse[r];
+            }
+            continue;
+        }
+        for (r, h) in heads.clone().enumerate() {
+            let row = item * qh + h;
+            part_out[row * d..(row + 1) * d].copy_from_slice(&part.out[r * d..(r + 1) * d]);
+            part_lse[row] = part.lse[r];
+        }
+        // __threadfence; atomicAdd on the (sequence, KV head) counter.
+        let counter = &mut counters[seq * kvh + kv_head];
+        *counter += 1;
+        if *counter as usize != n {
+            continue;
+        }
+        *counter = 0; // the merging CTA resets it for the next launch
+        let first = list.first[seq] as usize;
+        for h in heads {
+            let pl: Vec<f32> = (0..n).map(|c| part_lse[(first + c) * qh + h]).collect();
+            let row = seq * qh + h;
+            lse[row] = merge_row(
+                &pl,
+                |c, dim| part_out[((first + c) * qh + h) * d + dim],
+                &mut out[row * d..(row + 1) * d],
+            );
+        }
+    }
+    Ok(WorkListReplay { out, lse, counters })
 }
 
 /// The queries the tensor-core path effectively attends with: each element times the
@@ -825,6 +1034,135 @@ mod tests {
         check_against_reference(&c.st, 0, &c.q, &c.tables, params, &out, &lse)
     }
 
+    fn work_list_for(c: &Case, params: &AttentionParams, sms: usize) -> WorkList {
+        let bs = c.st.layout().block_size();
+        crate::attention::build_work_list(
+            &c.tables.context_lens,
+            params.sliding_window,
+            2,
+            bs,
+            sms,
+            1,
+            1 << 20,
+        )
+        .unwrap()
+    }
+
+    fn shuffled(n: usize, seed: &mut u64) -> Vec<usize> {
+        let mut v: Vec<usize> = (0..n).collect();
+        for i in (1..n).rev() {
+            let j = ((rng(seed) + 1.0) * 0.5 * (i + 1) as f32) as usize;
+            v.swap(i, j.min(i));
+        }
+        v
+    }
+
+    #[test]
+    fn the_work_list_replay_with_the_fused_merge_matches_the_reference() {
+        // Uneven lengths in one batch; on 4 SMs at 1 CTA each the long sequence is
+        // cut into several chunks, the short ones are not.
+        let ctxs = [1, 17, 4096];
+        for dtype in [DType::BF16, DType::Fp8E4M3] {
+            let c = case(dtype, 8, 128, 16, &ctxs, Data::Random);
+            let mut params = AttentionParams::new(128);
+            for window in [None, Some(1000), Some(5)] {
+                params.sliding_window = window;
+                let list = work_list_for(&c, &params, 4);
+                let want = if window == Some(5) { 1 } else { 2 };
+                assert!(list.chunks[2] >= want, "{:?}", list.chunks);
+                assert_eq!(&list.chunks[..2], &[1, 1]);
+                let arrival: Vec<usize> = (0..list.items.len() * 2).rev().collect();
+                let r =
+                    replay_decode_work_list(&c.st, 0, &c.q, &c.tables, &params, &list, &arrival)
+                        .unwrap();
+                assert!(r.counters.iter().all(|&x| x == 0), "{:?}", r.counters);
+                check_against_reference(&c.st, 0, &c.q, &c.tables, &params, &r.out, &r.lse)
+                    .unwrap_or_else(|e| panic!("{dtype} window {window:?}: {e}"));
+            }
+        }
+    }
+
+    #[test]
+    fn the_fused_merge_gives_the_same_bits_whatever_the_arrival_order() {
+        // Three or more chunks per long sequence: a sum of two terms is the same
+        // in either order, so only n >= 3 can show an order-dependent merge.
+        let c = case(DType::BF16, 8, 64, 16, &[1800, 33, 1, 1100], Data::Random);
+        let mut params = AttentionParams::new(64);
+        params.sliding_window = Some(1500);
+        let list = work_list_for(&c, &params, 1);
+        assert!(
+            list.chunks[0] >= 3 && list.chunks[3] >= 3,
+            "{:?}",
+            list.chunks
+        );
+        let n = list.items.len() * 2;
+        let bits = |arrival: &[usize]| {
+            let r = replay_decode_work_list(&c.st, 0, &c.q, &c.tables, &params, &list, arrival)
+                .unwrap();
+            assert!(r.counters.iter().all(|&x| x == 0));
+            assert!(
+                r.out.iter().all(|x| x.is_finite()),
+                "a merge read an unwritten partial"
+            );
+            let o: Vec<u32> = r.out.iter().map(|x| x.to_bits()).collect();
+            let l: Vec<u32> = r.lse.iter().map(|x| x.to_bits()).collect();
+            (o, l)
+        };
+        let base = bits(&(0..n).collect::<Vec<_>>());
+        check_against_reference(
+            &c.st,
+            0,
+            &c.q,
+            &c.tables,
+            &params,
+            &{
+                base.0
+                    .iter()
+                    .map(|&b| f32::from_bits(b))
+                    .collect::<Vec<_>>()
+            },
+            &base
+                .1
+                .iter()
+                .map(|&b| f32::from_bits(b))
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        assert_eq!(bits(&(0..n).rev().collect::<Vec<_>>()), base);
+        let mut seed = 77u64;
+        for _ in 0..6 {
+            assert_eq!(bits(&shuffled(n, &mut seed)), base);
+        }
+    }
+
+    #[test]
+    fn a_bad_work_list_or_arrival_order_is_refused() {
+        let c = case(DType::BF16, 8, 64, 16, &[300, 20], Data::Random);
+        let params = AttentionParams::new(64);
+        let list = work_list_for(&c, &params, 1);
+        let n = list.items.len() * 2;
+        let ok: Vec<usize> = (0..n).collect();
+        let run = |l: &WorkList, a: &[usize]| {
+            replay_decode_work_list(&c.st, 0, &c.q, &c.tables, &params, l, a)
+        };
+        assert!(run(&list, &ok).is_ok());
+        let mut dup = ok.clone();
+        dup[1] = dup[0];
+        assert!(matches!(run(&list, &dup), Err(Error::InvalidConfig { .. })));
+        assert!(matches!(
+            run(&list, &ok[1..]),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        let mut long = list.clone();
+        long.items[0].end = 400;
+        assert!(matches!(run(&long, &ok), Err(Error::InvalidConfig { .. })));
+        let mut swapped = list.clone();
+        swapped.items.swap(0, 1);
+        assert!(run(&swapped, &ok).is_err());
+        let mut short = list.clone();
+        short.chunks.pop();
+        assert!(matches!(run(&short, &ok), Err(Error::ShapeMismatch { .. })));
+    }
     #[test]
     fn the_path_is_chosen_like_the_kernel() {
         assert!(

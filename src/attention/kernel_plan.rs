@@ -118,10 +118,7 @@ pub fn plan_splits_for_occupancy(
     let max_context = context_lens.iter().copied().max().unwrap_or(0) as usize;
     let resident = resident_ctas(num_sms, ctas_per_sm);
     let heads = num_kv_heads.max(1);
-    let start = |ctx: usize| match sliding_window {
-        Some(w) if w > 0 && ctx > w => ctx - w,
-        _ => 0,
-    };
+    let start = |ctx: usize| live_range(ctx as u32, sliding_window).0 as usize;
     let max_splits = (max_context / MIN_TOKENS_PER_SPLIT).clamp(1, MAX_SPLITS as usize);
     let mut best: Option<(u128, SplitPlan)> = None;
     let mut last_per = 0;
@@ -426,10 +423,274 @@ pub fn split_plan_with(
     })
 }
 
+/// Words of one [`WorkItem`] in the device array the work-list kernel reads.
+pub const WORK_ITEM_WORDS: usize = 4;
+
+/// One CTA's work in a work-list launch (per KV head): tokens `[begin, end)` of
+/// sequence `seq`, its `chunk`-th piece of `chunks`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkItem {
+    /// The sequence (row of the batch).
+    pub seq: u32,
+    /// Index of this chunk among the sequence's chunks, in token order.
+    pub chunk: u32,
+    /// First token, inside the sequence's live range (the window's first token or 0).
+    pub begin: u32,
+    /// One past the last token.
+    pub end: u32,
+}
+
+/// A decode launch's work list: every sequence cut into chunks of its own live range
+/// (the sliding window's tokens, not the batch maximum), one item per (sequence,
+/// chunk), in sequence then chunk order. A sequence's partials live at rows
+/// `first[seq] + chunk`; the last CTA of a (sequence, KV head) to finish merges them
+/// in chunk order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkList {
+    /// The items, sequence by sequence, chunks in token order.
+    pub items: Vec<WorkItem>,
+    /// Index in `items` of each sequence's first chunk.
+    pub first: Vec<u32>,
+    /// Chunks of each sequence (at least 1: an empty context still writes its output).
+    pub chunks: Vec<u32>,
+    /// The chunk length the cut aims at (the occupancy planner's split length).
+    pub target_tokens: u32,
+}
+
+impl WorkList {
+    /// The device encoding the kernel's `read_work` takes: a header
+    /// `[items, 0, 0, 0]`, then [`WORK_ITEM_WORDS`] words per item,
+    /// `[seq, chunk | chunks << 16, begin, end]` (`chunks` being the sequence's chunk
+    /// count, at most [`MAX_SPLITS`]); the sequence's first item is the item's index
+    /// minus `chunk`. A fixed-capacity grid's CTAs past `items` return.
+    pub fn device_words(&self) -> Vec<u32> {
+        let header = [self.items.len() as u32, 0, 0, 0];
+        header
+            .into_iter()
+            .chain(self.items.iter().flat_map(|w| {
+                let n = self.chunks.get(w.seq as usize).copied().unwrap_or(0);
+                [w.seq, w.chunk | n << 16, w.begin, w.end]
+            }))
+            .collect()
+    }
+}
+
+/// The live range of a context of `ctx` tokens: `[ctx - window, ctx)` under a
+/// sliding window shorter than the context, else `[0, ctx)`.
+pub fn live_range(ctx: u32, sliding_window: Option<usize>) -> (u32, u32) {
+    match sliding_window {
+        Some(w) if w > 0 && (ctx as usize) > w => (ctx - w as u32, ctx),
+        _ => (0, ctx),
+    }
+}
+
+/// Builds the work list of a decode launch from each sequence's own length: the chunk
+/// length is the one [`plan_splits_for_occupancy`] picks for the batch (balanced to
+/// the occupancy the driver reports); each sequence's live range ([`live_range`]) is
+/// cut into `ceil(live / target)` chunks of equal length rounded up to whole blocks
+/// (boundaries on block multiples, so no page is read by two CTAs' copies more than
+/// needed), at most [`MAX_SPLITS`] per sequence. A sequence with no live token gets
+/// one empty chunk, so its output row is still written.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] when the list would hold more than `max_items` items (a
+/// fixed-capacity launch's grid) or a context exceeds [`MAX_CONTEXT_TOKENS`].
+#[allow(clippy::too_many_arguments)]
+pub fn build_work_list(
+    context_lens: &[u32],
+    sliding_window: Option<usize>,
+    num_kv_heads: usize,
+    block_size: usize,
+    num_sms: usize,
+    ctas_per_sm: usize,
+    max_items: usize,
+) -> Result<WorkList> {
+    if let Some(&c) = context_lens
+        .iter()
+        .find(|&&c| c as usize > MAX_CONTEXT_TOKENS)
+    {
+        return Err(Error::TooLong {
+            tokens: c as usize,
+            limit: MAX_CONTEXT_TOKENS,
+        });
+    }
+    let bs = block_size.max(1) as u32;
+    let plan = plan_splits_for_occupancy(
+        context_lens,
+        sliding_window,
+        num_kv_heads,
+        block_size,
+        num_sms,
+        ctas_per_sm,
+    );
+    let target = plan.tokens_per_split.max(bs);
+    let mut items = Vec::new();
+    let mut first = Vec::with_capacity(context_lens.len());
+    let mut chunks = Vec::with_capacity(context_lens.len());
+    for (seq, &ctx) in context_lens.iter().enumerate() {
+        let (start, end) = live_range(ctx, sliding_window);
+        // Cut from the block boundary at or before `start`, so every chunk boundary
+        // but the first and last sits on a block edge.
+        let base = start / bs * bs;
+        let span = end - base;
+        let n = span.div_ceil(target).clamp(1, MAX_SPLITS);
+        let size = span.div_ceil(n).max(1).next_multiple_of(bs);
+        let used = span.div_ceil(size).max(1);
+        first.push(items.len() as u32);
+        chunks.push(used);
+        for k in 0..used {
+            items.push(WorkItem {
+                seq: seq as u32,
+                chunk: k,
+                begin: (base + k * size).max(start).min(end),
+                end: (base + (k + 1) * size).min(end),
+            });
+        }
+    }
+    if items.len() > max_items {
+        return Err(Error::config(
+            "work list",
+            format!(
+                "{} (sequence, chunk) items; the launch holds at most {max_items}",
+                items.len()
+            ),
+        ));
+    }
+    Ok(WorkList {
+        items,
+        first,
+        chunks,
+        target_tokens: target,
+    })
+}
 #[cfg(test)]
 mod occupancy_tests {
     use super::*;
 
+    /// The work list's invariants for one batch: each (sequence, chunk) once, in
+    /// order; each sequence's chunks tile its live range with no gap or overlap,
+    /// interior boundaries on block edges; no chunk over the target length.
+    fn check_work_list(wl: &WorkList, lens: &[u32], window: Option<usize>, bs: u32) {
+        assert_eq!(wl.first.len(), lens.len());
+        assert_eq!(wl.chunks.len(), lens.len());
+        let mut seen = std::collections::HashSet::new();
+        for w in &wl.items {
+            assert!(seen.insert((w.seq, w.chunk)), "{w:?} twice");
+        }
+        assert_eq!(
+            wl.items.len() as u32,
+            wl.chunks.iter().sum::<u32>(),
+            "items vs chunk counts"
+        );
+        for (s, &ctx) in lens.iter().enumerate() {
+            let (start, end) = live_range(ctx, window);
+            let (f, n) = (wl.first[s] as usize, wl.chunks[s] as usize);
+            assert!((1..=MAX_SPLITS as usize).contains(&n));
+            let mine = &wl.items[f..f + n];
+            let mut at = start;
+            for (k, w) in mine.iter().enumerate() {
+                assert_eq!((w.seq, w.chunk), (s as u32, k as u32));
+                assert_eq!(w.begin, at, "seq {s} chunk {k}: gap or overlap");
+                assert!(w.end >= w.begin);
+                assert!(w.end - w.begin <= wl.target_tokens, "{w:?} over the target");
+                if k + 1 < n {
+                    assert!(w.end > w.begin, "empty chunk inside seq {s}");
+                    assert_eq!(w.end % bs, 0, "interior boundary off a block edge");
+                }
+                at = w.end;
+            }
+            assert_eq!(at, end, "seq {s}: live range not covered");
+        }
+    }
+
+    #[test]
+    fn the_work_list_tiles_each_sequence_once_from_its_own_length() {
+        // Uneven lengths: the short ones get one chunk each, not the maximum's count.
+        let lens = [1u32, 17, 4096, 0, 300];
+        for window in [None, Some(100), Some(4000), Some(1)] {
+            for bs in [8u32, 16, 32] {
+                let wl = build_work_list(&lens, window, 8, bs as usize, 132, 3, 1 << 20).unwrap();
+                check_work_list(&wl, &lens, window, bs);
+                assert_eq!(wl.chunks[0], 1);
+                assert_eq!(wl.chunks[3], 1, "an empty context still has its item");
+            }
+        }
+        // Alone on the GPU, 4096 tokens are split; 17 tokens never are.
+        let wl = build_work_list(&lens, None, 8, 16, 132, 3, 1 << 20).unwrap();
+        assert!(wl.chunks[2] > 1, "{:?}", wl.chunks);
+        assert_eq!(wl.chunks[1], 1);
+        // A window shorter than the target leaves one chunk for the long sequence.
+        let wl = build_work_list(&lens, Some(100), 8, 16, 132, 3, 1 << 20).unwrap();
+        assert_eq!(wl.chunks[2], 1);
+        assert_eq!(
+            (
+                wl.items[wl.first[2] as usize].begin,
+                wl.items[wl.first[2] as usize].end
+            ),
+            (3996, 4096)
+        );
+        // Random batches.
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |m: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % m
+        };
+        for _ in 0..300 {
+            let batch = 1 + next(40) as usize;
+            let lens: Vec<u32> = (0..batch).map(|_| next(20_000) as u32).collect();
+            let window = [None, Some(1 + next(5000) as usize)][next(2) as usize];
+            let bs = [1u32, 8, 16, 32, 256][next(5) as usize];
+            let sms = 1 + next(140) as usize;
+            let wl = build_work_list(
+                &lens,
+                window,
+                1 + next(8) as usize,
+                bs as usize,
+                sms,
+                1 + next(4) as usize,
+                1 << 20,
+            )
+            .unwrap();
+            check_work_list(&wl, &lens, window, bs);
+        }
+    }
+
+    #[test]
+    fn the_work_list_keeps_the_planners_balance_at_the_bench_shape() {
+        // 64 x 4096 on 132 SMs at 3 CTAs per SM: the occupancy planner's 3 splits
+        // of 1,376 tokens, now per sequence (1376, 1376, 1344).
+        let lens = vec![4096u32; 64];
+        let wl = build_work_list(&lens, None, 8, 16, 132, 3, 1 << 20).unwrap();
+        assert_eq!(wl.target_tokens, 1376);
+        assert_eq!(wl.items.len(), 64 * 3);
+        let sizes: Vec<u32> = wl.items[..3].iter().map(|w| w.end - w.begin).collect();
+        assert_eq!(sizes, [1376, 1376, 1344]);
+        let words = wl.device_words();
+        assert_eq!(words.len(), (64 * 3 + 1) * WORK_ITEM_WORDS);
+        assert_eq!(&words[..4], &[192, 0, 0, 0]);
+        assert_eq!(&words[8..12], &[0, 1 | 3 << 16, 1376, 2752]);
+        // One long sequence among short ones: the short ones cost one item each,
+        // the fixed grid would have given them the long one's split count.
+        let mut lens = vec![100u32; 20];
+        lens.push(32_768);
+        let wl = build_work_list(&lens, None, 8, 16, 132, 3, 1 << 20).unwrap();
+        let plan = plan_splits_for_occupancy(&lens, None, 8, 16, 132, 3);
+        assert_eq!(wl.items.len() as u32, 20 + wl.chunks[20]);
+        assert!(wl.chunks[20] >= plan.num_splits.min(MAX_SPLITS) - 1);
+        assert!(wl.items.len() < lens.len() * plan.num_splits as usize);
+    }
+
+    #[test]
+    fn a_work_list_over_its_capacity_is_refused() {
+        let lens = vec![4096u32; 64];
+        let e = build_work_list(&lens, None, 8, 16, 132, 3, 191).unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig { .. }), "{e:?}");
+        assert!(build_work_list(&lens, None, 8, 16, 132, 3, 192).is_ok());
+        let e = build_work_list(&[u32::MAX], None, 8, 16, 132, 3, 1 << 20).unwrap_err();
+        assert!(matches!(e, Error::TooLong { .. }), "{e:?}");
+    }
     #[test]
     fn resident_ctas_is_sms_times_occupancy() {
         assert_eq!(resident_ctas(132, 3), 396);

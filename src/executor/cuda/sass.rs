@@ -9,9 +9,11 @@
 //!
 //! 1. **Main loop.** [`main_loop`] finds the KV-token loop: among the backward branches
 //!    of the function, the loop bodies (branch target to branch) that hold both a
-//!    global load (`LDG`/`LDGSTS`) and an exponential (`MUFU.EX2`, the softmax), the
-//!    largest. The q-loading loop has loads but no exponential; the epilogue's loops
-//!    have exponentials but no global loads.
+//!    vector global load (`LDG`/`LDGSTS` of 8 or 16 bytes, as K and V are read) and an
+//!    exponential (`MUFU.EX2`, the softmax), the largest. The q-loading loop has loads
+//!    but no exponential; the epilogue's warp merge has exponentials but no global
+//!    loads; the work list's fused split merge has both, but its loads are 4-byte f32
+//!    partials.
 //! 2. **Per iteration.** [`LoopProfile`] counts the body's instructions by
 //!    [`InstrClass`] (once each: code that a branch may skip counts as issued, so the
 //!    count is an upper bound), and the KV bytes one warp loads per iteration: 32 lanes
@@ -311,13 +313,15 @@ pub fn loops(instrs: &[SassInstr]) -> Vec<LoopBody> {
         .collect()
 }
 
-/// The KV-token loop of a decode kernel: the largest loop whose body holds a global
-/// load and a `MUFU.EX2` (see the module docs).
+/// The KV-token loop of a decode kernel: the largest loop whose body holds a vector
+/// global load (8 or 16 bytes) and a `MUFU.EX2` (see the module docs).
 pub fn main_loop(instrs: &[SassInstr]) -> Option<LoopBody> {
     loops(instrs)
         .into_iter()
         .filter(|l| {
-            l.instrs.iter().any(|i| i.global_load_bytes().is_some())
+            l.instrs
+                .iter()
+                .any(|i| i.global_load_bytes().is_some_and(|b| b >= 8))
                 && l.instrs.iter().any(|i| i.opcode.starts_with("MUFU.EX2"))
         })
         .max_by_key(|l| l.instrs.len())
