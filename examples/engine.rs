@@ -8,9 +8,9 @@
 //! 2. running sequences are scheduled under the token budget: decodes first (the
 //!    pending token, `k` drafts, `k` lookahead slots for the next drafts), then prefill
 //!    chunks;
-//! 3. the step's whole need (`blocks_needed`) is compared with what is available; when
-//!    short, `preempt_for(need)` swaps or drops groups *before* any slot of the step is
-//!    handed out;
+//! 3. the step's whole need (`blocks_needed_batch`, in reservation order) is compared
+//!    with what is available; when short, `preempt_for(need)` swaps or drops groups
+//!    *before* any slot of the step is handed out;
 //! 4. `reserve` for each scheduled sequence, then waiting requests are admitted with
 //!    the budget left (`lookup_prefix` -> `can_admit_hit` -> `admit_prompt` -> `reserve`
 //!    of a first chunk);
@@ -280,6 +280,8 @@ struct StepBuffers {
     slot_mapping: Vec<Slot>,
     /// One `reserve` call's slots.
     slots: Vec<Slot>,
+    /// The plan as `blocks_needed_batch` reads it: `(seq, n, lookahead)` per entry.
+    need: Vec<(SeqId, usize, usize)>,
     drafts: Vec<u32>,
     tables: PaddedTables,
     hidden_in: Vec<f32>,
@@ -300,6 +302,7 @@ impl StepBuffers {
             input_ids: Vec::with_capacity(TOKEN_BUDGET),
             slot_mapping: Vec::with_capacity(TOKEN_BUDGET),
             slots: Vec::with_capacity(TOKEN_BUDGET + MAX_SPEC_K),
+            need: Vec::with_capacity(MAX_BATCH),
             drafts: Vec::with_capacity(TOKEN_BUDGET),
             tables: PaddedTables {
                 tables: Vec::with_capacity(MAX_BATCH * max_blocks_per_seq),
@@ -631,11 +634,14 @@ impl<'a> Engine<'a> {
         }
         loop {
             // The whole need of the step, as the manager counts it (new blocks, copies
-            // of shared blocks written into, lookahead), not the shortfall.
-            let mut need = 0;
-            for e in &self.buf.plan {
-                need += self.kv.blocks_needed(e.seq, e.n, e.lookahead)?;
-            }
+            // of shared blocks written into, lookahead), not the shortfall. One batch
+            // count, not a sum of `blocks_needed`: fork siblings sharing a last block
+            // take one copy fewer than their number (the last writes in place).
+            let b = &mut self.buf;
+            b.need.clear();
+            b.need
+                .extend(b.plan.iter().map(|e| (e.seq, e.n, e.lookahead)));
+            let need = self.kv.blocks_needed_batch(&b.need)?;
             if need <= self.kv.num_available_blocks() {
                 return Ok(());
             }

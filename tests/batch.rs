@@ -5,6 +5,12 @@
 //! decode step is a batch call by handle, on the other one `append` (or
 //! `append_tokens`) per sequence. Slots, copies, tables, counters and prefix-cache
 //! counters must agree after every step, and both must pass `check_invariants`.
+//!
+//! `blocks_needed_batch` against the per-sequence `blocks_needed`: over random fork
+//! trees (siblings sharing partly filled last blocks, some diverged by earlier steps),
+//! its count equals the sum of `blocks_needed` read just before each reservation and
+//! the drop in available blocks, and a batch that fits by the count is reserved
+//! without an error.
 
 use pagedkv::{
     AdmitOptions, CopyPlan, DType, Error, KvCacheManager, KvLayout, ModelShape, SeqHandle, SeqId,
@@ -284,4 +290,105 @@ fn refused_batches_change_nothing() {
     );
     assert_ne!(kv.handle(SeqId(4)).unwrap(), h1);
     kv.check_invariants().unwrap();
+}
+
+#[derive(Debug, Clone)]
+enum Build {
+    /// Fork sequence `pick` (mod the live count) into a new one.
+    Fork { pick: usize },
+    /// Reserve and commit `n` tokens on sequence `pick`: siblings diverge.
+    Step { pick: usize, n: usize },
+}
+
+fn build_op() -> impl Strategy<Value = Build> {
+    prop_oneof![
+        3 => any::<usize>().prop_map(|pick| Build::Fork { pick }),
+        1 => (any::<usize>(), 1..6usize).prop_map(|(pick, n)| Build::Step { pick, n }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn batch_count_is_what_reserving_takes(
+        num_blocks in 16..64usize,
+        prompt in 1..13usize,
+        tree in prop::collection::vec(build_op(), 0..12),
+        // (which sequence, n, lookahead); order kept, duplicates dropped.
+        batch in prop::collection::vec((any::<usize>(), 0..6usize, 0..4usize), 1..10),
+    ) {
+        let mut kv = manager(num_blocks);
+        let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
+        kv.admit(SeqId(0), prompt, &mut slots).unwrap();
+        let mut live = vec![SeqId(0)];
+        for op in tree {
+            match op {
+                Build::Fork { pick } => {
+                    let child = SeqId(live.len() as u64);
+                    kv.fork(live[pick % live.len()], child).unwrap();
+                    live.push(child);
+                }
+                Build::Step { pick, n } => {
+                    // Out of blocks is fine: the tree is just smaller.
+                    let _ = kv.append(live[pick % live.len()], n, &mut slots, &mut copies);
+                }
+            }
+        }
+        let mut entries: Vec<(SeqId, usize, usize)> = Vec::new();
+        for (pick, n, lookahead) in batch {
+            let seq = live[pick % live.len()];
+            if entries.iter().all(|e| e.0 != seq) {
+                entries.push((seq, n, lookahead));
+            }
+        }
+        let count = kv.blocks_needed_batch(&entries).unwrap();
+        let before = kv.num_available_blocks();
+        if count > before {
+            return Ok(());
+        }
+        // One at a time, as an engine would: each reservation's own need, read just
+        // before it, sums to the batch's count.
+        let mut stepwise = 0;
+        for &(seq, n, lookahead) in &entries {
+            stepwise += kv.blocks_needed(seq, n, lookahead).unwrap();
+            kv.reserve(seq, n, lookahead, &mut slots, &mut copies).unwrap();
+        }
+        prop_assert_eq!(stepwise, count);
+        // No block is registered here, so every block taken leaves the pool.
+        prop_assert_eq!(before - kv.num_available_blocks(), count);
+    }
+}
+
+#[test]
+fn siblings_sharing_a_last_block_take_one_copy_fewer() {
+    let mut kv = manager(32);
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
+    kv.admit(SeqId(0), 6, &mut slots).unwrap();
+    for child in 1..4 {
+        kv.fork(SeqId(0), SeqId(child)).unwrap();
+    }
+    let batch: Vec<_> = (0..4).map(|s| (SeqId(s), 1, 0)).collect();
+    let summed: usize = batch
+        .iter()
+        .map(|&(s, n, l)| kv.blocks_needed(s, n, l).unwrap())
+        .sum();
+    assert_eq!(summed, 4);
+    assert_eq!(kv.blocks_needed_batch(&batch).unwrap(), 3);
+    let before = kv.num_available_blocks();
+    for &(s, n, l) in &batch {
+        kv.reserve(s, n, l, &mut slots, &mut copies).unwrap();
+    }
+    assert_eq!(before - kv.num_available_blocks(), 3);
+}
+
+#[test]
+fn a_sequence_listed_twice_is_refused() {
+    let mut kv = manager(8);
+    let mut slots = Vec::new();
+    kv.admit(SeqId(0), 3, &mut slots).unwrap();
+    let err = kv
+        .blocks_needed_batch(&[(SeqId(0), 1, 0), (SeqId(0), 1, 0)])
+        .unwrap_err();
+    assert!(matches!(err, Error::DuplicateInBatch(SeqId(0))), "{err}");
 }

@@ -621,6 +621,63 @@ impl KvCacheManager {
         Ok(self.reserve_cost(s, target).0)
     }
 
+    /// Blocks the reservations of `batch`, each `(seq, n, lookahead)`, take from the
+    /// pool when made in that order by [`Self::reserve`] (the need of a step, for
+    /// [`Self::num_available_blocks`] or [`Self::preempt_for`]). Unlike a sum of
+    /// [`Self::blocks_needed`], it follows copy-on-write through the batch: fork
+    /// siblings that share a last block each copy it until one holder is left, and
+    /// that last one writes in place (unless the block is registered in the prefix
+    /// cache), so `k` siblings take `k - 1` copies, not `k`. When the count fits the
+    /// available blocks, every reservation of the batch, in order, fits too.
+    ///
+    /// ```
+    /// use pagedkv::{CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::F16 };
+    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
+    /// kv.admit(SeqId(1), 10, &mut slots)?;
+    /// kv.fork(SeqId(1), SeqId(2))?; // both share the partly filled block
+    /// assert_eq!(kv.blocks_needed(SeqId(1), 1, 0)? + kv.blocks_needed(SeqId(2), 1, 0)?, 2);
+    /// let batch = [(SeqId(1), 1, 0), (SeqId(2), 1, 0)];
+    /// assert_eq!(kv.blocks_needed_batch(&batch)?, 1); // one copy; the last writes in place
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// What [`Self::blocks_needed`] returns for any entry;
+    /// [`Error::DuplicateInBatch`] when a sequence is listed twice (its second
+    /// reservation would be refused).
+    pub fn blocks_needed_batch(&self, batch: &[(SeqId, usize, usize)]) -> Result<usize> {
+        // References the batch's earlier copies let go of, by block.
+        let mut let_go: HashMap<BlockId, u32> = HashMap::new();
+        let mut seen = std::collections::HashSet::with_capacity(batch.len());
+        let mut total = 0usize;
+        for &(seq, n, lookahead) in batch {
+            if !seen.insert(seq) {
+                return Err(Error::DuplicateInBatch(seq));
+            }
+            let s = self.resident(seq)?;
+            let target = self.reserve_target(s, n, lookahead)?;
+            let (new_blocks, written) = self.reserve_span(s, target);
+            total += new_blocks;
+            for &b in written {
+                let holders = self
+                    .pool
+                    .refcount(b)
+                    .unwrap_or(0)
+                    .saturating_sub(let_go.get(&b).copied().unwrap_or(0));
+                if holders > 1 || self.prefix.is_registered(b) {
+                    // Replaced by a fresh block; this holder lets go of the old one.
+                    total += 1;
+                    *let_go.entry(b).or_insert(0) += 1;
+                }
+            }
+        }
+        Ok(total)
+    }
+
     /// Tokens of `seq` whose K/V is written (committed).
     ///
     /// # Errors
@@ -663,18 +720,20 @@ impl KvCacheManager {
     /// Blocks from that index on that are shared or registered are replaced: copied
     /// when they hold computed tokens, taken fresh otherwise.
     fn reserve_cost(&self, s: &Sequence, target: usize) -> (usize, usize) {
+        let (new_blocks, written) = self.reserve_span(s, target);
+        let replaced = written.iter().filter(|&&b| self.is_protected(b)).count();
+        (new_blocks + replaced, replaced)
+    }
+
+    /// The blocks a reservation up to `target` appends, and the blocks of the table
+    /// it writes into (from the first uncomputed one): the one place both
+    /// [`Self::reserve_cost`] and [`Self::blocks_needed_batch`] read them from.
+    fn reserve_span<'s>(&self, s: &'s Sequence, target: usize) -> (usize, &'s [BlockId]) {
         let first = self.layout.block_index(s.computed);
         let new_len = target.max(s.num_tokens);
         let new_blocks = self.layout.blocks_for_tokens(new_len) - s.table.len();
         let written_end = self.layout.blocks_for_tokens(target).min(s.table.len());
-        let replaced = s
-            .table
-            .get(first..written_end)
-            .unwrap_or(&[])
-            .iter()
-            .filter(|&&b| self.is_protected(b))
-            .count();
-        (new_blocks + replaced, replaced)
+        (new_blocks, s.table.get(first..written_end).unwrap_or(&[]))
     }
 
     /// Shared (by a fork or a prefix hit) or registered: writes must go elsewhere.
