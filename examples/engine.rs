@@ -386,16 +386,14 @@ impl<'a> Engine<'a> {
         block_size: usize,
     ) -> pagedkv::Result<Self> {
         let layout = KvLayout::new(*model.shape(), block_size)?;
+        let store = HostStorage::with_host_tier(layout, cfg.num_blocks, cfg.host_blocks)?;
+        // The host tier's size is given once, to the storage; the manager's comes from it.
         let kv = KvCacheManager::builder(layout)
             .num_blocks(cfg.num_blocks)
             .watermark_blocks(WATERMARK_BLOCKS)
             .max_seq_len_tokens(MAX_SEQ_LEN)
-            .tiers(TierConfig {
-                num_host_blocks: cfg.host_blocks,
-                num_disk_slots: 0,
-            })
+            .tiers(TierConfig::for_storage(&store))
             .build()?;
-        let store = HostStorage::with_host_tier(layout, cfg.num_blocks, cfg.host_blocks)?;
         // Fixed figures rather than a probe, so that every run decides the same way: a
         // PCIe-class link and a modest prefill rate make swapping the cheaper choice
         // until the (small) host tier is full; then the manager recomputes.

@@ -56,7 +56,8 @@ use crate::pool::pick_free_run;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct TierConfig {
     /// Blocks in the host tier (0: no swapping; swap-outs fail with
-    /// [`Error::TierFull`]). Must match the storage's [`crate::Storage::num_host_blocks`].
+    /// [`Error::TierFull`]). Must match the storage's [`crate::Storage::num_host_blocks`]:
+    /// [`TierConfig::for_storage`] takes it from there.
     pub num_host_blocks: usize,
     /// Slots in the disk tier (0: no disk tier). Must match the [`crate::DiskTier`] passed to
     /// [`crate::executor::spill_to_disk`].

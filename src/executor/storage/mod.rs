@@ -22,6 +22,35 @@ use crate::error::{Error, Result};
 use crate::ids::BlockId;
 use crate::layout::plans::{CopyPlan, SwapPlan};
 use crate::layout::{KvLayout, Slot};
+use crate::manager::TierConfig;
+
+impl TierConfig {
+    /// The tiers of a manager whose swaps `storage` executes: its host tier's size
+    /// taken from the storage (so it is given once, where the memory is), and no disk
+    /// tier (set [`TierConfig::num_disk_slots`] after, as for the [`crate::DiskTier`]).
+    ///
+    /// ```
+    /// use pagedkv::{DType, HostStorage, KvCacheManager, KvLayout, ModelShape, TierConfig};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 4,
+    ///                          kv_dtype: DType::F16 };
+    /// let layout = KvLayout::new(shape, 16)?;
+    /// let store = HostStorage::with_host_tier(layout, 32, 8)?;
+    /// let kv = KvCacheManager::builder(layout)
+    ///     .num_blocks(32)
+    ///     .tiers(TierConfig::for_storage(&store))
+    ///     .build()?;
+    /// assert_eq!(TierConfig::for_storage(&store).num_host_blocks, 8);
+    /// # drop(kv);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    pub fn for_storage<S: Storage + ?Sized>(storage: &S) -> Self {
+        TierConfig {
+            num_host_blocks: storage.num_host_blocks(),
+            num_disk_slots: 0,
+        }
+    }
+}
 
 /// Executes plans on real memory laid out by a [`KvLayout`].
 ///
