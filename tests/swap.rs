@@ -42,13 +42,15 @@ fn rig(device: usize, host: usize, disk: usize) -> Rig {
     let l = layout();
     let mut config = CacheConfig::new(device);
     config.watermark_blocks = 0;
+    // The host tier's size is given once, to the storage.
+    let storage = HostStorage::with_host_tier(l, device, host).unwrap();
     let tiers = TierConfig {
-        num_host_blocks: host,
         num_disk_slots: disk,
+        ..TierConfig::for_storage(&storage)
     };
     Rig {
         kv: KvCacheManager::with_tiers(l, config, tiers).unwrap(),
-        storage: HostStorage::with_host_tier(l, device, host).unwrap(),
+        storage,
         values: HashMap::new(),
         next_value: 1,
     }
