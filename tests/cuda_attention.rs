@@ -2,7 +2,8 @@
 //! fp8 (with scales), GQA groups 1/2/4/5/8/16, head dims 64/128/256, ALiBi, sliding window,
 //! every slot past a context poisoned with NaN (a kernel that reads one fails), empty
 //! sequences, padded and CSR tables, and split counts 1, 2, 3, 5, 8, 64 plus the
-//! planner's choice (which exercises the log-sum-exp merge).
+//! planner's choice (several chunks per sequence exercise the work list's fused
+//! log-sum-exp merge).
 //!
 //! The reference is the crate's `attention::reference::paged_decode_reference`, itself
 //! cross-checked against an independent f64 loop in this file (which reads K/V back

@@ -1,12 +1,14 @@
 //! Paged-attention decode on the GPU: `kernels/paged_attention.cu` over a
 //! [`CudaStorage`] arena.
 //!
-//! One launch of `paged_attention_decode` per layer and step: a CTA per (sequence, KV
-//! head, split) serves every query head of the GQA group from one load of K/V. When
-//! the [occupancy-aware split planner](super::plan_splits_for_occupancy) (each
-//! sequence's length, the window, and the CTAs per SM the driver reports) cuts contexts
-//! into several splits, a second launch (`paged_attention_merge`) combines the partial
-//! results by log-sum-exp.
+//! One launch of `paged_attention_decode` per layer and step in [`CudaAttention::decode`]:
+//! a CTA per (KV head, work item) serves every query head of the GQA group from one load
+//! of K/V. The [work list](super::cut_work_list) cuts each sequence's own live range at
+//! the length the [occupancy-aware split planner](super::plan_splits_for_occupancy)
+//! picks (or a forced split's); the last CTA of a sequence's chunks merges their
+//! partials by log-sum-exp, in chunk order, in the same launch. The CUDA-graph step
+//! ([`DecodeGraphStep`]) still uses the fixed (KV heads, batch, splits) grid and a
+//! second launch (`paged_attention_merge`).
 //!
 //! Queries and outputs (`[batch, q_heads, head_dim]`) are `f32` in
 //! [`CudaAttention::decode`], or f32, f16 or bf16 in [`CudaAttention::decode_io`] (the
@@ -33,7 +35,8 @@
 //! ```
 
 use super::{
-    plan_splits_for_occupancy, split_plan_with, validate_params, AttentionParams, SplitPlan,
+    cut_work_list, plan_splits_for_occupancy, split_plan_with, validate_params, AttentionParams,
+    SplitPlan,
 };
 use super::{StagedStep, StepCapacity, TableCapacity, STEP_HEADER_WORDS};
 use crate::error::{Error, Result};
@@ -140,12 +143,32 @@ impl Outputs<'_> {
     }
 }
 
+/// Replaces `slot` with a zeroed buffer of `need` elements unless it holds at least
+/// that many; on error `slot` is unchanged.
+fn grow_zeroed<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    slot: &mut Option<CudaSlice<T>>,
+    need: usize,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+) -> Result<()> {
+    if slot.as_ref().map_or(true, |b| b.len() < need) {
+        *slot = Some(stream.alloc_zeros(need).map_err(driver_err("cuMemAlloc"))?);
+    }
+    Ok(())
+}
+
+/// Most items of one work-list launch: the grid's y dimension limit.
+const MAX_GRID_ITEMS: usize = 65_535;
+
 /// The decode kernels for one storage's layout, compiled and loaded.
 #[derive(Debug)]
 pub struct CudaAttention {
     spec: AttentionSpec,
     decode: CudaFunction,
     merge: CudaFunction,
+    /// Work-list launch scratch, grown on demand: the list's words, the arrival
+    /// counters (zeroed once per allocation; the kernel resets them), the partials.
+    work_words: Option<CudaSlice<u32>>,
+    counters: Option<CudaSlice<u32>>,
     part_out: Option<CudaSlice<f32>>,
     part_lse: Option<CudaSlice<f32>>,
     /// Dynamic shared memory of a decode launch (the tensor-core path's pipeline).
@@ -306,6 +329,8 @@ impl CudaAttention {
             ctas_per_sm,
             decode,
             merge: f("paged_attention_merge")?,
+            work_words: None,
+            counters: None,
             part_out: None,
             part_lse: None,
             shared_bytes,
@@ -575,52 +600,49 @@ impl CudaAttention {
             (Some(_), Some((_, dev))) => Some(dev),
             _ => None,
         };
-        if plan.num_splits > 1 {
-            let need_out = elems * plan.num_splits as usize;
-            let need_lse = rows * plan.num_splits as usize;
-            if self.part_out.as_ref().map_or(true, |b| b.len() < need_out) {
-                self.part_out = Some(
-                    stream
-                        .alloc_zeros(need_out)
-                        .map_err(driver_err("cuMemAlloc"))?,
-                );
-            }
-            if self.part_lse.as_ref().map_or(true, |b| b.len() < need_lse) {
-                self.part_lse = Some(
-                    stream
-                        .alloc_zeros(need_lse)
-                        .map_err(driver_err("cuMemAlloc"))?,
-                );
-            }
-        }
+        // The work list: each sequence's own live range cut at the plan's length, one
+        // CTA per (KV head, item); the last CTA of a sequence merges (no second launch).
+        let work = cut_work_list(
+            &tables.context_lens,
+            params.sliding_window,
+            layout.block_size(),
+            plan.tokens_per_split,
+            MAX_GRID_ITEMS,
+        )?;
+        let words = work.device_words();
+        let need = work.buffers(shape.num_kv_heads, shape.num_q_heads, shape.head_dim);
+        // Counters are zeroed once per allocation: every merging CTA resets its own.
+        grow_zeroed(&mut self.work_words, need.words, stream)?;
+        grow_zeroed(&mut self.counters, need.counters, stream)?;
+        grow_zeroed(&mut self.part_out, need.part_out, stream)?;
+        grow_zeroed(&mut self.part_lse, need.part_lse, stream)?;
+        let (Some(wd), Some(ctr), Some(po), Some(pl)) = (
+            &mut self.work_words,
+            &mut self.counters,
+            &mut self.part_out,
+            &mut self.part_lse,
+        ) else {
+            return Err(Error::Cuda("work-list scratch missing".into()));
+        };
+        stream
+            .memcpy_htod(&words, wd)
+            .map_err(driver_err("cuMemcpyHtoDAsync(work list)"))?;
         storage.wait_fence_on(&storage.layer_fence(layer)?, stream)?;
         let s = layout.strides();
         let (sb, skv, sh, st) = (s.block as u64, s.kv as u64, s.head as u64, s.token as u64);
         let null = 0u64;
         let cfg = LaunchConfig {
-            grid_dim: (
-                shape.num_kv_heads as u32,
-                tables.batch as u32,
-                plan.num_splits,
-            ),
+            grid_dim: (shape.num_kv_heads as u32, work.items.len() as u32, 1),
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: self.shared_bytes,
         };
         let (q_code, out_code) = (q.code(), out.code());
-        // Split partials are f32 whatever the final output's dtype.
-        let part_code = if plan.num_splits == 1 { out_code } else { 0u32 };
         let mut b = stream.launch_builder(&self.decode);
-        match (plan.num_splits, &mut self.part_out, &mut self.part_lse) {
-            (1, _, _) => {
-                match &mut out {
-                    Outputs::F32(o) => b.arg(&mut **o),
-                    Outputs::F16(o) | Outputs::BF16(o) => b.arg(&mut **o),
-                };
-                b.arg(&mut *lse)
-            }
-            (_, Some(po), Some(pl)) => b.arg(po).arg(pl),
-            _ => return Err(Error::Cuda("split scratch missing".into())),
+        match &mut out {
+            Outputs::F32(o) => b.arg(&mut **o),
+            Outputs::F16(o) | Outputs::BF16(o) => b.arg(&mut **o),
         };
+        b.arg(&mut *lse);
         match q {
             Queries::F32(q) => b.arg(q),
             Queries::F16(q) | Queries::BF16(q) => b.arg(q),
@@ -646,55 +668,29 @@ impl CudaAttention {
             .arg(&plan.tokens_per_split)
             .arg(&plan.num_splits)
             .arg(&q_code)
-            .arg(&part_code)
-            .arg(&null) // no step words: every CTA of the grid runs
-            // No work list (the grid path): its counters and partial buffers unused.
-            .arg(&null)
-            .arg(&null)
-            .arg(&null)
-            .arg(&null);
+            .arg(&out_code)
+            .arg(&null) // no step words: the work list decides
+            .arg(&*wd)
+            .arg(&mut *ctr)
+            .arg(&mut *po)
+            .arg(&mut *pl);
         // SAFETY: arguments match `paged_attention_decode` (kernels/paged_attention.cu)
         // compiled for this layout's head dim, block size, group and dtype, and the
         // dynamic shared memory is what its path needs (`decode_dynamic_shared_bytes`
-        // mirrors the kernel's `DECODE_MMA` and `MMA_STAGES`); `q_code` and `part_code`
-        // name the element types of `q` and of the buffer written (f32 scratch when
-        // split), so the kernel reads and writes whole elements. Bounds:
-        // the grid is (KV heads, batch, splits); `q`, `out`, `lse` (or the split
-        // scratch, sized batch * q_heads * splits rows) hold every row the grid
-        // writes (checked above); the tables were validated at upload so that every
-        // entry read (the first ceil(len / block_size) of each row) is below the
+        // mirrors the kernel's `DECODE_MMA` and `MMA_STAGES`); `q_code` and `out_code`
+        // name the element types of `q` and `out`, so the kernel reads and writes whole
+        // elements (partials are f32). Bounds: the grid is (KV heads, items) and `wd`
+        // holds the list's `(items + 1) * 4` words (uploaded above, stream-ordered
+        // before the launch); each item's sequence is below the batch, so its output
+        // rows are inside `q`, `out`, `lse` (checked above to hold batch * q_heads
+        // rows) and its counter inside `ctr` (batch * KV heads, zeroed when allocated,
+        // reset by each merging CTA); partial rows `item * q_heads + h` are inside
+        // `po`/`pl` (items * q_heads rows); the tables were validated at upload so that
+        // every entry read (the first ceil(len / block_size) of each row) is below the
         // arena's block count, which is still at least `blocks_needed` (checked
-        // above), and the kernel reads only tokens below each context length; cache
-        // offsets use the layout's strides, so reads stay inside the mapped region.
+        // above), and each item's token range lies inside its sequence's context;
+        // cache offsets use the layout's strides, so reads stay inside the region.
         unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel(paged_attention_decode)"))?;
-        if plan.num_splits > 1 {
-            let (Some(po), Some(pl)) = (&self.part_out, &self.part_lse) else {
-                return Err(Error::Cuda("split scratch missing".into()));
-            };
-            let cfg = LaunchConfig {
-                grid_dim: (shape.num_q_heads as u32, tables.batch as u32, 1),
-                block_dim: (ATTENTION_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut m = stream.launch_builder(&self.merge);
-            match &mut out {
-                Outputs::F32(o) => m.arg(&mut **o),
-                Outputs::F16(o) | Outputs::BF16(o) => m.arg(&mut **o),
-            };
-            m.arg(&mut *lse)
-                .arg(po)
-                .arg(pl)
-                .arg(&plan.num_splits)
-                .arg(&out_code)
-                .arg(&null);
-            // SAFETY: arguments match `paged_attention_merge`; `out_code` names the
-            // element type of `out`. Bounds: the grid is
-            // (q_heads, batch); it reads `num_splits` partial rows per output row from
-            // the scratch written above (sized for them) and writes one row of `out`
-            // and one `lse` entry, both checked above to hold batch * q_heads rows.
-            unsafe { m.launch(cfg) }
-                .map_err(driver_err("cuLaunchKernel(paged_attention_merge)"))?;
-        }
         Ok(plan)
     }
 

@@ -475,6 +475,34 @@ impl WorkList {
     }
 }
 
+/// Device buffer lengths (in elements) a work-list launch needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkBuffers {
+    /// `u32` words of [`WorkList::device_words`].
+    pub words: usize,
+    /// `u32` arrival counters, one per (sequence, KV head).
+    pub counters: usize,
+    /// f32 partial outputs, `items x q_heads x head_dim`.
+    pub part_out: usize,
+    /// f32 partial log-sum-exps, `items x q_heads`.
+    pub part_lse: usize,
+}
+
+impl WorkList {
+    /// The buffer lengths its launch needs for `num_kv_heads` KV heads, `q_heads`
+    /// query heads of `head_dim`: the counters cover every sequence of the batch
+    /// (the kernel indexes them `seq * KV heads + head`).
+    pub fn buffers(&self, num_kv_heads: usize, q_heads: usize, head_dim: usize) -> WorkBuffers {
+        let items = self.items.len();
+        WorkBuffers {
+            words: (items + 1) * WORK_ITEM_WORDS,
+            counters: self.chunks.len() * num_kv_heads,
+            part_out: items * q_heads * head_dim,
+            part_lse: items * q_heads,
+        }
+    }
+}
+
 /// The live range of a context of `ctx` tokens: `[ctx - window, ctx)` under a
 /// sliding window shorter than the context, else `[0, ctx)`.
 pub fn live_range(ctx: u32, sliding_window: Option<usize>) -> (u32, u32) {
@@ -505,6 +533,36 @@ pub fn build_work_list(
     ctas_per_sm: usize,
     max_items: usize,
 ) -> Result<WorkList> {
+    let plan = plan_splits_for_occupancy(
+        context_lens,
+        sliding_window,
+        num_kv_heads,
+        block_size,
+        num_sms,
+        ctas_per_sm,
+    );
+    cut_work_list(
+        context_lens,
+        sliding_window,
+        block_size,
+        plan.tokens_per_split,
+        max_items,
+    )
+}
+
+/// [`build_work_list`] with the chunk length given (`target_tokens`, raised to one
+/// block): a forced split plan's length ([`split_plan_with`]) or the occupancy
+/// planner's.
+///
+/// # Errors
+/// As [`build_work_list`].
+pub fn cut_work_list(
+    context_lens: &[u32],
+    sliding_window: Option<usize>,
+    block_size: usize,
+    target_tokens: u32,
+    max_items: usize,
+) -> Result<WorkList> {
     if let Some(&c) = context_lens
         .iter()
         .find(|&&c| c as usize > MAX_CONTEXT_TOKENS)
@@ -515,15 +573,7 @@ pub fn build_work_list(
         });
     }
     let bs = block_size.max(1) as u32;
-    let plan = plan_splits_for_occupancy(
-        context_lens,
-        sliding_window,
-        num_kv_heads,
-        block_size,
-        num_sms,
-        ctas_per_sm,
-    );
-    let target = plan.tokens_per_split.max(bs);
+    let target = target_tokens.max(bs);
     let mut items = Vec::new();
     let mut first = Vec::with_capacity(context_lens.len());
     let mut chunks = Vec::with_capacity(context_lens.len());
@@ -566,6 +616,21 @@ pub fn build_work_list(
 #[cfg(test)]
 mod occupancy_tests {
     use super::*;
+
+    /// A launch's buffer sizes follow its list: counters per (sequence, KV head),
+    /// partials per (item, query head); a forced target cuts as many chunks as asked.
+    #[test]
+    fn work_buffers_are_sized_from_the_list() {
+        let lens = [1u32, 17, 4096, 0];
+        let wl = cut_work_list(&lens, None, 16, 1024, 64).unwrap();
+        assert_eq!(wl.chunks, vec![1, 1, 4, 1]);
+        let b = wl.buffers(8, 64, 128);
+        assert_eq!(b.words, (7 + 1) * WORK_ITEM_WORDS);
+        assert_eq!(b.words, wl.device_words().len());
+        assert_eq!(b.counters, 4 * 8);
+        assert_eq!((b.part_out, b.part_lse), (7 * 64 * 128, 7 * 64));
+        assert!(cut_work_list(&lens, None, 16, 1024, 6).is_err());
+    }
 
     /// The work list's invariants for one batch: each (sequence, chunk) once, in
     /// order; each sequence's chunks tile its live range with no gap or overlap,

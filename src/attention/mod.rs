@@ -44,10 +44,10 @@ pub mod reference;
 pub mod rope;
 
 pub use kernel_plan::{
-    build_work_list, live_range, plan_splits, plan_splits_for_occupancy, resident_ctas,
-    split_merge_bytes, split_plan_with, stage_decode_step, validate_params, SplitPlan, StagedStep,
-    StepCapacity, TableCapacity, WorkItem, WorkList, CTA_OVERHEAD_TOKENS, MAX_SPLITS,
-    MIN_TOKENS_PER_SPLIT, STEP_HEADER_WORDS, WORK_ITEM_WORDS,
+    build_work_list, cut_work_list, live_range, plan_splits, plan_splits_for_occupancy,
+    resident_ctas, split_merge_bytes, split_plan_with, stage_decode_step, validate_params,
+    SplitPlan, StagedStep, StepCapacity, TableCapacity, WorkBuffers, WorkItem, WorkList,
+    CTA_OVERHEAD_TOKENS, MAX_SPLITS, MIN_TOKENS_PER_SPLIT, STEP_HEADER_WORDS, WORK_ITEM_WORDS,
 };
 pub use rope::{rope_and_cache, Rope, RopeStyle};
 
