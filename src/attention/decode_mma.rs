@@ -971,24 +971,7 @@ mod tests {
         let mut st = HostStorage::new(layout, num_blocks).unwrap();
         let n = st.region(0).len() / dtype.size_bytes();
         let mut vals: Vec<f32> = (0..n).map(|_| rng(&mut seed)).collect();
-        let max_blocks = *blocks_per.iter().max().unwrap();
-        let mut tables = vec![0u32; ctxs.len() * max_blocks];
-        // Blocks handed out in a scrambled order.
-        let mut order: Vec<u32> = (0..num_blocks as u32).rev().collect();
-        order.swap(0, 2);
-        let mut next = 0;
-        for (i, &nb) in blocks_per.iter().enumerate() {
-            for j in 0..nb {
-                tables[i * max_blocks + j] = order[next];
-                next += 1;
-            }
-        }
-        let tables = PaddedTables {
-            tables,
-            context_lens: ctxs.iter().map(|&c| c as u32).collect(),
-            batch: ctxs.len(),
-            max_blocks,
-        };
+        let tables = crate::tables::test_tables::scrambled(ctxs, bs, num_blocks);
         for (i, &ctx) in ctxs.iter().enumerate() {
             for h in 0..2 {
                 for t in 0..ctx {

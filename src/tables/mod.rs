@@ -206,3 +206,33 @@ impl KvCacheManager {
         }
     }
 }
+
+/// Table builders shared by the kernels' CPU replay tests.
+#[cfg(test)]
+pub(crate) mod test_tables {
+    use super::PaddedTables;
+
+    /// Padded tables for `ctxs` tokens per sequence in blocks of `block_size`, the
+    /// blocks of an arena of `num_blocks` handed out in a scrambled order (from the top
+    /// down, the first and third swapped), so a kernel that ignores the table fails.
+    pub(crate) fn scrambled(ctxs: &[usize], block_size: usize, num_blocks: usize) -> PaddedTables {
+        let blocks_per: Vec<usize> = ctxs.iter().map(|c| c.div_ceil(block_size)).collect();
+        let max_blocks = blocks_per.iter().copied().max().unwrap_or(0);
+        let mut tables = vec![0u32; ctxs.len() * max_blocks];
+        let mut order: Vec<u32> = (0..num_blocks as u32).rev().collect();
+        order.swap(0, 2);
+        let mut next = 0;
+        for (i, &nb) in blocks_per.iter().enumerate() {
+            for j in 0..nb {
+                tables[i * max_blocks + j] = order[next];
+                next += 1;
+            }
+        }
+        PaddedTables {
+            tables,
+            context_lens: ctxs.iter().map(|&c| c as u32).collect(),
+            batch: ctxs.len(),
+            max_blocks,
+        }
+    }
+}

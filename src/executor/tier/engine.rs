@@ -501,11 +501,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn layers_are_ready_when_their_copies_land_not_when_issued() {
-        // Issue 20, bug 2: the old engine said "ready" as soon as swap_layer returned.
+    /// One 20-token sequence of a `num_layers`-layer model swapped out through an engine
+    /// over a fake stream: the manager, the stream, the engine and the submitted job.
+    fn swap_submitted(
+        num_layers: usize,
+    ) -> (
+        KvCacheManager,
+        Arc<FakeStream>,
+        TransferEngine<Async>,
+        SwapJob,
+    ) {
         let shape = ModelShape {
-            num_layers: 3,
+            num_layers,
             num_q_heads: 2,
             num_kv_heads: 1,
             head_dim: 8,
@@ -527,6 +534,13 @@ mod tests {
         let mut engine = TransferEngine::new(storage);
         let job = kv.swap_out(SeqId(1)).unwrap();
         engine.submit(&job).unwrap();
+        (kv, stream, engine, job)
+    }
+
+    #[test]
+    fn layers_are_ready_when_their_copies_land_not_when_issued() {
+        // Issue 20, bug 2: the old engine said "ready" as soon as swap_layer returned.
+        let (mut kv, stream, mut engine, job) = swap_submitted(3);
         drain_until(&mut engine, SeqId(1), 2);
         // Every layer issued, none landed.
         for layer in 0..3 {
@@ -559,29 +573,7 @@ mod tests {
 
     #[test]
     fn wait_blocks_on_the_fence_and_the_fallback_shares_one_fence() {
-        let shape = ModelShape {
-            num_layers: 2,
-            num_q_heads: 2,
-            num_kv_heads: 1,
-            head_dim: 8,
-            kv_dtype: DType::F16,
-        };
-        let layout = KvLayout::new(shape, 16).unwrap();
-        let tiers = TierConfig {
-            num_host_blocks: 8,
-            num_disk_slots: 0,
-        };
-        let mut kv = KvCacheManager::with_tiers(layout, CacheConfig::new(8), tiers).unwrap();
-        kv.admit(SeqId(1), 20, &mut Vec::new()).unwrap();
-        let stream = Arc::new(FakeStream::default());
-        let storage = Async {
-            inner: HostStorage::with_host_tier(layout, 8, 8).unwrap(),
-            stream: Arc::clone(&stream),
-            latest: SwapFence::complete(),
-        };
-        let mut engine = TransferEngine::new(storage);
-        let job = kv.swap_out(SeqId(1)).unwrap();
-        engine.submit(&job).unwrap();
+        let (_kv, stream, mut engine, job) = swap_submitted(2);
         // `wait` blocks on the fence (the fake's wait finishes the stream).
         engine.wait(job.ticket).unwrap();
         assert_eq!(*stream.finished.lock(), 2);
