@@ -84,7 +84,7 @@ impl Trace {
         let mut decode_tokens = 0;
         for _ in 0..NUM_SEQS {
             let start = tokens.len();
-            let shared = rng.next() % 2 == 0;
+            let shared = rng.next().is_multiple_of(2);
             let prompt = if shared {
                 let p = &prefixes[rng.range(0, SHARED_PREFIXES - 1)];
                 tokens.extend_from_slice(p);
@@ -335,7 +335,7 @@ impl Bare {
     fn push_token(&mut self, i: usize) -> Slot {
         let pos = self.lens[i];
         let table = &mut self.tables[i];
-        if pos % BLOCK_SIZE == 0 {
+        if pos.is_multiple_of(BLOCK_SIZE) {
             table.push(self.free.pop().expect("the trace fits the arena"));
         }
         self.lens[i] = pos + 1;

@@ -180,7 +180,7 @@ fn sample_token(argmax: u32, req: &Request, sample: usize, pos: usize, vocab: u3
         return argmax;
     }
     let h = mix(req.id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (sample as u64) << 40 ^ pos as u64);
-    if pos == req.prompt.len() || h % 4 == 0 {
+    if pos == req.prompt.len() || h.is_multiple_of(4) {
         (h >> 8) as u32 % vocab
     } else {
         argmax

@@ -743,7 +743,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )?;
         if best
             .as_ref()
-            .map_or(true, |(_, b)| total_throughput(&run) > total_throughput(b))
+            .is_none_or(|(_, b)| total_throughput(&run) > total_throughput(b))
         {
             best = Some((split.clone(), run));
         }

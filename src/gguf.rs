@@ -688,7 +688,7 @@ mod tests {
         while b.len() % 32 != 0 {
             b.push(0);
         }
-        b.extend(std::iter::repeat(0u8).take(32 * 2 * 4));
+        b.extend(std::iter::repeat_n(0u8, 32 * 2 * 4));
         b
     }
 

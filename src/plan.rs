@@ -1085,8 +1085,10 @@ impl PlanInput {
         shape.num_layers = per_group;
         let group = KvLayout::with_kind(shape, self.block_size, layout.kind())?;
         let mut specs = vec![GroupSpec::full(group); full / per_group];
-        specs
-            .extend(std::iter::repeat(GroupSpec::window(group, window)).take(windowed / per_group));
+        specs.extend(std::iter::repeat_n(
+            GroupSpec::window(group, window),
+            windowed / per_group,
+        ));
         Ok(specs)
     }
 
@@ -1369,7 +1371,7 @@ impl PlanInput {
         }
         let shape = &self.model.config.shape;
         for tp in self.tensor_parallel + 1..=MAX_SUGGESTED_TP.max(self.tensor_parallel) {
-            if shape.num_q_heads % tp == 0 && shape.num_kv_heads % tp == 0 {
+            if shape.num_q_heads.is_multiple_of(tp) && shape.num_kv_heads.is_multiple_of(tp) {
                 let mut alt = self.clone();
                 alt.tensor_parallel = tp;
                 if let Some(max_concurrency) = fits(&alt) {

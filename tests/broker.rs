@@ -667,8 +667,8 @@ fn concurrent_schedulers_and_reservations() {
                 let mut g = b.lock(id).unwrap();
                 max_wait = max_wait.max(t0.elapsed());
                 // The load shifts: each model is busy a third of the time.
-                let busy =
-                    (t0.elapsed().as_millis() as u64 / 100 + m as u64) % 3 == 0 || rng % 4 == 0;
+                let busy = (t0.elapsed().as_millis() as u64 / 100 + m as u64).is_multiple_of(3)
+                    || rng.is_multiple_of(4);
                 if busy || live.is_empty() {
                     let seq = SeqId(next);
                     next += 1;
@@ -1096,13 +1096,13 @@ proptest! {
             .collect();
         let exact = |c: usize| {
             layouts.iter().all(|l| {
-                c % l.block_bytes() == 0
+                c.is_multiple_of(l.block_bytes())
                     && mapped_in_granules(l, c / l.block_bytes(), granule) == c
             })
         };
         let chunk = chunk_bytes_for(&layouts, granule).unwrap();
         prop_assert!(exact(chunk));
-        prop_assert!(chunk % granule == 0);
+        prop_assert!(chunk.is_multiple_of(granule));
         let mut c = granule;
         while c < chunk {
             prop_assert!(!exact(c), "{c} is exact and below {chunk}");

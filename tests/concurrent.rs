@@ -68,7 +68,7 @@ fn sharded_pool_stress_8_threads() {
                 let mut next = rng(t);
                 let mut held = Vec::new();
                 for _ in 0..20_000 {
-                    if next() % 2 == 0 && held.len() < 100 {
+                    if next().is_multiple_of(2) && held.len() < 100 {
                         match h.allocate() {
                             Ok(b) => {
                                 let prev = holder[b.index()].swap(t + 1, Ordering::AcqRel);
@@ -81,7 +81,7 @@ fn sharded_pool_stress_8_threads() {
                     } else if let Some(b) = held.pop() {
                         assert_eq!(holder[b.index()].swap(0, Ordering::AcqRel), t + 1);
                         // Free through a neighbour's handle now and then: any shard may free.
-                        if next() % 4 == 0 {
+                        if next().is_multiple_of(4) {
                             other.free(b)
                         } else {
                             h.free(b)

@@ -430,7 +430,7 @@ impl Model {
                         assert!(now <= used, "{now} > {used}");
                     }
                     self.write(id, first);
-                    self.seqs[i].1.extend(std::iter::repeat(id.0).take(n));
+                    self.seqs[i].1.extend(std::iter::repeat_n(id.0, n));
                 }
                 r
             }
@@ -443,7 +443,7 @@ impl Model {
                     self.write(id, first);
                     let acc = acc.min(n);
                     self.kv.commit(id, acc).unwrap();
-                    self.seqs[i].1.extend(std::iter::repeat(id.0).take(acc));
+                    self.seqs[i].1.extend(std::iter::repeat_n(id.0, acc));
                 }
                 r
             }
@@ -922,7 +922,7 @@ fn gemma3_like_swap_moves_only_the_window_blocks_held() {
     // 8 global and 40 local layers; one layer a group here (page bytes do not matter).
     let l = layout(16, 1);
     let mut specs = vec![GroupSpec::full(l)];
-    specs.extend(std::iter::repeat(GroupSpec::window(l, 1024)).take(5));
+    specs.extend(std::iter::repeat_n(GroupSpec::window(l, 1024), 5));
     let mut kv = KvCacheGroups::with_host_tier(&specs, 2000, 2000).unwrap();
     let mut step = GroupStep::default();
     kv.admit(SeqId(1), 4000, &mut step).unwrap();

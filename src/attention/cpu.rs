@@ -995,7 +995,7 @@ pub fn contiguous_decode(
     out: &mut [f32],
     lse: Option<&mut [f32]>,
 ) -> Result<()> {
-    if kv.num_kv_heads == 0 || kv.head_dim == 0 || num_q_heads % kv.num_kv_heads != 0 {
+    if kv.num_kv_heads == 0 || kv.head_dim == 0 || !num_q_heads.is_multiple_of(kv.num_kv_heads) {
         return Err(Error::config(
             "num_kv_heads",
             format!(

@@ -150,7 +150,7 @@ fn grow_zeroed<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     need: usize,
     stream: &std::sync::Arc<cudarc::driver::CudaStream>,
 ) -> Result<()> {
-    if slot.as_ref().map_or(true, |b| b.len() < need) {
+    if slot.as_ref().is_none_or(|b| b.len() < need) {
         *slot = Some(stream.alloc_zeros(need).map_err(driver_err("cuMemAlloc"))?);
     }
     Ok(())
@@ -589,7 +589,7 @@ impl CudaAttention {
         let window = params.sliding_window.unwrap_or(0) as u32;
         // ALiBi slopes go to the device once per distinct slope vector, not per call.
         if let Some(s) = &params.alibi_slopes {
-            if self.alibi.as_ref().map_or(true, |(host, _)| host != s) {
+            if self.alibi.as_ref().is_none_or(|(host, _)| host != s) {
                 let dev = stream
                     .clone_htod(s)
                     .map_err(driver_err("cuMemcpyHtoDAsync(alibi)"))?;

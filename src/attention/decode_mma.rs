@@ -43,12 +43,12 @@ pub fn uses_mma(dtype: DType, gqa_group: usize, head_dim: usize, block_size: usi
     let row_bytes = head_dim * dtype.size_bytes();
     dtype != DType::F32
         && (3..=16).contains(&gqa_group)
-        && head_dim % 16 == 0
+        && head_dim.is_multiple_of(16)
         && head_dim <= 256
         && row_bytes >= 64
         && row_bytes.is_power_of_two()
         && block_size > 0
-        && (block_size % MMA_TILE == 0 || MMA_TILE % block_size == 0)
+        && (block_size.is_multiple_of(MMA_TILE) || MMA_TILE.is_multiple_of(block_size))
 }
 
 /// Pipeline stages of the tensor-core path: 3 when they fit in 64 KiB per CTA, else 2
@@ -565,7 +565,7 @@ pub fn replay_decode_mma(
     let bs = storage.layout().block_size();
     if plan.num_splits == 0
         || plan.num_splits > super::MAX_SPLITS
-        || plan.tokens_per_split as usize % bs != 0
+        || !(plan.tokens_per_split as usize).is_multiple_of(bs)
     {
         return Err(Error::config(
             "plan",

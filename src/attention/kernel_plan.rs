@@ -135,7 +135,7 @@ pub fn plan_splits_for_occupancy(
             .saturating_mul(heads);
         let waves = ctas.div_ceil(resident).max(1) as u128;
         let cost = waves * (plan.tokens_per_split as u128 + CTA_OVERHEAD_TOKENS as u128);
-        if best.map_or(true, |(c, _)| cost < c) {
+        if best.is_none_or(|(c, _)| cost < c) {
             best = Some((cost, plan));
         }
     }
@@ -223,7 +223,7 @@ impl StepCapacity {
             ));
         }
         let max_tokens = self.max_blocks_per_seq.checked_mul(block_size.max(1));
-        if self.max_blocks_per_seq == 0 || max_tokens.map_or(true, |t| t > u32::MAX as usize) {
+        if self.max_blocks_per_seq == 0 || max_tokens.is_none_or(|t| t > u32::MAX as usize) {
             return Err(Error::config(
                 "max_blocks_per_seq",
                 format!(
@@ -240,7 +240,7 @@ impl StepCapacity {
         }
         if self
             .staging_words_checked()
-            .map_or(true, |w| w > u32::MAX as usize)
+            .is_none_or(|w| w > u32::MAX as usize)
         {
             return Err(Error::config(
                 "max_batch * max_blocks_per_seq",

@@ -217,7 +217,7 @@ pub fn mla_decode_reference(
 fn heads_per_job(q_heads: usize) -> usize {
     (1..=MAX_HEADS_PER_JOB.min(q_heads))
         .rev()
-        .find(|g| q_heads % g == 0)
+        .find(|g| q_heads.is_multiple_of(*g))
         .unwrap_or(1)
 }
 

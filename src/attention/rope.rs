@@ -48,7 +48,7 @@ impl Rope {
     /// [`Error::InvalidConfig`] when `rotary_dim` is 0, odd or larger than `head_dim`,
     /// or `theta` is not a finite number above 1.
     pub fn new(head_dim: usize, rotary_dim: usize, theta: f64, style: RopeStyle) -> Result<Self> {
-        if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
             return Err(Error::config(
                 "rotary_dim",
                 format!("{rotary_dim} must be even, positive and at most head_dim {head_dim}"),

@@ -761,7 +761,7 @@ impl<S: Storage> Broker<S> {
             ));
         }
         crate::executor::check_storage(&kv, &storage)?;
-        if kv.num_blocks() % bpc != 0 {
+        if !kv.num_blocks().is_multiple_of(bpc) {
             return Err(Error::config(
                 "num_blocks",
                 format!(

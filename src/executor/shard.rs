@@ -49,7 +49,7 @@ pub fn shard_layout(layout: &KvLayout, num_shards: usize) -> Result<KvLayout> {
         return Err(Error::config("num_shards", "needs at least one shard"));
     }
     let mut shape = *layout.shape();
-    if shape.num_kv_heads % num_shards != 0 {
+    if !shape.num_kv_heads.is_multiple_of(num_shards) {
         return Err(Error::UnevenHeadSplit {
             num_kv_heads: shape.num_kv_heads,
             num_shards,

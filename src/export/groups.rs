@@ -363,7 +363,7 @@ impl<'a> GroupExportView<'a> {
         let whole = records.iter().find(|r| r.holes == 0);
         for r in &records {
             let agree = r.view.header().has_token_ids() == with_ids
-                && whole.map_or(true, |w| {
+                && whole.is_none_or(|w| {
                     let skip = num_tokens - r.view.header().num_tokens();
                     w.view.token_ids().skip(skip).eq(r.view.token_ids())
                 });

@@ -138,7 +138,7 @@ impl ModelShape {
                 return Err(Error::config(field, format!("{v} is implausibly large")));
             }
         }
-        if self.num_q_heads % self.num_kv_heads != 0 {
+        if !self.num_q_heads.is_multiple_of(self.num_kv_heads) {
             return Err(Error::config(
                 "num_kv_heads",
                 format!(

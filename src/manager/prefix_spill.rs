@@ -245,9 +245,7 @@ impl KvCacheManager {
                 given_up.insert(s.hash);
                 continue;
             }
-            let parent_here = s
-                .parent
-                .map_or(true, |p| on_device(p) || chosen.contains(&p));
+            let parent_here = s.parent.is_none_or(|p| on_device(p) || chosen.contains(&p));
             let orphan = s
                 .parent
                 .is_some_and(|p| !parent_here && (!all.contains(&p) || given_up.contains(&p)));

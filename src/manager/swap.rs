@@ -669,8 +669,7 @@ impl KvCacheManager {
                 TierBlock::Host(h) => Some(devs[index[h]]),
                 TierBlock::Disk(_) => None,
             });
-            let table = std::iter::repeat(BlockId::RELEASED)
-                .take(old.released)
+            let table = std::iter::repeat_n(BlockId::RELEASED, old.released)
                 .chain(held)
                 .collect();
             self.seqs.insert(

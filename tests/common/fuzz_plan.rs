@@ -53,7 +53,7 @@ fn plan(r: &mut Reader<'_>) {
     // Mostly a plausible attention shape (the reader bounds those fields) with the
     // sizes it does not bound (hidden, FFN, vocabulary, experts) anywhere up to 2^64;
     // sometimes raw numbers everywhere.
-    let raw = r.u8() % 8 == 0;
+    let raw = r.u8().is_multiple_of(8);
     let kv = 1u64 << (r.u8() % 6);
     let heads = kv << (r.u8() % 4);
     let head_dim = 1u64 << (1 + r.u8() % 8);
@@ -93,10 +93,10 @@ fn plan(r: &mut Reader<'_>) {
     input.block_size = 1 << (r.u8() % 12);
     input.tensor_parallel = 1 << (r.u8() % 4);
     input.kv_dtype = DType::ALL[usize::from(r.u8()) % DType::ALL.len()];
-    if r.u8() % 2 == 0 {
+    if r.u8().is_multiple_of(2) {
         input.reserve_bytes = Some(r.size());
     }
-    input.assume_dense = r.u8() % 2 == 0;
+    input.assume_dense = r.u8().is_multiple_of(2);
     let Ok(plan) = input.plan() else {
         return;
     };

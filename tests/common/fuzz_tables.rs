@@ -72,7 +72,7 @@ pub fn run(mut data: &[u8]) {
         batch,
         max_blocks,
     };
-    if word(d) % 3 == 0 {
+    if word(d).is_multiple_of(3) {
         padded.tables.truncate(batch * max_blocks);
     }
     if let Ok(longest) = validate_tables(&layout, BLOCKS, &padded) {
@@ -104,11 +104,11 @@ pub fn run(mut data: &[u8]) {
         let last = *indptr.last().unwrap_or(&0);
         indptr.push(last.saturating_add(word(d) % 4));
     }
-    if word(d) % 5 == 0 {
+    if word(d).is_multiple_of(5) {
         indptr.push(word(d));
     }
     // Sometimes an arbitrary (even decreasing or huge) interior offset.
-    if indptr.len() > 2 && word(d) % 3 == 0 {
+    if indptr.len() > 2 && word(d).is_multiple_of(3) {
         let i = 1 + (word(d) as usize % (indptr.len() - 2));
         indptr[i] = word(d);
     }

@@ -81,7 +81,10 @@ impl AttentionSpec {
         let head_bytes = self.head_dim * self.dtype.size_bytes();
         let vec_elems = 16 / self.dtype.size_bytes();
         let vecs = self.head_dim / vec_elems.max(1);
-        if head_bytes % 16 != 0 || vecs == 0 || !(vecs.is_power_of_two() || vecs % 32 == 0) {
+        if !head_bytes.is_multiple_of(16)
+            || vecs == 0
+            || !(vecs.is_power_of_two() || vecs.is_multiple_of(32))
+        {
             return Err(Error::Unsupported(format!(
                 "CUDA attention needs head_dim * dtype bytes a power-of-two number of 16-byte \
                  vectors (or a multiple of 32 of them); head_dim {} in {} is {head_bytes} bytes",
@@ -150,7 +153,10 @@ impl MlaSpec {
     /// [`Error::Unsupported`] naming the field.
     pub fn check(&self) -> Result<()> {
         let latent = self.kv_lora_rank + self.rope_dim;
-        if self.kv_lora_rank == 0 || self.kv_lora_rank % 32 != 0 || latent % 32 != 0 {
+        if self.kv_lora_rank == 0
+            || !self.kv_lora_rank.is_multiple_of(32)
+            || !latent.is_multiple_of(32)
+        {
             return Err(Error::Unsupported(format!(
                 "MLA decode needs kv_lora_rank and kv_lora_rank + rope_dim multiples of 32 (one slice per lane), not {} and {latent}",
                 self.kv_lora_rank
@@ -163,7 +169,7 @@ impl MlaSpec {
             )));
         }
         let page = self.block_size * latent * self.dtype.size_bytes();
-        if page % 16 != 0 || page > 40 * 1024 {
+        if !page.is_multiple_of(16) || page > 40 * 1024 {
             return Err(Error::Unsupported(format!(
                 "a page of {} latents of {latent} in {} is {page} bytes; the kernel stages whole 16-byte vectors in at most 40 KiB of shared memory",
                 self.block_size, self.dtype
@@ -233,7 +239,7 @@ impl PrefillSpec {
     /// # Errors
     /// [`Error::Unsupported`] naming the field.
     pub fn check(&self) -> Result<()> {
-        if self.head_dim == 0 || self.head_dim % 32 != 0 || self.head_dim > 128 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(32) || self.head_dim > 128 {
             return Err(Error::Unsupported(format!(
                 "CUDA prefill needs head_dim a multiple of 32 up to 128, not {}",
                 self.head_dim

@@ -46,7 +46,7 @@ pub(crate) fn plan_growth(
     }
     let mut left = target - mapped;
     let mut out = Vec::new();
-    out.extend(std::iter::repeat(top).take(left / top));
+    out.extend(std::iter::repeat_n(top, left / top));
     left %= top;
     let mut size = top / 2;
     while left > 0 && size >= g {
