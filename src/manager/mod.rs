@@ -1113,10 +1113,13 @@ impl KvCacheManager {
     /// flight (complete or abort it first). A refcount error here means the manager's
     /// own state was corrupt; it is reported after every block was processed.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
-        if !self.seqs.contains_key(&seq) {
+        // Two lookups of the id (its handle, then its removal), not three.
+        let Some(h) = self.seqs.handle(&seq) else {
             return self.free_swapped(seq);
+        };
+        if let Some((_, s)) = self.seqs.at(h) {
+            swap::check_resident(seq, s)?;
         }
-        self.resident(seq)?;
         let s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
         self.release_table(&s.table[s.released..])
     }
@@ -1273,12 +1276,9 @@ impl KvCacheManager {
     /// `Result` through memory per block).
     #[inline(always)]
     fn release_block_inline(&mut self, b: BlockId) -> Result<()> {
-        let registered = self.prefix.is_registered(b);
-        let rc = if registered {
-            self.pool.decref_keep(b)?
-        } else {
-            self.pool.decref(b)?
-        };
+        // Whether the block is registered matters only when its last reference goes.
+        let prefix = &self.prefix;
+        let (rc, registered) = self.pool.decref_or_keep(b, || prefix.is_registered(b))?;
         if rc == 0 {
             self.live_token_slots -= usize::from(self.block_fill[b.index()]);
             self.block_fill[b.index()] = 0;

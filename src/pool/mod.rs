@@ -279,6 +279,33 @@ impl BlockPool {
         Ok(rc)
     }
 
+    /// Drops a reference; at zero the block becomes `Cached` when `keep()` says so,
+    /// else `Free`. `keep` is asked only at zero, so releasing a shared block reads
+    /// nothing but its refcount. Returns the new refcount and whether it was kept.
+    ///
+    /// # Errors
+    /// As [`Self::decref`].
+    #[inline(always)]
+    pub(crate) fn decref_or_keep(
+        &mut self,
+        block: BlockId,
+        keep: impl FnOnce() -> bool,
+    ) -> Result<(u32, bool)> {
+        let rc = self.decref_inner(block)?;
+        if rc != 0 {
+            return Ok((rc, false));
+        }
+        let kept = keep();
+        if kept {
+            self.state[block.index()] = BlockState::Cached;
+            self.num_cached += 1;
+        } else {
+            self.push_free(block);
+        }
+        Ok((0, kept))
+    }
+
+    #[inline(always)]
     fn decref_inner(&mut self, block: BlockId) -> Result<u32> {
         let num_blocks = self.refcount.len();
         let Some(rc) = self.refcount.get_mut(block.index()) else {
