@@ -78,6 +78,21 @@ pub enum Error {
         /// Blocks in the arena.
         num_blocks: usize,
     },
+    /// A swap plan names a host-tier block past the storage's host tier: the manager's
+    /// host tier is larger than the storage's (a hand-written
+    /// [`crate::TierConfig::num_host_blocks`]; [`crate::TierConfig::for_storage`]
+    /// takes it from the storage).
+    #[error(
+        "host block {block} is outside the storage's host tier of {host_blocks} blocks \
+         (the manager's TierConfig::num_host_blocks must not exceed the storage's \
+         num_host_blocks; TierConfig::for_storage sets it)"
+    )]
+    HostBlockOutOfRange {
+        /// The offending host-tier id.
+        block: BlockId,
+        /// Blocks in the storage's host tier.
+        host_blocks: usize,
+    },
     /// A block was freed while already free, or its refcount would underflow.
     #[error("double free or refcount underflow on block {0}")]
     DoubleFree(BlockId),

@@ -165,7 +165,7 @@ fn storage_slots_and_plans_outside_the_arena() {
     swap.push(BlockId(0), BlockId(4));
     assert!(matches!(
         store.swap(&swap),
-        Err(Error::BlockOutOfRange { num_blocks: 4, .. })
+        Err(Error::HostBlockOutOfRange { host_blocks: 4, .. })
     ));
     let mut swap = SwapPlan::new(SwapDirection::In);
     swap.push(BlockId(0), BlockId(1));

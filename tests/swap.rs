@@ -397,6 +397,46 @@ fn swap_in_without_room_changes_nothing() {
     r.verify(SeqId(1));
 }
 
+/// A hand-written `TierConfig` larger than the storage's host tier is accepted by the
+/// manager (it never sees the storage); the first transfer that reaches past the
+/// storage's tier names the mismatch and moves nothing, and the abort loses nothing.
+#[test]
+fn a_host_tier_larger_than_the_storage_is_a_clear_error_that_loses_nothing() {
+    let l = layout();
+    let mut config = CacheConfig::new(8);
+    config.watermark_blocks = 0;
+    let storage = HostStorage::with_host_tier(l, 8, 2).unwrap();
+    let tiers = TierConfig {
+        num_host_blocks: 8,
+        num_disk_slots: 0,
+    };
+    let mut r = Rig {
+        kv: KvCacheManager::with_tiers(l, config, tiers).unwrap(),
+        storage,
+        values: HashMap::new(),
+        next_value: 1,
+    };
+    r.admit(SeqId(1), 3 * BLOCK_SIZE).unwrap();
+    let before = snapshot(&r.kv);
+    let job = r.kv.swap_out(SeqId(1)).unwrap();
+    let err = r.storage.swap(&job.plan).unwrap_err();
+    assert!(
+        matches!(err, Error::HostBlockOutOfRange { host_blocks: 2, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("TierConfig::for_storage"), "{err}");
+    for layer in 0..LAYERS {
+        assert!(matches!(
+            r.storage.swap_layer(layer, &job.plan),
+            Err(Error::HostBlockOutOfRange { .. })
+        ));
+    }
+    r.kv.abort_swap(job.ticket).unwrap();
+    assert_eq!(snapshot(&r.kv), before);
+    r.verify(SeqId(1));
+    r.check();
+}
+
 #[test]
 fn aborted_swaps_leave_the_sequence_where_it_was() {
     let mut r = rig(8, 8, 0);

@@ -104,8 +104,10 @@ pub trait Storage {
     /// Executes a swap plan between the device arena and the host tier, every layer.
     ///
     /// # Errors
-    /// [`Error::BlockOutOfRange`] on either side or [`Error::CorruptBlockTable`] for a
-    /// destination written twice, before any byte moves; backend failures.
+    /// [`Error::BlockOutOfRange`] for a device block, [`Error::HostBlockOutOfRange`] for
+    /// a host block (the manager's host tier is larger than this storage's), or
+    /// [`Error::CorruptBlockTable`] for a destination written twice, before any byte
+    /// moves; backend failures.
     fn swap(&mut self, plan: &SwapPlan) -> Result<()>;
 
     /// Executes one layer of a swap plan, so a transfer engine can signal each layer as
@@ -507,7 +509,9 @@ pub(crate) fn check_host_block_io(
 /// written twice.
 ///
 /// # Errors
-/// [`Error::BlockOutOfRange`], [`Error::CorruptBlockTable`].
+/// [`Error::BlockOutOfRange`] (a device block), [`Error::HostBlockOutOfRange`] (a host
+/// block: the manager's host tier is larger than the storage's),
+/// [`Error::CorruptBlockTable`].
 pub fn validate_swap_plan(plan: &SwapPlan, device_blocks: usize, host_blocks: usize) -> Result<()> {
     for p in plan.pairs() {
         if p.device.index() >= device_blocks {
@@ -517,9 +521,9 @@ pub fn validate_swap_plan(plan: &SwapPlan, device_blocks: usize, host_blocks: us
             });
         }
         if p.host.index() >= host_blocks {
-            return Err(Error::BlockOutOfRange {
+            return Err(Error::HostBlockOutOfRange {
                 block: p.host,
-                num_blocks: host_blocks,
+                host_blocks,
             });
         }
     }
