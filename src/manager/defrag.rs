@@ -413,8 +413,6 @@ impl KvCacheManager {
         self.commit_moves(plan)?;
         self.pool.resize(num_blocks)?;
         self.prefix.resize(num_blocks)?;
-        self.block_fill.resize(num_blocks, 0);
-        self.block_fill.shrink_to_fit();
         self.fill_dirty.resize(num_blocks);
         self.config.num_blocks = num_blocks;
         self.pool.reorder_free_low_first();
@@ -565,12 +563,10 @@ impl KvCacheManager {
         self.seqs.values_mut().map(|s| &mut s.table)
     }
 
-    /// Called once per moved block, after the pool relocated it: everything keyed by
-    /// physical block id follows the data from `src` to `dst` (fill counts and the
-    /// prefix cache's hash -> block index).
+    /// Called once per moved block, after the pool relocated it (with its fill):
+    /// everything else keyed by physical block id follows the data from `src` to `dst`
+    /// (the fill-recount flag and the prefix cache's hash -> block index).
     pub(crate) fn on_block_moved(&mut self, src: BlockId, dst: BlockId) -> Result<()> {
-        self.block_fill[dst.index()] = self.block_fill[src.index()];
-        self.block_fill[src.index()] = 0;
         if self.fill_dirty.remove(&src) {
             self.fill_dirty.insert(dst);
         }

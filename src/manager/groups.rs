@@ -1279,7 +1279,9 @@ impl KvCacheManager {
     /// Lends the free page `page` (see [`Self::lend_page`]).
     fn lend_this_page(&mut self, page: BlockId) -> Result<usize> {
         self.pool.take(page)?;
-        self.block_fill[page.index()] = 0;
+        if let Some(f) = self.pool.fill_mut(page) {
+            *f = 0;
+        }
         self.push_lent(page)
     }
 

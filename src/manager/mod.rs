@@ -213,10 +213,6 @@ pub struct KvCacheManager {
     /// Resident sequences (and those with a swap in flight), by handle; the `SeqId`
     /// map sits at the edge (see `manager/seqs.rs`).
     pub(crate) seqs: seqs::Seqs,
-    /// Filled token slots of each live block: the most any holder has allocated in
-    /// it (a shared block counts once). Exact at all times; `check_invariants`
-    /// recomputes it from the tables.
-    pub(crate) block_fill: Vec<u16>,
     /// Shared blocks whose holders hold different lengths (after a truncation into a
     /// shared block): when one of them lets go, the fill is recomputed from the
     /// tables. Rare, so a set and a scan.
@@ -270,7 +266,6 @@ impl KvCacheManager {
             config,
             pool: BlockPool::new(config.num_blocks)?,
             seqs: seqs::Seqs::default(),
-            block_fill: vec![0; config.num_blocks],
             fill_dirty: BlockFlags::new(config.num_blocks),
             live_token_slots: 0,
             peak_used_blocks: 0,
@@ -789,7 +784,6 @@ impl KvCacheManager {
             pool,
             prefix,
             seqs,
-            block_fill,
             live_token_slots,
             ..
         } = self;
@@ -811,10 +805,11 @@ impl KvCacheManager {
             return None;
         }
         let &last = s.table.last()?;
-        if !pool.is_private(last) || prefix.is_registered(last) {
+        // Private (refcount 1) and its fill come from one record of the pool.
+        let fill = pool.private_fill_mut(last)?;
+        if prefix.is_registered(last) {
             return None;
         }
-        let fill = block_fill.get_mut(last.index())?;
         let base = layout.slot(last, 0).0;
         if n == 1 {
             // The decode step: a push, not the general extend (a third of the path's
@@ -882,7 +877,6 @@ impl KvCacheManager {
             pool,
             prefix,
             seqs,
-            block_fill,
             live_token_slots,
             peak_used_blocks,
             ..
@@ -893,7 +887,7 @@ impl KvCacheManager {
         if s.table.len() < want {
             s.table.reserve(want - s.table.len());
             while s.table.len() < want {
-                s.table.push(alloc_block_in(pool, prefix, block_fill)?);
+                s.table.push(alloc_block_in(pool, prefix)?);
             }
             *peak_used_blocks = (*peak_used_blocks).max(pool.num_live());
         }
@@ -903,7 +897,7 @@ impl KvCacheManager {
             &s.table,
             s.computed..target,
             slots,
-            block_fill,
+            pool,
             live_token_slots,
         );
         s.num_tokens = new_len;
@@ -1014,7 +1008,9 @@ impl KvCacheManager {
             }
             // The new block holds this sequence's allocated slots of that block.
             let fill = s.num_tokens.saturating_sub(i * bs).min(bs);
-            self.block_fill[new.index()] = fill as u16;
+            if let Some(f) = self.pool.fill_mut(new) {
+                *f = fill as u16;
+            }
             self.live_token_slots += fill;
             s.table[i] = new;
             if let Err(e) = self.release_block(old) {
@@ -1033,7 +1029,7 @@ impl KvCacheManager {
             s,
             new_len,
             slots,
-            &mut self.block_fill,
+            &mut self.pool,
             &mut self.live_token_slots,
         );
     }
@@ -1247,7 +1243,7 @@ impl KvCacheManager {
 
     /// Takes one block for a table, evicting a cached block when none is free.
     pub(crate) fn alloc_block(&mut self) -> Result<BlockId> {
-        alloc_block_in(&mut self.pool, &mut self.prefix, &mut self.block_fill)
+        alloc_block_in(&mut self.pool, &mut self.prefix)
     }
 
     /// Drops one table reference to each of `table`'s blocks, last first (a table
@@ -1280,8 +1276,9 @@ impl KvCacheManager {
         let prefix = &self.prefix;
         let (rc, registered) = self.pool.decref_or_keep(b, || prefix.is_registered(b))?;
         if rc == 0 {
-            self.live_token_slots -= usize::from(self.block_fill[b.index()]);
-            self.block_fill[b.index()] = 0;
+            if let Some(f) = self.pool.fill_mut(b) {
+                self.live_token_slots -= usize::from(std::mem::take(f));
+            }
             self.fill_dirty.remove(&b);
             if registered {
                 self.prefix.on_cached(b);
@@ -1322,9 +1319,10 @@ impl KvCacheManager {
 
     /// Sets the fill of live block `b`, keeping `live_token_slots` in step.
     pub(crate) fn set_fill(&mut self, b: BlockId, fill: usize) {
-        let old = usize::from(self.block_fill[b.index()]);
-        self.live_token_slots = self.live_token_slots - old + fill;
-        self.block_fill[b.index()] = fill as u16;
+        if let Some(f) = self.pool.fill_mut(b) {
+            let old = usize::from(std::mem::replace(f, fill as u16));
+            self.live_token_slots = self.live_token_slots - old + fill;
+        }
     }
 
     fn note_usage(&mut self) {
@@ -1395,13 +1393,14 @@ impl KvCacheManager {
                 if self.pool.state(b).map_err(|e| e.to_string())? != BlockState::Live {
                     return Err(format!("block {b} is referenced but not live"));
                 }
-                if self.block_fill[i] != fills[i] {
+                let fill = self.pool.fill(b);
+                if fill != fills[i] {
                     return Err(format!(
-                        "block {b}: fill {} but its holders hold {}",
-                        self.block_fill[i], fills[i]
+                        "block {b}: fill {fill} but its holders hold {}",
+                        fills[i]
                     ));
                 }
-                live_slots += usize::from(self.block_fill[i]);
+                live_slots += usize::from(fill);
             }
         }
         if live_slots != self.live_token_slots {
@@ -1418,11 +1417,7 @@ impl KvCacheManager {
 /// Takes one block for a table, evicting a cached block when none is free (split
 /// borrows: callers hold a sequence of the slab meanwhile).
 #[inline]
-fn alloc_block_in(
-    pool: &mut BlockPool,
-    prefix: &mut PrefixIndex,
-    block_fill: &mut [u16],
-) -> Result<BlockId> {
+fn alloc_block_in(pool: &mut BlockPool, prefix: &mut PrefixIndex) -> Result<BlockId> {
     if pool.num_free() == 0 {
         let victim = prefix
             .pop_victim()
@@ -1430,7 +1425,9 @@ fn alloc_block_in(
         pool.evict(victim)?;
     }
     let b = pool.allocate()?;
-    block_fill[b.index()] = 0;
+    if let Some(f) = pool.fill_mut(b) {
+        *f = 0;
+    }
     Ok(b)
 }
 
@@ -1441,7 +1438,7 @@ fn fill_slots(
     s: &mut Sequence,
     new_len: usize,
     slots: &mut Vec<Slot>,
-    block_fill: &mut [u16],
+    pool: &mut BlockPool,
     live_token_slots: &mut usize,
 ) {
     push_slots(
@@ -1449,7 +1446,7 @@ fn fill_slots(
         &s.table,
         s.num_tokens..new_len,
         slots,
-        block_fill,
+        pool,
         live_token_slots,
     );
     s.num_tokens = new_len;
@@ -1463,7 +1460,7 @@ fn push_slots(
     table: &[BlockId],
     range: std::ops::Range<usize>,
     slots: &mut Vec<Slot>,
-    block_fill: &mut [u16],
+    pool: &mut BlockPool,
     live_token_slots: &mut usize,
 ) {
     slots.reserve(range.len());
@@ -1475,10 +1472,11 @@ fn push_slots(
         let end = (off + (range.end - pos)).min(bs);
         let base = layout.slot(b, 0).0;
         slots.extend((off..end).map(|o| Slot(base + o as u64)));
-        let fill = &mut block_fill[b.index()];
-        if usize::from(*fill) < end {
-            *live_token_slots += end - usize::from(*fill);
-            *fill = end as u16;
+        if let Some(fill) = pool.fill_mut(b) {
+            if usize::from(*fill) < end {
+                *live_token_slots += end - usize::from(*fill);
+                *fill = end as u16;
+            }
         }
         pos += end - off;
     }

@@ -389,13 +389,15 @@ impl KvCacheManager {
             let revive = self.pool.state(b)? == BlockState::Cached;
             if revive {
                 self.pool.revive(b)?;
-                self.block_fill[b.index()] = bs as u16;
+                if let Some(f) = self.pool.fill_mut(b) {
+                    *f = bs as u16;
+                }
                 self.live_token_slots += bs;
             } else {
                 self.pool.incref(b)?;
                 // The new holder holds the whole block (a holder that truncated into
                 // it may have lowered the fill).
-                if usize::from(self.block_fill[b.index()]) < bs {
+                if usize::from(self.pool.fill(b)) < bs {
                     self.fill_dirty.insert(b);
                     self.set_fill(b, bs);
                 }
@@ -884,7 +886,6 @@ mod tests {
         assert_eq!(kv.evict_cached(usize::MAX), 2);
         kv.prefix.resize(4).unwrap();
         kv.pool.resize(4).unwrap();
-        kv.block_fill.truncate(4);
         kv.fill_dirty.resize(4);
         kv.check_invariants().unwrap();
     }

@@ -568,7 +568,7 @@ impl KvCacheManager {
         let mut plan = SwapPlan::new(SwapDirection::Out);
         for (&(dev, refs), &host) in distinct.iter().zip(&hosts) {
             take_with_refs(&mut self.tiers.host, host, refs)?;
-            self.tiers.host_fill[host.index()] = self.block_fill[dev.index()];
+            self.tiers.host_fill[host.index()] = self.pool.fill(dev);
             plan.push(dev, host);
         }
         if let Some(last) = hosts.last() {
@@ -642,7 +642,9 @@ impl KvCacheManager {
         let mut devs = pick_free_run(&self.pool, n_free, self.tiers.device_cursor);
         for &d in &devs {
             self.pool.take(d)?;
-            self.block_fill[d.index()] = 0;
+            if let Some(f) = self.pool.fill_mut(d) {
+                *f = 0;
+            }
         }
         if let Some(last) = devs.last() {
             self.tiers.device_cursor = last.index() + 1;
@@ -656,7 +658,9 @@ impl KvCacheManager {
                 self.pool.incref(dev)?;
             }
             // Fills are counted from the group's tables below.
-            self.block_fill[dev.index()] = 0;
+            if let Some(f) = self.pool.fill_mut(dev) {
+                *f = 0;
+            }
             plan.push(dev, host);
         }
         let ticket = self.tiers.next_ticket();
@@ -703,10 +707,11 @@ impl KvCacheManager {
             };
             for (i, &b) in s.table.iter().enumerate().skip(s.released) {
                 let want = s.num_tokens.saturating_sub(i * bs).min(bs) as u16;
-                let fill = &mut self.block_fill[b.index()];
-                if *fill < want {
-                    self.live_token_slots += usize::from(want - *fill);
-                    *fill = want;
+                if let Some(fill) = self.pool.fill_mut(b) {
+                    if *fill < want {
+                        self.live_token_slots += usize::from(want - *fill);
+                        *fill = want;
+                    }
                 }
             }
         }

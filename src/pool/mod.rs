@@ -33,10 +33,19 @@ pub enum BlockState {
 
 const NOT_FREE: u32 = u32::MAX;
 
+/// One block's refcount and fill, side by side (see [`BlockPool::fill`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct BlockMeta {
+    refcount: u32,
+    fill: u16,
+}
+
 /// A pool of `num_blocks` physical blocks with O(1) allocate/free and refcounts.
 #[derive(Debug, Clone)]
 pub struct BlockPool {
-    refcount: Vec<u32>,
+    /// Per block, its refcount and the manager's fill in one 8-byte record: the decode
+    /// step asks both of its last block, so they share a cache line.
+    meta: Vec<BlockMeta>,
     state: Vec<BlockState>,
     /// Free blocks as a stack; the top is handed out next.
     free: Vec<BlockId>,
@@ -58,7 +67,7 @@ impl BlockPool {
             ));
         }
         let mut pool = BlockPool {
-            refcount: Vec::new(),
+            meta: Vec::new(),
             state: Vec::new(),
             free: Vec::new(),
             free_pos: Vec::new(),
@@ -103,14 +112,39 @@ impl BlockPool {
     /// [`Error::BlockOutOfRange`].
     pub fn refcount(&self, block: BlockId) -> Result<u32> {
         self.check(block)?;
-        Ok(self.refcount[block.index()])
+        Ok(self.meta[block.index()].refcount)
     }
 
     /// Whether `block` is live with exactly one reference (a table may write into it
     /// in place); `false` for anything else, out-of-range ids included.
     #[inline]
     pub fn is_private(&self, block: BlockId) -> bool {
-        self.refcount.get(block.index()) == Some(&1)
+        self.meta
+            .get(block.index())
+            .is_some_and(|m| m.refcount == 1)
+    }
+
+    /// The manager's fill of `block`: slots of it that hold a token of some holder
+    /// (0 out of range). The pool stores it beside the refcount and never reads it.
+    #[inline]
+    pub(crate) fn fill(&self, block: BlockId) -> u16 {
+        self.meta.get(block.index()).map_or(0, |m| m.fill)
+    }
+
+    /// The fill of `block`, to change (`None` out of range).
+    #[inline]
+    pub(crate) fn fill_mut(&mut self, block: BlockId) -> Option<&mut u16> {
+        self.meta.get_mut(block.index()).map(|m| &mut m.fill)
+    }
+
+    /// The fill of `block` when it is live with exactly one reference (the decode
+    /// step's question and answer from one record); `None` otherwise.
+    #[inline(always)]
+    pub(crate) fn private_fill_mut(&mut self, block: BlockId) -> Option<&mut u16> {
+        match self.meta.get_mut(block.index()) {
+            Some(m) if m.refcount == 1 => Some(&mut m.fill),
+            _ => None,
+        }
     }
 
     #[inline]
@@ -137,7 +171,7 @@ impl BlockPool {
             .ok_or(Error::OutOfBlocks { needed: 1, free: 0 })?;
         self.free_pos[b.index()] = NOT_FREE;
         self.state[b.index()] = BlockState::Live;
-        self.refcount[b.index()] = 1;
+        self.meta[b.index()].refcount = 1;
         Ok(b)
     }
 
@@ -173,7 +207,7 @@ impl BlockPool {
         }
         self.unlink_free(block, pos);
         self.state[block.index()] = BlockState::Live;
-        self.refcount[block.index()] = 1;
+        self.meta[block.index()].refcount = 1;
         Ok(())
     }
 
@@ -198,7 +232,7 @@ impl BlockPool {
                 "incref of non-live block {block}"
             )));
         }
-        let rc = &mut self.refcount[block.index()];
+        let rc = &mut self.meta[block.index()].refcount;
         *rc = rc.checked_add(1).ok_or_else(|| {
             Error::CorruptBlockTable(format!("refcount overflow on block {block}"))
         })?;
@@ -217,7 +251,7 @@ impl BlockPool {
         for (i, &b) in blocks.iter().enumerate() {
             if let Err(e) = self.incref_checked(b) {
                 for &done in &blocks[..i] {
-                    self.refcount[done.index()] -= 1;
+                    self.meta[done.index()].refcount -= 1;
                 }
                 return Err(e);
             }
@@ -228,8 +262,8 @@ impl BlockPool {
     /// [`Self::incref`] without the new count, for [`Self::incref_all`]'s loop.
     #[inline(always)]
     fn incref_checked(&mut self, b: BlockId) -> Result<()> {
-        let num_blocks = self.refcount.len();
-        let Some(rc) = self.refcount.get_mut(b.index()) else {
+        let num_blocks = self.meta.len();
+        let Some(BlockMeta { refcount: rc, .. }) = self.meta.get_mut(b.index()) else {
             return Err(Error::BlockOutOfRange {
                 block: b,
                 num_blocks,
@@ -307,8 +341,8 @@ impl BlockPool {
 
     #[inline(always)]
     fn decref_inner(&mut self, block: BlockId) -> Result<u32> {
-        let num_blocks = self.refcount.len();
-        let Some(rc) = self.refcount.get_mut(block.index()) else {
+        let num_blocks = self.meta.len();
+        let Some(BlockMeta { refcount: rc, .. }) = self.meta.get_mut(block.index()) else {
             return Err(Error::BlockOutOfRange { block, num_blocks });
         };
         // Live <=> refcount > 0 (as in `incref_checked`): free and cached blocks have
@@ -338,7 +372,7 @@ impl BlockPool {
             )));
         }
         self.state[block.index()] = BlockState::Live;
-        self.refcount[block.index()] = 1;
+        self.meta[block.index()].refcount = 1;
         self.num_cached -= 1;
         Ok(())
     }
@@ -359,7 +393,7 @@ impl BlockPool {
         Ok(())
     }
 
-    /// Moves a live block's refcount to a free block and frees the source
+    /// Moves a live block's refcount (and fill) to a free block and frees the source
     /// (defragmentation after its data moved). Returns nothing; both ids are checked.
     ///
     /// # Errors
@@ -381,8 +415,8 @@ impl BlockPool {
         }
         self.unlink_free(dst, pos);
         self.state[dst.index()] = src_state;
-        self.refcount[dst.index()] = self.refcount[src.index()];
-        self.refcount[src.index()] = 0;
+        // The whole record moves: the refcount and the manager's fill.
+        self.meta[dst.index()] = std::mem::take(&mut self.meta[src.index()]);
         self.push_free(src);
         Ok(())
     }
@@ -419,7 +453,7 @@ impl BlockPool {
             let pos = self.free_pos[b];
             self.unlink_free(id, pos);
         }
-        self.refcount.truncate(num_blocks);
+        self.meta.truncate(num_blocks);
         self.state.truncate(num_blocks);
         self.free_pos.truncate(num_blocks);
         self.free.shrink_to(num_blocks);
@@ -429,7 +463,7 @@ impl BlockPool {
     fn grow(&mut self, extra: usize) {
         let old = self.num_blocks();
         let new = old + extra;
-        self.refcount.resize(new, 0);
+        self.meta.resize(new, BlockMeta::default());
         self.state.resize(new, BlockState::Free);
         self.free_pos.resize(new, NOT_FREE);
         self.free.reserve_exact(extra);
@@ -468,12 +502,12 @@ impl BlockPool {
     /// A message naming the broken invariant and the block.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let n = self.num_blocks();
-        if self.refcount.len() != n || self.free_pos.len() != n {
+        if self.meta.len() != n || self.free_pos.len() != n {
             return Err("array lengths differ".into());
         }
         let mut cached = 0;
         for b in 0..n {
-            let (st, rc, pos) = (self.state[b], self.refcount[b], self.free_pos[b]);
+            let (st, rc, pos) = (self.state[b], self.meta[b].refcount, self.free_pos[b]);
             match st {
                 BlockState::Free => {
                     if rc != 0 {
@@ -569,7 +603,7 @@ mod tests {
             assert_eq!((p.refcount(a).unwrap(), p.refcount(b).unwrap()), (1, 2));
             p.check_invariants().unwrap();
         }
-        p.refcount[a.index()] = u32::MAX - 2;
+        p.meta[a.index()].refcount = u32::MAX - 2;
         assert!(p.incref_all(&[b, a, a]).is_err());
         assert_eq!(
             (p.refcount(a).unwrap(), p.refcount(b).unwrap()),
