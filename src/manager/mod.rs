@@ -79,38 +79,73 @@ impl Hasher for SeqIdHasher {
 }
 
 /// One flag per block of the arena: a set of blocks that answers `contains` with one
-/// byte read (no hashing: asked on every release of a shared block).
+/// byte read, or none while the set is empty (no hashing: asked on every release of
+/// a shared block).
 #[derive(Debug, Clone, Default)]
-pub(crate) struct BlockFlags(Vec<bool>);
+pub(crate) struct BlockFlags {
+    flags: Vec<bool>,
+    /// Flags set: while none is (the usual case), a question costs no memory read.
+    set: usize,
+}
 
 impl BlockFlags {
     pub(crate) fn new(num_blocks: usize) -> Self {
-        BlockFlags(vec![false; num_blocks])
+        BlockFlags {
+            flags: vec![false; num_blocks],
+            set: 0,
+        }
     }
 
     /// Sets the flag of `b`; returns whether it was clear.
     pub(crate) fn insert(&mut self, b: BlockId) -> bool {
-        match self.0.get_mut(b.index()) {
+        let newly = match self.flags.get_mut(b.index()) {
             Some(f) => !std::mem::replace(f, true),
             None => false,
-        }
+        };
+        self.set += usize::from(newly);
+        newly
     }
 
     /// Clears the flag of `b`; returns whether it was set.
+    #[inline]
     pub(crate) fn remove(&mut self, b: &BlockId) -> bool {
-        self.0
+        if self.set == 0 {
+            return false;
+        }
+        let was = self
+            .flags
             .get_mut(b.index())
-            .is_some_and(|f| std::mem::replace(f, false))
+            .is_some_and(|f| std::mem::replace(f, false));
+        self.set -= usize::from(was);
+        was
     }
 
     #[inline]
     pub(crate) fn contains(&self, b: &BlockId) -> bool {
-        self.0.get(b.index()).copied().unwrap_or(false)
+        self.set != 0 && self.flags.get(b.index()).copied().unwrap_or(false)
     }
 
     /// Follows the arena to `num_blocks` (new blocks unflagged).
     pub(crate) fn resize(&mut self, num_blocks: usize) {
-        self.0.resize(num_blocks, false);
+        self.flags.resize(num_blocks, false);
+        self.set = self.count();
+    }
+
+    fn count(&self) -> usize {
+        self.flags.iter().filter(|&&f| f).count()
+    }
+
+    /// Whether the count of set flags is exact (for `check_invariants`).
+    pub(crate) fn check(&self) -> std::result::Result<(), String> {
+        let n = self.count();
+        if n == self.set {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} blocks flagged but the count says {}",
+                n, self.set
+            ))
+        }
     }
 }
 
@@ -1252,11 +1287,7 @@ impl KvCacheManager {
     pub(crate) fn release_table(&mut self, table: &[BlockId]) -> Result<()> {
         let mut first_error = None;
         for &b in table.iter().rev() {
-            // `if let` reads the tag only: folding a large `Result` per block through
-            // `and` was most of the cost of a free.
-            if let Err(e) = self.release_block_inline(b) {
-                first_error.get_or_insert(e);
-            }
+            self.release_block_inline(b, &mut first_error);
         }
         first_error.map_or(Ok(()), Err)
     }
@@ -1265,28 +1296,31 @@ impl KvCacheManager {
     /// Whether it is registered is a flag read, not an index lookup.
     #[inline]
     pub(crate) fn release_block(&mut self, b: BlockId) -> Result<()> {
-        self.release_block_inline(b)
+        let mut error = None;
+        self.release_block_inline(b, &mut error);
+        error.map_or(Ok(()), Err)
     }
 
-    /// [`Self::release_block`], inlined into the table loop of a free (no call and no
-    /// `Result` through memory per block).
+    /// [`Self::release_block`], inlined into the table loop of a free. An error goes
+    /// to `first_error` out of line (unless one is there already), so the loop carries
+    /// no `Result` (keeping one in registers spilled the loop's state).
     #[inline(always)]
-    fn release_block_inline(&mut self, b: BlockId) -> Result<()> {
+    fn release_block_inline(&mut self, b: BlockId, first_error: &mut Option<Error>) {
         // Whether the block is registered matters only when its last reference goes.
         let prefix = &self.prefix;
-        let (rc, registered) = self.pool.decref_or_keep(b, || prefix.is_registered(b))?;
+        let (rc, kept, fill) = match self.pool.release(b, || prefix.is_registered(b)) {
+            Ok(r) => r,
+            Err(e) => return note_first_error(first_error, e),
+        };
         if rc == 0 {
-            if let Some(f) = self.pool.fill_mut(b) {
-                self.live_token_slots -= usize::from(std::mem::take(f));
-            }
+            self.live_token_slots -= usize::from(fill);
             self.fill_dirty.remove(&b);
-            if registered {
+            if kept {
                 self.prefix.on_cached(b);
             }
         } else if self.fill_dirty.contains(&b) {
             self.recount_fill(b, rc);
         }
-        Ok(())
     }
 
     /// A holder let go of shared block `b`, whose holders hold different lengths: it
@@ -1341,6 +1375,9 @@ impl KvCacheManager {
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.pool.check_invariants()?;
         self.seqs.check()?;
+        self.fill_dirty
+            .check()
+            .map_err(|e| format!("fill recount flags: {e}"))?;
         let mut refs = vec![0u32; self.num_blocks()];
         let mut fills = vec![0u16; self.num_blocks()];
         let bs = self.block_size();
@@ -1412,6 +1449,13 @@ impl KvCacheManager {
         self.check_prefix_invariants()?;
         self.check_tier_invariants()
     }
+}
+
+/// Keeps the first of a loop's errors (out of line: only a corrupt manager gets here).
+#[cold]
+#[inline(never)]
+fn note_first_error(first_error: &mut Option<Error>, e: Error) {
+    first_error.get_or_insert(e);
 }
 
 /// Takes one block for a table, evicting a cached block when none is free (split

@@ -313,22 +313,33 @@ impl BlockPool {
         Ok(rc)
     }
 
-    /// Drops a reference; at zero the block becomes `Cached` when `keep()` says so,
-    /// else `Free`. `keep` is asked only at zero, so releasing a shared block reads
-    /// nothing but its refcount. Returns the new refcount and whether it was kept.
+    /// Drops a table's reference to `block`. At zero the block becomes `Cached` when
+    /// `keep()` says so, else `Free`, and its fill goes to 0 (no holder holds a slot
+    /// of it). `keep` is asked only at zero, so releasing a shared block reads and
+    /// writes nothing but its record. Returns the references left, whether a block
+    /// released at zero was kept, and the fill it held then (0 when shared).
     ///
     /// # Errors
     /// As [`Self::decref`].
     #[inline(always)]
-    pub(crate) fn decref_or_keep(
+    pub(crate) fn release(
         &mut self,
         block: BlockId,
         keep: impl FnOnce() -> bool,
-    ) -> Result<(u32, bool)> {
-        let rc = self.decref_inner(block)?;
-        if rc != 0 {
-            return Ok((rc, false));
+    ) -> Result<(u32, bool, u16)> {
+        let num_blocks = self.meta.len();
+        let Some(m) = self.meta.get_mut(block.index()) else {
+            return Err(Error::BlockOutOfRange { block, num_blocks });
+        };
+        // As in `decref_inner`: a zero count is the double free.
+        if m.refcount == 0 {
+            return Err(Error::DoubleFree(block));
         }
+        m.refcount -= 1;
+        if m.refcount != 0 {
+            return Ok((m.refcount, false, 0));
+        }
+        let fill = std::mem::take(&mut m.fill);
         let kept = keep();
         if kept {
             self.state[block.index()] = BlockState::Cached;
@@ -336,7 +347,7 @@ impl BlockPool {
         } else {
             self.push_free(block);
         }
-        Ok((0, kept))
+        Ok((0, kept, fill))
     }
 
     #[inline(always)]
