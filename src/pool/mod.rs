@@ -249,41 +249,37 @@ impl BlockPool {
         // that cannot take one undoes the references added before it. (A block listed
         // twice, which only a corrupt table does, is checked at each listing.)
         for (i, &b) in blocks.iter().enumerate() {
-            if let Err(e) = self.incref_checked(b) {
-                for &done in &blocks[..i] {
-                    self.meta[done.index()].refcount -= 1;
-                }
-                return Err(e);
+            match self.meta.get_mut(b.index()) {
+                // Live <=> refcount > 0 (see the module table; `check_invariants` holds
+                // the pool to it), so the refcount alone answers. One comparison
+                // refuses both a count of 0 (`rc - 1` wraps) and one at the bound
+                // `incref_all` has always kept: one reference of headroom.
+                Some(m) if m.refcount.wrapping_sub(1) < u32::MAX - 2 => m.refcount += 1,
+                _ => return Err(self.undo_increfs(&blocks[..i], b)),
             }
         }
         Ok(())
     }
 
-    /// [`Self::incref`] without the new count, for [`Self::incref_all`]'s loop.
-    #[inline(always)]
-    fn incref_checked(&mut self, b: BlockId) -> Result<()> {
-        let num_blocks = self.meta.len();
-        let Some(BlockMeta { refcount: rc, .. }) = self.meta.get_mut(b.index()) else {
-            return Err(Error::BlockOutOfRange {
-                block: b,
-                num_blocks,
-            });
+    /// [`Self::incref_all`] refused `bad`: the error (read before anything changes
+    /// back), then the references added to `done` are taken off again.
+    #[cold]
+    #[inline(never)]
+    fn undo_increfs(&mut self, done: &[BlockId], bad: BlockId) -> Error {
+        let error = match self.meta.get(bad.index()) {
+            None => Error::BlockOutOfRange {
+                block: bad,
+                num_blocks: self.meta.len(),
+            },
+            Some(m) if m.refcount == 0 => {
+                Error::CorruptBlockTable(format!("incref of non-live block {bad}"))
+            }
+            Some(_) => Error::CorruptBlockTable(format!("refcount overflow on block {bad}")),
         };
-        // Live <=> refcount > 0 (see the module table; `check_invariants` holds the
-        // pool to it), so the refcount alone answers and a fork reads one array.
-        if *rc == 0 {
-            return Err(Error::CorruptBlockTable(format!(
-                "incref of non-live block {b}"
-            )));
+        for &d in done {
+            self.meta[d.index()].refcount -= 1;
         }
-        // The bound `incref_all` has always kept: one reference of headroom.
-        if *rc >= u32::MAX - 1 {
-            return Err(Error::CorruptBlockTable(format!(
-                "refcount overflow on block {b}"
-            )));
-        }
-        *rc += 1;
-        Ok(())
+        error
     }
 
     /// Drops a reference; at zero the block goes to the free list. Returns the new count.
@@ -356,7 +352,7 @@ impl BlockPool {
         let Some(BlockMeta { refcount: rc, .. }) = self.meta.get_mut(block.index()) else {
             return Err(Error::BlockOutOfRange { block, num_blocks });
         };
-        // Live <=> refcount > 0 (as in `incref_checked`): free and cached blocks have
+        // Live <=> refcount > 0 (as in `incref_all`): free and cached blocks have
         // none, so a zero count is the double free, whatever the state says.
         if *rc == 0 {
             return Err(Error::DoubleFree(block));
