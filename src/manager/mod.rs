@@ -157,32 +157,38 @@ pub(crate) type SeqMap<V> = HashMap<SeqId, V, BuildHasherDefault<SeqIdHasher>>;
 /// `computed <= computed + scheduled <= num_tokens`: tokens whose K/V is written,
 /// then the tokens of this step (slots handed out, not yet committed), then lookahead
 /// slots (allocated, never context). The table covers exactly `num_tokens`.
+///
+/// In declaration order (`repr(C)`): what the decode step reads (the table, the three
+/// lengths, the prefix state and whether a swap is in flight) fills the first 64
+/// bytes, so an append reads one line of it (`seqs::Slot` is line-aligned).
 #[derive(Debug, Clone, Default)]
+#[repr(C)]
 pub(crate) struct Sequence {
     /// One entry per block of `num_tokens`; the first `released` are
     /// [`BlockId::RELEASED`] (given back by a sliding window).
     pub(crate) table: Vec<BlockId>,
-    /// Leading table entries given back because every token in them fell out of the
-    /// sliding window (always 0 without one). Holes are only ever a prefix.
-    pub(crate) released: usize,
     /// Allocated token slots.
     pub(crate) num_tokens: usize,
     /// Tokens whose K/V the engine reported written ([`KvCacheManager::commit`]).
     pub(crate) computed: usize,
     /// Tokens reserved by [`KvCacheManager::reserve`] and not yet committed.
     pub(crate) scheduled: usize,
-    /// Registration stopped for good (a duplicate block, a swap-in): token ids that
-    /// arrive later are not recorded.
-    pub(crate) registration_stopped: bool,
     /// Prefix-cache progress; `None` when the token ids are unknown.
     pub(crate) prefix: Option<Box<prefix::SeqPrefix>>,
+    /// A swap transfer of this sequence that has not completed yet (its direction,
+    /// which tells `None` apart, comes first: byte 56).
+    pub(crate) in_flight: Option<swap::InFlight>,
+    /// Leading table entries given back because every token in them fell out of the
+    /// sliding window (always 0 without one). Holes are only ever a prefix.
+    pub(crate) released: usize,
     /// The admission this sequence descends from (forks inherit it): its fork group
     /// and its age for preemption.
     pub(crate) admission: u64,
     /// Preemption priority set by the engine (lower is preempted first).
     pub(crate) preempt_priority: i32,
-    /// A swap transfer of this sequence that has not completed yet.
-    pub(crate) in_flight: Option<swap::InFlight>,
+    /// Registration stopped for good (a duplicate block, a swap-in): token ids that
+    /// arrive later are not recorded.
+    pub(crate) registration_stopped: bool,
 }
 
 /// Snapshot of the manager's counters.

@@ -11,13 +11,16 @@ use super::{SeqMap, Sequence};
 use crate::error::{Error, Result};
 use crate::ids::{SeqHandle, SeqId};
 
+/// Aligned to a cache line: the sequence's decode fields are its first line (see
+/// `Sequence`), the generation in the second, an aligned pair.
 #[derive(Debug, Clone)]
+#[repr(C, align(64))]
 struct Slot {
-    id: SeqId,
+    seq: Option<Sequence>,
     generation: u32,
+    id: SeqId,
     /// Marks the batch call that last named this slot (duplicate detection).
     stamp: u64,
-    seq: Option<Sequence>,
 }
 
 /// See the module docs. The map-like methods mirror `HashMap`'s so that callers

@@ -126,10 +126,13 @@ pub struct TierStats {
 }
 
 /// A swap of a sequence that has not completed.
+/// The direction first (`repr(C)`): it is what tells a sequence's `in_flight: None`
+/// apart, and it sits in the sequence's first cache line (see `Sequence`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C)]
 pub(crate) struct InFlight {
-    pub(crate) ticket: SwapTicket,
     pub(crate) direction: SwapDirection,
+    pub(crate) ticket: SwapTicket,
 }
 
 /// A sequence with no device blocks.
