@@ -217,7 +217,9 @@ impl PrefixIndex {
             cold: HashMap::new(),
             registered: vec![false; num_blocks],
             tokens: vec![0; num_blocks * block_size],
-            by_hash: HashIndex::default(),
+            // Sized for the whole arena now: growing it rehashes every registered
+            // hash (a pass over a map of megabytes) in the middle of serving.
+            by_hash: HashIndex::with_capacity_and_hasher(num_blocks, Default::default()),
             candidates: Candidates::new(num_blocks),
             pins: HashMap::new(),
             next_pin: 0,
@@ -788,6 +790,8 @@ impl PrefixIndex {
         self.registered.resize(num_blocks, false);
         self.candidates.resize(num_blocks);
         self.tokens.resize(num_blocks * self.block_size, 0);
+        self.by_hash
+            .reserve(num_blocks.saturating_sub(self.by_hash.len()));
         Ok(())
     }
 
