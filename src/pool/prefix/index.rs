@@ -491,8 +491,10 @@ impl PrefixIndex {
         tokens: &[u32],
         priority: i32,
     ) -> bool {
+        // The dense flag, not the entry: the entry's line is written below anyway, and
+        // reading it first costs a cache miss on every registration.
         if tokens.len() != self.block_size
-            || self.entry(b).is_some()
+            || self.is_registered(b)
             || b.index() >= self.entries.len()
         {
             return false;
