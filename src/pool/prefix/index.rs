@@ -34,7 +34,9 @@ use crate::ids::{BlockId, PinId};
 use crate::pool::{BlockPool, BlockState};
 
 mod spill;
+mod tokens;
 pub(crate) use spill::SavedEntry;
+use tokens::TokenStore;
 
 /// `BlockHash` values are already mixed; hashing them again is wasted work.
 #[derive(Default)]
@@ -181,7 +183,7 @@ pub(crate) struct PrefixIndex {
     /// every block release asks, answered without touching the (large) entry.
     registered: Vec<bool>,
     /// `block_size` token ids per block, meaningful for registered blocks.
-    tokens: Vec<u32>,
+    tokens: TokenStore,
     by_hash: HashIndex,
     candidates: Candidates,
     pins: HashMap<PinId, BlockHash>,
@@ -216,7 +218,7 @@ impl PrefixIndex {
             entries: vec![None; num_blocks],
             cold: HashMap::new(),
             registered: vec![false; num_blocks],
-            tokens: vec![0; num_blocks * block_size],
+            tokens: TokenStore::new(num_blocks, block_size),
             // Sized for the whole arena now: growing it rehashes every registered
             // hash (a pass over a map of megabytes) in the middle of serving.
             by_hash: HashIndex::with_capacity_and_hasher(num_blocks, Default::default()),
@@ -408,10 +410,7 @@ impl PrefixIndex {
 
     /// The token ids stored for `b` (meaningful when registered).
     pub(crate) fn block_tokens(&self, b: BlockId) -> &[u32] {
-        let start = b.index() * self.block_size;
-        self.tokens
-            .get(start..start + self.block_size)
-            .unwrap_or(&[])
+        self.tokens.block(b.index())
     }
 
     /// Whether `b` has an entry (a flag read, no lookup: on every block release).
@@ -564,8 +563,7 @@ impl PrefixIndex {
             is_candidate: false,
             has_cold,
         });
-        let start = b.index() * self.block_size;
-        self.tokens[start..start + self.block_size].copy_from_slice(tokens);
+        self.tokens.store(b.index(), tokens);
         self.counters.stored_blocks += 1;
         self.emit_stored(b);
         true
@@ -726,9 +724,7 @@ impl PrefixIndex {
         };
         self.registered[src.index()] = false;
         self.registered[dst.index()] = true;
-        let bs = self.block_size;
-        self.tokens
-            .copy_within(src.index() * bs..src.index() * bs + bs, dst.index() * bs);
+        self.tokens.copy_block(src.index(), dst.index());
         self.by_hash.insert(e.hash, dst);
         if e.has_cold {
             if let Some(cold) = self.cold.remove(&src) {
@@ -791,7 +787,7 @@ impl PrefixIndex {
         self.cold.retain(|b, _| b.index() < num_blocks);
         self.registered.resize(num_blocks, false);
         self.candidates.resize(num_blocks);
-        self.tokens.resize(num_blocks * self.block_size, 0);
+        self.tokens.resize(num_blocks);
         self.by_hash
             .reserve(num_blocks.saturating_sub(self.by_hash.len()));
         Ok(())
