@@ -335,6 +335,8 @@ struct RunStats {
     recomputes_host_full: usize,
     recomputed_tokens: usize,
     readmissions: usize,
+    /// Re-admissions that joined a sibling's fork group again.
+    rejoined: usize,
     readmitted_cached_tokens: usize,
     batch_trimmed: usize,
     aborted_requests: usize,
@@ -786,6 +788,20 @@ impl<'a> Engine<'a> {
                     let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
                     s.ids_known = len;
                     s.registering = true;
+                    // Re-admitted alone it would be a fork group of its own: join a
+                    // sibling the manager still holds, so that preemption keeps the
+                    // request's samples together again.
+                    let req = s.req;
+                    let sibling = self
+                        .seqs
+                        .iter()
+                        .filter(|&(&id, st)| id != seq && st.req == req && !st.done)
+                        .map(|(&id, _)| id)
+                        .find(|&id| self.kv.num_tokens(id).is_ok());
+                    if let Some(sibling) = sibling {
+                        self.kv.join_fork_group(seq, sibling)?;
+                        self.stats.rejoined += 1;
+                    }
                 }
             }
             self.running.push(seq);
@@ -1086,8 +1102,8 @@ fn print_summary(cfg: &RunConfig, s: &RunStats) {
     );
     println!(
         "  preemptions: {} by swap ({} swapped back in), {} by recompute ({} with the host tier full; \
-         {} computed tokens dropped, {} re-admissions got {} tokens from the prefix cache); \
-         batch trimmed {} times",
+         {} computed tokens dropped, {} re-admissions got {} tokens from the prefix cache, \
+         {} joined a sibling's fork group); batch trimmed {} times",
         s.swap_outs,
         s.swap_ins,
         s.recomputes,
@@ -1095,6 +1111,7 @@ fn print_summary(cfg: &RunConfig, s: &RunStats) {
         s.recomputed_tokens,
         s.readmissions,
         s.readmitted_cached_tokens,
+        s.rejoined,
         s.batch_trimmed
     );
     println!(

@@ -869,6 +869,51 @@ fn preemption_takes_the_lowest_priority_then_the_newest_group() {
     r.check();
 }
 
+/// Siblings a recompute sent back are re-admitted one by one, each its own group;
+/// `join_fork_group` makes them one group again, so the next preemption takes them
+/// together instead of splitting the request.
+#[test]
+fn rejoined_siblings_are_preempted_together_after_a_recompute() {
+    let fast_prefill = model(1.0, 1e9);
+    let readmit = |r: &mut Rig| {
+        for s in [1, 2] {
+            r.values.remove(&SeqId(s));
+            r.admit(SeqId(s), 8).unwrap();
+        }
+    };
+    for join in [false, true] {
+        let mut r = rig(16, 0, 0);
+        r.admit(SeqId(1), 8).unwrap();
+        r.fork(SeqId(1), SeqId(2)).unwrap();
+        let p = r.kv.preempt_for(16, &fast_prefill).unwrap();
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].seqs, vec![SeqId(1), SeqId(2)], "one group");
+        readmit(&mut r);
+        r.admit(SeqId(3), 4).unwrap(); // a newer, smaller request
+        if join {
+            let before = snapshot(&r.kv);
+            assert_eq!(
+                r.kv.join_fork_group(SeqId(2), SeqId(9)),
+                Err(Error::UnknownSequence(SeqId(9)))
+            );
+            assert!(r.kv.join_fork_group(SeqId(9), SeqId(1)).is_err());
+            assert_eq!(snapshot(&r.kv), before);
+            r.kv.join_fork_group(SeqId(2), SeqId(1)).unwrap();
+        }
+        // Room for 8 more blocks: the newest group goes first, then as few as needed.
+        let p = r.kv.preempt_for(16 - 5 + 2, &fast_prefill).unwrap();
+        let taken: Vec<Vec<SeqId>> = p.iter().map(|e| e.seqs.clone()).collect();
+        if join {
+            assert_eq!(taken, vec![vec![SeqId(3)], vec![SeqId(1), SeqId(2)]]);
+        } else {
+            // Re-admitted apart, 2 (newer than 1) goes alone and 1 stays.
+            assert_eq!(taken, vec![vec![SeqId(3)], vec![SeqId(2)]]);
+            assert!(r.kv.contains(SeqId(1)));
+        }
+        r.check();
+    }
+}
+
 #[test]
 fn cost_model_chooses_recompute_when_prefill_is_cheaper_and_when_the_host_is_full() {
     let mut r = rig(8, 2, 0);

@@ -1123,6 +1123,33 @@ impl KvCacheManager {
         result
     }
 
+    /// Puts `seq` in the fork group of `with` (see [`crate::manager::preempt`]: a
+    /// group is preempted as a whole, and its age is its admission's). Siblings that a
+    /// recompute preemption sent back are re-admitted one by one, each starting a
+    /// group of its own; joining them again keeps preemption from splitting a request
+    /// whose samples must all finish. `with` may be swapped out. Blocks are not
+    /// shared by this (a re-admission shares its prompt through the prefix cache).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`] for either; [`Error::SequenceState`] when `seq` is
+    /// swapped out or has a swap in flight. Nothing changed on error.
+    pub fn join_fork_group(&mut self, seq: SeqId, with: SeqId) -> Result<()> {
+        let admission = match self.seqs.get(&with) {
+            Some(s) => s.admission,
+            None => self
+                .tiers
+                .swapped
+                .get(&with)
+                .map(|s| s.admission)
+                .ok_or(Error::UnknownSequence(with))?,
+        };
+        self.resident(seq)?;
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.admission = admission;
+        }
+        Ok(())
+    }
+
     /// Forks `parent` into a new sequence `child` that shares every block
     /// (parallel sampling, beam search). Copy-on-write happens on the next append.
     ///
