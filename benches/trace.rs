@@ -6,8 +6,9 @@
 //! The trace, generated from a fixed seed: 2,000 sequences, at most 256 running,
 //! prompts of 128-2,048 tokens, 64-1,024 decode tokens each, block size 16, 65,536
 //! blocks. Half the prompts start with one of 8 shared 1,024-token prefixes. Each step
-//! appends one token to every running sequence; finished sequences are freed at the
-//! end of the step, then new ones are admitted. Admission, appends and frees are all
+//! appends one token to every running sequence (their ids come as one dense array per
+//! step, as a sampler hands them over); finished sequences are freed at the end of the
+//! step, then new ones are admitted. Admission, appends and frees are all
 //! timed; the figure is the time of the whole replay over the decode tokens appended.
 //!
 //! The paged manager runs twice per setting: through the per-sequence calls
@@ -71,6 +72,12 @@ struct Trace {
     seqs: Vec<SeqSpec>,
     tokens: Vec<u32>,
     decode_tokens: usize,
+    /// The ids each step samples, in batch order, one step after another: what an
+    /// engine's sampler hands over as one dense array per step. (The schedule depends
+    /// on the trace alone, so it is recorded once; reading each id from its sequence's
+    /// place in `tokens` instead cost the replay a cache miss per token that no engine
+    /// pays.)
+    sampled: Vec<u32>,
 }
 
 impl Trace {
@@ -104,11 +111,16 @@ impl Trace {
                 decode,
             });
         }
-        Trace {
+        let mut trace = Trace {
             seqs,
             tokens,
             decode_tokens,
-        }
+            sampled: Vec::new(),
+        };
+        let mut record = Recorder(Vec::with_capacity(decode_tokens));
+        replay(&trace, &mut record);
+        trace.sampled = record.0;
+        trace
     }
 
     fn prompt(&self, i: usize) -> &[u32] {
@@ -127,9 +139,38 @@ impl Trace {
 trait Replay {
     fn admit(&mut self, trace: &Trace, i: usize);
     /// Appends the token at decode step `done[k]` to `running[k]`, for every `k`, and
-    /// fills the step's slot mapping.
-    fn step(&mut self, trace: &Trace, running: &[usize], done: &[usize], slots: &mut Vec<Slot>);
+    /// fills the step's slot mapping; `sampled[k]` is that token's id (empty while the
+    /// trace records them).
+    fn step(
+        &mut self,
+        trace: &Trace,
+        running: &[usize],
+        done: &[usize],
+        sampled: &[u32],
+        slots: &mut Vec<Slot>,
+    );
     fn free(&mut self, i: usize);
+}
+
+/// Records the ids the trace samples, step by step in batch order (`Trace::sampled`).
+struct Recorder(Vec<u32>);
+
+impl Replay for Recorder {
+    fn admit(&mut self, _: &Trace, _: usize) {}
+    fn step(
+        &mut self,
+        trace: &Trace,
+        running: &[usize],
+        done: &[usize],
+        _: &[u32],
+        slots: &mut Vec<Slot>,
+    ) {
+        for (&i, &j) in running.iter().zip(done) {
+            self.0.push(trace.decode_token(i, j));
+            slots.push(Slot(0));
+        }
+    }
+    fn free(&mut self, _: usize) {}
 }
 
 /// Replays the whole trace; returns the wall time (admission, appends and frees).
@@ -138,6 +179,7 @@ fn replay(trace: &Trace, cache: &mut impl Replay) -> Duration {
     let mut done: Vec<usize> = Vec::with_capacity(MAX_RUNNING);
     let mut slots: Vec<Slot> = Vec::with_capacity(MAX_RUNNING);
     let mut next = 0;
+    let mut cursor = 0;
     let t = Instant::now();
     while next < trace.seqs.len() && running.len() < MAX_RUNNING {
         cache.admit(trace, next);
@@ -147,7 +189,12 @@ fn replay(trace: &Trace, cache: &mut impl Replay) -> Duration {
     }
     while !running.is_empty() {
         slots.clear();
-        cache.step(trace, &running, &done, &mut slots);
+        let sampled = trace
+            .sampled
+            .get(cursor..cursor + running.len())
+            .unwrap_or(&[]);
+        cursor += running.len();
+        cache.step(trace, &running, &done, sampled, &mut slots);
         debug_assert_eq!(slots.len(), running.len());
         black_box(&slots);
         let mut k = 0;
@@ -205,7 +252,6 @@ struct Paged {
     /// Handle of each trace sequence, set at admission (batch mode).
     handles: Vec<Option<SeqHandle>>,
     step_handles: Vec<SeqHandle>,
-    step_tokens: Vec<u32>,
 }
 
 impl Paged {
@@ -218,7 +264,6 @@ impl Paged {
             copies: CopyPlan::new(),
             handles: vec![None; NUM_SEQS],
             step_handles: Vec::with_capacity(MAX_RUNNING),
-            step_tokens: Vec::with_capacity(MAX_RUNNING),
         }
     }
 }
@@ -240,26 +285,21 @@ impl Replay for Paged {
             self.handles[i] = Some(self.kv.handle(id).unwrap());
         }
     }
-    fn step(&mut self, trace: &Trace, running: &[usize], done: &[usize], slots: &mut Vec<Slot>) {
+    fn step(
+        &mut self,
+        _: &Trace,
+        running: &[usize],
+        _: &[usize],
+        sampled: &[u32],
+        slots: &mut Vec<Slot>,
+    ) {
         if self.batch {
             self.step_handles.clear();
             self.step_handles
                 .extend(running.iter().map(|&i| self.handles[i].unwrap()));
             if self.prefix {
-                self.step_tokens.clear();
-                self.step_tokens.extend(
-                    running
-                        .iter()
-                        .zip(done)
-                        .map(|(&i, &j)| trace.decode_token(i, j)),
-                );
                 self.kv
-                    .append_tokens_batch(
-                        &self.step_handles,
-                        &self.step_tokens,
-                        slots,
-                        &mut self.copies,
-                    )
+                    .append_tokens_batch(&self.step_handles, sampled, slots, &mut self.copies)
                     .unwrap();
             } else {
                 self.kv
@@ -268,10 +308,9 @@ impl Replay for Paged {
             }
             return;
         }
-        for (&i, &j) in running.iter().zip(done) {
+        for (&i, &t) in running.iter().zip(sampled) {
             let id = SeqId(i as u64);
             if self.prefix {
-                let t = trace.decode_token(i, j);
                 self.kv
                     .append_tokens(id, &[t], &mut self.slots, &mut self.copies)
                     .unwrap();
@@ -301,7 +340,14 @@ impl Replay for Contiguous {
             .admit(SeqId(i as u64), trace.seqs[i].prompt, &mut self.slots)
             .unwrap();
     }
-    fn step(&mut self, _: &Trace, running: &[usize], _: &[usize], slots: &mut Vec<Slot>) {
+    fn step(
+        &mut self,
+        _: &Trace,
+        running: &[usize],
+        _: &[usize],
+        _: &[u32],
+        slots: &mut Vec<Slot>,
+    ) {
         for &i in running {
             self.cc
                 .append(SeqId(i as u64), 1, &mut self.slots, &mut self.copies)
@@ -353,7 +399,14 @@ impl Replay for Bare {
         }
         black_box(&self.slots);
     }
-    fn step(&mut self, _: &Trace, running: &[usize], _: &[usize], slots: &mut Vec<Slot>) {
+    fn step(
+        &mut self,
+        _: &Trace,
+        running: &[usize],
+        _: &[usize],
+        _: &[u32],
+        slots: &mut Vec<Slot>,
+    ) {
         for &i in running {
             let s = self.push_token(i);
             slots.push(s);
