@@ -135,20 +135,19 @@ impl Trace {
     }
 }
 
+/// One decode step: the token at decode step `done[k]` goes to sequence `running[k]`,
+/// and `sampled[k]` is its id (empty while the trace records them).
+struct Step<'a> {
+    running: &'a [usize],
+    done: &'a [usize],
+    sampled: &'a [u32],
+}
+
 /// What a cache must do to replay the trace; `i` is the sequence's index in the trace.
 trait Replay {
     fn admit(&mut self, trace: &Trace, i: usize);
-    /// Appends the token at decode step `done[k]` to `running[k]`, for every `k`, and
-    /// fills the step's slot mapping; `sampled[k]` is that token's id (empty while the
-    /// trace records them).
-    fn step(
-        &mut self,
-        trace: &Trace,
-        running: &[usize],
-        done: &[usize],
-        sampled: &[u32],
-        slots: &mut Vec<Slot>,
-    );
+    /// Appends one token to every sequence of `step` and fills the step's slot mapping.
+    fn step(&mut self, trace: &Trace, step: &Step<'_>, slots: &mut Vec<Slot>);
     fn free(&mut self, i: usize);
 }
 
@@ -157,15 +156,8 @@ struct Recorder(Vec<u32>);
 
 impl Replay for Recorder {
     fn admit(&mut self, _: &Trace, _: usize) {}
-    fn step(
-        &mut self,
-        trace: &Trace,
-        running: &[usize],
-        done: &[usize],
-        _: &[u32],
-        slots: &mut Vec<Slot>,
-    ) {
-        for (&i, &j) in running.iter().zip(done) {
+    fn step(&mut self, trace: &Trace, step: &Step<'_>, slots: &mut Vec<Slot>) {
+        for (&i, &j) in step.running.iter().zip(step.done) {
             self.0.push(trace.decode_token(i, j));
             slots.push(Slot(0));
         }
@@ -194,7 +186,12 @@ fn replay(trace: &Trace, cache: &mut impl Replay) -> Duration {
             .get(cursor..cursor + running.len())
             .unwrap_or(&[]);
         cursor += running.len();
-        cache.step(trace, &running, &done, sampled, &mut slots);
+        let step = Step {
+            running: &running,
+            done: &done,
+            sampled,
+        };
+        cache.step(trace, &step, &mut slots);
         debug_assert_eq!(slots.len(), running.len());
         black_box(&slots);
         let mut k = 0;
@@ -285,14 +282,8 @@ impl Replay for Paged {
             self.handles[i] = Some(self.kv.handle(id).unwrap());
         }
     }
-    fn step(
-        &mut self,
-        _: &Trace,
-        running: &[usize],
-        _: &[usize],
-        sampled: &[u32],
-        slots: &mut Vec<Slot>,
-    ) {
+    fn step(&mut self, _: &Trace, step: &Step<'_>, slots: &mut Vec<Slot>) {
+        let (running, sampled) = (step.running, step.sampled);
         if self.batch {
             self.step_handles.clear();
             self.step_handles
@@ -340,15 +331,8 @@ impl Replay for Contiguous {
             .admit(SeqId(i as u64), trace.seqs[i].prompt, &mut self.slots)
             .unwrap();
     }
-    fn step(
-        &mut self,
-        _: &Trace,
-        running: &[usize],
-        _: &[usize],
-        _: &[u32],
-        slots: &mut Vec<Slot>,
-    ) {
-        for &i in running {
+    fn step(&mut self, _: &Trace, step: &Step<'_>, slots: &mut Vec<Slot>) {
+        for &i in step.running {
             self.cc
                 .append(SeqId(i as u64), 1, &mut self.slots, &mut self.copies)
                 .unwrap();
@@ -399,15 +383,8 @@ impl Replay for Bare {
         }
         black_box(&self.slots);
     }
-    fn step(
-        &mut self,
-        _: &Trace,
-        running: &[usize],
-        _: &[usize],
-        _: &[u32],
-        slots: &mut Vec<Slot>,
-    ) {
-        for &i in running {
+    fn step(&mut self, _: &Trace, step: &Step<'_>, slots: &mut Vec<Slot>) {
+        for &i in step.running {
             let s = self.push_token(i);
             slots.push(s);
         }
