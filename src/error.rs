@@ -79,9 +79,9 @@ pub enum Error {
         num_blocks: usize,
     },
     /// A swap plan names a host-tier block past the storage's host tier: the manager's
-    /// host tier is larger than the storage's (a hand-written
-    /// [`crate::TierConfig::num_host_blocks`]; [`crate::TierConfig::for_storage`]
-    /// takes it from the storage).
+    /// host tier is larger than the storage's (a hand-written `TierConfig` whose
+    /// `num_host_blocks` disagrees; `TierConfig::for_storage` takes it from the
+    /// storage). Plain names, not links: this module sits below the manager.
     #[error(
         "host block {block} is outside the storage's host tier of {host_blocks} blocks \
          (the manager's TierConfig::num_host_blocks must not exceed the storage's \
