@@ -21,7 +21,6 @@
 //! `candidates`.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use super::candidates::Candidates;
@@ -34,29 +33,12 @@ use crate::ids::{BlockId, PinId};
 use crate::pool::{BlockPool, BlockState};
 
 mod spill;
+mod table;
 mod tokens;
+use crate::pool::prefetch;
 pub(crate) use spill::SavedEntry;
+use table::HashSlots;
 use tokens::TokenStore;
-
-/// `BlockHash` values are already mixed; hashing them again is wasted work.
-#[derive(Default)]
-struct PassThrough(u64);
-
-impl Hasher for PassThrough {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
-
-type HashIndex = HashMap<BlockHash, BlockId, BuildHasherDefault<PassThrough>>;
 
 /// A request's namespace: the exact key bytes (compared on every first-block hit) and
 /// the hash seed the first block chains from.
@@ -184,7 +166,7 @@ pub(crate) struct PrefixIndex {
     registered: Vec<bool>,
     /// `block_size` token ids per block, meaningful for registered blocks.
     tokens: TokenStore,
-    by_hash: HashIndex,
+    by_hash: HashSlots,
     candidates: Candidates,
     pins: HashMap<PinId, BlockHash>,
     next_pin: u64,
@@ -219,9 +201,9 @@ impl PrefixIndex {
             cold: HashMap::new(),
             registered: vec![false; num_blocks],
             tokens: TokenStore::new(num_blocks, block_size),
-            // Sized for the whole arena now: growing it rehashes every registered
-            // hash (a pass over a map of megabytes) in the middle of serving.
-            by_hash: HashIndex::with_capacity_and_hasher(num_blocks, Default::default()),
+            // Sized for the whole arena now: growing it re-places every registered
+            // hash in the middle of serving.
+            by_hash: HashSlots::new(num_blocks),
             candidates: Candidates::new(num_blocks),
             pins: HashMap::new(),
             next_pin: 0,
@@ -339,7 +321,7 @@ impl PrefixIndex {
                 .config
                 .hasher
                 .block(found.last.unwrap_or(ns.seed), chunk, extra);
-            let Some(&b) = self.by_hash.get(&h) else {
+            let Some(b) = self.by_hash.get(h, |b| self.hash_of(b)) else {
                 break;
             };
             if !self.confirms(b, found.last, ns, chunk, extra) {
@@ -429,7 +411,7 @@ impl PrefixIndex {
 
     /// The block registered under `hash`.
     pub(crate) fn block_of(&self, hash: BlockHash) -> Option<BlockId> {
-        self.by_hash.get(&hash).copied()
+        self.by_hash.get(hash, |b| self.hash_of(b))
     }
 
     /// Cached blocks that are pinned (kept, but not available).
@@ -509,21 +491,18 @@ impl PrefixIndex {
             {
                 Some(found) => found,
                 None => {
-                    if self.by_hash.contains_key(&hash) {
+                    if self.block_of(hash).is_some() {
                         self.counters.duplicate_blocks += 1;
                     }
                     return false;
                 }
             },
         };
-        match self.by_hash.entry(hash) {
-            std::collections::hash_map::Entry::Occupied(_) => {
-                self.counters.duplicate_blocks += 1;
-                return false;
-            }
-            std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert(b);
-            }
+        let entries = &self.entries;
+        let hash_at = |b: BlockId| Some(entries.get(b.index())?.as_ref()?.hash);
+        if self.by_hash.insert(hash, b, hash_at).is_err() {
+            self.counters.duplicate_blocks += 1;
+            return false;
         }
         // Every check passed: from here on the registration completes.
         if let Some(pb) = parent_block {
@@ -622,7 +601,7 @@ impl PrefixIndex {
         if e.has_cold {
             self.cold.remove(&b);
         }
-        self.by_hash.remove(&e.hash);
+        self.by_hash.remove(e.hash, b);
         self.config.policy.on_evict(key);
         self.counters.evicted_blocks += 1;
         if announce {
@@ -640,8 +619,23 @@ impl PrefixIndex {
                 pe.children -= 1;
             }
             self.offer_candidate(pb);
+            self.prefetch_eviction(pb);
         }
         Some(b)
+    }
+
+    /// Eviction walks a released chain from its leaf up: the parent a victim leaves
+    /// behind is almost always the next victim. Its slot in `by_hash` and its own
+    /// parent's entry are what that eviction will read (both long cold), so their
+    /// lines are requested now, while the caller does a block's worth of other work.
+    fn prefetch_eviction(&self, next: BlockId) {
+        let Some(e) = self.entry(next) else { return };
+        if e.children == 0 && e.is_candidate {
+            self.by_hash.prefetch(e.hash);
+            if let Some(g) = e.parent_hint().and_then(|g| self.entries.get(g.index())) {
+                prefetch(g);
+            }
+        }
     }
 
     /// Pins the chain `blocks` (first block first) whose last hash is `last`.
@@ -725,7 +719,9 @@ impl PrefixIndex {
         self.registered[src.index()] = false;
         self.registered[dst.index()] = true;
         self.tokens.copy_block(src.index(), dst.index());
-        self.by_hash.insert(e.hash, dst);
+        // `src`'s hash leads to `src` in a consistent index (`check_invariants`);
+        // the table changes only when it does.
+        self.by_hash.repoint(e.hash, src, dst);
         if e.has_cold {
             if let Some(cold) = self.cold.remove(&src) {
                 self.cold.insert(dst, cold);
@@ -788,8 +784,7 @@ impl PrefixIndex {
         self.registered.resize(num_blocks, false);
         self.candidates.resize(num_blocks);
         self.tokens.resize(num_blocks);
-        self.by_hash
-            .reserve(num_blocks.saturating_sub(self.by_hash.len()));
+        self.by_hash.reserve(num_blocks);
         Ok(())
     }
 
@@ -906,7 +901,7 @@ impl PrefixIndex {
             if !e.has_parent && e.parent_hash != BlockHash(0) {
                 return Err(format!("first block {b} carries a parent hash"));
             }
-            if self.by_hash.get(&e.hash) != Some(&b) {
+            if self.block_of(e.hash) != Some(b) {
                 return Err(format!(
                     "block {b} hash {} does not lead back to it",
                     e.hash
