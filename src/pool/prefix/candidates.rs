@@ -106,6 +106,14 @@ impl Candidates {
         self.listed_len += 1;
     }
 
+    /// Hints the CPU to fetch block `b`'s record (an insert of `b` is coming).
+    #[inline]
+    pub(crate) fn prefetch(&self, b: u32) {
+        if let Some(n) = self.nodes.get(b as usize) {
+            crate::pool::prefetch(n);
+        }
+    }
+
     /// Removes block `b`, a candidate with `priority` and `key`.
     pub(crate) fn remove(&mut self, priority: i32, key: u64, b: u32) {
         if self.nodes.get(b as usize).is_some_and(|n| n.listed) {

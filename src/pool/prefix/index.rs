@@ -625,15 +625,19 @@ impl PrefixIndex {
     }
 
     /// Eviction walks a released chain from its leaf up: the parent a victim leaves
-    /// behind is almost always the next victim. Its slot in `by_hash` and its own
-    /// parent's entry are what that eviction will read (both long cold), so their
-    /// lines are requested now, while the caller does a block's worth of other work.
+    /// behind is almost always the next victim. Its slot in `by_hash`, its own
+    /// parent's entry and that parent's candidate record are what that eviction will
+    /// read and write (all long cold), so their lines are requested now, while the
+    /// caller does a block's worth of other work.
     fn prefetch_eviction(&self, next: BlockId) {
         let Some(e) = self.entry(next) else { return };
         if e.children == 0 && e.is_candidate {
             self.by_hash.prefetch(e.hash);
-            if let Some(g) = e.parent_hint().and_then(|g| self.entries.get(g.index())) {
-                prefetch(g);
+            if let Some(g) = e.parent_hint() {
+                if let Some(ge) = self.entries.get(g.index()) {
+                    prefetch(ge);
+                }
+                self.candidates.prefetch(g.0);
             }
         }
     }
