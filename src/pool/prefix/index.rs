@@ -485,6 +485,11 @@ impl PrefixIndex {
         {
             return false;
         }
+        // The probe below usually misses the cache: ask for its line first, and write
+        // the ids meanwhile (an unregistered block's stored ids mean nothing, so a
+        // refused registration leaves nothing behind).
+        self.by_hash.prefetch(hash);
+        self.tokens.store(b.index(), tokens);
         // The parent first (reads only), then one probe that both refuses a taken
         // hash and claims a free one; a duplicate counts whether or not the parent
         // is registered, as it did when the hash was checked first.
@@ -547,7 +552,6 @@ impl PrefixIndex {
             is_candidate: false,
             has_cold,
         });
-        self.tokens.store(b.index(), tokens);
         self.counters.stored_blocks += 1;
         self.emit_stored(b);
         true
