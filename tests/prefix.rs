@@ -1218,7 +1218,11 @@ impl Model {
                 let tokens = self.plain_tokens(*n);
                 match self.e.kv.admit(seq, *n, &mut self.e.slots) {
                     Ok(()) => {
-                        self.e.shadow.insert(seq, (99, tokens));
+                        // Without a prompt, the ids appended from position 0 are the
+                        // sequence's content in the default namespace (they start
+                        // tracking); after a prompt without ids, nothing registers.
+                        let ns = if *n == 0 { 0 } else { 99 };
+                        self.e.shadow.insert(seq, (ns, tokens));
                         self.e.write(seq, 0);
                     }
                     Err(err) => {
@@ -1471,4 +1475,200 @@ fn events_follow_the_index() {
     let mut again = Vec::new();
     m.e.kv.drain_prefix_events(&mut again);
     assert!(again.is_empty());
+}
+
+// ---- registration goes on: duplicates, swaps, truncations, late ids ----------------
+
+impl Engine {
+    /// An engine whose storage and manager have a host tier of `host` blocks.
+    fn with_host_tier(num_blocks: usize, host: usize) -> Self {
+        let store = HostStorage::with_host_tier(layout(), num_blocks, host).unwrap();
+        let kv = KvCacheManager::with_tiers(
+            layout(),
+            cfg(num_blocks),
+            pagedkv::TierConfig::for_storage(&store),
+        )
+        .unwrap();
+        Engine {
+            kv,
+            store,
+            shadow: BTreeMap::new(),
+            slots: Vec::new(),
+            copies: CopyPlan::new(),
+        }
+    }
+
+    /// Admits `tokens` for chunked prefill (lookup, admit, one reservation of the
+    /// rest) and writes the reserved slots; the caller commits.
+    fn reserve_prompt(&mut self, seq: SeqId, tokens: &[u32]) -> usize {
+        let mut hit = pagedkv::PrefixHit::default();
+        self.kv.lookup_prefix(tokens, &NONE, &mut hit).unwrap();
+        let a = self.kv.admit_prompt(seq, tokens, &hit).unwrap();
+        let rest = tokens.len() - a.cached_tokens;
+        self.copies.clear();
+        self.kv
+            .reserve(seq, rest, 0, &mut self.slots, &mut self.copies)
+            .unwrap();
+        self.shadow.insert(seq, (0, tokens.to_vec()));
+        self.write(seq, a.cached_tokens);
+        a.cached_tokens
+    }
+
+    /// Swaps `seq` out and back in, running both plans on the storage.
+    fn swap_out_and_in(&mut self, seq: SeqId, evict_between: bool) {
+        let job = self.kv.swap_out(seq).unwrap();
+        self.store.swap(&job.plan).unwrap();
+        self.kv.complete_swap(job.ticket).unwrap();
+        if evict_between {
+            self.kv.evict_cached(usize::MAX);
+        }
+        let job = self.kv.swap_in(seq).unwrap();
+        self.store.swap(&job.plan).unwrap();
+        self.kv.complete_swap(job.ticket).unwrap();
+    }
+}
+
+/// Two requests with one system prompt, prefilled in the same step: the second one's
+/// system blocks duplicate the first's. It shares the first's copies at commit (giving
+/// its own back) and goes on registering, so both conversations hit on their next turn.
+#[test]
+fn twins_prefilled_together_both_hit_on_their_second_turn() {
+    let mut e = Engine::new(manager(32));
+    let system = toks(0, 3 * BLOCK);
+    let a = [&system[..], &toks(500, 6)[..]].concat();
+    let b = [&system[..], &toks(600, 6)[..]].concat();
+    assert_eq!(e.reserve_prompt(SeqId(1), &a), 0);
+    assert_eq!(e.reserve_prompt(SeqId(2), &b), 0);
+    let used = e.kv.stats().used_blocks;
+    assert_eq!(e.kv.commit(SeqId(1), a.len()).unwrap(), a.len() / BLOCK);
+    // The twin's three system blocks are duplicates; its own full block registers.
+    assert_eq!(e.kv.commit(SeqId(2), b.len()).unwrap(), b.len() / BLOCK - 3);
+    assert_eq!(e.kv.prefix_stats().duplicate_blocks, 3);
+    let (ta, tb) = (
+        e.kv.block_table(SeqId(1)).unwrap().to_vec(),
+        e.kv.block_table(SeqId(2)).unwrap().to_vec(),
+    );
+    assert_eq!(ta[..3], tb[..3], "the twin shares the cached copies");
+    assert_eq!(e.kv.stats().used_blocks, used - 3);
+    assert!(e.kv.is_registering(SeqId(2)).unwrap());
+    e.check();
+    // A few decode steps each, then the next turn of both conversations.
+    for t in 0..5 {
+        e.append(SeqId(1), &[700 + t]).unwrap();
+        e.append(SeqId(2), &[800 + t]).unwrap();
+    }
+    e.check();
+    let next = |s: &Engine, seq: SeqId| {
+        let so_far = &s.shadow[&seq].1;
+        let turn = [&so_far[..], &toks(900, 3)[..]].concat();
+        (so_far.len() / BLOCK * BLOCK, turn)
+    };
+    for seq in [SeqId(1), SeqId(2)] {
+        let (want, turn) = next(&e, seq);
+        assert_eq!(e.kv.cached_prefix_len(&turn, &NONE).unwrap(), want, "{seq}");
+    }
+    // Still after both let go of their blocks.
+    let turns: Vec<_> = [SeqId(1), SeqId(2)].map(|s| next(&e, s)).into();
+    e.free(SeqId(1));
+    e.free(SeqId(2));
+    for (want, turn) in turns {
+        assert_eq!(e.kv.cached_prefix_len(&turn, &NONE).unwrap(), want);
+    }
+    e.check();
+}
+
+/// A whole prompt that hits recomputes its last block into a fresh block, which
+/// duplicates the cached one: the one-call path registers before the engine writes,
+/// so the sequence shares the cached copy at its next call, and goes on registering.
+#[test]
+fn a_recomputed_last_block_is_shared_at_the_next_step_and_registration_goes_on() {
+    let mut e = Engine::new(manager(16));
+    let prompt = toks(0, 8);
+    e.admit(SeqId(1), 0, &prompt, &NONE).unwrap();
+    let cached = e.kv.block_table(SeqId(1)).unwrap().to_vec();
+    e.free(SeqId(1));
+    assert_eq!(e.admit(SeqId(2), 0, &prompt, &NONE).unwrap(), 4);
+    assert_ne!(e.kv.block_table(SeqId(2)).unwrap()[1], cached[1]);
+    e.check();
+    e.append(SeqId(2), &toks(8, 4)).unwrap();
+    assert_eq!(e.kv.block_table(SeqId(2)).unwrap()[..2], cached[..2]);
+    assert_eq!(e.kv.prefix_stats().registered_blocks, 3);
+    e.check();
+    assert_eq!(
+        e.kv.cached_prefix_len(&toks(0, 13), &NONE).unwrap(),
+        12,
+        "the block after the duplicate is registered"
+    );
+}
+
+/// A swapped-in sequence registers again: its fresh copies share the blocks still
+/// cached, or become the cached copies when those were evicted meanwhile, and the
+/// blocks it decodes afterwards are registered.
+#[test]
+fn swap_in_then_decode_registers() {
+    for evict_between in [false, true] {
+        let mut e = Engine::with_host_tier(16, 8);
+        e.admit(SeqId(1), 0, &toks(0, 10), &NONE).unwrap();
+        e.append(SeqId(1), &toks(10, 2)).unwrap();
+        e.swap_out_and_in(SeqId(1), evict_between);
+        assert!(e.kv.is_registering(SeqId(1)).unwrap());
+        e.check();
+        for t in 12..18 {
+            e.append(SeqId(1), &[t]).unwrap();
+        }
+        e.check();
+        assert_eq!(
+            e.kv.cached_prefix_len(&toks(0, 19), &NONE).unwrap(),
+            16,
+            "evicted between: {evict_between}"
+        );
+        e.free(SeqId(1));
+        assert_eq!(e.kv.cached_prefix_len(&toks(0, 19), &NONE).unwrap(), 16);
+        e.check();
+    }
+}
+
+/// A truncation keeps the chain up to the new length; the blocks written after it
+/// are registered.
+#[test]
+fn truncation_then_decode_registers() {
+    let mut e = Engine::new(manager(16));
+    e.admit(SeqId(1), 0, &toks(0, 13), &NONE).unwrap();
+    e.kv.truncate(SeqId(1), 6).unwrap();
+    e.shadow.get_mut(&SeqId(1)).unwrap().1.truncate(6);
+    e.append(SeqId(1), &toks(100, 7)).unwrap();
+    e.check();
+    let turn = [&toks(0, 6)[..], &toks(100, 7)[..], &[1]].concat();
+    assert_eq!(e.kv.cached_prefix_len(&turn, &NONE).unwrap(), 12);
+}
+
+/// One rule for ids: a sequence admitted without any starts tracking when the ids of
+/// position 0 arrive, whichever call brings them; ids after a gap are refused.
+#[test]
+fn ids_from_position_zero_start_tracking_in_every_call() {
+    let mut e = Engine::new(manager(16));
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+    e.kv.admit(SeqId(1), 0, &mut slots).unwrap();
+    assert!(!e.kv.is_registering(SeqId(1)).unwrap());
+    e.kv.append_tokens(SeqId(1), &toks(0, 5), &mut slots, &mut copies)
+        .unwrap();
+    assert!(e.kv.is_registering(SeqId(1)).unwrap());
+    assert_eq!(e.kv.cached_prefix_len(&toks(0, 6), &NONE).unwrap(), 4);
+    e.kv.append(SeqId(1), 3, &mut slots, &mut copies).unwrap();
+    assert_eq!(e.kv.add_token_ids(SeqId(1), 5, &toks(5, 3)).unwrap(), 1);
+    assert_eq!(e.kv.cached_prefix_len(&toks(0, 9), &NONE).unwrap(), 8);
+    // Admitted with a prompt and no ids: appended ids leave a gap and are dropped,
+    // and add_token_ids refuses them, changing nothing.
+    e.kv.admit(SeqId(2), 3, &mut slots).unwrap();
+    e.kv.append_tokens(SeqId(2), &toks(50, 5), &mut slots, &mut copies)
+        .unwrap();
+    assert!(!e.kv.is_registering(SeqId(2)).unwrap());
+    let before = snapshot(&e.kv);
+    assert!(matches!(
+        e.kv.add_token_ids(SeqId(2), 3, &toks(50, 5)),
+        Err(Error::TokenIdsGap { known: 0, .. })
+    ));
+    assert_eq!(snapshot(&e.kv), before);
+    assert_eq!(e.kv.add_token_ids(SeqId(2), 0, &toks(40, 8)).unwrap(), 2);
+    e.kv.check_invariants().unwrap();
 }

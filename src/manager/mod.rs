@@ -186,9 +186,10 @@ pub(crate) struct Sequence {
     pub(crate) admission: u64,
     /// Preemption priority set by the engine (lower is preempted first).
     pub(crate) preempt_priority: i32,
-    /// Registration stopped for good (a duplicate block, a swap-in): token ids that
-    /// arrive later are not recorded.
-    pub(crate) registration_stopped: bool,
+    /// The block after the prefix chain duplicates a cached copy that the sequence
+    /// will share in its place (see `manager/prefix.rs`): the next call that hands
+    /// it slots settles that first, so the decode fast path steps aside.
+    pub(crate) twin_pending: bool,
 }
 
 /// Snapshot of the manager's counters.
@@ -637,7 +638,12 @@ impl KvCacheManager {
         s.computed += n;
         s.scheduled = 0;
         let computed = s.computed;
-        let registered = prefix::extend_chain_in(&mut self.prefix, bs, s);
+        let mut registered = prefix::extend_chain_in(&mut self.prefix, bs, s);
+        if s.twin_pending {
+            // The step's K/V is written: share the cached copies of its duplicates.
+            let spare = self.num_available_blocks();
+            registered += self.settle_twin(h, spare, usize::MAX)?;
+        }
         // The step is computed: the next query sits at `computed`.
         self.release_out_of_window(h, computed)?;
         Ok(registered)
@@ -697,7 +703,7 @@ impl KvCacheManager {
             let s = self.resident(seq)?;
             let target = self.reserve_target(s, n, lookahead)?;
             let (new_blocks, written) = self.reserve_span(s, target);
-            total += new_blocks;
+            let mut cost = new_blocks;
             for &b in written {
                 let holders = self
                     .pool
@@ -706,10 +712,18 @@ impl KvCacheManager {
                     .saturating_sub(let_go.get(&b).copied().unwrap_or(0));
                 if holders > 1 || self.prefix.is_registered(b) {
                     // Replaced by a fresh block; this holder lets go of the old one.
-                    total += 1;
+                    cost += 1;
                     *let_go.entry(b).or_insert(0) += 1;
                 }
             }
+            // A twin settled first gives a block back (see `reserve_cost`); counted on
+            // today's holders, so an earlier sibling's settling only adds room.
+            let frees = if s.twin_pending {
+                self.twin_frees(s)
+            } else {
+                0
+            };
+            total += cost.saturating_sub(frees);
         }
         Ok(total)
     }
@@ -755,10 +769,19 @@ impl KvCacheManager {
     /// Blocks a reservation up to `target` takes, and the first table index it writes.
     /// Blocks from that index on that are shared or registered are replaced: copied
     /// when they hold computed tokens, taken fresh otherwise.
+    ///
+    /// The count is net of a pending twin the reservation settles first (see
+    /// `manager/prefix.rs`): sharing a live cached copy gives the sequence's own
+    /// block back.
     fn reserve_cost(&self, s: &Sequence, target: usize) -> (usize, usize) {
         let (new_blocks, written) = self.reserve_span(s, target);
         let replaced = written.iter().filter(|&&b| self.is_protected(b)).count();
-        (new_blocks + replaced, replaced)
+        let cost = new_blocks + replaced;
+        if s.twin_pending {
+            (cost.saturating_sub(self.twin_frees(s)), replaced)
+        } else {
+            (cost, replaced)
+        }
     }
 
     /// The blocks a reservation up to `target` appends, and the blocks of the table
@@ -838,6 +861,7 @@ impl KvCacheManager {
             || s.computed != s.num_tokens
             || s.scheduled != 0
             || s.in_flight.is_some()
+            || s.twin_pending
         {
             return None;
         }
@@ -905,14 +929,22 @@ impl KvCacheManager {
         }
         let target = self.reserve_target(s, n, lookahead)?;
         let (needed, replaced) = self.reserve_cost(s, target);
+        let twin = s.twin_pending;
         if needed > 0 {
             self.ensure_available(needed)?;
         }
-        // Every step below succeeds: `ensure_available` reserved enough blocks.
+        // Every step below succeeds: `ensure_available` reserved enough blocks, net of
+        // what settling one twin gives back (with no spare block it takes none, and it
+        // replaces a full computed block, outside the span this reservation writes).
+        let mut registered = 0;
+        if twin {
+            registered += self.settle_twin(h, 0, 1)?;
+        }
         let bs = self.block_size();
         if replaced > 0 {
             self.replace_protected(h, target, copies)?;
         }
+        let windowed = self.window.is_some();
         let KvCacheManager {
             layout,
             pool,
@@ -943,6 +975,7 @@ impl KvCacheManager {
         );
         s.num_tokens = new_len;
         if let Some(ids) = tokens {
+            prefix::start_tracking(prefix, windowed, s, ids);
             prefix::record_ids(s, ids, bs);
         }
         // This step's first query: the engine computes the step after this call.
@@ -952,8 +985,8 @@ impl KvCacheManager {
         } else {
             s.scheduled = n;
         }
-        let registered = prefix::extend_chain_in(prefix, bs, s);
-        if self.window.is_some() {
+        registered += prefix::extend_chain_in(prefix, bs, s);
+        if windowed {
             self.release_out_of_window(h, first_query)?;
         }
         Ok(registered)

@@ -13,16 +13,30 @@
 //!   rather than shared and copied: no copy plan at admission, at the price of
 //!   `block_size - 1` extra tokens of prefill.
 //! - A full block equal to one already registered (two requests filling the same
-//!   content independently) is a *duplicate*: it is not registered, and the sequence
-//!   stops registering from there on, because a later block can only be found through
-//!   a parent the sequence holds. Counted in [`PrefixStats::duplicate_blocks`].
+//!   content independently) is a *duplicate*: it is not registered twice (counted in
+//!   [`PrefixStats::duplicate_blocks`]); the cached copy stays the one requests find,
+//!   and the sequence's chain goes on through it, so its later blocks are registered
+//!   as they fill. Should the cached copy be evicted first, the sequence registers its
+//!   own copy before the next block. A swapped-in sequence goes on the same way (its
+//!   blocks are fresh copies of its chain), and a truncation keeps the chain up to the
+//!   new length. Registration never stops while the ids are known.
+//!
+//! One rule for token ids, whichever call brings them ([`KvCacheManager::admit_tokens`],
+//! [`KvCacheManager::admit_prompt`], [`KvCacheManager::append_tokens`],
+//! [`KvCacheManager::append_tokens_batch`], [`KvCacheManager::add_token_ids`]): ids are
+//! known from position 0 on, without a gap. A sequence admitted without ids
+//! ([`KvCacheManager::admit`]) starts tracking, in the default namespace, when the ids
+//! of position 0 arrive; ids that would leave a gap (tokens appended without ids came
+//! first) are dropped by the appends and refused by `add_token_ids`
+//! ([`crate::Error::TokenIdsGap`]), which fills the gap. A full block is registered
+//! once it is computed and its ids are known, whichever comes last.
 
 use super::{KvCacheManager, Sequence};
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, PinId, SeqId};
+use crate::ids::{BlockId, PinId, SeqHandle, SeqId};
 use crate::layout::plans::CopyPlan;
 use crate::layout::Slot;
-use crate::pool::prefix::index::{BlockKeys, Namespace, PrefixIndex};
+use crate::pool::prefix::index::{BlockKeys, Namespace, PrefixIndex, Registration};
 use crate::pool::prefix::{
     Admission, AdmitOptions, BlockHash, PinnedPrefix, PrefixConfig, PrefixEvent, PrefixReset,
     PrefixStats,
@@ -34,7 +48,7 @@ use crate::pool::BlockState;
 /// holds the known token ids from position `chain * block_size` on (a whole prompt
 /// after admission, or sampled ids as they arrive). `keys` are the extra keys of its
 /// blocks (by block index), so later blocks register with the key of their span.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SeqPrefix {
     ns: Namespace,
     keys: BlockKeys,
@@ -42,6 +56,49 @@ pub(crate) struct SeqPrefix {
     chain: usize,
     last: Option<BlockHash>,
     ids: Vec<u32>,
+    /// Block `chain` duplicates block `.1`, registered under hash `.0`: the sequence
+    /// shares that copy in its place once its own block's K/V is surely written
+    /// ([`KvCacheManager::settle_twin`]); set together with `Sequence::twin_pending`.
+    twin: Option<(BlockHash, BlockId)>,
+}
+
+impl SeqPrefix {
+    /// Tracking from position 0 in namespace `ns`, no block keys (a sequence admitted
+    /// without token ids whose first ids arrive).
+    fn starting(ns: Namespace) -> Self {
+        SeqPrefix {
+            ns,
+            keys: BlockKeys::default(),
+            priority: 0,
+            chain: 0,
+            last: None,
+            ids: Vec::new(),
+            twin: None,
+        }
+    }
+
+    /// The same progress rewound to position 0, for a sequence whose blocks are about
+    /// to be replaced by fresh copies (a swap-out): the chain's ids are read from the
+    /// cache now, while its blocks are still registered, so that the swapped-in copies
+    /// register again (or share the cached copies) link by link. `None` when a link
+    /// is not registered (a corrupt state).
+    pub(crate) fn rewound(&self, table: &[BlockId], index: &PrefixIndex) -> Option<Self> {
+        let mut ids = Vec::with_capacity(self.chain * index.block_size() + self.ids.len());
+        for &b in table.get(..self.chain)? {
+            if !index.is_registered(b) {
+                return None;
+            }
+            ids.extend_from_slice(index.block_tokens(b));
+        }
+        ids.extend_from_slice(&self.ids);
+        Some(SeqPrefix {
+            chain: 0,
+            last: None,
+            ids,
+            twin: None,
+            ..self.clone()
+        })
+    }
 }
 
 /// A prefix-cache lookup that admission reuses: [`KvCacheManager::lookup_prefix`]
@@ -115,6 +172,15 @@ pub(crate) fn record_ids(s: &mut Sequence, ids: &[u32], bs: usize) {
     record_ids_at(p, pos, ids, bs);
 }
 
+/// Starts tracking the ids of `s`, admitted without any, when `ids` are those of
+/// position 0 (the one rule of the module docs); a sliding-window manager registers
+/// nothing and never tracks.
+pub(crate) fn start_tracking(index: &PrefixIndex, windowed: bool, s: &mut Sequence, ids: &[u32]) {
+    if s.prefix.is_none() && s.computed == 0 && !ids.is_empty() && !windowed {
+        s.prefix = Some(Box::new(SeqPrefix::starting(index.default_namespace())));
+    }
+}
+
 /// [`record_ids`] for every other case.
 #[inline(never)]
 fn record_ids_at(p: &mut SeqPrefix, pos: usize, ids: &[u32], bs: usize) {
@@ -135,15 +201,16 @@ fn record_ids_at(p: &mut SeqPrefix, pos: usize, ids: &[u32], bs: usize) {
 
 /// Registers every block of `s` that is full, computed and whose ids are known, in
 /// order after its chain; returns how many were registered. A block whose content is
-/// already registered elsewhere (a duplicate) stops the sequence's registration for
-/// good (see the module docs). Called after every slot-handing call: the common case
+/// already cached in another block (a duplicate) is not registered twice: the chain
+/// stops before it until [`KvCacheManager::settle_twin`] shares the cached copy in its
+/// place (see the module docs). Called after every slot-handing call: the common case
 /// (no block completed) is one comparison, so the work is per block, not per token.
 #[inline(always)]
 pub(crate) fn extend_chain_in(prefix: &mut PrefixIndex, bs: usize, s: &mut Sequence) -> usize {
     let Some(p) = s.prefix.as_deref() else {
         return 0;
     };
-    if p.ids.len() < bs || (p.chain + 1) * bs > s.computed {
+    if p.ids.len() < bs || (p.chain + 1) * bs > s.computed || p.twin.is_some() {
         return 0;
     }
     extend_chain_full(prefix, bs, s)
@@ -157,41 +224,65 @@ fn extend_chain_full(prefix: &mut PrefixIndex, bs: usize, s: &mut Sequence) -> u
         return 0;
     };
     let (mut registered, mut used) = (0, 0);
-    let mut ok = true;
+    let mut broken = false;
     while p.ids.len() - used >= bs && (p.chain + 1) * bs <= s.computed {
         // `register_next` reads the block's ids from `p.ids`, so lend them out.
         let ids = std::mem::take(&mut p.ids);
-        ok = register_next(prefix, &s.table, p, &ids[used..used + bs]);
+        let link = register_next(prefix, &s.table, p, &ids[used..used + bs]);
         p.ids = ids;
-        if !ok {
-            break;
+        match link {
+            Link::Stored => registered += 1,
+            Link::Shared => {}
+            Link::Duplicate(hash, copy) => {
+                p.twin = Some((hash, copy));
+                s.twin_pending = true;
+                break;
+            }
+            Link::Broken => {
+                broken = true;
+                break;
+            }
         }
-        registered += 1;
         used += bs;
     }
-    if ok {
-        p.ids.drain(..used);
-    } else {
+    if broken {
+        // Only a corrupt state or a hash collision gets here. Tracking ends; ids that
+        // arrive later start a new chain from position 0.
         s.prefix = None;
-        s.registration_stopped = true;
+    } else {
+        p.ids.drain(..used);
     }
     registered
 }
 
-/// Registers `table[p.chain]`, now full with `ids`, as the next link of the chain.
+/// What [`register_next`] did with the next block of a chain.
+enum Link {
+    /// Registered.
+    Stored,
+    /// Registered already under this very hash by a fork sibling that holds it too.
+    Shared,
+    /// Its content is registered in block `.1` under hash `.0`.
+    Duplicate(BlockHash, BlockId),
+    /// The chain cannot go on: the table does not hold it (a corrupt state), or the
+    /// next block's hash collides with other content.
+    Broken,
+}
+
+/// Extends the chain by `table[p.chain]`, now full with `ids`, when it registers (or
+/// a fork sibling registered it); reports a duplicate without extending.
 fn register_next(
     prefix: &mut PrefixIndex,
     table: &[BlockId],
     p: &mut SeqPrefix,
     ids: &[u32],
-) -> bool {
+) -> Link {
     let Some(&b) = table.get(p.chain) else {
-        return false;
+        return Link::Broken;
     };
-    // The chain must still be what this sequence holds (a swap or move elsewhere may
-    // have replaced blocks).
+    // The chain must still be what this sequence holds (a move elsewhere that lost a
+    // registered block would break it).
     if p.chain > 0 && table.get(p.chain - 1).and_then(|&pb| prefix.hash_of(pb)) != p.last {
-        return false;
+        return Link::Broken;
     }
     let key = p.keys.get(p.chain);
     let hash = prefix
@@ -199,12 +290,23 @@ fn register_next(
         .block(p.last.unwrap_or(p.ns.seed), ids, key.map_or(&[][..], |k| k));
     // The parent is the block before, checked above.
     let parent_block = p.chain.checked_sub(1).and_then(|i| table.get(i).copied());
-    if !prefix.register(b, hash, p.last, parent_block, &p.ns, key, ids, p.priority) {
-        return false;
-    }
+    let link = match prefix.register(b, hash, p.last, parent_block, &p.ns, key, ids, p.priority) {
+        Registration::Stored => Link::Stored,
+        // The same content, compared byte for byte (not a hash collision).
+        Registration::Duplicate(copy)
+            if prefix.confirms(copy, p.last, &p.ns, ids, key.map_or(&[][..], |k| k)) =>
+        {
+            return Link::Duplicate(hash, copy)
+        }
+        // A 64-bit collision: the hash is taken by other content, so no later block of
+        // this sequence can be registered under a parent found by it.
+        Registration::Duplicate(_) => return Link::Broken,
+        Registration::Refused if prefix.hash_of(b) == Some(hash) => Link::Shared,
+        Registration::Refused => return Link::Broken,
+    };
     p.chain += 1;
     p.last = Some(hash);
-    true
+    link
 }
 
 impl KvCacheManager {
@@ -387,22 +489,7 @@ impl KvCacheManager {
         self.seqs.reserve_room(1)?;
         for &b in &table {
             let revive = self.pool.state(b)? == BlockState::Cached;
-            if revive {
-                self.pool.revive(b)?;
-                if let Some(f) = self.pool.fill_mut(b) {
-                    *f = bs as u16;
-                }
-                self.live_token_slots += bs;
-            } else {
-                self.pool.incref(b)?;
-                // The new holder holds the whole block (a holder that truncated into
-                // it may have lowered the fill).
-                if usize::from(self.pool.fill(b)) < bs {
-                    self.fill_dirty.insert(b);
-                    self.set_fill(b, bs);
-                }
-            }
-            self.prefix.on_hit(b, hit.priority, revive);
+            self.share_copy(b, hit.priority, revive)?;
         }
         self.prefix.note_query(len, valid, hit.collision);
         let cached = valid * bs;
@@ -415,6 +502,7 @@ impl KvCacheManager {
                 chain: valid,
                 last: valid.checked_sub(1).map(|i| hit.hashes[i]),
                 ids: tokens[cached..].to_vec(),
+                twin: None,
             })
         });
         let s = Sequence {
@@ -517,7 +605,10 @@ impl KvCacheManager {
 
     /// Appends `tokens` to `seq` as [`Self::append`] does (slots into `slots`,
     /// copy-on-write into `copies`, committed at once) and records their ids, so every
-    /// full computed block is registered.
+    /// full computed block is registered. The ids follow the one rule of the module
+    /// docs: they are kept when they continue the known ids (from position 0 for a
+    /// sequence admitted without any) and dropped after a gap, which
+    /// [`Self::add_token_ids`] can fill.
     ///
     /// # Errors
     /// As [`Self::append`]; nothing changed on error.
@@ -532,14 +623,16 @@ impl KvCacheManager {
             .map(|_| ())
     }
 
-    /// Whether `seq` still registers its full computed blocks in the prefix cache.
-    /// Registration stops for good after a duplicate block (its content was already
-    /// registered elsewhere) or a swap-in; [`Self::add_token_ids`] is refused then.
+    /// Whether the token ids of `seq` are tracked, so that its full computed blocks are
+    /// registered in the prefix cache as they fill: a sequence admitted with ids
+    /// ([`Self::admit_tokens`], [`Self::admit_prompt`]) or given them since
+    /// ([`Self::append_tokens`] or [`Self::add_token_ids`] from position 0). Tracking
+    /// goes on through duplicate blocks, swaps and truncations (see the module docs).
     ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is swapped out.
     pub fn is_registering(&self, seq: SeqId) -> Result<bool> {
-        Ok(!self.seq(seq)?.registration_stopped)
+        Ok(self.seq(seq)?.prefix.is_some())
     }
 
     /// Records the token ids of positions `first..first + ids.len()` of `seq` that
@@ -548,25 +641,18 @@ impl KvCacheManager {
     /// truncation cuts the known ids at its length). Full computed blocks whose ids
     /// are all known are registered at once. Ids may run ahead of the computed tokens
     /// (a prompt's are known at admission). Ids at positions already registered are
-    /// skipped. A sequence admitted without ids ([`Self::admit`]) starts tracking in
-    /// the default namespace when its first ids arrive. Returns the blocks registered.
+    /// skipped. The ids follow the one rule of the module docs: a sequence admitted
+    /// without ids ([`Self::admit`]) starts tracking in the default namespace when the
+    /// ids of position 0 arrive. Returns the blocks registered.
     ///
     /// # Errors
-    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped out,
-    /// has a swap in flight, or stopped registering (a duplicate block, a swap-in);
-    /// [`Error::TokenIdsGap`] when `first` is past the known ids (the ids in between
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped out or
+    /// has a swap in flight; [`Error::TokenIdsGap`] when `first` is past the known ids (the ids in between
     /// are missing); [`Error::TooLong`] past the longest sequence. Nothing changed on
     /// error.
     pub fn add_token_ids(&mut self, seq: SeqId, first: usize, ids: &[u32]) -> Result<usize> {
         let bs = self.block_size();
         let s = self.resident(seq)?;
-        if s.registration_stopped {
-            return Err(Error::SequenceState {
-                seq,
-                state: "not registering (a duplicate block or a swap-in stopped it)",
-                needed: "registering",
-            });
-        }
         let (known_start, known_end) = s
             .prefix
             .as_deref()
@@ -585,19 +671,12 @@ impl KvCacheManager {
                 limit: self.max_seq_len(),
             });
         }
-        let default_ns = self.prefix.namespace(&AdmitOptions::default())?;
+        let default_ns = self.prefix.default_namespace();
         let h = self.handle(seq)?;
         let s = self.seqs.at_mut(h).ok_or(Error::StaleHandle(h))?;
-        let p = s.prefix.get_or_insert_with(|| {
-            Box::new(SeqPrefix {
-                ns: default_ns,
-                keys: BlockKeys::default(),
-                priority: 0,
-                chain: 0,
-                last: None,
-                ids: Vec::new(),
-            })
-        });
+        let p = s
+            .prefix
+            .get_or_insert_with(|| Box::new(SeqPrefix::starting(default_ns)));
         let skip = known_start.saturating_sub(first).min(ids.len());
         p.ids.truncate(first.max(known_start) - known_start);
         p.ids.extend_from_slice(&ids[skip..]);
@@ -736,6 +815,142 @@ impl KvCacheManager {
 
     // ---- hooks called from `manager/mod.rs` ---------------------------------------
 
+    /// Settles the duplicates of sequence `h` (see the module docs): while the block
+    /// after its chain duplicates a registered copy, the sequence shares that copy in
+    /// its place and lets go of its own, and the chain goes on; a copy evicted since
+    /// lets the sequence register its own block instead. Returns the blocks registered.
+    ///
+    /// Called where the sequence's own block is surely written: by [`Self::commit`] and
+    /// a swap-in's completion (its step or transfer is done), and at the next call that
+    /// hands the sequence slots (the one-call appends register before the engine
+    /// writes). `spare` is how many available blocks the caller can give up: sharing
+    /// a cached copy while a fork sibling still holds the sequence's block takes one,
+    /// and waits (the twin stays pending) when `spare` is 0. Settles at most
+    /// `max_twins` twins (a reservation settles one, so that [`Self::twin_frees`] is
+    /// what it gives back). Never fails on a consistent manager; on a pool error the
+    /// sequence keeps its own block.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn settle_twin(
+        &mut self,
+        h: SeqHandle,
+        mut spare: usize,
+        max_twins: usize,
+    ) -> Result<usize> {
+        let bs = self.block_size();
+        let (mut registered, mut settled) = (0, 0);
+        // Out of its slot while blocks are released (see `replace_protected`).
+        let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
+        let mut result = Ok(());
+        while let Some((hash, copy)) = s.prefix.as_deref().and_then(|p| p.twin) {
+            if settled == max_twins {
+                break;
+            }
+            settled += 1;
+            let (chain, priority) = match s.prefix.as_deref() {
+                Some(p) => (p.chain, p.priority),
+                None => break,
+            };
+            let Some(&own) = s.table.get(chain) else {
+                break;
+            };
+            // Still the same content (the copy may have been evicted and its block
+            // registered again since).
+            let same = s.prefix.as_deref().is_some_and(|p| {
+                let key = p.keys.get(chain).map_or(&[][..], |k| &k[..]);
+                p.ids.get(..bs).is_some_and(|ids| {
+                    self.prefix.hash_of(copy) == Some(hash)
+                        && self.prefix.confirms(copy, p.last, &p.ns, ids, key)
+                })
+            });
+            let take = if same {
+                match (self.pool.state(copy), self.pool.refcount(own)) {
+                    (Ok(state), Ok(own_refs)) => {
+                        let revive = state == BlockState::Cached;
+                        if revive && own_refs > 1 {
+                            if spare == 0 {
+                                // Would take an available block: wait.
+                                break;
+                            }
+                            spare -= 1;
+                        }
+                        Some(revive)
+                    }
+                    (Err(e), _) | (_, Err(e)) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            } else {
+                None
+            };
+            if let Some(p) = s.prefix.as_deref_mut() {
+                p.twin = None;
+            }
+            s.twin_pending = false;
+            if let Some(revive) = take {
+                if let Err(e) = self.share_copy(copy, priority, revive) {
+                    result = Err(e);
+                    break;
+                }
+                s.table[chain] = copy;
+                if let Err(e) = self.release_block(own) {
+                    result = Err(e);
+                }
+                if let Some(p) = s.prefix.as_deref_mut() {
+                    p.chain += 1;
+                    p.last = Some(hash);
+                    p.ids.drain(..bs);
+                }
+            }
+            // The next blocks (or the own block, when the copy left).
+            registered += extend_chain_in(&mut self.prefix, bs, &mut s);
+            if result.is_err() {
+                break;
+            }
+        }
+        self.seqs.put(h, s);
+        result.map(|()| registered)
+    }
+
+    /// Blocks settling the first pending twin of `s` with no spare block gives back:
+    /// one when the cached copy is live and the sequence's own block is its alone
+    /// (sharing a cached copy revives it, which takes back the block the own one
+    /// frees; a block a fork sibling still holds frees nothing).
+    pub(crate) fn twin_frees(&self, s: &Sequence) -> usize {
+        let Some((hash, copy)) = s.prefix.as_deref().and_then(|p| p.twin) else {
+            return 0;
+        };
+        let own = s.prefix.as_deref().and_then(|p| s.table.get(p.chain));
+        let frees = self.prefix.hash_of(copy) == Some(hash)
+            && self.pool.state(copy) == Ok(BlockState::Live)
+            && own.is_some_and(|&b| self.pool.refcount(b) == Ok(1));
+        usize::from(frees)
+    }
+
+    /// Takes a reference to registered block `b` for a sequence that holds its whole
+    /// content: revives it when cached.
+    fn share_copy(&mut self, b: BlockId, priority: i32, revive: bool) -> Result<()> {
+        let bs = self.block_size();
+        if revive {
+            self.pool.revive(b)?;
+            if let Some(f) = self.pool.fill_mut(b) {
+                *f = bs as u16;
+            }
+            self.live_token_slots += bs;
+        } else {
+            self.pool.incref(b)?;
+            // The new holder holds the whole block (a holder that truncated into it may
+            // have lowered the fill).
+            if usize::from(self.pool.fill(b)) < bs {
+                self.fill_dirty.insert(b);
+                self.set_fill(b, bs);
+            }
+        }
+        self.prefix.on_hit(b, priority, revive);
+        Ok(())
+    }
+
     /// Cached blocks among `blocks` that count as available (so reviving them uses
     /// availability up).
     /// Blocks admitting `hit`'s prompt in full takes from the available ones: the
@@ -762,12 +977,17 @@ impl KvCacheManager {
         self.pool.evict(b)
     }
 
-    /// After `s` was truncated to `new_len`: the chain and known ids follow.
+    /// After `s` was truncated to `new_len`: the chain and known ids follow (the new
+    /// last block's kept ids come from the cache), so registration goes on from the
+    /// new length. A pending twin is dropped: the next registration finds it again if
+    /// its block is still full.
     pub(crate) fn prefix_after_truncate(&mut self, s: &mut Sequence, new_len: usize) {
         let bs = self.block_size();
+        s.twin_pending = false;
         let Some(p) = s.prefix.as_deref_mut() else {
             return;
         };
+        p.twin = None;
         let chain_tokens = p.chain * bs;
         if new_len >= chain_tokens {
             p.ids.truncate(new_len - chain_tokens);
@@ -786,14 +1006,13 @@ impl KvCacheManager {
             Some(&b) if tail > 0 && self.prefix.is_registered(b) => {
                 self.prefix.block_tokens(b).get(..tail)
             }
-            _ => Some(&[][..]),
+            _ if tail == 0 => Some(&[][..]),
+            _ => None,
         };
         match tail_ids {
             Some(ids) if keep == 0 || p.last.is_some() => p.ids.extend_from_slice(ids),
-            _ => {
-                s.prefix = None;
-                s.registration_stopped = true;
-            }
+            // A chain block that is not registered: only a corrupt state gets here.
+            _ => s.prefix = None,
         }
     }
 
@@ -824,6 +1043,29 @@ impl KvCacheManager {
                     ));
                 }
                 parent = self.prefix.hash_of(b);
+            }
+            if s.twin_pending != p.twin.is_some() {
+                return Err(format!(
+                    "{id}: twin pending {} but twin {:?}",
+                    s.twin_pending, p.twin
+                ));
+            }
+            if let Some((hash, copy)) = p.twin {
+                let own = s.table.get(p.chain).copied();
+                // The copy may have been evicted since (then the settling registers
+                // the sequence's own block), and a fork sibling holding the same block
+                // may have registered it under the same hash.
+                let own_hash = own.and_then(|b| self.prefix.hash_of(b));
+                if own.is_none_or(|b| b == copy)
+                    || own_hash.is_some_and(|h| h != hash)
+                    || (p.chain + 1) * bs > s.computed
+                {
+                    return Err(format!(
+                        "{id}: block {} ({own:?}, registered as {own_hash:?}) twins {copy} \
+                         ({hash:?}) but is not a full computed block of that content",
+                        p.chain
+                    ));
+                }
             }
             if parent != p.last {
                 return Err(format!(

@@ -147,6 +147,10 @@ pub(crate) struct SwappedSeq {
     pub(crate) computed: usize,
     pub(crate) admission: u64,
     pub(crate) preempt_priority: i32,
+    /// Its prefix-cache progress rewound to position 0 (the blocks it comes back to
+    /// are fresh copies): the swap-in's completion registers them again, or shares
+    /// the copies still cached, so registration goes on after the swap-in.
+    pub(crate) prefix: Option<Box<super::prefix::SeqPrefix>>,
 }
 
 /// What a ticket still holds.
@@ -690,11 +694,10 @@ impl KvCacheManager {
                         ticket,
                         direction: SwapDirection::In,
                     }),
-                    // Swapped-in blocks are fresh copies, not the registered blocks the
-                    // sequence's prefix chain was built on, so it stops registering
-                    // (it stays correct; only its later full blocks are not cached).
-                    prefix: None,
-                    registration_stopped: true,
+                    // The chain rewound to position 0: the completion registers the
+                    // fresh copies again (or shares the copies still cached).
+                    prefix: old.prefix.clone(),
+                    twin_pending: false,
                     computed: old.computed,
                     scheduled: 0,
                     released: old.released,
@@ -756,6 +759,12 @@ impl KvCacheManager {
                         result = result.and(Err(Error::UnknownSequence(id)));
                         continue;
                     };
+                    // Read the chain's ids while its blocks are still registered.
+                    let prefix = s
+                        .prefix
+                        .as_deref()
+                        .and_then(|p| p.rewound(&s.table, &self.prefix))
+                        .map(Box::new);
                     result = result.and(self.release_table(&s.table[s.released..]));
                     self.tiers.swapped.insert(
                         id,
@@ -766,6 +775,7 @@ impl KvCacheManager {
                             computed: s.computed,
                             admission: s.admission,
                             preempt_priority: s.preempt_priority,
+                            prefix,
                         },
                     );
                 }
@@ -778,6 +788,8 @@ impl KvCacheManager {
                     if let Some(s) = self.seqs.get_mut(&id) {
                         s.in_flight = None;
                     }
+                    // The transfer is done: the chain registers again from position 0.
+                    result = result.and(self.register_swapped_in(id));
                 }
                 self.tiers.stats.swaps_in += 1;
                 self.tiers.stats.bytes_swapped_in += blocks as u64 * block_bytes;
@@ -1067,6 +1079,26 @@ fn lender_mut(swapped: &mut super::SeqMap<SwappedSeq>, lender: SeqId) -> Result<
         .ok_or(Error::UnknownSequence(lender))
 }
 
+impl KvCacheManager {
+    /// Registers the blocks of swapped-in sequence `id` that its rewound chain covers
+    /// (sharing the copies still cached, see `manager/prefix.rs`).
+    fn register_swapped_in(&mut self, id: SeqId) -> Result<()> {
+        let bs = self.layout.block_size();
+        let Ok(h) = self.handle(id) else {
+            return Ok(());
+        };
+        let Some(s) = self.seqs.at_mut(h) else {
+            return Ok(());
+        };
+        super::prefix::extend_chain_in(&mut self.prefix, bs, s);
+        if s.twin_pending {
+            let spare = self.num_available_blocks();
+            self.settle_twin(h, spare, usize::MAX)?;
+        }
+        Ok(())
+    }
+}
+
 /// The host-tier lending of KV-cache groups that share one host tier (see
 /// [`crate::manager::groups`]): each group's host pool spans the whole tier, and a
 /// hidden swapped sequence holds the host blocks other groups own.
@@ -1082,6 +1114,7 @@ impl KvCacheManager {
                 computed: 0,
                 admission: 0,
                 preempt_priority: i32::MAX,
+                prefix: None,
             },
         );
     }

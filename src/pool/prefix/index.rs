@@ -42,7 +42,7 @@ use tokens::TokenStore;
 
 /// A request's namespace: the exact key bytes (compared on every first-block hit) and
 /// the hash seed the first block chains from.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Namespace {
     pub(crate) key: Arc<[u8]>,
     pub(crate) seed: BlockHash,
@@ -152,6 +152,19 @@ pub(crate) struct Lookup {
     pub(crate) last: Option<BlockHash>,
     /// A hash hit was rejected on confirmation.
     pub(crate) collision: bool,
+}
+
+/// What [`PrefixIndex::register`] did with a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Registration {
+    /// Registered: findable by its hash from now on.
+    Stored,
+    /// Block `.0` is registered under the same hash (the same content, filled
+    /// independently): it stays the cached copy.
+    Duplicate(BlockId),
+    /// Not a live full block of the arena, registered already, or under a parent that
+    /// is registered nowhere.
+    Refused,
 }
 
 /// See the module docs.
@@ -395,6 +408,16 @@ impl PrefixIndex {
         self.entries.get_mut(b.index()).and_then(Option::as_mut)
     }
 
+    /// Tokens per block.
+    pub(crate) fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The default namespace (no cache salt, no extra key).
+    pub(crate) fn default_namespace(&self) -> Namespace {
+        self.default_ns.clone()
+    }
+
     /// The token ids stored for `b` (meaningful when registered).
     pub(crate) fn block_tokens(&self, b: BlockId) -> &[u32] {
         self.tokens.block(b.index())
@@ -463,8 +486,8 @@ impl PrefixIndex {
 
     /// Registers live full block `b` (with its extra-key bytes `key`, if a keyed span
     /// starts in it). `parent_hint` is where the caller holds the parent block (checked
-    /// against `parent`, see [`Self::resolve_parent`]). Returns `false` (and changes
-    /// nothing but a counter) when `hash` is taken or the parent is not registered.
+    /// against `parent`, see [`Self::resolve_parent`]). Anything but
+    /// [`Registration::Stored`] changes nothing but a counter.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn register(
         &mut self,
@@ -476,14 +499,14 @@ impl PrefixIndex {
         key: Option<&Arc<[u8]>>,
         tokens: &[u32],
         priority: i32,
-    ) -> bool {
+    ) -> Registration {
         // The dense flag, not the entry: the entry's line is written below anyway, and
         // reading it first costs a cache miss on every registration.
         if tokens.len() != self.block_size
             || self.is_registered(b)
             || b.index() >= self.entries.len()
         {
-            return false;
+            return Registration::Refused;
         }
         // The probe below usually misses the cache: ask for its line first, and write
         // the ids meanwhile (an unregistered block's stored ids mean nothing, so a
@@ -501,18 +524,21 @@ impl PrefixIndex {
             {
                 Some(found) => found,
                 None => {
-                    if self.block_of(hash).is_some() {
-                        self.counters.duplicate_blocks += 1;
-                    }
-                    return false;
+                    return match self.block_of(hash) {
+                        Some(copy) => {
+                            self.counters.duplicate_blocks += 1;
+                            Registration::Duplicate(copy)
+                        }
+                        None => Registration::Refused,
+                    };
                 }
             },
         };
         let entries = &self.entries;
         let hash_at = |b: BlockId| Some(entries.get(b.index())?.as_ref()?.hash);
-        if self.by_hash.insert(hash, b, hash_at).is_err() {
+        if let Err(copy) = self.by_hash.insert(hash, b, hash_at) {
             self.counters.duplicate_blocks += 1;
-            return false;
+            return Registration::Duplicate(copy);
         }
         // Every check passed: from here on the registration completes.
         if let Some(pb) = parent_block {
@@ -554,7 +580,7 @@ impl PrefixIndex {
         });
         self.counters.stored_blocks += 1;
         self.emit_stored(b);
-        true
+        Registration::Stored
     }
 
     /// Registered block `b` lost its last table reference and is now cached.

@@ -103,7 +103,7 @@ impl PrefixIndex {
             saved.key.as_ref(),
             &saved.tokens,
             saved.priority,
-        )
+        ) == super::Registration::Stored
     }
 
     /// Announces that `saved`'s content now lives in (`stored`) or left (`!stored`)
