@@ -1601,6 +1601,35 @@ fn a_recomputed_last_block_is_shared_at_the_next_step_and_registration_goes_on()
     );
 }
 
+/// A defragmentation between the duplicate and its settling moves the cached copy:
+/// the sequence still shares the copy at its new place.
+#[test]
+fn a_pending_twin_follows_its_copy_through_defragmentation() {
+    let mut e = Engine::new(manager(16));
+    // A filler below the prompt's blocks leaves holes for the copy to move into.
+    // (Admitted without ids, so its blocks are freed, not cached.)
+    e.kv.admit(SeqId(9), 4 * BLOCK, &mut e.slots).unwrap();
+    let prompt = toks(0, 2 * BLOCK);
+    e.admit(SeqId(1), 0, &prompt, &NONE).unwrap();
+    e.free(SeqId(1));
+    e.kv.free(SeqId(9)).unwrap();
+    // The whole prompt hits; its last block is recomputed into a fresh block.
+    assert_eq!(e.admit(SeqId(2), 0, &prompt, &NONE).unwrap(), BLOCK);
+    let plan =
+        pagedkv::executor::defragment_with(&mut e.kv, &mut e.store, pagedkv::DefragOptions::FULL)
+            .unwrap();
+    assert!(!plan.moves().is_empty());
+    e.check();
+    e.append(SeqId(2), &toks(2 * BLOCK as u32, 1)).unwrap();
+    let s = e.kv.stats();
+    assert_eq!(
+        (s.used_blocks, s.cached_blocks),
+        (3, 0),
+        "shares the moved copy and gives its own block back"
+    );
+    e.check();
+}
+
 /// A swapped-in sequence registers again: its fresh copies share the blocks still
 /// cached, or become the cached copies when those were evicted meanwhile, and the
 /// blocks it decodes afterwards are registered.

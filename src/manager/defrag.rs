@@ -534,14 +534,22 @@ impl KvCacheManager {
             self.on_block_moved(m.src, m.dst)?;
             move_map[(m.src.0 - base) as usize] = m.dst.0;
         }
-        for table in self.device_tables_mut() {
-            // `BlockId::RELEASED` holes are never in the move range.
-            for b in table.iter_mut().filter(|b| **b != BlockId::RELEASED) {
-                if let Some(&dst) = b.0.checked_sub(base).and_then(|i| move_map.get(i as usize)) {
-                    if dst != u32::MAX {
-                        b.0 = dst;
-                    }
+        let remap = |b: &mut BlockId| {
+            if let Some(&dst) = b.0.checked_sub(base).and_then(|i| move_map.get(i as usize)) {
+                if dst != u32::MAX {
+                    b.0 = dst;
                 }
+            }
+        };
+        // Tables (`BlockId::RELEASED` holes are never in the move range) and the
+        // cached copy a pending twin will share both name device blocks.
+        for s in self.seqs.values_mut() {
+            s.table
+                .iter_mut()
+                .filter(|b| **b != BlockId::RELEASED)
+                .for_each(remap);
+            if let Some(copy) = s.prefix.as_deref_mut().and_then(|p| p.twin_copy_mut()) {
+                remap(copy);
             }
         }
         Ok(())
@@ -555,12 +563,6 @@ impl KvCacheManager {
                 "defragmentation with {n} swap transfers in flight; complete or abort them first"
             ))),
         }
-    }
-
-    /// Every table whose entries are device block ids. (Tables of sequences swapped to
-    /// the host tier must not be remapped; the swap branch narrows this.)
-    fn device_tables_mut(&mut self) -> impl Iterator<Item = &mut Vec<BlockId>> + '_ {
-        self.seqs.values_mut().map(|s| &mut s.table)
     }
 
     /// Called once per moved block, after the pool relocated it (with its fill):

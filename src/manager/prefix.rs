@@ -77,6 +77,11 @@ impl SeqPrefix {
         }
     }
 
+    /// The cached copy a pending twin will share, for defragmentation to follow it.
+    pub(crate) fn twin_copy_mut(&mut self) -> Option<&mut BlockId> {
+        self.twin.as_mut().map(|(_, copy)| copy)
+    }
+
     /// The same progress rewound to position 0, for a sequence whose blocks are about
     /// to be replaced by fresh copies (a swap-out): the chain's ids are read from the
     /// cache now, while its blocks are still registered, so that the swapped-in copies
@@ -1053,10 +1058,11 @@ impl KvCacheManager {
             if let Some((hash, copy)) = p.twin {
                 let own = s.table.get(p.chain).copied();
                 // The copy may have been evicted since (then the settling registers
-                // the sequence's own block), and a fork sibling holding the same block
-                // may have registered it under the same hash.
+                // the sequence's own block, whose id may even be the copy's old one,
+                // reused after a defragmentation moved it there), and a fork sibling
+                // holding the same block may have registered it under the same hash.
                 let own_hash = own.and_then(|b| self.prefix.hash_of(b));
-                if own.is_none_or(|b| b == copy)
+                if own.is_none()
                     || own_hash.is_some_and(|h| h != hash)
                     || (p.chain + 1) * bs > s.computed
                 {
