@@ -54,7 +54,7 @@ pub use manager::preempt::{
 };
 pub use manager::{
     CacheBuilder, CacheConfig, CacheStats, DefragOptions, FragStats, KvCacheManager, PendingDefrag,
-    PendingResize, PendingTierMove, SharedKvCacheManager,
+    PendingResize, PendingTierMove, SharedKvCacheManager, StepBuffers, StepEntry,
 };
 pub use manager::{PendingPrefixRestore, PendingPrefixSpill, PrefixRestore, PrefixSpill};
 pub use manager::{PrefixHit, SwapJob, TierBlock, TierConfig, TierStats};

@@ -392,3 +392,295 @@ fn a_sequence_listed_twice_is_refused() {
         .unwrap_err();
     assert!(matches!(err, Error::DuplicateInBatch(SeqId(0))), "{err}");
 }
+
+// ---- the step path: reserve_step / commit_step against reserve / commit -----------
+
+#[derive(Debug, Clone)]
+enum StepAction {
+    /// Admit a prompt with ids (one of two shared prefixes plus a tail).
+    Admit {
+        prefix: u8,
+        tail: u8,
+    },
+    /// One step: per running sequence (in row order) its query tokens, lookahead and
+    /// accepted share (out of 4).
+    Step(Vec<(u8, u8, u8)>),
+    /// Move the first running sequence to the back (rows change owners).
+    Rotate,
+    Fork(u8),
+    Truncate(u8, u8),
+    Free(u8),
+    Defrag,
+}
+
+fn step_action() -> impl Strategy<Value = StepAction> {
+    prop_oneof![
+        2 => (0u8..2, 0u8..10).prop_map(|(prefix, tail)| StepAction::Admit { prefix, tail }),
+        6 => prop::collection::vec((1u8..6, 0u8..3, 0u8..5), 8).prop_map(StepAction::Step),
+        1 => Just(StepAction::Rotate),
+        1 => any::<u8>().prop_map(StepAction::Fork),
+        1 => (any::<u8>(), 1u8..6).prop_map(|(k, n)| StepAction::Truncate(k, n)),
+        1 => any::<u8>().prop_map(StepAction::Free),
+        1 => Just(StepAction::Defrag),
+    ]
+}
+
+const ROWS: usize = 8;
+const WIDTH: usize = 24;
+
+struct StepPair {
+    step: KvCacheManager,
+    single: KvCacheManager,
+    running: Vec<SeqId>,
+    buf: pagedkv::StepBuffers,
+    next: u64,
+}
+
+impl StepPair {
+    fn apply(&mut self, a: &StepAction) {
+        let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+        match a {
+            StepAction::Admit { prefix, tail } => {
+                let id = SeqId(self.next);
+                self.next += 1;
+                let mut prompt: Vec<u32> = (0..9).map(|t| t + 100 * u32::from(*prefix)).collect();
+                prompt.extend((0..u32::from(*tail)).map(|t| 1_000 + self.next as u32 * 16 + t));
+                let opts = AdmitOptions::default();
+                let r1 = self.step.admit_tokens(id, &prompt, &opts, &mut slots);
+                let r2 = self.single.admit_tokens(id, &prompt, &opts, &mut slots);
+                assert_eq!(r1.is_ok(), r2.is_ok());
+                if r1.is_ok() {
+                    self.running.push(id);
+                }
+            }
+            StepAction::Step(plan) => {
+                let rows = self.running.len().min(ROWS);
+                let entries: Vec<pagedkv::StepEntry> = (0..rows)
+                    .map(|k| pagedkv::StepEntry {
+                        seq: self.step.handle(self.running[k]).unwrap(),
+                        new_tokens: usize::from(plan[k].0),
+                        lookahead: usize::from(plan[k].1),
+                    })
+                    .collect();
+                let before = (self.step.stats(), self.step.prefix_stats());
+                match self.step.reserve_step(&entries, &mut self.buf) {
+                    Ok(()) => {
+                        let mut mapping = Vec::new();
+                        let mut positions = Vec::new();
+                        let mut starts = vec![0u32];
+                        for (k, e) in entries.iter().enumerate() {
+                            let id = self.running[k];
+                            let first = self.single.num_computed_tokens(id).unwrap();
+                            self.single
+                                .reserve(id, e.new_tokens, e.lookahead, &mut slots, &mut copies)
+                                .unwrap();
+                            mapping.extend(slots[..e.new_tokens].iter().map(|s| s.0 as i64));
+                            positions.extend((first..first + e.new_tokens).map(|p| p as i64));
+                            starts.push(mapping.len() as u32);
+                        }
+                        assert_eq!(self.buf.slot_mapping(), &mapping[..]);
+                        assert_eq!(self.buf.positions(), &positions[..]);
+                        assert_eq!(self.buf.query_start_loc(), &starts[..]);
+                        assert_eq!(self.buf.copies(), &copies);
+                        let mut want = pagedkv::PaddedTables::default();
+                        self.single
+                            .fill_padded_fixed(&self.running[..rows], rows, WIDTH, &mut want)
+                            .unwrap();
+                        assert_eq!(self.buf.tables(), &want, "tables after reserve_step");
+                        // Padding to a captured shape.
+                        self.buf.pad_to(ROWS, 64).unwrap();
+                        let t = self.buf.tables();
+                        assert_eq!((t.batch, t.context_lens.len()), (ROWS, ROWS));
+                        assert!(self.buf.slot_mapping()[mapping.len()..]
+                            .iter()
+                            .all(|&s| s == -1));
+                        assert_eq!(self.buf.query_start_loc().len(), ROWS + 1);
+                        let accepted: Vec<(SeqHandle, usize)> = entries
+                            .iter()
+                            .enumerate()
+                            .map(|(k, e)| (e.seq, e.new_tokens * usize::from(plan[k].2) / 4))
+                            .collect();
+                        self.step.commit_step(&accepted).unwrap();
+                        for (k, &(_, n)) in accepted.iter().enumerate() {
+                            self.single.commit(self.running[k], n).unwrap();
+                        }
+                    }
+                    Err(e) => {
+                        assert!(
+                            matches!(
+                                e,
+                                Error::OutOfBlocks { .. }
+                                    | Error::TooLong { .. }
+                                    | Error::ShapeMismatch { .. }
+                            ),
+                            "{e}"
+                        );
+                        assert_eq!(
+                            (self.step.stats(), self.step.prefix_stats()),
+                            before,
+                            "a failed step changes nothing"
+                        );
+                        if let Some(id) = self.running.pop() {
+                            self.step.free(id).unwrap();
+                            self.single.free(id).unwrap();
+                        }
+                    }
+                }
+            }
+            StepAction::Rotate => {
+                if !self.running.is_empty() {
+                    self.running.rotate_left(1);
+                }
+            }
+            StepAction::Fork(k) => {
+                if self.running.is_empty() {
+                    return;
+                }
+                let parent = self.running[usize::from(*k) % self.running.len()];
+                let child = SeqId(self.next);
+                self.next += 1;
+                let r1 = self.step.fork(parent, child);
+                assert_eq!(r1, self.single.fork(parent, child));
+                if r1.is_ok() {
+                    self.running.push(child);
+                }
+            }
+            StepAction::Truncate(k, n) => {
+                if self.running.is_empty() {
+                    return;
+                }
+                let id = self.running[usize::from(*k) % self.running.len()];
+                let len = self.step.num_tokens(id).unwrap();
+                let new_len = len.saturating_sub(usize::from(*n)).max(1);
+                assert_eq!(
+                    self.step.truncate(id, new_len),
+                    self.single.truncate(id, new_len)
+                );
+            }
+            StepAction::Free(k) => {
+                if self.running.is_empty() {
+                    return;
+                }
+                let id = self.running.remove(usize::from(*k) % self.running.len());
+                self.step.free(id).unwrap();
+                self.single.free(id).unwrap();
+            }
+            StepAction::Defrag => {
+                for kv in [&mut self.step, &mut self.single] {
+                    let pending = kv.plan_defragment(pagedkv::DefragOptions::FULL).unwrap();
+                    pending.commit().unwrap();
+                }
+            }
+        }
+    }
+
+    fn check(&self) {
+        self.step.check_invariants().unwrap();
+        assert_eq!(self.step.stats(), self.single.stats());
+        assert_eq!(self.step.prefix_stats(), self.single.prefix_stats());
+        for &id in &self.running {
+            assert_eq!(
+                self.step.block_table(id).unwrap(),
+                self.single.block_table(id).unwrap()
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+    /// Slots, positions, offsets, copies, tables (written only where they changed)
+    /// and every counter agree with per-sequence `reserve` / `commit` and
+    /// `fill_padded_fixed`, through forks, truncations, frees, defragmentations and
+    /// rows changing owners.
+    #[test]
+    fn reserve_step_matches_per_sequence_calls(
+        actions in proptest::collection::vec(step_action(), 1..80)
+    ) {
+        let mut p = StepPair {
+            step: manager(64),
+            single: manager(64),
+            running: Vec::new(),
+            buf: pagedkv::StepBuffers::new(ROWS, 64, WIDTH),
+            next: 0,
+        };
+        for a in &actions {
+            p.apply(a);
+            p.check();
+        }
+    }
+}
+
+#[test]
+fn refused_steps_change_nothing() {
+    let mut kv = manager(8);
+    let mut slots = Vec::new();
+    kv.admit(SeqId(1), 4, &mut slots).unwrap();
+    kv.admit(SeqId(2), 3, &mut slots).unwrap();
+    let (h1, h2) = (kv.handle(SeqId(1)).unwrap(), kv.handle(SeqId(2)).unwrap());
+    let e = |seq, new_tokens, lookahead| pagedkv::StepEntry {
+        seq,
+        new_tokens,
+        lookahead,
+    };
+    let mut buf = pagedkv::StepBuffers::new(2, 8, 4);
+    kv.reserve_step(&[e(h1, 1, 0), e(h2, 1, 0)], &mut buf)
+        .unwrap();
+    kv.commit_step(&[(h1, 1), (h2, 1)]).unwrap();
+    let (before, shown) = (kv.stats(), buf.clone());
+    let same = |kv: &KvCacheManager, buf: &pagedkv::StepBuffers| {
+        assert_eq!(kv.stats(), before);
+        assert_eq!(buf.slot_mapping(), shown.slot_mapping());
+        assert_eq!(buf.tables(), shown.tables());
+    };
+    // Listed twice; more rows or tokens than the buffers hold; a table too wide.
+    assert_eq!(
+        kv.reserve_step(&[e(h1, 1, 0), e(h1, 1, 0)], &mut buf),
+        Err(Error::DuplicateInBatch(SeqId(1)))
+    );
+    for bad in [
+        vec![e(h1, 1, 0), e(h2, 1, 0), e(h2, 1, 0)],
+        vec![e(h1, 5, 0), e(h2, 4, 0)],
+        vec![e(h1, 12, 0)],
+    ] {
+        assert!(matches!(
+            kv.reserve_step(&bad, &mut buf),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        same(&kv, &buf);
+    }
+    // Out of blocks: the arena is full and seq 1 needs a new block.
+    kv.admit(SeqId(3), 5 * BS, &mut slots).unwrap();
+    let full = kv.stats();
+    assert!(matches!(
+        kv.reserve_step(&[e(h2, 1, 0), e(h1, 4, 0)], &mut buf),
+        Err(Error::OutOfBlocks { .. })
+    ));
+    assert_eq!(kv.stats(), full);
+    assert_eq!(
+        kv.context_len(SeqId(2)).unwrap(),
+        4,
+        "seq 2 got nothing either"
+    );
+    // A commit past a reservation refuses the whole step.
+    kv.free(SeqId(3)).unwrap();
+    kv.reserve_step(&[e(h1, 2, 0), e(h2, 1, 0)], &mut buf)
+        .unwrap();
+    let reserved = kv.stats();
+    assert!(matches!(
+        kv.commit_step(&[(h1, 2), (h2, 2)]),
+        Err(Error::CommitPastReservation { .. })
+    ));
+    assert_eq!(kv.stats(), reserved);
+    assert_eq!(kv.num_computed_tokens(SeqId(1)).unwrap(), 5);
+    // And a second reservation of a reserved sequence.
+    assert!(matches!(
+        kv.reserve_step(&[e(h1, 1, 0)], &mut buf),
+        Err(Error::SequenceState { .. })
+    ));
+    kv.commit_step(&[(h1, 2), (h2, 1)]).unwrap();
+    // Padding below the step or past the buffers.
+    assert!(buf.pad_to(1, 8).is_err());
+    assert!(buf.pad_to(2, 9).is_err());
+    kv.check_invariants().unwrap();
+}

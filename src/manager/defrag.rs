@@ -527,6 +527,7 @@ impl KvCacheManager {
             }
         }
 
+        self.tables_changed();
         let base = first.src.0;
         let mut move_map = vec![u32::MAX; (last.src.0 - base) as usize + 1];
         for m in moves {

@@ -1317,6 +1317,7 @@ impl KvCacheManager {
         let moved = s.table.get(pos).copied();
         s.num_tokens -= bs;
         s.computed -= bs;
+        self.tables_changed();
         self.release_block(b)?;
         Ok(moved)
     }

@@ -11,6 +11,7 @@ mod prefix;
 mod prefix_spill;
 mod seqs;
 mod shared;
+mod step;
 mod swap;
 
 pub use builder::CacheBuilder;
@@ -19,6 +20,7 @@ pub use preempt::CostModel;
 pub use prefix::PrefixHit;
 pub use prefix_spill::{PendingPrefixRestore, PendingPrefixSpill, PrefixRestore, PrefixSpill};
 pub use shared::SharedKvCacheManager;
+pub use step::{StepBuffers, StepEntry};
 pub use swap::{PendingTierMove, SwapJob, TierBlock, TierConfig, TierStats};
 
 use std::collections::HashMap;
@@ -270,9 +272,26 @@ pub struct KvCacheManager {
     /// Sliding window in tokens: blocks entirely before the window of a sequence's
     /// next query are given back (see [`CacheBuilder::sliding_window`]).
     pub(crate) window: Option<usize>,
+    /// Changes whenever a table entry already handed out changes (a copy-on-write, a
+    /// shared cached copy, a window's release, a truncation, a move): step buffers
+    /// rewrite their rows then (see `manager/step.rs`). Drawn from one process-wide
+    /// counter, so no two managers (nor a clone that diverged) share a value.
+    pub(crate) table_epoch: u64,
+}
+
+/// The next value of [`KvCacheManager::table_epoch`].
+fn next_table_epoch() -> u64 {
+    static EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    EPOCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
 }
 
 impl KvCacheManager {
+    /// Records that a table entry already handed out changed.
+    #[inline]
+    pub(crate) fn tables_changed(&mut self) {
+        self.table_epoch = next_table_epoch();
+    }
+
     /// A manager for an arena of `config.num_blocks` blocks of `layout`.
     ///
     /// # Errors
@@ -319,6 +338,7 @@ impl KvCacheManager {
             tiers: swap::Tiers::new(TierConfig::default())?,
             defrag_counters: defrag::DefragCounters::default(),
             window: None,
+            table_epoch: next_table_epoch(),
         })
     }
 
@@ -624,7 +644,12 @@ impl KvCacheManager {
     /// the reservation. Nothing changed on error.
     pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<usize> {
         let h = self.handle(seq)?;
-        let (_, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
+        self.commit_at(h, n)
+    }
+
+    /// [`Self::commit`] by handle.
+    pub(crate) fn commit_at(&mut self, h: SeqHandle, n: usize) -> Result<usize> {
+        let (seq, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
         swap::check_resident(seq, s)?;
         if n > s.scheduled {
             return Err(Error::CommitPastReservation {
@@ -702,30 +727,41 @@ impl KvCacheManager {
             }
             let s = self.resident(seq)?;
             let target = self.reserve_target(s, n, lookahead)?;
-            let (new_blocks, written) = self.reserve_span(s, target);
-            let mut cost = new_blocks;
-            for &b in written {
-                let holders = self
-                    .pool
-                    .refcount(b)
-                    .unwrap_or(0)
-                    .saturating_sub(let_go.get(&b).copied().unwrap_or(0));
-                if holders > 1 || self.prefix.is_registered(b) {
-                    // Replaced by a fresh block; this holder lets go of the old one.
-                    cost += 1;
-                    *let_go.entry(b).or_insert(0) += 1;
-                }
-            }
-            // A twin settled first gives a block back (see `reserve_cost`); counted on
-            // today's holders, so an earlier sibling's settling only adds room.
-            let frees = if s.twin_pending {
-                self.twin_frees(s)
-            } else {
-                0
-            };
-            total += cost.saturating_sub(frees);
+            total += self.batch_cost(s, target, &mut let_go);
         }
         Ok(total)
+    }
+
+    /// One reservation's part of [`Self::blocks_needed_batch`]: its blocks, given the
+    /// references the batch's earlier copies let go of (`let_go`, updated).
+    pub(crate) fn batch_cost(
+        &self,
+        s: &Sequence,
+        target: usize,
+        let_go: &mut HashMap<BlockId, u32>,
+    ) -> usize {
+        let (new_blocks, written) = self.reserve_span(s, target);
+        let mut cost = new_blocks;
+        for &b in written {
+            let holders = self
+                .pool
+                .refcount(b)
+                .unwrap_or(0)
+                .saturating_sub(let_go.get(&b).copied().unwrap_or(0));
+            if holders > 1 || self.prefix.is_registered(b) {
+                // Replaced by a fresh block; this holder lets go of the old one.
+                cost += 1;
+                *let_go.entry(b).or_insert(0) += 1;
+            }
+        }
+        // A twin settled first gives a block back (see `reserve_cost`); counted on
+        // today's holders, so an earlier sibling's settling only adds room.
+        let frees = if s.twin_pending {
+            self.twin_frees(s)
+        } else {
+            0
+        };
+        cost.saturating_sub(frees)
     }
 
     /// Tokens of `seq` whose K/V is written (committed).
@@ -751,7 +787,7 @@ impl KvCacheManager {
     }
 
     /// The end of a reservation of `n + lookahead` tokens after the computed ones.
-    fn reserve_target(&self, s: &Sequence, n: usize, lookahead: usize) -> Result<usize> {
+    pub(crate) fn reserve_target(&self, s: &Sequence, n: usize, lookahead: usize) -> Result<usize> {
         let end = s
             .computed
             .checked_add(n)
@@ -773,7 +809,7 @@ impl KvCacheManager {
     /// The count is net of a pending twin the reservation settles first (see
     /// `manager/prefix.rs`): sharing a live cached copy gives the sequence's own
     /// block back.
-    fn reserve_cost(&self, s: &Sequence, target: usize) -> (usize, usize) {
+    pub(crate) fn reserve_cost(&self, s: &Sequence, target: usize) -> (usize, usize) {
         let (new_blocks, written) = self.reserve_span(s, target);
         let replaced = written.iter().filter(|&&b| self.is_protected(b)).count();
         let cost = new_blocks + replaced;
@@ -908,7 +944,7 @@ impl KvCacheManager {
     /// of the manager's fields); only a copy-on-write takes it out of its slot, so that
     /// the release of the old block does not count this sequence among its holders.
     #[allow(clippy::too_many_arguments)]
-    fn reserve_at(
+    pub(crate) fn reserve_at(
         &mut self,
         h: SeqHandle,
         n: usize,
@@ -1020,6 +1056,7 @@ impl KvCacheManager {
         if keep_from <= s.released {
             return Ok(());
         }
+        self.tables_changed();
         // Out of its slot while blocks are released (see `replace_protected`).
         let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
         let mut result = Ok(());
@@ -1059,6 +1096,7 @@ impl KvCacheManager {
         copies: &mut CopyPlan,
     ) -> Result<()> {
         let bs = self.block_size();
+        self.tables_changed();
         // Out of its slot while old blocks are released: a release that recounts a
         // block's holders must not count this sequence.
         let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
@@ -1127,6 +1165,7 @@ impl KvCacheManager {
         }
         self.check_truncate_window(seq, s, new_len)?;
         let h = self.handle(seq)?;
+        self.tables_changed();
         // Out of its slot while blocks are released (see `replace_protected`).
         let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
         let keep = self.layout.blocks_for_tokens(new_len);
@@ -1334,7 +1373,7 @@ impl KvCacheManager {
     // ---- the three places blocks enter and leave tables -------------------------
 
     /// Fails unless `needed` blocks can be obtained now.
-    fn ensure_available(&self, needed: usize) -> Result<()> {
+    pub(crate) fn ensure_available(&self, needed: usize) -> Result<()> {
         let free = self.num_available_blocks();
         if needed > free {
             return Err(Error::OutOfBlocks { needed, free });

@@ -899,6 +899,7 @@ impl KvCacheManager {
                     break;
                 }
                 s.table[chain] = copy;
+                self.tables_changed();
                 if let Err(e) = self.release_block(own) {
                     result = Err(e);
                 }

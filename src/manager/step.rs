@@ -1,0 +1,398 @@
+//! The step path: one call reserves every sequence of a model step and fills the
+//! buffers the step reads, one call commits what the step accepted.
+//!
+//! [`KvCacheManager::reserve_step`] is [`KvCacheManager::reserve`] for a whole batch,
+//! reached by handle (no id is hashed), checked as a whole before anything changes,
+//! and writing straight into fixed-capacity [`StepBuffers`]: vLLM's slot mapping
+//! (`i64`, `-1` for padding), positions, `query_start_loc`, the padded block tables
+//! with their context lengths (the [`PaddedTables`] this crate's kernels read) and the
+//! step's copy-on-write copies. Sized once, the buffers never allocate, so their
+//! addresses can be captured by a CUDA graph; [`StepBuffers::pad_to`] pads a batch up
+//! to a captured shape. [`KvCacheManager::commit_step`] commits every sequence's
+//! accepted tokens, also checked as a whole first.
+//!
+//! A table row is written only where it changed: the buffers remember which sequence
+//! each row held and how much of its table they wrote, and the manager counts every
+//! change to an entry already handed out (a copy-on-write, a shared cached copy, a
+//! window's release, a truncation, a defragmentation). While that count stands, a
+//! sequence in the same row as last step gets only its new entries written.
+
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, SeqHandle};
+use crate::layout::plans::CopyPlan;
+use crate::layout::Slot;
+use crate::tables::PaddedTables;
+
+use super::{swap, KvCacheManager};
+
+/// One sequence's part of a step: `new_tokens` query tokens after its computed ones
+/// (a prefill chunk, or a decode token and its drafts), then `lookahead` slots
+/// reserved for later (never context, not in the step's buffers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepEntry {
+    /// The sequence ([`KvCacheManager::handle`]).
+    pub seq: SeqHandle,
+    /// Query tokens this step computes.
+    pub new_tokens: usize,
+    /// Slots reserved after the query tokens.
+    pub lookahead: usize,
+}
+
+/// The inputs of one model step, filled by [`KvCacheManager::reserve_step`] into
+/// buffers allocated once ([`StepBuffers::new`]) at fixed capacities.
+#[derive(Debug, Clone)]
+pub struct StepBuffers {
+    max_seqs: usize,
+    max_tokens: usize,
+    slot_mapping: Vec<i64>,
+    positions: Vec<i64>,
+    query_start_loc: Vec<u32>,
+    tables: PaddedTables,
+    /// Per row: the sequence it held last and how many table entries of it are
+    /// written (entries past that are 0).
+    row_seq: Vec<Option<SeqHandle>>,
+    row_len: Vec<usize>,
+    /// The manager's table epoch the rows were written against.
+    written_for: Option<u64>,
+    copies: CopyPlan,
+    scratch: Vec<Slot>,
+    /// Rows and query tokens of the step, before padding.
+    rows: usize,
+    tokens: usize,
+}
+
+impl StepBuffers {
+    /// Buffers for steps of at most `max_seqs` sequences and `max_tokens` query
+    /// tokens, with table rows of `table_width` blocks (the blocks of the longest
+    /// context).
+    pub fn new(max_seqs: usize, max_tokens: usize, table_width: usize) -> Self {
+        let mut tables = PaddedTables {
+            tables: Vec::with_capacity(max_seqs * table_width),
+            context_lens: Vec::with_capacity(max_seqs),
+            batch: 0,
+            max_blocks: table_width,
+        };
+        tables.tables.clear();
+        StepBuffers {
+            max_seqs,
+            max_tokens,
+            slot_mapping: Vec::with_capacity(max_tokens),
+            positions: Vec::with_capacity(max_tokens),
+            query_start_loc: Vec::with_capacity(max_seqs + 1),
+            tables,
+            row_seq: vec![None; max_seqs],
+            row_len: vec![0; max_seqs],
+            written_for: None,
+            copies: CopyPlan::new(),
+            scratch: Vec::with_capacity(max_tokens),
+            rows: 0,
+            tokens: 0,
+        }
+    }
+
+    /// The slot of every query token, in batch order (`-1` for padding): the input
+    /// of a `reshape_and_cache` kernel.
+    pub fn slot_mapping(&self) -> &[i64] {
+        &self.slot_mapping
+    }
+
+    /// The position of every query token in its sequence (0 for padding).
+    pub fn positions(&self) -> &[i64] {
+        &self.positions
+    }
+
+    /// `rows + 1` offsets: row `i`'s query tokens are
+    /// `query_start_loc[i]..query_start_loc[i + 1]`.
+    pub fn query_start_loc(&self) -> &[u32] {
+        &self.query_start_loc
+    }
+
+    /// The block tables, `rows x table_width`, and each row's context length (the
+    /// computed tokens plus this step's; 0 for padding). Entries past a row's blocks
+    /// are 0, never read.
+    pub fn tables(&self) -> &PaddedTables {
+        &self.tables
+    }
+
+    /// The copy-on-write copies to run before the step writes.
+    pub fn copies(&self) -> &CopyPlan {
+        &self.copies
+    }
+
+    /// Rows of the step, padding included.
+    pub fn rows(&self) -> usize {
+        self.tables.batch
+    }
+
+    /// Query tokens of the step, padding included.
+    pub fn num_tokens(&self) -> usize {
+        self.slot_mapping.len()
+    }
+
+    /// Rows and query tokens the reservation filled, before padding.
+    pub fn unpadded(&self) -> (usize, usize) {
+        (self.rows, self.tokens)
+    }
+
+    /// Pads the step to `rows` rows and `tokens` query tokens (a captured CUDA
+    /// graph's shape): padding rows have no query and context 0, padding tokens slot
+    /// `-1`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the shape is below the step's or above the
+    /// buffers' capacity; nothing changed.
+    pub fn pad_to(&mut self, rows: usize, tokens: usize) -> Result<()> {
+        if rows < self.tables.batch || rows > self.max_seqs {
+            return Err(Error::ShapeMismatch {
+                what: "padded rows of a step (at least the step's, at most max_seqs)",
+                expected: self.max_seqs,
+                got: rows,
+            });
+        }
+        if tokens < self.slot_mapping.len() || tokens > self.max_tokens {
+            return Err(Error::ShapeMismatch {
+                what: "padded query tokens of a step (at least the step's, at most max_tokens)",
+                expected: self.max_tokens,
+                got: tokens,
+            });
+        }
+        self.resize_rows(rows);
+        self.tables.context_lens.resize(rows, 0);
+        self.tables.batch = rows;
+        let end = self.query_start_loc.last().copied().unwrap_or(0);
+        self.query_start_loc.resize(rows + 1, end);
+        self.slot_mapping.resize(tokens, -1);
+        self.positions.resize(tokens, 0);
+        Ok(())
+    }
+
+    /// Starts a step: empties every buffer but the tables' rows.
+    fn begin(&mut self) {
+        self.slot_mapping.clear();
+        self.positions.clear();
+        self.query_start_loc.clear();
+        self.query_start_loc.push(0);
+        self.tables.context_lens.clear();
+        self.copies.clear();
+        self.rows = 0;
+        self.tokens = 0;
+    }
+
+    /// Makes the tables `rows` rows long. Rows cut off forget what they held (they
+    /// come back zeroed), so a row past the tables' length always has nothing
+    /// written.
+    fn resize_rows(&mut self, rows: usize) {
+        let width = self.tables.max_blocks;
+        let now = self.tables.tables.len() / width.max(1);
+        for row in rows..now {
+            self.row_seq[row] = None;
+            self.row_len[row] = 0;
+        }
+        self.tables.tables.resize(rows * width, 0);
+        self.tables.batch = rows;
+    }
+
+    /// Row `row` will hold `seq`'s table of `len` entries: how many of its entries
+    /// are already written for it (0 unless it held the same sequence). Zeroes what
+    /// the row held past `len`.
+    fn take_row(&mut self, row: usize, seq: SeqHandle, len: usize) -> usize {
+        let width = self.tables.max_blocks;
+        let kept = if self.row_seq[row] == Some(seq) {
+            self.row_len[row].min(len)
+        } else {
+            0
+        };
+        let old = self.row_len[row];
+        if old > len {
+            self.tables.tables[row * width + len..row * width + old].fill(0);
+        }
+        self.row_seq[row] = Some(seq);
+        self.row_len[row] = len;
+        kept
+    }
+}
+
+impl KvCacheManager {
+    /// Reserves every sequence of a step in one call, as [`Self::reserve`] does for
+    /// each entry in order, and fills `out` with the step's inputs (see
+    /// [`StepBuffers`]). The whole batch is checked before anything changes: on
+    /// error nothing changed and `out` holds the previous step.
+    ///
+    /// ```
+    /// use pagedkv::{CacheConfig, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    /// use pagedkv::{StepBuffers, StepEntry};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::F16 };
+    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let mut slots = Vec::new();
+    /// kv.admit(SeqId(1), 0, &mut slots)?;                  // a prompt to prefill
+    /// kv.admit(SeqId(2), 20, &mut slots)?;
+    /// kv.commit(SeqId(2), 0)?;
+    /// let mut step = StepBuffers::new(8, 256, 16);
+    /// let (a, b) = (kv.handle(SeqId(1))?, kv.handle(SeqId(2))?);
+    /// let entries = [
+    ///     StepEntry { seq: a, new_tokens: 30, lookahead: 0 },  // a prefill chunk
+    ///     StepEntry { seq: b, new_tokens: 1, lookahead: 2 },   // a decode, 2 lookahead slots
+    /// ];
+    /// kv.reserve_step(&entries, &mut step)?;
+    /// assert_eq!(step.query_start_loc(), &[0, 30, 31]);
+    /// assert_eq!(step.tables().context_lens, vec![30, 21]);
+    /// step.pad_to(4, 32)?;                                  // a captured graph's shape
+    /// assert_eq!(step.slot_mapping()[31], -1);
+    /// kv.commit_step(&[(a, 30), (b, 1)])?;
+    /// assert_eq!(kv.num_computed_tokens(SeqId(2))?, 21);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the step has more sequences or query tokens than
+    /// `out` holds, or a table is wider than its rows; [`Error::StaleHandle`];
+    /// [`Error::DuplicateInBatch`]; for any entry, the errors of [`Self::reserve`];
+    /// [`Error::OutOfBlocks`] when the step's whole need (as
+    /// [`Self::blocks_needed_batch`] counts it) is not available.
+    pub fn reserve_step(&mut self, entries: &[StepEntry], out: &mut StepBuffers) -> Result<()> {
+        if entries.len() > out.max_seqs {
+            return Err(Error::ShapeMismatch {
+                what: "sequences of a step (StepBuffers max_seqs)",
+                expected: out.max_seqs,
+                got: entries.len(),
+            });
+        }
+        let tokens = entries
+            .iter()
+            .try_fold(0usize, |t, e| t.checked_add(e.new_tokens))
+            .unwrap_or(usize::MAX);
+        if tokens > out.max_tokens {
+            return Err(Error::ShapeMismatch {
+                what: "query tokens of a step (StepBuffers max_tokens)",
+                expected: out.max_tokens,
+                got: tokens,
+            });
+        }
+        // Check every entry first, so that a failed call changes nothing. The bound
+        // counts each sequence alone (a block shared by two of the batch counts for
+        // both); only when it does not fit is the exact count taken.
+        let width = out.tables.max_blocks;
+        let mut bound = 0usize;
+        self.seqs.begin_batch();
+        for e in entries {
+            let (seq, s) = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?;
+            swap::check_resident(seq, s)?;
+            if s.scheduled > 0 {
+                return Err(Error::SequenceState {
+                    seq,
+                    state: "holding an uncommitted reservation",
+                    needed: "committed (commit first; commit(seq, 0) cancels)",
+                });
+            }
+            let target = self.reserve_target(s, e.new_tokens, e.lookahead)?;
+            // A row holds the blocks of the context (lookahead slots are not read).
+            let blocks = self.layout.blocks_for_tokens(s.computed + e.new_tokens);
+            if blocks > width {
+                return Err(Error::ShapeMismatch {
+                    what: "blocks of a sequence's table (StepBuffers table_width)",
+                    expected: width,
+                    got: blocks,
+                });
+            }
+            bound += self.reserve_cost(s, target).0;
+            if !self.seqs.mark(e.seq) {
+                return Err(Error::DuplicateInBatch(seq));
+            }
+        }
+        if bound > self.num_available_blocks() {
+            let mut let_go = std::collections::HashMap::new();
+            let mut exact = 0;
+            for e in entries {
+                let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
+                let target = self.reserve_target(s, e.new_tokens, e.lookahead)?;
+                exact += self.batch_cost(s, target, &mut let_go);
+            }
+            self.ensure_available(exact)?;
+        }
+        // Nothing below fails on a consistent manager: every entry was checked and
+        // the step's blocks are available.
+        if out.written_for != Some(self.table_epoch) {
+            // Entries handed out before may have changed since: rewrite every row.
+            out.row_seq.iter_mut().for_each(|r| *r = None);
+        }
+        out.begin();
+        let rows = entries.len();
+        out.resize_rows(rows);
+        for (row, e) in entries.iter().enumerate() {
+            out.scratch.clear();
+            let epoch = self.table_epoch;
+            self.reserve_at(
+                e.seq,
+                e.new_tokens,
+                e.lookahead,
+                false,
+                None,
+                &mut out.scratch,
+                &mut out.copies,
+            )?;
+            if self.table_epoch != epoch {
+                // This reservation changed an entry of its own table (a copy-on-write,
+                // a shared copy, a window's release): rewrite its row.
+                out.row_seq[row] = None;
+            }
+            let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
+            let first = s.computed;
+            out.slot_mapping
+                .extend(out.scratch[..e.new_tokens].iter().map(|s| s.0 as i64));
+            out.positions
+                .extend((first..first + e.new_tokens).map(|p| p as i64));
+            out.query_start_loc.push(out.slot_mapping.len() as u32);
+            let context = s.computed + s.scheduled;
+            out.tables.context_lens.push(context as u32);
+            let table = &s.table[..self.layout.blocks_for_tokens(context)];
+            let kept = out.take_row(row, e.seq, table.len());
+            let dst = &mut out.tables.tables[row * width..row * width + table.len()];
+            for (d, b) in dst[kept..].iter_mut().zip(&table[kept..]) {
+                *d = b.0;
+            }
+        }
+        // A reservation changes only its own sequence's entries: every row written
+        // above is current for the count as it stands now.
+        out.written_for = Some(self.table_epoch);
+        out.tables.batch = rows;
+        out.rows = rows;
+        out.tokens = out.slot_mapping.len();
+        Ok(())
+    }
+
+    /// Commits every `(sequence, accepted)` of a step, as [`Self::commit`] does for
+    /// each in order. Returns the blocks registered in the prefix cache.
+    ///
+    /// # Errors
+    /// [`Error::StaleHandle`]; [`Error::DuplicateInBatch`]; for any entry, the
+    /// errors of [`Self::commit`]. Every entry is checked first: on error nothing
+    /// changed.
+    pub fn commit_step(&mut self, accepted: &[(SeqHandle, usize)]) -> Result<usize> {
+        self.seqs.begin_batch();
+        for &(h, n) in accepted {
+            let (seq, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
+            swap::check_resident(seq, s)?;
+            if n > s.scheduled {
+                return Err(Error::CommitPastReservation {
+                    seq,
+                    committed: n,
+                    reserved: s.scheduled,
+                });
+            }
+            if !self.seqs.mark(h) {
+                return Err(Error::DuplicateInBatch(seq));
+            }
+        }
+        let mut registered = 0;
+        for &(h, n) in accepted {
+            registered += self.commit_at(h, n)?;
+        }
+        Ok(registered)
+    }
+}
+
+/// Table entries are block ids; `BlockId::RELEASED` (a window's hole) reads as
+/// `u32::MAX`, never inside a query's window.
+const _: () = assert!(BlockId::RELEASED.0 == u32::MAX);
