@@ -310,6 +310,27 @@ impl KvLayout {
 #[repr(transparent)]
 pub struct Slot(pub u64);
 
+/// Padded block tables: `[batch, max_blocks]` row-major plus context lengths (the form
+/// vLLM's kernels take). Entries past a sequence's last block are 0 and never read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PaddedTables {
+    /// `batch * max_blocks` block ids, row-major.
+    pub tables: Vec<u32>,
+    /// Tokens of each sequence.
+    pub context_lens: Vec<u32>,
+    /// Rows.
+    pub batch: usize,
+    /// Columns (the longest table in the batch).
+    pub max_blocks: usize,
+}
+
+impl PaddedTables {
+    /// The table row of sequence `i` of the batch.
+    pub fn row(&self, i: usize) -> &[u32] {
+        &self.tables[i * self.max_blocks..(i + 1) * self.max_blocks]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,8 +20,7 @@
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqHandle};
 use crate::layout::plans::CopyPlan;
-use crate::layout::Slot;
-use crate::tables::PaddedTables;
+use crate::layout::{PaddedTables, Slot};
 
 use super::{swap, KvCacheManager};
 

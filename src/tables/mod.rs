@@ -11,26 +11,8 @@ use crate::error::{Error, Result};
 use crate::ids::SeqId;
 use crate::manager::KvCacheManager;
 
-/// Padded block tables: `[batch, max_blocks]` row-major plus context lengths (the form
-/// vLLM's kernels take). Entries past a sequence's last block are 0 and never read.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PaddedTables {
-    /// `batch * max_blocks` block ids, row-major.
-    pub tables: Vec<u32>,
-    /// Tokens of each sequence.
-    pub context_lens: Vec<u32>,
-    /// Rows.
-    pub batch: usize,
-    /// Columns (the longest table in the batch).
-    pub max_blocks: usize,
-}
-
-impl PaddedTables {
-    /// The table row of sequence `i` of the batch.
-    pub fn row(&self, i: usize) -> &[u32] {
-        &self.tables[i * self.max_blocks..(i + 1) * self.max_blocks]
-    }
-}
+/// Defined with the layout, where the manager's step buffers can hold one.
+pub use crate::layout::PaddedTables;
 
 /// CSR block tables: `indices[indptr[i]..indptr[i+1]]` are sequence `i`'s blocks and
 /// `last_page_len[i]` the tokens in its last block (the form FlashInfer takes).
