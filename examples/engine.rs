@@ -11,9 +11,10 @@
 //! 3. the step's whole need (`blocks_needed_batch`, in reservation order) is compared
 //!    with what is available; when short, `preempt_for(need)` swaps or drops groups
 //!    *before* any slot of the step is handed out;
-//! 4. `reserve` for each scheduled sequence, then waiting requests are admitted with
-//!    the budget left (`lookup_prefix` -> `can_admit_hit` -> `admit_prompt` -> `reserve`
-//!    of a first chunk);
+//! 4. one `reserve_step` for the scheduled running sequences (it fills the step's
+//!    slot mapping, tables and copies), then waiting requests are admitted with the
+//!    budget left (`lookup_prefix` -> `can_admit_hit` -> `admit_prompt` -> `reserve` of
+//!    a first chunk);
 //! 5. copy-on-write copies run, then one model forward over the whole batch (prefill
 //!    chunks and draft verification in one ragged batch);
 //! 6. `commit` of what was accepted (rejected drafts are dropped by committing fewer),
@@ -39,7 +40,7 @@ use pagedkv::attention::model::{SplitMix64, TinyModel};
 use pagedkv::{
     AdmitOptions, BlockId, CopyPlan, CostModel, DType, Error, HostStorage, KvCacheManager,
     KvLayout, ModelShape, PaddedTables, PreemptAction, PreemptPolicy, PreemptReason, Preemption,
-    PrefixHit, SeqId, Slot, Storage, TierConfig,
+    PrefixHit, SeqId, Slot, StepEntry, Storage, TierConfig,
 };
 
 #[derive(Parser, Debug, Clone)]
@@ -282,6 +283,10 @@ struct StepBuffers {
     slots: Vec<Slot>,
     /// The plan as `blocks_needed_batch` reads it: `(seq, n, lookahead)` per entry.
     need: Vec<(SeqId, usize, usize)>,
+    /// The running sequences' part of the plan, by handle, for `reserve_step`.
+    entries: Vec<StepEntry>,
+    /// What `reserve_step` fills for them.
+    step: pagedkv::StepBuffers,
     drafts: Vec<u32>,
     tables: PaddedTables,
     hidden_in: Vec<f32>,
@@ -303,6 +308,8 @@ impl StepBuffers {
             slot_mapping: Vec::with_capacity(TOKEN_BUDGET),
             slots: Vec::with_capacity(TOKEN_BUDGET + MAX_SPEC_K),
             need: Vec::with_capacity(MAX_BATCH),
+            entries: Vec::with_capacity(MAX_BATCH),
+            step: pagedkv::StepBuffers::new(MAX_BATCH, TOKEN_BUDGET, max_blocks_per_seq),
             drafts: Vec::with_capacity(TOKEN_BUDGET),
             tables: PaddedTables {
                 tables: Vec::with_capacity(MAX_BATCH * max_blocks_per_seq),
@@ -528,11 +535,7 @@ impl<'a> Engine<'a> {
         }
         self.swap_in_ready()?;
         self.schedule_running()?;
-        self.buf.copies.clear();
-        self.buf.slot_mapping.clear();
-        for i in 0..self.buf.plan.len() {
-            self.reserve_scheduled(i)?;
-        }
+        self.reserve_running()?;
         self.admit_waiting()?;
         if !self.buf.plan.is_empty() {
             self.forward()?;
@@ -701,7 +704,33 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    /// Reserves the slots of plan entry `i`: its query tokens, then its lookahead.
+    /// Reserves every scheduled running sequence in one call (the whole step was
+    /// checked to fit): their query slots start the step's slot mapping, their
+    /// copy-on-write copies its copy plan. An engine keeps each sequence's handle
+    /// from admission or swap-in; this one looks them up each step for brevity.
+    fn reserve_running(&mut self) -> pagedkv::Result<()> {
+        let b = &mut self.buf;
+        b.entries.clear();
+        for e in &b.plan {
+            b.entries.push(StepEntry {
+                seq: self.kv.handle(e.seq)?,
+                new_tokens: e.n,
+                lookahead: e.lookahead,
+            });
+        }
+        self.kv.reserve_step(&b.entries, &mut b.step)?;
+        b.slot_mapping.clear();
+        b.slot_mapping
+            .extend(b.step.slot_mapping().iter().map(|&s| Slot(s as u64)));
+        b.copies.clear();
+        for c in b.step.copies().copies() {
+            b.copies.push(c.src, c.dst);
+        }
+        Ok(())
+    }
+
+    /// Reserves the slots of plan entry `i` (an admission): its query tokens, then
+    /// its lookahead.
     fn reserve_scheduled(&mut self, i: usize) -> pagedkv::Result<()> {
         let e = self.buf.plan[i];
         self.kv.reserve(
@@ -843,6 +872,17 @@ impl<'a> Engine<'a> {
         self.store.copy_blocks(&b.copies)?;
         self.stats.cow_copies += b.copies.len();
         self.kv.fill_padded(&b.seqs, &mut b.tables)?;
+        // The rows `reserve_step` wrote (reused where they did not change) are the
+        // tables of the running sequences, zero past their blocks.
+        for i in 0..b.entries.len() {
+            let (want, got) = (b.tables.row(i), b.step.tables().row(i));
+            let (head, tail) = got.split_at(want.len());
+            if head != want || tail.iter().any(|&x| x != 0) {
+                return Err(Error::CorruptBlockTable(format!(
+                    "row {i}: reserve_step wrote {got:?}, fill_padded {want:?}"
+                )));
+            }
+        }
         check_slot_mapping(
             self.store.layout(),
             &b.tables,
