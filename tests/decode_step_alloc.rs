@@ -130,3 +130,74 @@ fn staging_a_step_allocates_nothing() {
     assert!(refused >= 20, "{refused}");
     assert!(plans.iter().filter(|&&n| n > 0).count() >= 2, "{plans:?}");
 }
+
+/// The step path engines use (`reserve_step` into `StepBuffers`, `commit_step`)
+/// allocates nothing once its batch is admitted and the tables' capacity is set
+/// (`CacheConfig::table_capacity_blocks`): 48 sequences decode 400 steps, crossing
+/// dozens of block boundaries each, with forks sharing last blocks (copy-on-write
+/// every step a sibling writes), speculative steps that commit part of their drafts,
+/// and refused steps (a duplicate in the batch).
+#[test]
+fn the_step_path_allocates_nothing_once_admitted() {
+    use pagedkv::{CacheConfig, KvCacheManager, SeqId, StepBuffers, StepEntry};
+    let shape = ModelShape {
+        num_layers: 2,
+        num_q_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 64,
+        kv_dtype: DType::F16,
+    };
+    let layout = KvLayout::new(shape, 16).unwrap();
+    let max_len = 2_048;
+    let cfg = CacheConfig {
+        watermark_blocks: 0,
+        max_seq_len_tokens: max_len,
+        table_capacity_blocks: max_len / 16,
+        ..CacheConfig::new(48 * max_len / 16)
+    };
+    let mut kv = KvCacheManager::new(layout, cfg).unwrap();
+    let mut slots = Vec::new();
+    let mut handles = Vec::new();
+    for i in 0..48u64 {
+        if i % 4 == 3 {
+            // A fork of the sequence before it: their last block is shared.
+            kv.fork(SeqId(i - 1), SeqId(i)).unwrap();
+        } else {
+            kv.admit(SeqId(i), 17 + 7 * i as usize, &mut slots).unwrap();
+        }
+        handles.push(kv.handle(SeqId(i)).unwrap());
+    }
+    let mut step = StepBuffers::new(64, 256, max_len / 16);
+    let mut entries = Vec::with_capacity(64);
+    let mut accepted = Vec::with_capacity(64);
+    let mut refused = 0;
+    let mut before = allocs();
+    for t in 0..400usize {
+        if t == 1 {
+            // Step 0 is the warm-up: the buffers' and the pool's first use.
+            before = allocs();
+        }
+        entries.clear();
+        entries.extend(handles.iter().enumerate().map(|(i, &seq)| StepEntry {
+            seq,
+            // Every fifth sequence verifies 3 drafts.
+            new_tokens: if i % 5 == 0 { 4 } else { 1 },
+            lookahead: 0,
+        }));
+        if t % 40 == 39 {
+            entries.push(entries[0]);
+            assert!(kv.reserve_step(&entries, &mut step).is_err());
+            refused += 1;
+            continue;
+        }
+        kv.reserve_step(&entries, &mut step).unwrap();
+        accepted.clear();
+        accepted.extend(entries.iter().map(|e| (e.seq, 1 + (t % e.new_tokens))));
+        kv.commit_step(&accepted).unwrap();
+    }
+    let counted = allocs() - before;
+    assert_eq!(counted, 0, "399 steps allocated {counted} times");
+    kv.check_invariants().unwrap();
+    assert!(refused >= 10);
+    assert!(kv.num_computed_tokens(SeqId(0)).unwrap() > 17 + 400);
+}

@@ -47,6 +47,10 @@ pub struct CacheConfig {
     /// Largest arena [`crate::executor::grow_to`] accepts, in blocks (0: the `u32` id
     /// space is the only limit).
     pub max_num_blocks: usize,
+    /// Entries a sequence's block table makes room for the first time it grows past
+    /// its admission (0: it grows by doubling). Set it to the longest sequence's
+    /// blocks and a decode step never allocates once its batch is admitted.
+    pub table_capacity_blocks: usize,
 }
 
 impl CacheConfig {
@@ -57,6 +61,7 @@ impl CacheConfig {
             watermark_blocks: num_blocks / 100,
             max_seq_len_tokens: 0,
             max_num_blocks: 0,
+            table_capacity_blocks: 0,
         }
     }
 }
@@ -545,7 +550,7 @@ impl KvCacheManager {
         self.ensure_available(needed)?;
         self.seqs.reserve_room(1)?;
         let mut s = Sequence {
-            table: Vec::with_capacity(needed + 1),
+            table: self.new_table(needed),
             admission: self.tiers.next_admission(),
             ..Sequence::default()
         };
@@ -981,6 +986,7 @@ impl KvCacheManager {
             self.replace_protected(h, target, copies)?;
         }
         let windowed = self.window.is_some();
+        let table_capacity = self.config.table_capacity_blocks;
         let KvCacheManager {
             layout,
             pool,
@@ -994,7 +1000,9 @@ impl KvCacheManager {
         let new_len = target.max(s.num_tokens);
         let want = layout.blocks_for_tokens(new_len);
         if s.table.len() < want {
-            s.table.reserve(want - s.table.len());
+            if s.table.capacity() < want {
+                s.table.reserve(want.max(table_capacity) - s.table.len());
+            }
             while s.table.len() < want {
                 s.table.push(alloc_block_in(pool, prefix)?);
             }
@@ -1234,11 +1242,19 @@ impl KvCacheManager {
         if self.contains(child) {
             return Err(Error::DuplicateSequence(child));
         }
-        let c = p.clone();
+        let mut c = p.clone();
+        let room = self.config.table_capacity_blocks.max(c.table.len() + 1);
+        c.table.reserve_exact(room - c.table.len());
         self.seqs.reserve_room(1)?;
         self.pool.incref_all(&c.table[c.released..])?;
         self.seqs.insert(child, c)?;
         Ok(())
+    }
+
+    /// An empty block table with room for `blocks` entries, one more, and
+    /// [`CacheConfig::table_capacity_blocks`].
+    pub(crate) fn new_table(&self, blocks: usize) -> Vec<BlockId> {
+        Vec::with_capacity(self.config.table_capacity_blocks.max(blocks + 1))
     }
 
     /// Frees `seq`; blocks nobody else references are released (host and disk blocks

@@ -488,7 +488,8 @@ impl KvCacheManager {
             valid += 1;
             parent = Some(h);
         }
-        let table: Vec<BlockId> = hit.blocks[..valid].to_vec();
+        let mut table = self.new_table(valid);
+        table.extend_from_slice(&hit.blocks[..valid]);
         let revived = self.count_evictable(&table);
         self.ensure_available(revived)?;
         self.seqs.reserve_room(1)?;
