@@ -1,4 +1,4 @@
-//! The allocator hot path on a whole decode trace (issue 18), paged beside the
+//! The allocator hot path on a whole decode trace, paged beside the
 //! contiguous-reservation baseline and a bare free list with `Vec` tables (no checks,
 //! no refcounts: the lower bound) in the same run; a fork of a 1,000-token sequence
 //! plus its free; and the raw block pool.
@@ -12,8 +12,11 @@
 //! timed; the figure is the time of the whole replay over the decode tokens appended.
 //!
 //! The paged manager runs twice per setting: through the per-sequence calls
-//! (`append`, `append_tokens`) and through the batch decode step (`append_batch`,
-//! `append_tokens_batch`, by handle). Before criterion runs, a summary table (median of interleaved replays) prints
+//! (`append`, `append_tokens`), through the batch decode step (`append_batch`,
+//! `append_tokens_batch`, by handle), and through the step path engines use
+//! (`reserve_step` into `StepBuffers`, which also writes positions, query start
+//! locations and the padded block tables the bare list never builds; `commit_step`;
+//! with prefix caching the step's ids by `add_token_ids`). Before criterion runs, a summary table (median of interleaved replays) prints
 //! ns per appended token and the ratio to the bare list (`TRACE_SUMMARY=0` skips it).
 //!
 //! `cargo bench --bench trace -- --warm-up-time 1 --measurement-time 3`
@@ -24,7 +27,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use pagedkv::{
     AdmitOptions, BlockId, BlockPool, CacheAllocator, CacheConfig, ContiguousCache, CopyPlan,
-    DType, KvCacheManager, KvLayout, ModelShape, SeqHandle, SeqId, Slot,
+    DType, KvCacheManager, KvLayout, ModelShape, SeqHandle, SeqId, Slot, StepBuffers, StepEntry,
 };
 
 const SEED: u64 = 18;
@@ -236,31 +239,50 @@ fn manager() -> KvCacheManager {
     KvCacheManager::new(layout(), cfg).unwrap()
 }
 
-/// The paged manager through the per-sequence calls: `admit` + `append` (prefix
-/// caching off: no token ids), or `admit_tokens` + `append_tokens` (on); or, with
-/// `batch`, the decode step as one `append_batch` / `append_tokens_batch` call over
-/// the running sequences' handles (taken once at admission).
+/// How [`Paged`] runs the decode step.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// `append` / `append_tokens`, one call per sequence by id.
+    PerSeq,
+    /// One `append_batch` / `append_tokens_batch` call by handle.
+    Batch,
+    /// The step path engines use: one `reserve_step` into `StepBuffers` (slot
+    /// mapping, positions, query start locations and the padded block tables), the
+    /// ids of the step's tokens by `add_token_ids` (prefix on), one `commit_step`.
+    Step,
+}
+
+/// The paged manager: `admit` (prefix caching off: no token ids) or `admit_tokens`
+/// (on), then each decode step through one of the [`Path`]s; handles are taken once at
+/// admission.
 struct Paged {
     kv: KvCacheManager,
     prefix: bool,
-    batch: bool,
+    path: Path,
     slots: Vec<Slot>,
     copies: CopyPlan,
     /// Handle of each trace sequence, set at admission (batch mode).
     handles: Vec<Option<SeqHandle>>,
     step_handles: Vec<SeqHandle>,
+    entries: Vec<StepEntry>,
+    accepted: Vec<(SeqHandle, usize)>,
+    buffers: StepBuffers,
 }
 
 impl Paged {
-    fn new(prefix: bool, batch: bool) -> Self {
+    fn new(prefix: bool, path: Path) -> Self {
+        let width = (PROMPT_MAX + DECODE_MAX).div_ceil(BLOCK_SIZE);
         Paged {
             kv: manager(),
             prefix,
-            batch,
+            path,
             slots: Vec::new(),
             copies: CopyPlan::new(),
             handles: vec![None; NUM_SEQS],
             step_handles: Vec::with_capacity(MAX_RUNNING),
+            entries: Vec::with_capacity(MAX_RUNNING),
+            accepted: Vec::with_capacity(MAX_RUNNING),
+            buffers: StepBuffers::new(MAX_RUNNING, MAX_RUNNING, width),
         }
     }
 }
@@ -278,13 +300,37 @@ impl Replay for Paged {
                 .admit(id, trace.seqs[i].prompt, &mut self.slots)
                 .unwrap();
         }
-        if self.batch {
+        if self.path != Path::PerSeq {
             self.handles[i] = Some(self.kv.handle(id).unwrap());
         }
     }
-    fn step(&mut self, _: &Trace, step: &Step<'_>, slots: &mut Vec<Slot>) {
+    fn step(&mut self, trace: &Trace, step: &Step<'_>, slots: &mut Vec<Slot>) {
         let (running, sampled) = (step.running, step.sampled);
-        if self.batch {
+        if self.path == Path::Step {
+            self.entries.clear();
+            self.entries.extend(running.iter().map(|&i| StepEntry {
+                seq: self.handles[i].unwrap(),
+                new_tokens: 1,
+                lookahead: 0,
+            }));
+            self.kv
+                .reserve_step(&self.entries, &mut self.buffers)
+                .unwrap();
+            if self.prefix {
+                for ((&i, &j), &t) in running.iter().zip(step.done).zip(sampled) {
+                    let at = trace.seqs[i].prompt + j;
+                    self.kv.add_token_ids(SeqId(i as u64), at, &[t]).unwrap();
+                }
+            }
+            self.accepted.clear();
+            self.accepted
+                .extend(self.entries.iter().map(|e| (e.seq, e.new_tokens)));
+            self.kv.commit_step(&self.accepted).unwrap();
+            let mapping = self.buffers.slot_mapping();
+            slots.extend(mapping.iter().map(|&s| Slot(s as u64)));
+            return;
+        }
+        if self.path == Path::Batch {
             self.step_handles.clear();
             self.step_handles
                 .extend(running.iter().map(|&i| self.handles[i].unwrap()));
@@ -428,13 +474,23 @@ impl ReplayBox for Bare {
 fn variants() -> Vec<(&'static str, Factory)> {
     vec![
         ("bare_free_list", |t| Box::new(Bare::new(t))),
-        ("paged_prefix_off", |_| Box::new(Paged::new(false, false))),
-        ("paged_prefix_off_batch", |_| {
-            Box::new(Paged::new(false, true))
+        ("paged_prefix_off", |_| {
+            Box::new(Paged::new(false, Path::PerSeq))
         }),
-        ("paged_prefix_on", |_| Box::new(Paged::new(true, false))),
+        ("paged_prefix_off_batch", |_| {
+            Box::new(Paged::new(false, Path::Batch))
+        }),
+        ("paged_prefix_off_step", |_| {
+            Box::new(Paged::new(false, Path::Step))
+        }),
+        ("paged_prefix_on", |_| {
+            Box::new(Paged::new(true, Path::PerSeq))
+        }),
         ("paged_prefix_on_batch", |_| {
-            Box::new(Paged::new(true, true))
+            Box::new(Paged::new(true, Path::Batch))
+        }),
+        ("paged_prefix_on_step", |_| {
+            Box::new(Paged::new(true, Path::Step))
         }),
         ("contiguous", |_| {
             Box::new(Contiguous {
