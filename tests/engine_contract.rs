@@ -588,6 +588,69 @@ fn a_stale_hit_is_checked_at_admission() {
     kv.check_invariants().unwrap();
 }
 
+/// With `unschedule_below`, a lower-priority group already reserved this step is
+/// taken for a higher-priority one: its reservation is cancelled and reported.
+/// Without the option the only candidate left is the asking sequence itself.
+#[test]
+fn priority_preemption_unschedules_a_reserved_lower_priority_sequence() {
+    let setup = || {
+        let mut kv = manager(8, 16);
+        let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+        kv.admit(SeqId(1), 12, &mut slots).unwrap(); // 3 full blocks
+        kv.admit(SeqId(2), 11, &mut slots).unwrap(); // 3 blocks, room for 1 token
+        kv.admit(SeqId(3), 7, &mut slots).unwrap(); // 2 blocks: the arena is full
+        kv.set_preempt_priority(SeqId(1), 5).unwrap();
+        kv.set_preempt_priority(SeqId(2), 5).unwrap();
+        kv.set_preempt_priority(SeqId(3), 1).unwrap();
+        // Sequences 2 and 3 are in this step's batch (their tokens fit their
+        // blocks); sequence 3 has the lowest priority.
+        kv.reserve(SeqId(3), 1, 0, &mut slots, &mut copies).unwrap();
+        kv.reserve(SeqId(2), 1, 0, &mut slots, &mut copies).unwrap();
+        kv
+    };
+    let plain = PreemptPolicy {
+        mode: PreemptMode::AlwaysRecompute,
+        cost: CostModel::new(1e9, 1e4).unwrap(),
+        unschedule_below: None,
+    };
+    let mut kv = setup();
+    let need = kv.blocks_needed(SeqId(1), 1, 0).unwrap();
+    assert_eq!(need, 1);
+    let out = kv.preempt_for(need, &plain).unwrap();
+    assert_eq!(out[0].seqs, vec![SeqId(1)]);
+    assert!(out[0].unscheduled.is_empty());
+    kv.commit(SeqId(3), 1).unwrap();
+    kv.check_invariants().unwrap();
+
+    // Only groups below priority 5 may be unscheduled: sequence 2 stays reserved.
+    let mut kv = setup();
+    let out = kv.preempt_for(need, &plain.unscheduling_below(5)).unwrap();
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].seqs, vec![SeqId(3)]);
+    assert_eq!(out[0].unscheduled, vec![SeqId(3)]);
+    assert!(!kv.contains(SeqId(3)));
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+    kv.append(SeqId(1), 1, &mut slots, &mut copies).unwrap();
+    kv.commit(SeqId(2), 1).unwrap();
+    kv.check_invariants().unwrap();
+
+    // The same by swap: the unscheduled sequence goes to the host tier whole.
+    let mut kv = setup();
+    let swap = PreemptPolicy {
+        mode: PreemptMode::AlwaysSwap,
+        ..plain.unscheduling_below(5)
+    };
+    let out = kv.preempt_for(need, &swap).unwrap();
+    assert_eq!(out[0].unscheduled, vec![SeqId(3)]);
+    let pagedkv::PreemptAction::Swap(job) = &out[0].action else {
+        panic!("{:?}", out[0].action)
+    };
+    kv.complete_swap(job.ticket).unwrap();
+    assert!(kv.is_swapped(SeqId(3)));
+    kv.append(SeqId(1), 1, &mut slots, &mut copies).unwrap();
+    kv.check_invariants().unwrap();
+}
+
 /// `preempt_for` takes the whole need and never picks this step's batch.
 #[test]
 fn preemption_respects_the_step_and_takes_the_whole_need() {
@@ -604,6 +667,7 @@ fn preemption_respects_the_step_and_takes_the_whole_need() {
     let policy = PreemptPolicy {
         mode: PreemptMode::AlwaysRecompute,
         cost: CostModel::new(1e9, 1e4).unwrap(),
+        unschedule_below: None,
     };
     let out = kv.preempt_for(need, &policy).unwrap();
     assert_eq!(out.len(), 1);

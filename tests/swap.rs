@@ -951,6 +951,7 @@ fn forced_modes_override_the_cost_model() {
     let swap = PreemptPolicy {
         mode: PreemptMode::AlwaysSwap,
         cost,
+        unschedule_below: None,
     };
     let p = r.kv.preempt_for(1, &swap).unwrap();
     assert_eq!(p[0].reason, PreemptReason::Forced);
@@ -958,6 +959,7 @@ fn forced_modes_override_the_cost_model() {
     let recompute = PreemptPolicy {
         mode: PreemptMode::AlwaysRecompute,
         cost: CostModel::new(1e12, 1.0).unwrap(),
+        unschedule_below: None,
     };
     let p = r.kv.preempt_for(4, &recompute).unwrap();
     assert_eq!(p.len(), 1);

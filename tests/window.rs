@@ -175,6 +175,7 @@ fn holed_sequence_swaps_only_its_held_blocks_and_preemption_may_swap_it() {
     let policy = pagedkv::PreemptPolicy {
         mode: pagedkv::PreemptMode::AlwaysSwap,
         cost: pagedkv::CostModel::new(1e9, 1e3).unwrap(),
+        unschedule_below: None,
     };
     let p = kv
         .preempt_for(kv.num_available_blocks() + 1, &policy)

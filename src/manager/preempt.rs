@@ -110,13 +110,22 @@ pub enum PreemptMode {
     AlwaysRecompute,
 }
 
-/// The preemption policy: a mode and the cost model it consults.
+/// The preemption policy: a mode, the cost model it consults, and whether sequences
+/// already reserved this step may be taken.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PreemptPolicy {
     /// How to choose.
     pub mode: PreemptMode,
     /// The throughputs weighed.
     pub cost: CostModel,
+    /// `Some(p)`: a group whose priority is below `p` may be preempted even when a
+    /// member holds an uncommitted reservation of this step (vLLM unschedules such a
+    /// request for a higher-priority one). Its reservations are cancelled first and
+    /// listed in [`Preemption::unscheduled`]: the engine drops those sequences from
+    /// the step it has not launched yet (and rebuilds the step's buffers). Pass the
+    /// priority of the sequence the blocks are for. `None` (the default): a
+    /// reserved sequence is never taken.
+    pub unschedule_below: Option<i32>,
 }
 
 impl PreemptPolicy {
@@ -125,6 +134,16 @@ impl PreemptPolicy {
         PreemptPolicy {
             mode: PreemptMode::CostBased,
             cost,
+            unschedule_below: None,
+        }
+    }
+
+    /// This policy, allowed to unschedule reserved groups of priority below
+    /// `priority` ([`Self::unschedule_below`]).
+    pub fn unscheduling_below(self, priority: i32) -> Self {
+        PreemptPolicy {
+            unschedule_below: Some(priority),
+            ..self
         }
     }
 }
@@ -162,6 +181,9 @@ pub enum PreemptAction {
 pub struct Preemption {
     /// The group (a sequence and its forks), in id order.
     pub seqs: Vec<SeqId>,
+    /// Members whose reservation of this step was cancelled first (only with
+    /// [`PreemptPolicy::unschedule_below`]): drop them from the step.
+    pub unscheduled: Vec<SeqId>,
     /// What was done.
     pub action: PreemptAction,
     /// Why.
@@ -201,14 +223,18 @@ struct Candidate {
     priority: i32,
     admission: u64,
     seqs: Vec<SeqId>,
+    /// Members holding a reservation of this step.
+    reserved: Vec<SeqId>,
     blocks: usize,
     blocks_freed: usize,
     tokens: usize,
 }
 
 impl KvCacheManager {
-    /// Fork groups of resident sequences with no swap in flight, in victim order.
-    fn preemption_candidates(&self) -> Result<Vec<Candidate>> {
+    /// Fork groups of resident sequences with no swap in flight, in victim order;
+    /// groups in this step's batch only when their priority is below
+    /// `unschedule_below`.
+    fn preemption_candidates(&self, unschedule_below: Option<i32>) -> Result<Vec<Candidate>> {
         // Keyed by admission; a sequence without a stamp (0) is a group of its own.
         let mut groups: std::collections::HashMap<(u64, SeqId), Vec<SeqId>> = Default::default();
         for (&id, s) in &self.seqs {
@@ -220,12 +246,16 @@ impl KvCacheManager {
         }
         let mut out = Vec::with_capacity(groups.len());
         for ((admission, _), mut seqs) in groups {
-            // A group with a member in flight, or in this step's batch (an uncommitted
-            // reservation the batch may be writing into), is busy as a whole.
-            if seqs.iter().any(|id| self.idle(*id).is_err()) {
+            // A group with a member in flight is busy as a whole.
+            if seqs.iter().any(|id| self.resident(*id).is_err()) {
                 continue;
             }
             seqs.sort_unstable();
+            let reserved: Vec<SeqId> = seqs
+                .iter()
+                .copied()
+                .filter(|id| self.idle(*id).is_err())
+                .collect();
             let mut refs: std::collections::HashMap<BlockId, u32> = Default::default();
             let mut tokens = 0;
             let mut priority = i32::MAX;
@@ -237,6 +267,11 @@ impl KvCacheManager {
                     *refs.entry(b).or_default() += 1;
                 }
             }
+            // So is one in this step's batch (the batch may be writing into its
+            // blocks), unless the policy may unschedule it.
+            if !reserved.is_empty() && unschedule_below.is_none_or(|p| priority >= p) {
+                continue;
+            }
             let mut blocks_freed = 0;
             for (&b, &r) in &refs {
                 if self.pool.refcount(b)? == r {
@@ -247,6 +282,7 @@ impl KvCacheManager {
                 priority,
                 admission,
                 seqs,
+                reserved,
                 blocks: refs.len(),
                 blocks_freed,
                 tokens,
@@ -272,7 +308,9 @@ impl KvCacheManager {
     ///
     /// Sequences in this step's batch (an uncommitted [`KvCacheManager::reserve`]) are
     /// never picked, nor are their fork groups: the batch may be writing into their
-    /// blocks. An engine on the one-call path ([`KvCacheManager::append`], which
+    /// blocks. With [`PreemptPolicy::unschedule_below`], a lower-priority group of the
+    /// batch may be: its reservations are cancelled and listed in
+    /// [`Preemption::unscheduled`]. An engine on the one-call path ([`KvCacheManager::append`], which
     /// commits at once) decides preemption before it hands out the step's slots.
     ///
     /// Recomputed groups are freed at once. Swapped groups free their blocks when the
@@ -303,7 +341,7 @@ impl KvCacheManager {
         let block_bytes = self.layout.block_bytes();
         let mut host_free = self.tiers.host_free();
         let mut chosen = Vec::new();
-        for c in self.preemption_candidates()? {
+        for c in self.preemption_candidates(policy.unschedule_below)? {
             if have >= needed_blocks {
                 break;
             }
@@ -339,6 +377,9 @@ impl KvCacheManager {
         // a corrupt manager.
         let mut out = Vec::with_capacity(chosen.len());
         for (c, swap, reason, swap_seconds, recompute_seconds) in chosen {
+            for &id in &c.reserved {
+                self.commit(id, 0)?; // cancels the reservation
+            }
             let action = if swap {
                 PreemptAction::Swap(self.swap_out_group(&c.seqs)?)
             } else {
@@ -369,6 +410,7 @@ impl KvCacheManager {
             });
             out.push(Preemption {
                 seqs: c.seqs,
+                unscheduled: c.reserved,
                 action,
                 reason,
                 blocks_freed: c.blocks_freed,
