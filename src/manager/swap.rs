@@ -705,15 +705,23 @@ impl KvCacheManager {
             )?;
             saved.push((id, old));
         }
-        // Each new device block holds what the group's longest holder holds in it.
+        // Each new device block holds what the group's longest holder holds in it. A
+        // block whose holders hold different lengths (a fork and its truncated twin) is
+        // flagged for a recount, as a truncation flags it: when the longest holder
+        // goes, the fill must fall to what the others hold.
         let bs = self.layout.block_size();
         for &id in seqs {
             let Some(s) = self.seqs.get(&id) else {
                 continue;
             };
             for (i, &b) in s.table.iter().enumerate().skip(s.released) {
+                // At least 1: the table covers exactly `num_tokens`.
                 let want = s.num_tokens.saturating_sub(i * bs).min(bs) as u16;
                 if let Some(fill) = self.pool.fill_mut(b) {
+                    // Fills start at 0, so a non-zero fill is another holder's.
+                    if *fill != 0 && *fill != want {
+                        self.fill_dirty.insert(b);
+                    }
                     if *fill < want {
                         self.live_token_slots += usize::from(want - *fill);
                         *fill = want;
