@@ -43,7 +43,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::Hash;
 
-use super::{KvCacheManager, Sequence};
+use super::{in_flight, KvCacheManager, Sequence};
 use crate::error::{Error, Result};
 use crate::manager::preempt::PreemptEvent;
 use crate::pool::BlockPool;
@@ -449,12 +449,8 @@ impl KvCacheManager {
     /// (the batch may be writing into its blocks).
     pub(crate) fn idle(&self, seq: SeqId) -> Result<&Sequence> {
         let s = self.resident(seq)?;
-        if s.scheduled > 0 {
-            return Err(state_error(
-                seq,
-                "holding an uncommitted reservation (in this step's batch)",
-                "committed",
-            ));
+        if in_flight::is_mid_step(s) {
+            return Err(in_flight::mid_step_error(seq));
         }
         Ok(s)
     }
