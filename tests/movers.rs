@@ -3,16 +3,18 @@
 //! Between `reserve` (or `reserve_step`) and `commit` the model writes K/V through the
 //! slots it was handed, so every block of a sequence holding a reservation is in
 //! flight: defragmentation plans around those blocks, a shrink whose tail holds one
-//! refuses (changing nothing). Each case writes the step through the reserved slots
-//! after the mover ran and reads the committed bytes back from `HostStorage`, and
-//! each refusal leaves everything as it was. (The round's two bookkeeping defects have their tests beside their
+//! refuses (changing nothing), and the broker takes no memory from a model mid-step.
+//! Each case writes the step through the reserved slots after the mover ran and reads
+//! the committed bytes back from `HostStorage`, and each refusal leaves everything as
+//! it was. (The round's two bookkeeping defects have their tests beside their
 //! kin: `tests/reliability.rs` for the group swap-in's fills, `tests/prefix.rs` for
 //! the one rule of token ids.)
 
+use pagedkv::broker::{Broker, BrokerConfig, ModelLimits, SleepOptions};
 use pagedkv::executor::{defragment_with, shrink_to};
 use pagedkv::{
-    CopyPlan, DType, DefragOptions, Error, GroupSpec, GroupStep, HostStorage, KvCacheGroups,
-    KvCacheManager, KvLayout, ModelShape, SeqId, Slot, Storage, TierConfig,
+    AdmitOptions, CopyPlan, DType, DefragOptions, Error, GroupSpec, GroupStep, HostStorage,
+    KvCacheGroups, KvCacheManager, KvLayout, ModelShape, SeqId, Slot, Storage, TierConfig,
 };
 
 const BS: usize = 4;
@@ -287,4 +289,121 @@ fn group_defragmentation_leaves_a_reserved_sequence_in_place() {
     assert!(!pending.plan().is_empty());
     pending.commit().unwrap();
     kv.check_invariants().unwrap();
+}
+
+const CHUNK: usize = 512;
+
+/// Two models of 128-byte blocks (4 per chunk) sharing a budget of 4 chunks: model A
+/// holds 3 chunks, model B 1. A's prefix cache holds 9 blocks and a sequence at the
+/// top of its arena holds a reservation: a chunk of A is only to be had by evicting
+/// cached blocks and moving the reserved ones.
+fn broker_with_a_mid_step() -> (
+    Broker<HostStorage>,
+    pagedkv::broker::ModelId,
+    pagedkv::broker::ModelId,
+    Vec<Slot>,
+) {
+    let l = layout();
+    assert_eq!(l.block_bytes(), CHUNK / 4);
+    let mut b = Broker::new(BrokerConfig::new(4 * CHUNK, CHUNK)).unwrap();
+    let model = |blocks| {
+        let kv = KvCacheManager::builder(l)
+            .num_blocks(blocks)
+            .watermark_blocks(0)
+            .build()
+            .unwrap();
+        (kv, HostStorage::new(l, blocks).unwrap())
+    };
+    let (kv, storage) = model(12);
+    let a = b
+        .register("a", kv, storage, ModelLimits::new(CHUNK, 4 * CHUNK))
+        .unwrap();
+    let (kv, storage) = model(4);
+    let bm = b
+        .register("b", kv, storage, ModelLimits::new(CHUNK, 4 * CHUNK))
+        .unwrap();
+    let mut g = b.lock(a).unwrap();
+    let (kv, storage) = g.parts_mut();
+    let mut slots = Vec::new();
+    let prompt: Vec<u32> = (0..36).collect();
+    kv.admit_tokens(SeqId(1), &prompt, &AdmitOptions::default(), &mut slots)
+        .unwrap();
+    kv.admit(SeqId(2), 6, &mut slots).unwrap();
+    write(storage, SeqId(2), 0, &slots);
+    kv.free(SeqId(1)).unwrap();
+    assert_eq!(kv.stats().cached_blocks, 9);
+    let mut step = Vec::new();
+    kv.reserve(SeqId(2), 2, 0, &mut step, &mut CopyPlan::new())
+        .unwrap();
+    assert!(kv.block_table(SeqId(2)).unwrap()[0].0 >= 8);
+    drop(g);
+    (b, a, bm, step)
+}
+
+/// Model A is between `reserve` and `commit` with its guard released; model B under
+/// pressure takes nothing from it (no eviction, no move), and A's step lands where its
+/// slots said.
+#[test]
+fn the_broker_takes_nothing_from_a_model_mid_step() {
+    let (b, a, bm, step) = broker_with_a_mid_step();
+    let before = {
+        let g = b.lock(a).unwrap();
+        snapshot(g.kv(), g.storage())
+    };
+    let mut g = b.lock(bm).unwrap();
+    assert_eq!(g.ensure_available(8).unwrap(), 4);
+    drop(g);
+    b.check_invariants().unwrap();
+    let mut g = b.lock(a).unwrap();
+    assert_eq!(snapshot(g.kv(), g.storage()), before);
+    let (kv, storage) = g.parts_mut();
+    write(storage, SeqId(2), 6, &step);
+    kv.commit(SeqId(2), 2).unwrap();
+    check(g.kv(), g.storage(), SeqId(2), 8);
+    drop(g);
+    // Committed, A gives its idle chunks; its sequence moves with its bytes.
+    let mut g = b.lock(bm).unwrap();
+    assert!(g.ensure_available(8).unwrap() >= 8);
+    drop(g);
+    b.check_invariants().unwrap();
+    let g = b.lock(a).unwrap();
+    assert!(g.kv().num_blocks() < 12);
+    check(g.kv(), g.storage(), SeqId(2), 8);
+}
+
+/// A model mid-step does not go to sleep: the call refuses and changes nothing (no
+/// swap, no spill, no eviction of its 9 cached blocks, no shrink).
+#[test]
+fn sleep_refuses_a_model_mid_step() {
+    let (b, a, _, step) = broker_with_a_mid_step();
+    let before = {
+        let g = b.lock(a).unwrap();
+        snapshot(g.kv(), g.storage())
+    };
+    for opts in [
+        SleepOptions::default(),
+        SleepOptions {
+            swap_out_sequences: true,
+            spill_cached_prefixes: true,
+        },
+    ] {
+        let e = b.sleep(a, opts).unwrap_err();
+        assert!(
+            matches!(e, Error::SequenceState { seq: SeqId(2), .. }),
+            "{e:?}"
+        );
+        let g = b.lock(a).unwrap();
+        assert_eq!(snapshot(g.kv(), g.storage()), before);
+        assert!(!g.is_sleeping());
+    }
+    b.check_invariants().unwrap();
+    let mut g = b.lock(a).unwrap();
+    let (kv, storage) = g.parts_mut();
+    write(storage, SeqId(2), 6, &step);
+    kv.commit(SeqId(2), 2).unwrap();
+    check(g.kv(), g.storage(), SeqId(2), 8);
+    drop(g);
+    b.sleep(a, SleepOptions::default()).unwrap();
+    let g = b.lock(a).unwrap();
+    check(g.kv(), g.storage(), SeqId(2), 8);
 }

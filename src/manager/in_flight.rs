@@ -17,7 +17,9 @@
 //! - per block ([`KvCacheManager::in_flight_blocks`]): defragmentation (of one manager
 //!   or of KV-cache groups) plans around them, they stay put;
 //! - per tail ([`KvCacheManager::check_tail_not_in_flight`]): a shrink whose released
-//!   tail holds one refuses, changing nothing.
+//!   tail holds one refuses, changing nothing;
+//! - per manager ([`KvCacheManager::mid_step_sequence`]): the broker takes no memory
+//!   from a model mid-step, and does not put it to sleep.
 //!
 //! Swap transfers in flight are the other kind of block in flight; the movers refuse
 //! them separately (their blocks are held by the tier, not by a reservation).
@@ -44,6 +46,22 @@ pub(crate) fn mid_step_error(seq: SeqId) -> Error {
 }
 
 impl KvCacheManager {
+    /// The lowest-numbered sequence holding an uncommitted reservation, if any
+    /// (O(sequences)).
+    pub(crate) fn mid_step_sequence(&self) -> Option<SeqId> {
+        self.seqs
+            .iter()
+            .filter(|(_, s)| is_mid_step(s))
+            .map(|(&id, _)| id)
+            .min()
+    }
+
+    /// Refuses with [`Self::mid_step_sequence`]'s error while any sequence is mid-step.
+    pub(crate) fn check_no_step_in_flight(&self) -> Result<()> {
+        self.mid_step_sequence()
+            .map_or(Ok(()), |seq| Err(mid_step_error(seq)))
+    }
+
     /// One flag per block of the arena: whether a sequence mid-step holds it. `None`
     /// when no sequence is mid-step (the common case: no allocation).
     pub(crate) fn in_flight_blocks(&self) -> Option<Vec<bool>> {
