@@ -1701,3 +1701,35 @@ fn ids_from_position_zero_start_tracking_in_every_call() {
     assert_eq!(e.kv.add_token_ids(SeqId(2), 0, &toks(40, 8)).unwrap(), 2);
     e.kv.check_invariants().unwrap();
 }
+
+/// The same rule on a sliding-window manager, which registers nothing: append_tokens
+/// dropped the ids of position 0 while add_token_ids started tracking them and
+/// registered a block that the window would give back.
+#[test]
+fn a_window_manager_tracks_ids_from_no_call() {
+    let window = || {
+        KvCacheManager::builder(layout())
+            .num_blocks(16)
+            .watermark_blocks(0)
+            .sliding_window(8)
+            .build()
+            .unwrap()
+    };
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+    let mut by_append = window();
+    by_append.admit(SeqId(1), 0, &mut slots).unwrap();
+    by_append
+        .append_tokens(SeqId(1), &toks(0, 5), &mut slots, &mut copies)
+        .unwrap();
+    assert!(!by_append.is_registering(SeqId(1)).unwrap());
+    let mut by_add = window();
+    by_add.admit(SeqId(1), 0, &mut slots).unwrap();
+    by_add.append(SeqId(1), 5, &mut slots, &mut copies).unwrap();
+    let before = snapshot(&by_add);
+    assert_eq!(by_add.add_token_ids(SeqId(1), 0, &toks(0, 5)), Ok(0));
+    assert_eq!(by_add.add_token_ids(SeqId(1), 3, &toks(3, 2)), Ok(0));
+    assert_eq!(snapshot(&by_add), before);
+    assert!(!by_add.is_registering(SeqId(1)).unwrap());
+    assert_eq!(by_add.prefix_stats(), by_append.prefix_stats());
+    by_add.check_invariants().unwrap();
+}

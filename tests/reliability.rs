@@ -84,6 +84,47 @@ fn truncate_into_a_fork_shared_block_keeps_utilisation_exact() {
     kv.check_invariants().unwrap();
 }
 
+/// A group swap-in gives a block that a fork and its truncated parent share the
+/// longer holder's fill; when that holder went, the fill stayed ("block #1: fill 4 but
+/// its holders hold 1") and `live_token_slots` counted 8 for 5 tokens. Reached by
+/// `preempt_for`'s swap action too.
+#[test]
+fn a_group_swap_in_keeps_shared_fills_exact() {
+    let mut kv = manager();
+    let mut storage = HostStorage::with_host_tier(layout(), 16, 16).unwrap();
+    let mut slots = Vec::new();
+    let round_trip = |kv: &mut KvCacheManager, storage: &mut HostStorage| {
+        let group = [SeqId(1), SeqId(2)];
+        let job = kv.swap_out_group(&group).unwrap();
+        storage.swap(&job.plan).unwrap();
+        kv.complete_swap(job.ticket).unwrap();
+        let job = kv.swap_in_group(&group).unwrap();
+        storage.swap(&job.plan).unwrap();
+        kv.complete_swap(job.ticket).unwrap();
+        kv.check_invariants().unwrap();
+    };
+    kv.admit(SeqId(1), 8, &mut slots).unwrap();
+    kv.fork(SeqId(1), SeqId(2)).unwrap();
+    kv.truncate(SeqId(2), 5).unwrap();
+    round_trip(&mut kv, &mut storage);
+    kv.free(SeqId(1)).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.stats().live_token_slots, 5);
+    assert_eq!(real_live_slots(&kv, &[SeqId(2)]), 5);
+    // The other way: the shorter holder (here the parent) leaves first.
+    kv.free(SeqId(2)).unwrap();
+    kv.admit(SeqId(1), 8, &mut slots).unwrap();
+    kv.fork(SeqId(1), SeqId(2)).unwrap();
+    kv.truncate(SeqId(1), 6).unwrap();
+    round_trip(&mut kv, &mut storage);
+    kv.free(SeqId(1)).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.stats().live_token_slots, 8);
+    kv.truncate(SeqId(2), 5).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(kv.stats().live_token_slots, 5);
+}
+
 /// Truncating into a block the prefix cache shares: a second request holds the whole
 /// block, so truncation must not lower it; when the other leaves, it must.
 #[test]

@@ -29,6 +29,12 @@
 //! Victims are tried lowest priority first. No model goes below its floor or above
 //! its ceiling ([`ModelLimits`]).
 //!
+//! A model whose scheduler is mid-step (a sequence holds an uncommitted
+//! [`KvCacheManager::reserve`] or [`KvCacheManager::reserve_step`]: the model is
+//! writing through the slots it was handed) gives nothing, whether or not its lock is
+//! held: a shrink would move the blocks under the step's slots. The broker tries the
+//! next donor, and [`Broker::sleep`] refuses such a model.
+//!
 //! # Cache is not running work
 //!
 //! Priority protects what a model is doing: its referenced blocks are never taken (only
@@ -1018,6 +1024,8 @@ impl<S: Storage> Broker<S> {
     /// sleeping model does not grow until [`Self::wake`]. Waits for the model's lock.
     ///
     /// # Errors
+    /// [`Error::SequenceState`] when a sequence of the model holds an uncommitted
+    /// reservation (the model is mid-step: commit first; nothing changed);
     /// [`Error::ShrinkBelowResident`] when the live blocks do not fit the floor and
     /// `swap_out_sequences` is off (nothing changed); the swap's errors
     /// ([`Error::TierFull`]...; nothing changed); the storage's errors from the spill
@@ -1027,6 +1035,8 @@ impl<S: Storage> Broker<S> {
         let slot = self.slot(id)?;
         let mut st = slot.state.lock();
         self.check_arena(id.0 as usize, &st)?;
+        // Before the swap, the spill or the eviction: a refusal changes nothing.
+        st.kv.check_no_step_in_flight()?;
         let floor_blocks = slot.floor_chunks * slot.blocks_per_chunk;
         let st = &mut *st;
         if opts.swap_out_sequences {
@@ -1350,7 +1360,8 @@ impl<S: Storage> Broker<S> {
     /// Shrinks model `v` (locked by the caller as `st`) by one chunk and hands the
     /// chunk to `to`: from its free blocks, keeping `keep_free_chunks` of them, or,
     /// when `allow_cached`, after evicting cached blocks. Returns false, changing
-    /// nothing in the ledger, when the model cannot give a chunk now.
+    /// nothing in the ledger, when the model cannot give a chunk now; a model
+    /// mid-step (see the module docs) gives none and loses nothing.
     fn take_chunk(
         &self,
         v: usize,
@@ -1362,7 +1373,10 @@ impl<S: Storage> Broker<S> {
         let slot = &self.models[v];
         let bpc = slot.blocks_per_chunk;
         let granted = self.ledger.lock().granted[v];
-        if granted <= slot.floor_chunks || self.check_arena(v, st).is_err() {
+        if granted <= slot.floor_chunks
+            || self.check_arena(v, st).is_err()
+            || st.kv.mid_step_sequence().is_some()
+        {
             return false;
         }
         let keep = if st.sleeping {

@@ -15,6 +15,16 @@
 //! names them is remapped in one pass over the tables through a dense move map, so
 //! planning and committing are linear in the arena and the tables.
 //!
+//! # Blocks a step is writing
+//!
+//! The blocks of a sequence holding an uncommitted reservation are in flight (see
+//! `manager/in_flight.rs`): the model writes through the slots it was handed until
+//! the commit. Compaction plans around them: they are never sources and stay where
+//! they are, while every other block at or above `r` still moves into the holes below
+//! `r` (there are at least as many holes below `r` as resident blocks above it, so the
+//! pinned ones only leave holes unfilled). A shrink whose released tail holds such a
+//! block refuses with [`Error::SequenceState`] and changes nothing.
+//!
 //! # Two ways to run it
 //!
 //! - [`crate::executor::defragment_with`] plans, executes on a [`Storage`] and commits
@@ -298,7 +308,9 @@ impl KvCacheManager {
 
     /// Plans a compaction and returns it pending: execute [`PendingDefrag::plan`] on the
     /// storage, then [`PendingDefrag::commit`]. The plan is empty when the
-    /// fragmentation is below `opts.min_fragmentation` or the arena is compact.
+    /// fragmentation is below `opts.min_fragmentation` or the arena is compact. The
+    /// blocks of a sequence holding an uncommitted reservation never move: the plan
+    /// compacts around them (see the module docs).
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for options out of range; nothing changed.
@@ -309,7 +321,13 @@ impl KvCacheManager {
         let plan = if occupancy.fragmentation() < opts.min_fragmentation {
             MovePlan::new()
         } else {
-            self.plan_moves(occupancy.resident, opts.max_moves_per_step)
+            // The blocks a step is writing stay put (see the module docs).
+            let pinned = self.in_flight_blocks();
+            self.plan_moves(
+                occupancy.resident,
+                opts.max_moves_per_step,
+                pinned.as_deref(),
+            )
         };
         Ok(PendingDefrag {
             manager: self,
@@ -339,8 +357,10 @@ impl KvCacheManager {
     /// # Errors
     /// [`Error::ShrinkBelowResident`] when the live and cached blocks need more than
     /// `num_blocks`; [`Error::InvalidConfig`] when `num_blocks` is above the arena, is
-    /// 0, or is not above the watermark; [`Error::SequenceState`] while swaps are in
-    /// flight. Nothing changed.
+    /// 0, or is not above the watermark; [`Error::Unsupported`] while swaps are in
+    /// flight; [`Error::SequenceState`] when a sequence holding an uncommitted
+    /// reservation holds a block at or above `num_blocks` (the step is writing into
+    /// it: commit first). Nothing changed.
     pub fn plan_shrink(&mut self, num_blocks: usize) -> Result<PendingResize<'_>> {
         self.check_no_transfers()?;
         let old = self.num_blocks();
@@ -359,10 +379,12 @@ impl KvCacheManager {
             });
         }
         self.check_new_size(num_blocks)?;
+        self.check_tail_not_in_flight(num_blocks)?;
         let plan = if num_blocks == old {
             MovePlan::new()
         } else {
-            self.plan_moves(num_blocks, usize::MAX)
+            // No block at or above `num_blocks` is in flight: nothing to plan around.
+            self.plan_moves(num_blocks, usize::MAX, None)
         };
         Ok(PendingResize {
             manager: self,
@@ -457,18 +479,20 @@ impl KvCacheManager {
     }
 
     /// Moves the highest resident blocks at or above `target` (at most `max_moves` of
-    /// them) into the lowest free blocks below `target`. Sources and destinations are
-    /// both listed ascending, so neighbours merge into runs.
+    /// them) into the lowest free blocks below `target`, leaving the blocks `pinned`
+    /// flags where they are. Sources and destinations are both listed ascending, so
+    /// neighbours merge into runs.
     ///
     /// The caller guarantees `target >= resident`, so the holes below `target` are at
-    /// least as many as the resident blocks above it.
-    fn plan_moves(&self, target: usize, max_moves: usize) -> MovePlan {
+    /// least as many as the resident blocks above it (pinned or not).
+    fn plan_moves(&self, target: usize, max_moves: usize, pinned: Option<&[bool]>) -> MovePlan {
         let states = self.pool.states();
+        let is_pinned = |b: usize| pinned.is_some_and(|p| p.get(b).copied().unwrap_or(false));
         let mut sources: Vec<u32> = Vec::new();
         let mut hi = states.len();
         while hi > target && sources.len() < max_moves {
             hi -= 1;
-            if states[hi] != BlockState::Free {
+            if states[hi] != BlockState::Free && !is_pinned(hi) {
                 sources.push(hi as u32);
             }
         }

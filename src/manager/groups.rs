@@ -991,7 +991,9 @@ impl KvCacheGroups {
     /// commit. Execute [`PendingGroupDefrag::plan`] on the storage (when all groups
     /// share one storage, the plan's page ids are that storage's blocks; otherwise
     /// [`PendingGroupDefrag::group_plan`] per group), then commit. Dropping the
-    /// pending value changes nothing.
+    /// pending value changes nothing. The pages of a sequence holding an uncommitted
+    /// reservation (in any group) stay where they are: the step is writing into them,
+    /// and the plan compacts around them.
     pub fn plan_defragment(&mut self) -> PendingGroupDefrag<'_> {
         let mut held: Vec<bool> = self.held_pages().collect();
         if self.groups.iter().any(|kv| kv.tiers.num_in_flight() > 0) {
@@ -999,8 +1001,15 @@ impl KvCacheGroups {
             // nothing (every page counts as held in place).
             held.iter_mut().for_each(|h| *h = true);
         }
+        // Every group's tables name pages by id, so their flags share one index.
+        let mut pinned = vec![false; self.num_pages];
+        for flags in self.groups.iter().filter_map(|kv| kv.in_flight_blocks()) {
+            for (p, f) in pinned.iter_mut().zip(flags) {
+                *p |= f;
+            }
+        }
         let resident = held.iter().filter(|&&h| h).count();
-        let sources = (resident..self.num_pages).filter(|&p| held[p]);
+        let sources = (resident..self.num_pages).filter(|&p| held[p] && !pinned[p]);
         let dests = (0..resident).filter(|&p| !held[p]);
         let mut plan = MovePlan::new();
         let mut per_group = vec![MovePlan::new(); self.groups.len()];

@@ -6,6 +6,7 @@
 mod builder;
 mod defrag;
 pub mod groups;
+mod in_flight;
 pub mod preempt;
 mod prefix;
 mod prefix_spill;

@@ -28,8 +28,10 @@
 //! ([`KvCacheManager::admit`]) starts tracking, in the default namespace, when the ids
 //! of position 0 arrive; ids that would leave a gap (tokens appended without ids came
 //! first) are dropped by the appends and refused by `add_token_ids`
-//! ([`crate::Error::TokenIdsGap`]), which fills the gap. A full block is registered
-//! once it is computed and its ids are known, whichever comes last.
+//! ([`crate::Error::TokenIdsGap`]), which fills the gap. A sliding-window manager
+//! tracks no ids at all (it registers nothing): every call drops them. A full block is
+//! registered once it is computed and its ids are known, whichever comes last. The
+//! rule is `starts_tracking`, which every call asks.
 
 use super::{KvCacheManager, Sequence};
 use crate::error::{Error, Result};
@@ -177,11 +179,17 @@ pub(crate) fn record_ids(s: &mut Sequence, ids: &[u32], bs: usize) {
     record_ids_at(p, pos, ids, bs);
 }
 
-/// Starts tracking the ids of `s`, admitted without any, when `ids` are those of
-/// position 0 (the one rule of the module docs); a sliding-window manager registers
-/// nothing and never tracks.
+/// Whether `ids` of positions `first..` start tracking a sequence whose ids are not
+/// tracked yet (the one rule of the module docs): they are those of position 0, and the
+/// manager has no sliding window (which registers nothing, so never tracks).
+fn starts_tracking(windowed: bool, first: usize, ids: &[u32]) -> bool {
+    first == 0 && !ids.is_empty() && !windowed
+}
+
+/// Starts tracking the ids of `s`, admitted without any, when [`starts_tracking`] says
+/// `ids` (those of the tokens from `s.computed` on) do.
 pub(crate) fn start_tracking(index: &PrefixIndex, windowed: bool, s: &mut Sequence, ids: &[u32]) {
-    if s.prefix.is_none() && s.computed == 0 && !ids.is_empty() && !windowed {
+    if s.prefix.is_none() && starts_tracking(windowed, s.computed, ids) {
         s.prefix = Some(Box::new(SeqPrefix::starting(index.default_namespace())));
     }
 }
@@ -612,9 +620,10 @@ impl KvCacheManager {
     /// Appends `tokens` to `seq` as [`Self::append`] does (slots into `slots`,
     /// copy-on-write into `copies`, committed at once) and records their ids, so every
     /// full computed block is registered. The ids follow the one rule of the module
-    /// docs: they are kept when they continue the known ids (from position 0 for a
-    /// sequence admitted without any) and dropped after a gap, which
-    /// [`Self::add_token_ids`] can fill.
+    /// docs, as [`Self::add_token_ids`] follows it: they are kept when they continue
+    /// the known ids (from position 0 for a sequence admitted without any) and dropped
+    /// after a gap, which [`Self::add_token_ids`] can fill; a sliding-window manager
+    /// drops them all.
     ///
     /// # Errors
     /// As [`Self::append`]; nothing changed on error.
@@ -647,15 +656,17 @@ impl KvCacheManager {
     /// truncation cuts the known ids at its length). Full computed blocks whose ids
     /// are all known are registered at once. Ids may run ahead of the computed tokens
     /// (a prompt's are known at admission). Ids at positions already registered are
-    /// skipped. The ids follow the one rule of the module docs: a sequence admitted
-    /// without ids ([`Self::admit`]) starts tracking in the default namespace when the
-    /// ids of position 0 arrive. Returns the blocks registered.
+    /// skipped. The ids follow the one rule of the module docs, as
+    /// [`Self::append_tokens`] follows it: a sequence admitted without ids
+    /// ([`Self::admit`]) starts tracking in the default namespace when the ids of
+    /// position 0 arrive; a sliding-window manager tracks none (the call records
+    /// nothing and returns 0). Returns the blocks registered.
     ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped out or
-    /// has a swap in flight; [`Error::TokenIdsGap`] when `first` is past the known ids (the ids in between
-    /// are missing); [`Error::TooLong`] past the longest sequence. Nothing changed on
-    /// error.
+    /// has a swap in flight; [`Error::TokenIdsGap`] when `first` is past the known ids
+    /// (the ids in between are missing; never on a sliding-window manager);
+    /// [`Error::TooLong`] past the longest sequence. Nothing changed on error.
     pub fn add_token_ids(&mut self, seq: SeqId, first: usize, ids: &[u32]) -> Result<usize> {
         let bs = self.block_size();
         let s = self.resident(seq)?;
@@ -663,7 +674,9 @@ impl KvCacheManager {
             .prefix
             .as_deref()
             .map_or((0, 0), |p| (p.chain * bs, p.chain * bs + p.ids.len()));
-        if first > known_end {
+        let windowed = self.window.is_some();
+        let untracked = s.prefix.is_none();
+        if first > known_end && !(untracked && windowed) {
             return Err(Error::TokenIdsGap {
                 seq,
                 first,
@@ -676,6 +689,9 @@ impl KvCacheManager {
                 tokens: end,
                 limit: self.max_seq_len(),
             });
+        }
+        if untracked && !starts_tracking(windowed, first, ids) {
+            return Ok(0);
         }
         let default_ns = self.prefix.default_namespace();
         let h = self.handle(seq)?;

@@ -43,7 +43,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::Hash;
 
-use super::{KvCacheManager, Sequence};
+use super::{in_flight, KvCacheManager, Sequence};
 use crate::error::{Error, Result};
 use crate::manager::preempt::PreemptEvent;
 use crate::pool::BlockPool;
@@ -449,12 +449,8 @@ impl KvCacheManager {
     /// (the batch may be writing into its blocks).
     pub(crate) fn idle(&self, seq: SeqId) -> Result<&Sequence> {
         let s = self.resident(seq)?;
-        if s.scheduled > 0 {
-            return Err(state_error(
-                seq,
-                "holding an uncommitted reservation (in this step's batch)",
-                "committed",
-            ));
+        if in_flight::is_mid_step(s) {
+            return Err(in_flight::mid_step_error(seq));
         }
         Ok(s)
     }
@@ -705,15 +701,23 @@ impl KvCacheManager {
             )?;
             saved.push((id, old));
         }
-        // Each new device block holds what the group's longest holder holds in it.
+        // Each new device block holds what the group's longest holder holds in it. A
+        // block whose holders hold different lengths (a fork and its truncated twin) is
+        // flagged for a recount, as a truncation flags it: when the longest holder
+        // goes, the fill must fall to what the others hold.
         let bs = self.layout.block_size();
         for &id in seqs {
             let Some(s) = self.seqs.get(&id) else {
                 continue;
             };
             for (i, &b) in s.table.iter().enumerate().skip(s.released) {
+                // At least 1: the table covers exactly `num_tokens`.
                 let want = s.num_tokens.saturating_sub(i * bs).min(bs) as u16;
                 if let Some(fill) = self.pool.fill_mut(b) {
+                    // Fills start at 0, so a non-zero fill is another holder's.
+                    if *fill != 0 && *fill != want {
+                        self.fill_dirty.insert(b);
+                    }
                     if *fill < want {
                         self.live_token_slots += usize::from(want - *fill);
                         *fill = want;

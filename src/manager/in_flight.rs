@@ -1,0 +1,99 @@
+//! Blocks in flight: those a step is writing.
+//!
+//! Between [`KvCacheManager::reserve`] (or [`KvCacheManager::reserve_step`]) and
+//! [`KvCacheManager::commit`] the model writes K/V through the slots it was handed, and
+//! reads the context through the table it was handed, so every block of a sequence
+//! holding an uncommitted reservation is in flight. Nothing may move, free or remap
+//! such a block until the commit (DESIGN.md's engine contract): the slots would go
+//! stale and the step's write land in a freed block, with `check_invariants` none the
+//! wiser.
+//!
+//! This module is the one place that says which blocks those are, as
+//! [`KvCacheManager::readable_blocks`] is the one place that says what a reader may
+//! read. Every mover asks it:
+//!
+//! - per sequence (`KvCacheManager::idle`): preemption, fork and swap-out refuse a
+//!   sequence mid-step with [`Error::SequenceState`];
+//! - per block ([`KvCacheManager::in_flight_blocks`]): defragmentation (of one manager
+//!   or of KV-cache groups) plans around them, they stay put;
+//! - per tail ([`KvCacheManager::check_tail_not_in_flight`]): a shrink whose released
+//!   tail holds one refuses, changing nothing;
+//! - per manager ([`KvCacheManager::mid_step_sequence`]): the broker takes no memory
+//!   from a model mid-step, and does not put it to sleep.
+//!
+//! Swap transfers in flight are the other kind of block in flight; the movers refuse
+//! them separately (their blocks are held by the tier, not by a reservation).
+
+use super::{KvCacheManager, Sequence};
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, SeqId};
+
+/// Whether `s` holds an uncommitted reservation: the step that reserved is writing
+/// into its blocks.
+#[inline]
+pub(crate) fn is_mid_step(s: &Sequence) -> bool {
+    s.scheduled > 0
+}
+
+/// The typed refusal of a call that would move, free or remap the blocks of `seq`,
+/// which is mid-step.
+pub(crate) fn mid_step_error(seq: SeqId) -> Error {
+    Error::SequenceState {
+        seq,
+        state: "holding an uncommitted reservation (in this step's batch)",
+        needed: "committed (commit first; commit(seq, 0) cancels)",
+    }
+}
+
+impl KvCacheManager {
+    /// The lowest-numbered sequence holding an uncommitted reservation, if any
+    /// (O(sequences)).
+    pub(crate) fn mid_step_sequence(&self) -> Option<SeqId> {
+        self.seqs
+            .iter()
+            .filter(|(_, s)| is_mid_step(s))
+            .map(|(&id, _)| id)
+            .min()
+    }
+
+    /// Refuses with [`Self::mid_step_sequence`]'s error while any sequence is mid-step.
+    pub(crate) fn check_no_step_in_flight(&self) -> Result<()> {
+        self.mid_step_sequence()
+            .map_or(Ok(()), |seq| Err(mid_step_error(seq)))
+    }
+
+    /// One flag per block of the arena: whether a sequence mid-step holds it. `None`
+    /// when no sequence is mid-step (the common case: no allocation).
+    pub(crate) fn in_flight_blocks(&self) -> Option<Vec<bool>> {
+        let mut flags: Option<Vec<bool>> = None;
+        for s in self.seqs.values().filter(|s| is_mid_step(s)) {
+            let flags = flags.get_or_insert_with(|| vec![false; self.num_blocks()]);
+            for b in held(s) {
+                if let Some(f) = flags.get_mut(b.index()) {
+                    *f = true;
+                }
+            }
+        }
+        flags
+    }
+
+    /// Refuses when a sequence mid-step holds a block at or above `new_len`: shrinking
+    /// the arena to `new_len` blocks would move it.
+    pub(crate) fn check_tail_not_in_flight(&self, new_len: usize) -> Result<()> {
+        let seq = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| is_mid_step(s) && held(s).any(|b| b.index() >= new_len))
+            .map(|(&id, _)| id)
+            .min();
+        seq.map_or(Ok(()), |seq| Err(mid_step_error(seq)))
+    }
+}
+
+/// The device blocks `s`'s table names (not the holes a sliding window left).
+fn held(s: &Sequence) -> impl Iterator<Item = BlockId> + '_ {
+    s.table[s.released..]
+        .iter()
+        .copied()
+        .filter(|&b| b != BlockId::RELEASED)
+}
