@@ -290,11 +290,9 @@ fn register_next(
         return Link::Broken;
     }
     let key = p.keys.get(p.chain);
-    let hash = prefix
-        .hasher()
-        .block(p.last.unwrap_or(p.ns.seed), ids, key.map_or(&[][..], |k| k));
     // The parent is the block before, checked above.
     let parent_block = p.chain.checked_sub(1).and_then(|i| table.get(i).copied());
+    let hash = prefix.hash_next(p.last, parent_block, &p.ns, ids, key.map_or(&[][..], |k| k));
     let link = match prefix.register(b, hash, p.last, parent_block, &p.ns, key, ids, p.priority) {
         Registration::Stored => Link::Stored,
         // The same content, compared byte for byte (not a hash collision).
