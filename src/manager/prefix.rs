@@ -38,8 +38,8 @@ use crate::layout::plans::CopyPlan;
 use crate::layout::Slot;
 use crate::pool::prefix::index::{BlockKeys, Namespace, PrefixIndex, Registration};
 use crate::pool::prefix::{
-    Admission, AdmitOptions, BlockHash, PinnedPrefix, PrefixConfig, PrefixEvent, PrefixReset,
-    PrefixStats,
+    Admission, AdmitOptions, BlockDigest, BlockHash, PinnedPrefix, PrefixConfig, PrefixEvent,
+    PrefixReset, PrefixStats,
 };
 use crate::pool::BlockState;
 
@@ -808,6 +808,14 @@ impl KvCacheManager {
     /// Prefix-cache counters now.
     pub fn prefix_stats(&self) -> PrefixStats {
         self.prefix.stats(self.pool.num_cached())
+    }
+
+    /// The full chain digest of the registered block with hash `hash`, when the
+    /// configured hasher chains digests wider than the 64-bit hash
+    /// ([`crate::pool::prefix::PrefixHasher::chains_digests`], as vLLM's `sha256_cbor`
+    /// does); `None` for other hashers or a hash not registered now.
+    pub fn prefix_digest(&self, hash: BlockHash) -> Option<BlockDigest> {
+        self.prefix.digest_of(self.prefix.block_of(hash)?)
     }
 
     /// Moves the [`PrefixEvent`]s recorded since the last call into `out` (recorded

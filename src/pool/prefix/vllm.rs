@@ -124,6 +124,7 @@ impl VllmHasher {
     ) {
         encode_block(
             out,
+            parent.is_none(),
             parent.unwrap_or(&self.none_hash),
             cache_salt,
             extra_key,
@@ -171,6 +172,7 @@ impl PrefixHasher for VllmHasher {
         let mut sha = Sha256::new();
         encode_block(
             &mut sha,
+            parent.is_none(),
             parent.unwrap_or(&self.none_hash),
             cache_salt,
             extra_key,
@@ -270,6 +272,7 @@ fn spans(mut extra: &[u8]) -> impl Iterator<Item = std::result::Result<(u32, &[u
 /// `(parent, tuple(tokens), extra_keys)` as canonical CBOR.
 fn encode_block(
     out: &mut impl Sink,
+    first: bool,
     parent: &BlockDigest,
     cache_salt: &[u8],
     extra_key: &[u8],
@@ -285,7 +288,7 @@ fn encode_block(
     }
     // vLLM's order: LoRA name, multimodal keys, cache salt (first block only).
     let lora = usize::from(!extra_key.is_empty());
-    let salt = usize::from(!cache_salt.is_empty());
+    let salt = usize::from(first && !cache_salt.is_empty());
     let n = lora + spans(extra).count() + salt;
     if n == 0 {
         out.put(&[NULL]);
