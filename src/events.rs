@@ -27,7 +27,7 @@
 //! Integers take msgpack's shortest form (positive fixint, then `uint 8/16/32/64`, as
 //! `msgspec` writes them), strings `fixstr`/`str 8/16/32`, arrays and maps their shortest
 //! header. Block hashes are the crate's 64-bit [`crate::BlockHash`]es as unsigned
-//! integers; with [`crate::pool::prefix::VllmHasher`] (feature `vllm-hash`) those are
+//! integers; with `pagedkv::pool::prefix::VllmHasher` (feature `vllm-hash`) those are
 //! exactly the integers vLLM publishes for the same blocks (the digest's low 64 bits).
 //!
 //! Consecutive `BlockStored` events of one chain (each the parent of the next, same tier)

@@ -58,7 +58,9 @@ pub struct PrefixConfig {
     /// channel drops the event and counts it in [`PrefixStats::dropped_events`].
     pub event_channel: Option<crossbeam_channel::Sender<PrefixEvent>>,
     /// The content hash: [`Xxh3Hasher`] (the default, recomputable by a router from its
-    /// documented encoding) or [`ChainHasher`].
+    /// documented encoding), [`ChainHasher`], or with feature `vllm-hash`
+    /// `VllmHasher` (vLLM's `sha256_cbor` hashes, so routers that recompute vLLM's
+    /// hashes agree with the engine; the index then keeps a 32-byte digest per block).
     pub hasher: Box<dyn PrefixHasher>,
     /// The eviction order among unreferenced cached blocks.
     pub policy: Box<dyn EvictionPolicy>,
