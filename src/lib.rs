@@ -25,6 +25,7 @@ pub mod attention;
 pub mod baseline;
 pub mod broker;
 pub mod chart;
+pub mod events;
 pub mod export;
 pub mod gguf;
 pub mod metrics;
@@ -59,8 +60,8 @@ pub use manager::{
 pub use manager::{PendingPrefixRestore, PendingPrefixSpill, PrefixRestore, PrefixSpill};
 pub use manager::{PrefixHit, SwapJob, TierBlock, TierConfig, TierStats};
 pub use pool::prefix::{
-    Admission, AdmitOptions, BlockHash, Medium, PinnedPrefix, PrefixConfig, PrefixEvent,
-    PrefixReset, PrefixStats, Xxh3Hasher,
+    Admission, AdmitOptions, BlockDigest, BlockHash, Medium, PinnedPrefix, PrefixConfig,
+    PrefixEvent, PrefixReset, PrefixStats, Xxh3Hasher,
 };
 pub use pool::{BlockPool, BlockState};
 pub use tables::{CsrTables, PaddedTables};

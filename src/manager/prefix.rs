@@ -40,8 +40,8 @@ use crate::layout::plans::CopyPlan;
 use crate::layout::Slot;
 use crate::pool::prefix::index::{BlockKeys, Namespace, PrefixIndex, Registration};
 use crate::pool::prefix::{
-    Admission, AdmitOptions, BlockHash, PinnedPrefix, PrefixConfig, PrefixEvent, PrefixReset,
-    PrefixStats,
+    Admission, AdmitOptions, BlockDigest, BlockHash, PinnedPrefix, PrefixConfig, PrefixEvent,
+    PrefixReset, PrefixStats,
 };
 use crate::pool::BlockState;
 
@@ -298,11 +298,9 @@ fn register_next(
         return Link::Broken;
     }
     let key = p.keys.get(p.chain);
-    let hash = prefix
-        .hasher()
-        .block(p.last.unwrap_or(p.ns.seed), ids, key.map_or(&[][..], |k| k));
     // The parent is the block before, checked above.
     let parent_block = p.chain.checked_sub(1).and_then(|i| table.get(i).copied());
+    let hash = prefix.hash_next(p.last, parent_block, &p.ns, ids, key.map_or(&[][..], |k| k));
     let link = match prefix.register(b, hash, p.last, parent_block, &p.ns, key, ids, p.priority) {
         Registration::Stored => Link::Stored,
         // The same content, compared byte for byte (not a hash collision).
@@ -827,6 +825,14 @@ impl KvCacheManager {
     /// Prefix-cache counters now.
     pub fn prefix_stats(&self) -> PrefixStats {
         self.prefix.stats(self.pool.num_cached())
+    }
+
+    /// The full chain digest of the registered block with hash `hash`, when the
+    /// configured hasher chains digests wider than the 64-bit hash
+    /// ([`crate::pool::prefix::PrefixHasher::chains_digests`], as vLLM's `sha256_cbor`
+    /// does); `None` for other hashers or a hash not registered now.
+    pub fn prefix_digest(&self, hash: BlockHash) -> Option<BlockDigest> {
+        self.prefix.digest_of(self.prefix.block_of(hash)?)
     }
 
     /// Moves the [`PrefixEvent`]s recorded since the last call into `out` (recorded

@@ -8,7 +8,17 @@
 //! chain before reuse: a hash is a lookup key, never proof.
 //!
 //! [`Xxh3Hasher`] (the default) is specified byte for byte so that a router can
-//! recompute it; [`ChainHasher`] is this crate's own mix.
+//! recompute it; [`ChainHasher`] is this crate's own mix; with the `vllm-hash`
+//! feature, [`super::VllmHasher`] computes vLLM's `sha256_cbor` block hashes.
+//!
+//! The index keys on a 64-bit [`BlockHash`]. A hasher whose chain state is wider
+//! (vLLM's 32-byte SHA-256 digests: each block hashes its parent's *whole* digest)
+//! says so with [`PrefixHasher::chains_digests`]; the index then keeps one
+//! [`BlockDigest`] per registered block (32 bytes a block of the arena, allocated only
+//! for such a hasher) and hashes through [`PrefixHasher::block_digest`], handing it the
+//! parent block's stored digest. The 64-bit key of a digest is its last eight bytes
+//! read big-endian ([`BlockDigest::key`]), which is the integer vLLM publishes in its
+//! KV events, so the crate's events carry vLLM's own hash values.
 
 /// The content hash of one full block (or of a namespace seed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -18,6 +28,45 @@ pub struct BlockHash(pub u64);
 impl std::fmt::Display for BlockHash {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{:#018x}", self.0)
+    }
+}
+
+/// A block's full chain digest, for hashers whose chain is wider than the 64-bit
+/// [`BlockHash`] the index keys on (see [`PrefixHasher::chains_digests`]).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct BlockDigest(pub [u8; 32]);
+
+impl BlockDigest {
+    /// The 64-bit index key of this digest: its last eight bytes read big-endian
+    /// (vLLM's `int.from_bytes(digest, "big") & (2**64 - 1)`, the block hash its KV
+    /// events carry).
+    pub fn key(&self) -> BlockHash {
+        let mut low = [0u8; 8];
+        low.copy_from_slice(&self.0[24..]);
+        BlockHash(u64::from_be_bytes(low))
+    }
+
+    /// The digest of a narrow hasher: `hash` in the last eight bytes (big-endian),
+    /// zeros before, so that [`Self::key`] gives `hash` back.
+    pub fn from_key(hash: BlockHash) -> Self {
+        let mut d = [0u8; 32];
+        d[24..].copy_from_slice(&hash.0.to_be_bytes());
+        BlockDigest(d)
+    }
+}
+
+impl std::fmt::Debug for BlockDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BlockDigest({self})")
+    }
+}
+
+impl std::fmt::Display for BlockDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for b in self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
     }
 }
 
@@ -41,6 +90,34 @@ pub trait PrefixHasher: std::fmt::Debug + Send + Sync {
     /// A short name for logs, benches and a router's configuration.
     fn name(&self) -> &'static str {
         "custom"
+    }
+
+    /// Whether each block's hash chains from its parent's whole [`BlockDigest`] rather
+    /// than from the parent's 64-bit [`BlockHash`] (`false`, the default). When `true`
+    /// the index stores a digest per registered block and hashes only through
+    /// [`Self::block_digest`]; [`Self::block`] and [`Self::namespace`] are then not
+    /// called by the crate.
+    fn chains_digests(&self) -> bool {
+        false
+    }
+
+    /// The digest of a full block holding `tokens` with the block's extra-key bytes
+    /// `extra`, whose predecessor's digest is `parent` (`None` for the first block of a
+    /// prompt, which chains from the namespace of `cache_salt` and `extra_key`).
+    ///
+    /// The default serves narrow hashers: [`Self::block`] chained from the parent's
+    /// [`BlockDigest::key`] (or [`Self::namespace`]), widened by
+    /// [`BlockDigest::from_key`].
+    fn block_digest(
+        &self,
+        parent: Option<&BlockDigest>,
+        cache_salt: &[u8],
+        extra_key: &[u8],
+        tokens: &[u32],
+        extra: &[u8],
+    ) -> BlockDigest {
+        let parent = parent.map_or_else(|| self.namespace(cache_salt, extra_key), |d| d.key());
+        BlockDigest::from_key(self.block(parent, tokens, extra))
     }
 
     /// A boxed copy (the manager is `Clone`).
@@ -316,6 +393,18 @@ mod tests {
         // The salt/extra split point is part of the key.
         assert_ne!(h.namespace(b"ab", b"c"), h.namespace(b"a", b"bc"));
         assert_ne!(h.namespace(b"", b""), h.namespace(b"", b"\0"));
+    }
+
+    #[test]
+    fn narrow_digests_round_trip_their_key() {
+        let h = BlockHash(0x0123_4567_89ab_cdef);
+        assert_eq!(BlockDigest::from_key(h).key(), h);
+        let ns = Xxh3Hasher.namespace(b"s", b"");
+        let a = Xxh3Hasher.block(ns, &[1, 2], b"");
+        let d = Xxh3Hasher.block_digest(None, b"s", b"", &[1, 2], b"");
+        assert_eq!(d.key(), a);
+        let next = Xxh3Hasher.block_digest(Some(&d), b"s", b"", &[3], b"");
+        assert_eq!(next.key(), Xxh3Hasher.block(a, &[3], b""));
     }
 
     #[test]

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use super::candidates::Candidates;
 use super::{
-    AdmitOptions, BlockHash, EvictionCandidate, Medium, PrefixConfig, PrefixEvent, PrefixHasher,
+    AdmitOptions, BlockDigest, BlockHash, EvictionCandidate, Medium, PrefixConfig, PrefixEvent,
     PrefixStats,
 };
 use crate::error::{Error, Result};
@@ -46,6 +46,23 @@ use tokens::TokenStore;
 pub(crate) struct Namespace {
     pub(crate) key: Arc<[u8]>,
     pub(crate) seed: BlockHash,
+}
+
+impl Namespace {
+    /// `(cache_salt, extra_key)` back from the key bytes (`len(salt): u64 LE ‖ salt ‖
+    /// extra_key`, or empty for the default namespace), for digest-chaining hashers.
+    pub(crate) fn parts(&self) -> (&[u8], &[u8]) {
+        let k = &*self.key;
+        let Some(len) = k.get(..8).and_then(|l| <[u8; 8]>::try_from(l).ok()) else {
+            return (&[], &[]);
+        };
+        let split = usize::try_from(u64::from_le_bytes(len))
+            .ok()
+            .and_then(|n| n.checked_add(8))
+            .filter(|&end| end <= k.len())
+            .unwrap_or(k.len());
+        (&k[8..split], &k[split..])
+    }
 }
 
 /// A request's per-block extra keys: `(block index in the prompt, extra-key bytes)`,
@@ -191,6 +208,13 @@ pub(crate) struct PrefixIndex {
     events: Vec<PrefixEvent>,
     counters: PrefixStats,
     default_ns: Namespace,
+    /// The chain digest of each registered block, by block, when the hasher chains
+    /// digests wider than the 64-bit key (`PrefixHasher::chains_digests`); empty
+    /// otherwise. Meaningful where `registered` is set; follows relocations.
+    digests: Vec<BlockDigest>,
+    /// The last digest `hash_next` computed, with its key: the registration that
+    /// usually follows takes it instead of hashing the block again.
+    recent_digest: Option<(BlockHash, BlockDigest)>,
 }
 
 impl PrefixIndex {
@@ -223,19 +247,68 @@ impl PrefixIndex {
             pinned_blocks: 0,
             pinned_cached: 0,
             clock: 0,
-            config,
             events: Vec::new(),
             counters: PrefixStats::default(),
             default_ns,
+            digests: if config.hasher.chains_digests() {
+                vec![BlockDigest::default(); num_blocks]
+            } else {
+                Vec::new()
+            },
+            recent_digest: None,
+            config,
         })
+    }
+
+    /// The hash of a sequence's next full block `tokens` (extra-key bytes `extra`),
+    /// chained from `parent`, the hash of the sequence's previous block, registered in
+    /// `parent_block` (`None` for a first block, which chains from `ns`).
+    pub(crate) fn hash_next(
+        &mut self,
+        parent: Option<BlockHash>,
+        parent_block: Option<BlockId>,
+        ns: &Namespace,
+        tokens: &[u32],
+        extra: &[u8],
+    ) -> BlockHash {
+        if self.digests.is_empty() {
+            return self
+                .config
+                .hasher
+                .block(parent.unwrap_or(ns.seed), tokens, extra);
+        }
+        let d = self.digest_under(parent.and(parent_block), ns, tokens, extra);
+        self.recent_digest = Some((d.key(), d));
+        d.key()
+    }
+
+    /// A block's digest under the digest of registered block `parent_block` (`None`:
+    /// a first block in `ns`), for a digest-chaining hasher.
+    fn digest_under(
+        &self,
+        parent_block: Option<BlockId>,
+        ns: &Namespace,
+        tokens: &[u32],
+        extra: &[u8],
+    ) -> BlockDigest {
+        let (salt, extra_key) = ns.parts();
+        let parent = parent_block.and_then(|pb| self.digests.get(pb.index()));
+        self.config
+            .hasher
+            .block_digest(parent, salt, extra_key, tokens, extra)
+    }
+
+    /// The chain digest of registered block `b`, when the hasher chains digests
+    /// (`PrefixHasher::chains_digests`); `None` otherwise or when `b` is not registered.
+    pub(crate) fn digest_of(&self, b: BlockId) -> Option<BlockDigest> {
+        if !self.is_registered(b) {
+            return None;
+        }
+        self.digests.get(b.index()).copied()
     }
 
     pub(crate) fn config(&self) -> &PrefixConfig {
         &self.config
-    }
-
-    pub(crate) fn hasher(&self) -> &dyn PrefixHasher {
-        &*self.config.hasher
     }
 
     /// The namespace of a request, after checking its key lengths.
@@ -324,16 +397,21 @@ impl PrefixIndex {
             last: None,
             collision: false,
         };
+        let wide = !self.digests.is_empty();
+        let mut prev = None;
         for (i, chunk) in tokens
             .chunks_exact(self.block_size)
             .take(max_blocks)
             .enumerate()
         {
             let extra = keys.bytes(i);
-            let h = self
-                .config
-                .hasher
-                .block(found.last.unwrap_or(ns.seed), chunk, extra);
+            let h = if wide {
+                self.digest_under(prev, ns, chunk, extra).key()
+            } else {
+                self.config
+                    .hasher
+                    .block(found.last.unwrap_or(ns.seed), chunk, extra)
+            };
             let Some(b) = self.by_hash.get(h, |b| self.hash_of(b)) else {
                 break;
             };
@@ -343,6 +421,7 @@ impl PrefixIndex {
             }
             out.push(b);
             found.last = Some(h);
+            prev = Some(b);
         }
         found
     }
@@ -551,6 +630,15 @@ impl PrefixIndex {
                 }
             }
         }
+        if !self.digests.is_empty() {
+            let d = match self.recent_digest.take() {
+                Some((h, d)) if h == hash => d,
+                // A registration under a hash computed earlier (a twin, a restored
+                // spill): the same content under the same parent, hashed again.
+                _ => self.digest_under(parent_block, ns, tokens, key.map_or(&[][..], |k| k)),
+            };
+            self.digests[b.index()] = d;
+        }
         let clock = self.tick();
         self.registered[b.index()] = true;
         let cold = ColdEntry {
@@ -758,6 +846,9 @@ impl PrefixIndex {
         self.registered[src.index()] = false;
         self.registered[dst.index()] = true;
         self.tokens.copy_block(src.index(), dst.index());
+        if !self.digests.is_empty() {
+            self.digests[dst.index()] = self.digests[src.index()];
+        }
         // `src`'s hash leads to `src` in a consistent index (`check_invariants`);
         // the table changes only when it does.
         self.by_hash.repoint(e.hash, src, dst);
@@ -823,6 +914,9 @@ impl PrefixIndex {
         self.registered.resize(num_blocks, false);
         self.candidates.resize(num_blocks);
         self.tokens.resize(num_blocks);
+        if !self.digests.is_empty() {
+            self.digests.resize(num_blocks, BlockDigest::default());
+        }
         self.by_hash.reserve(num_blocks);
         Ok(())
     }
@@ -945,6 +1039,9 @@ impl PrefixIndex {
                     "block {b} hash {} does not lead back to it",
                     e.hash
                 ));
+            }
+            if let Some(d) = self.digests.get(i).filter(|d| d.key() != e.hash) {
+                return Err(format!("block {b} hash {} but digest {d}", e.hash));
             }
             match state {
                 BlockState::Free => return Err(format!("free block {b} is in the index")),

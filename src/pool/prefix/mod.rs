@@ -2,7 +2,7 @@
 //!
 //! | piece | what it does |
 //! |---|---|
-//! | [`PrefixHasher`] ([`Xxh3Hasher`], [`ChainHasher`]) | chained hash of (parent hash, token ids, the block's extra keys), seeded per namespace (cache salt + extra key) |
+//! | [`PrefixHasher`] ([`Xxh3Hasher`], [`ChainHasher`], `VllmHasher` with feature `vllm-hash`) | chained hash of (parent hash, token ids, the block's extra keys), seeded per namespace (cache salt + extra key) |
 //! | index (internal) | hash -> block, stored token ids, block keys and parent links to confirm every hit, pins, eviction candidates |
 //! | [`EvictionPolicy`] ([`LruPolicy`], [`CostAwarePolicy`]) | which unreferenced cached block goes first |
 //! | [`crate::KvCacheManager::admit_tokens`] and friends | the manager's entry points, in `manager/prefix.rs` |
@@ -29,9 +29,13 @@ mod candidates;
 mod hash;
 pub(crate) mod index;
 mod policy;
+#[cfg(feature = "vllm-hash")]
+mod vllm;
 
-pub use hash::{BlockHash, ChainHasher, PrefixHasher, Xxh3Hasher};
+pub use hash::{BlockDigest, BlockHash, ChainHasher, PrefixHasher, Xxh3Hasher};
 pub use policy::{CostAwarePolicy, EvictionCandidate, EvictionPolicy, LruPolicy};
+#[cfg(feature = "vllm-hash")]
+pub use vllm::VllmHasher;
 
 use crate::ids::{BlockId, PinId};
 
@@ -54,7 +58,9 @@ pub struct PrefixConfig {
     /// channel drops the event and counts it in [`PrefixStats::dropped_events`].
     pub event_channel: Option<crossbeam_channel::Sender<PrefixEvent>>,
     /// The content hash: [`Xxh3Hasher`] (the default, recomputable by a router from its
-    /// documented encoding) or [`ChainHasher`].
+    /// documented encoding), [`ChainHasher`], or with feature `vllm-hash`
+    /// `VllmHasher` (vLLM's `sha256_cbor` hashes, so routers that recompute vLLM's
+    /// hashes agree with the engine; the index then keeps a 32-byte digest per block).
     pub hasher: Box<dyn PrefixHasher>,
     /// The eviction order among unreferenced cached blocks.
     pub policy: Box<dyn EvictionPolicy>,

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use super::{Entry, Namespace, PrefixIndex};
 use crate::ids::BlockId;
-use crate::pool::prefix::{BlockHash, Medium, PrefixEvent};
+use crate::pool::prefix::{BlockDigest, BlockHash, Medium, PrefixEvent};
 
 /// A registered block's content, kept while its bytes live outside the device arena:
 /// everything `register` needs to make it findable again, under the same hash.
@@ -24,6 +24,9 @@ pub(crate) struct SavedEntry {
     key: Option<Arc<[u8]>>,
     priority: i32,
     tokens: Box<[u32]>,
+    /// The chain digest, for a digest-chaining hasher (a later block's namespace is
+    /// not kept, so it could not be hashed again).
+    digest: Option<BlockDigest>,
 }
 
 impl PrefixIndex {
@@ -82,6 +85,7 @@ impl PrefixIndex {
             key: self.cold_entry(b, e).and_then(|c| c.key.clone()),
             priority: e.priority,
             tokens: self.block_tokens(b).into(),
+            digest: self.digest_of(b),
         })
     }
 
@@ -94,6 +98,7 @@ impl PrefixIndex {
             // Unused by `register` (the hash is given); the default keeps it defined.
             seed: self.default_ns.seed,
         };
+        self.recent_digest = saved.digest.map(|d| (saved.hash, d));
         self.register(
             b,
             saved.hash,

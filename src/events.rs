@@ -1,0 +1,386 @@
+//! The prefix cache's events on vLLM's KV-event wire format, for KV-aware routers
+//! (NVIDIA Dynamo's KV router, llm-d's indexer) that read what vLLM publishes.
+//!
+//! vLLM publishes a `KVEventBatch` per scheduler step, msgpack-encoded by `msgspec`
+//! (`vllm/distributed/kv_events.py`). [`VllmEventEncoder`] writes the same bytes from
+//! the crate's [`PrefixEvent`]s:
+//!
+//! - **The batch** (an `array_like` struct): the array `[ts, events, data_parallel_rank]`,
+//!   `ts` a float64 (seconds since the Unix epoch, as `time.time()`), the rank an integer
+//!   or nil. `msgspec` writes every field of an `array_like` struct, defaults included.
+//! - **An event** (a tagged union: the tag is the class name), in one of two layouts
+//!   ([`VllmEventLayout`]):
+//!   - [`VllmEventLayout::TaggedMap`] (the default; vLLM's main branch, and what vLLM
+//!     0.26 was seen to publish): a map whose first key is `"type"`, then the fields in
+//!     declaration order, fields at their default omitted (`omit_defaults`):
+//!     `{"type": "BlockStored", "block_hashes": [..], "parent_block_hash": int | nil,
+//!     "token_ids": [..], "block_size": int, "lora_id": nil, "medium": "GPU", "lora_name":
+//!     nil}`, `{"type": "BlockRemoved", "block_hashes": [..], "medium": "GPU"}`,
+//!     `{"type": "AllBlocksCleared"}`. The optional `extra_keys`, `group_idx`,
+//!     `kv_cache_spec_kind`, `kv_cache_spec_sliding_window` and `locality` are left out.
+//!   - [`VllmEventLayout::ArrayLike`] (older vLLM releases, whose event structs were
+//!     `array_like` too): `["BlockStored", block_hashes, parent_block_hash, token_ids,
+//!     block_size, lora_id, medium, lora_name]`, `["BlockRemoved", block_hashes,
+//!     medium]`, `["AllBlocksCleared"]`. `msgspec` ignores trailing elements it does not
+//!     know, so releases from before `medium` or `lora_name` read these too.
+//!
+//! Integers take msgpack's shortest form (positive fixint, then `uint 8/16/32/64`, as
+//! `msgspec` writes them), strings `fixstr`/`str 8/16/32`, arrays and maps their shortest
+//! header. Block hashes are the crate's 64-bit [`crate::BlockHash`]es as unsigned
+//! integers; with `pagedkv::pool::prefix::VllmHasher` (feature `vllm-hash`) those are
+//! exactly the integers vLLM publishes for the same blocks (the digest's low 64 bits).
+//!
+//! Consecutive `BlockStored` events of one chain (each the parent of the next, same tier)
+//! become one wire event with several hashes and the concatenated token ids, as vLLM
+//! sends a request's new blocks; consecutive `BlockRemoved` of one tier become one. The
+//! tier names are vLLM's: `"GPU"` for [`Medium::Device`], `"CPU"` for [`Medium::Host`].
+//!
+//! Unfinished: the ZMQ transport (vLLM's three frames: topic, an 8-byte big-endian
+//! sequence number, this payload; and the replay socket) is not here: an engine sends
+//! these bytes on its own socket. Events carry no LoRA id or name (`nil`: the crate's
+//! events do not say which namespace a block belongs to) and no `extra_keys`; hashes
+//! are never sent as 32-byte strings (vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
+
+use crate::error::{Error, Result};
+use crate::manager::KvCacheManager;
+use crate::pool::prefix::{Medium, PrefixEvent};
+
+/// How events are laid out inside a batch (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VllmEventLayout {
+    /// Maps whose first key is `"type"`, defaults omitted (vLLM's current layout).
+    #[default]
+    TaggedMap,
+    /// Arrays whose first element is the tag (older vLLM releases).
+    ArrayLike,
+}
+
+/// Encodes [`PrefixEvent`]s as vLLM `KVEventBatch` msgpack payloads.
+///
+/// ```
+/// use pagedkv::events::VllmEventEncoder;
+/// use pagedkv::PrefixEvent;
+/// let mut out = Vec::new();
+/// let n = VllmEventEncoder::new().encode_batch(1.5, &[PrefixEvent::AllCleared], &mut out)?;
+/// assert_eq!(n, 1);
+/// // [1.5, [{"type": "AllBlocksCleared"}], 0]
+/// assert_eq!(out[0], 0x93);
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct VllmEventEncoder {
+    layout: VllmEventLayout,
+    data_parallel_rank: Option<u32>,
+    drained: Vec<PrefixEvent>,
+}
+
+impl Default for VllmEventEncoder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl VllmEventEncoder {
+    /// Tagged-map events, data-parallel rank 0 (what a vLLM publisher of rank 0 sends).
+    pub fn new() -> Self {
+        VllmEventEncoder {
+            layout: VllmEventLayout::TaggedMap,
+            data_parallel_rank: Some(0),
+            drained: Vec::new(),
+        }
+    }
+
+    /// The event layout.
+    pub fn layout(mut self, layout: VllmEventLayout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// The batch's `data_parallel_rank` (`None` writes nil).
+    pub fn data_parallel_rank(mut self, rank: Option<u32>) -> Self {
+        self.data_parallel_rank = rank;
+        self
+    }
+
+    /// Appends one `KVEventBatch` holding `events` to `out`; returns how many wire
+    /// events it holds (chains and runs of removals are merged, see the module docs).
+    /// An empty `events` makes a batch with no events.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] when `ts` is not finite; nothing is written then.
+    pub fn encode_batch(
+        &self,
+        ts: f64,
+        events: &[PrefixEvent],
+        out: &mut Vec<u8>,
+    ) -> Result<usize> {
+        if !ts.is_finite() {
+            return Err(Error::OutOfRange {
+                field: "ts",
+                value: ts,
+                allowed: "finite seconds since the Unix epoch",
+            });
+        }
+        let runs = runs(events);
+        out.push(0x93);
+        out.push(0xcb);
+        out.extend_from_slice(&ts.to_bits().to_be_bytes());
+        array_len(out, runs.len());
+        for run in &runs {
+            self.encode_event(run, out);
+        }
+        match self.data_parallel_rank {
+            Some(r) => uint(out, u64::from(r)),
+            None => out.push(NIL),
+        }
+        Ok(runs.len())
+    }
+
+    /// Drains `kv`'s recorded prefix events ([`KvCacheManager::drain_prefix_events`];
+    /// turn recording on with `PrefixConfig::record_events`) and appends them to `out`
+    /// as one batch stamped `ts`. Returns the number of wire events; when there were no
+    /// events it writes nothing and returns 0.
+    ///
+    /// # Errors
+    /// As [`Self::encode_batch`]; the drained events are kept for the next call then.
+    pub fn drain_manager(
+        &mut self,
+        kv: &mut KvCacheManager,
+        ts: f64,
+        out: &mut Vec<u8>,
+    ) -> Result<usize> {
+        kv.drain_prefix_events(&mut self.drained);
+        if self.drained.is_empty() {
+            return Ok(0);
+        }
+        let n = self.encode_batch(ts, &self.drained, out)?;
+        self.drained.clear();
+        Ok(n)
+    }
+
+    fn encode_event(&self, run: &[PrefixEvent], out: &mut Vec<u8>) {
+        let maps = self.layout == VllmEventLayout::TaggedMap;
+        match run.first() {
+            Some(PrefixEvent::BlockStored {
+                parent,
+                block_size,
+                medium,
+                ..
+            }) => {
+                let mut field = header(out, maps, "BlockStored", 7);
+                field(out, "block_hashes");
+                array_len(out, run.len());
+                for e in run {
+                    if let PrefixEvent::BlockStored { hash, .. } = e {
+                        uint(out, hash.0);
+                    }
+                }
+                field(out, "parent_block_hash");
+                match parent {
+                    Some(p) => uint(out, p.0),
+                    None => out.push(NIL),
+                }
+                field(out, "token_ids");
+                let n_tokens = run
+                    .iter()
+                    .map(|e| match e {
+                        PrefixEvent::BlockStored { token_ids, .. } => token_ids.len(),
+                        _ => 0,
+                    })
+                    .sum();
+                array_len(out, n_tokens);
+                for e in run {
+                    if let PrefixEvent::BlockStored { token_ids, .. } = e {
+                        for &t in token_ids {
+                            uint(out, u64::from(t));
+                        }
+                    }
+                }
+                field(out, "block_size");
+                uint(out, *block_size as u64);
+                field(out, "lora_id");
+                out.push(NIL);
+                field(out, "medium");
+                str(out, medium_name(*medium));
+                field(out, "lora_name");
+                out.push(NIL);
+            }
+            Some(PrefixEvent::BlockRemoved { medium, .. }) => {
+                let mut field = header(out, maps, "BlockRemoved", 2);
+                field(out, "block_hashes");
+                array_len(out, run.len());
+                for e in run {
+                    if let PrefixEvent::BlockRemoved { hash, .. } = e {
+                        uint(out, hash.0);
+                    }
+                }
+                field(out, "medium");
+                str(out, medium_name(*medium));
+            }
+            Some(PrefixEvent::AllCleared) | None => {
+                // No fields: the field-name writer goes unused.
+                let _ = header(out, maps, "AllBlocksCleared", 0);
+            }
+        }
+    }
+}
+
+/// vLLM's name for a tier (`MEDIUM_GPU`, and `"CPU"` for its host offloading).
+fn medium_name(m: Medium) -> &'static str {
+    match m {
+        Medium::Device => "GPU",
+        Medium::Host => "CPU",
+    }
+}
+
+/// Splits `events` into the runs that become one wire event each: a chain of stores
+/// (each the parent of the next, same tier and block size), a run of removals from one
+/// tier, or a single clear.
+fn runs(events: &[PrefixEvent]) -> Vec<&[PrefixEvent]> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for i in 1..=events.len() {
+        let joins = events
+            .get(i)
+            .is_some_and(|next| joins(&events[i - 1], next));
+        if !joins {
+            out.push(&events[start..i]);
+            start = i;
+        }
+    }
+    out
+}
+
+fn joins(prev: &PrefixEvent, next: &PrefixEvent) -> bool {
+    match (prev, next) {
+        (
+            PrefixEvent::BlockStored {
+                hash,
+                medium,
+                block_size,
+                ..
+            },
+            PrefixEvent::BlockStored {
+                parent: Some(p),
+                medium: m,
+                block_size: bs,
+                ..
+            },
+        ) => p == hash && m == medium && bs == block_size,
+        (PrefixEvent::BlockRemoved { medium, .. }, PrefixEvent::BlockRemoved { medium: m, .. }) => {
+            m == medium
+        }
+        _ => false,
+    }
+}
+
+/// msgpack `nil`.
+const NIL: u8 = 0xc0;
+
+/// Writes the event's header (the map with its `"type"` entry, or the array with its
+/// tag) for `fields` fields; returns the writer of a field's name (a map key, nothing
+/// in an array).
+fn header(
+    out: &mut Vec<u8>,
+    maps: bool,
+    tag: &str,
+    fields: usize,
+) -> impl FnMut(&mut Vec<u8>, &str) {
+    if maps {
+        map_len(out, fields + 1);
+        str(out, "type");
+    } else {
+        array_len(out, fields + 1);
+    }
+    str(out, tag);
+    move |out: &mut Vec<u8>, name: &str| {
+        if maps {
+            str(out, name);
+        }
+    }
+}
+
+/// A non-negative integer in its shortest msgpack form.
+fn uint(out: &mut Vec<u8>, n: u64) {
+    if n < 0x80 {
+        out.push(n as u8);
+    } else if n <= u64::from(u8::MAX) {
+        out.extend_from_slice(&[0xcc, n as u8]);
+    } else if n <= u64::from(u16::MAX) {
+        out.push(0xcd);
+        out.extend_from_slice(&(n as u16).to_be_bytes());
+    } else if n <= u64::from(u32::MAX) {
+        out.push(0xce);
+        out.extend_from_slice(&(n as u32).to_be_bytes());
+    } else {
+        out.push(0xcf);
+        out.extend_from_slice(&n.to_be_bytes());
+    }
+}
+
+/// A length-prefixed header: the fix form (`fix | len` below `fix_max`), else the
+/// 16- or 32-bit form. Lengths past `u32::MAX` cannot be built in memory here (each
+/// element takes at least a byte), so they saturate instead of panicking.
+fn len_header(out: &mut Vec<u8>, len: usize, fix: u8, fix_max: usize, wide16: u8, wide32: u8) {
+    if len < fix_max {
+        out.push(fix | len as u8);
+    } else if let Ok(n) = u16::try_from(len) {
+        out.push(wide16);
+        out.extend_from_slice(&n.to_be_bytes());
+    } else {
+        out.push(wide32);
+        out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+    }
+}
+
+fn array_len(out: &mut Vec<u8>, len: usize) {
+    len_header(out, len, 0x90, 16, 0xdc, 0xdd);
+}
+
+fn map_len(out: &mut Vec<u8>, len: usize) {
+    len_header(out, len, 0x80, 16, 0xde, 0xdf);
+}
+
+/// A UTF-8 string: `fixstr` below 32 bytes, then `str 8/16/32`.
+fn str(out: &mut Vec<u8>, s: &str) {
+    let len = s.len();
+    if len < 32 {
+        out.push(0xa0 | len as u8);
+    } else if let Ok(n) = u8::try_from(len) {
+        out.extend_from_slice(&[0xd9, n]);
+    } else if let Ok(n) = u16::try_from(len) {
+        out.push(0xda);
+        out.extend_from_slice(&n.to_be_bytes());
+    } else {
+        out.push(0xdb);
+        out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+    }
+    out.extend_from_slice(s.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn integers_and_headers_take_the_shortest_form() {
+        let enc = |n: u64| {
+            let mut v = Vec::new();
+            uint(&mut v, n);
+            v
+        };
+        assert_eq!(enc(127), [0x7f]);
+        assert_eq!(enc(128), [0xcc, 0x80]);
+        assert_eq!(enc(256), [0xcd, 1, 0]);
+        assert_eq!(enc(65_536), [0xce, 0, 1, 0, 0]);
+        assert_eq!(enc(1 << 32), [0xcf, 0, 0, 0, 1, 0, 0, 0, 0]);
+        let mut v = Vec::new();
+        array_len(&mut v, 15);
+        array_len(&mut v, 16);
+        map_len(&mut v, 70_000);
+        assert_eq!(v, [0x9f, 0xdc, 0, 16, 0xdf, 0, 1, 0x11, 0x70]);
+        let mut s = Vec::new();
+        str(&mut s, &"x".repeat(32));
+        assert_eq!(&s[..2], [0xd9, 32]);
+    }
+}
