@@ -1,4 +1,71 @@
-#![doc = include_str!("../README.md")]
+//! Paged KV-cache management for LLM serving engines.
+//!
+//! The KV cache is one arena, preallocated once (VRAM on a GPU, host memory by
+//! default) and cut into blocks of `block_size` tokens. Every sequence owns a block
+//! table that maps its token positions to blocks, so memory is taken a block at a time
+//! instead of `max_len` per request. Forks share blocks copy-on-write, full computed
+//! blocks are shared across requests through a prefix cache, cold sequences move to a
+//! host or disk tier, and the arena can be compacted, shrunk and grown. The manager
+//! only does bookkeeping: every byte movement is an explicit plan
+//! ([`CopyPlan`], [`SwapPlan`], [`MovePlan`]) that a [`Storage`] carries out.
+//!
+//! # The engine path
+//!
+//! Admit a prompt through the prefix cache, then run each model step as one
+//! [`KvCacheManager::reserve_step`] into fixed [`StepBuffers`] and one
+//! [`KvCacheManager::commit_step`] of what the step accepted:
+//!
+//! ```
+//! use pagedkv::{AdmitOptions, CacheConfig, DType, KvCacheManager, KvLayout, ModelShape,
+//!               PrefixHit, SeqId, StepBuffers, StepEntry};
+//!
+//! let shape = ModelShape { num_layers: 32, num_q_heads: 32, num_kv_heads: 8, head_dim: 128,
+//!                          kv_dtype: DType::BF16 };              // Llama-3-8B's KV
+//! let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(256))?;
+//! let mut step = StepBuffers::new(8, 512, 64); // rows, query tokens, blocks per row
+//! let (mut hit, opts) = (PrefixHit::default(), AdmitOptions::default());
+//!
+//! let prompt: Vec<u32> = (0..100).collect();
+//! kv.lookup_prefix(&prompt, &opts, &mut hit)?;
+//! kv.admit_prompt(SeqId(1), &prompt, &hit)?;
+//! let seq = kv.handle(SeqId(1))?;
+//! kv.reserve_step(&[StepEntry { seq, new_tokens: 100, lookahead: 0 }], &mut step)?;
+//! // run step.copies(), write K/V through step.slot_mapping(), attend over step.tables()
+//! kv.commit_step(&[(seq, 100)])?;
+//! assert_eq!(kv.lookup_prefix(&prompt, &opts, &mut hit)?, 96); // 6 full blocks shared
+//! # Ok::<(), pagedkv::Error>(())
+//! ```
+//!
+//! # Layers
+//!
+//! Imports run one way, downward (`tests/layering.rs` fails on an upward import):
+//!
+//! | layer (bottom up) | modules | what it holds |
+//! |---|---|---|
+//! | ids, errors | [`ids`], [`error`] | [`BlockId`], [`SeqId`], [`SeqHandle`], tickets; the one [`Error`] enum |
+//! | layout and plans | [`layout`] | [`ModelShape`], dtypes and their conversions, [`KvLayout`] (all addressing), plans as plain data |
+//! | pools | [`pool`] | [`BlockPool`] (free list, refcounts), the prefix index and its eviction policies, the sharded pool |
+//! | manager | [`manager`] | [`KvCacheManager`] and [`KvCacheGroups`]: sequences to block tables, the engine contract, prefix-cache use, tiers, preemption, defragmentation *plans*; never touches memory |
+//! | batch tables | [`tables`] | [`PaddedTables`], [`CsrTables`] and their validation |
+//! | executor | [`executor`] | [`Storage`], [`HostStorage`], the CUDA storage, [`ShardedStorage`], the disk tier, [`TransferEngine`]; the one-call conveniences (defragment, shrink, spill) as plan + execute + commit |
+//! | attention | [`attention`] | f64 reference, CPU (rayon, AVX2) decode and chunked prefill, RoPE fused with the cache write, MLA decode, the CUDA kernels' launchers |
+//! | around | [`plan`], [`metrics`], [`export`], [`broker`], [`gguf`], [`baseline`], [`chart`] | capacity planner, metrics facade, KV export/import, the multi-model memory broker, GGUF reader, the contiguous baseline, SVG charts |
+//!
+//! # Features
+//!
+//! `cuda` (default) builds the CUDA storage and kernels through `cudarc` with dynamic
+//! loading: building needs no CUDA install, and at run time the crate falls back to
+//! host memory without a GPU. `--no-default-features` builds without `cudarc`. No
+//! kernel has run on a GPU yet; see [`guide::gpu`].
+//!
+//! # The guide
+//!
+//! [`guide`] explains the crate chapter by chapter: [the engine
+//! contract](guide::engine_contract), [the prefix cache](guide::prefix_cache), [tiers
+//! and preemption](guide::tiers), [defragmentation and resize](guide::defrag), [hybrid
+//! models](guide::hybrid), [sizing](guide::sizing), [sharing an arena, a budget or a
+//! sequence](guide::sharing), [metrics](guide::metrics), [the GPU path](guide::gpu),
+//! [robustness](guide::robustness) and [how figures are measured](guide::measurement).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 // Library code returns errors; `unwrap`/`expect` are for tests only.
@@ -30,6 +97,42 @@ pub mod export;
 pub mod gguf;
 pub mod metrics;
 pub mod plan;
+
+// The guide's chapters are `src/guide/*.md` (their Rust examples are doc tests). The
+// module is inline rather than `src/guide/mod.rs` because `tests/layering.rs` gives
+// every `.rs` file under `src/` a layer, and documentation is none.
+pub mod guide {
+    #![doc = include_str!("guide/index.md")]
+
+    #[doc = include_str!("guide/engine_contract.md")]
+    pub mod engine_contract {}
+    #[doc = include_str!("guide/prefix_cache.md")]
+    pub mod prefix_cache {}
+    #[doc = include_str!("guide/tiers.md")]
+    pub mod tiers {}
+    #[doc = include_str!("guide/defrag.md")]
+    pub mod defrag {}
+    #[doc = include_str!("guide/hybrid.md")]
+    pub mod hybrid {}
+    #[doc = include_str!("guide/sizing.md")]
+    pub mod sizing {}
+    #[doc = include_str!("guide/sharing.md")]
+    pub mod sharing {}
+    #[doc = include_str!("guide/metrics.md")]
+    pub mod metrics {}
+    #[doc = include_str!("guide/gpu.md")]
+    pub mod gpu {}
+    #[doc = include_str!("guide/robustness.md")]
+    pub mod robustness {}
+    #[doc = include_str!("guide/measurement.md")]
+    pub mod measurement {}
+
+    // The README's code blocks run as doc tests; it is not rendered here (its links
+    // point into the repository).
+    #[cfg(doctest)]
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+}
 
 pub use baseline::{CacheAllocator, ContiguousCache};
 pub use error::{Error, Result};
