@@ -394,7 +394,7 @@ mod gpu {
                 false,
             )?);
         }
-        // The main case's baselines for issue 19's host-side changes: one forced split
+        // The main case's baselines for the work-list launch's host-side changes: one forced split
         // beside the occupancy planner's choice, and bf16 queries and output beside f32.
         // (GQA 8 takes the tensor-core path, which ignores `unroll` and `vec_bytes`.)
         decode.push(decode_case(

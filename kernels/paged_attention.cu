@@ -147,7 +147,7 @@ __device__ __forceinline__ u32 step_splits(const u32* step, u32 num_splits) {
     return step == nullptr ? num_splits : step[2];
 }
 
-// The work-list launch (issue 19): grid (KV heads, max items, 1); `work` holds
+// The work-list launch: grid (KV heads, max items, 1); `work` holds
 // [num_items, 0, 0, 0] then per item [seq, chunk | chunks << 16, begin, end], the
 // chunks of each sequence's own live range (window included) as
 // `build_work_list` cuts them. A CTA past `num_items` returns at once; the others

@@ -326,7 +326,7 @@ fn per_layer_swaps_and_host_block_io_match_host_storage() {
     ));
 }
 
-// ---- VMM at scale and stream ordering (issue 20, items 3 and 4) -----------------
+// ---- VMM at scale and stream ordering ---------------------------------------
 
 /// 64 KiB per block and layer (8 KV heads x 128 x 16 tokens x bf16 x K and V), so a
 /// few hundred blocks span several 2 MiB granules.

@@ -668,7 +668,7 @@ fn published_parameter_counts_within_one_percent() {
 
 #[test]
 fn moe_memory_counts_every_expert() {
-    // Issue 26: Mixtral-8x7B was counted 7.24 B and "fit" on one 80 GiB GPU in bf16.
+    // A reported bug: Mixtral-8x7B was counted 7.24 B and "fit" on one 80 GiB GPU in bf16.
     let spec = data("mixtral-8x7b.json");
     let mut i = PlanInput::new(spec, 80 * GIB);
     i.context_tokens = 4096;

@@ -1,6 +1,6 @@
 //! Sizes computed from caller input are checked: absurd inputs are typed errors, never a
 //! wrapped number (release builds) or a panic (builds with overflow checks, which the
-//! `test` profile has by default). Issue 24, items 2-4.
+//! `test` profile has by default).
 
 use pagedkv::attention::cpu::{contiguous_decode, ContiguousKv};
 use pagedkv::attention::AttentionParams;

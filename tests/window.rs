@@ -2,7 +2,7 @@
 //! query go back to the pool, leaving `BlockId::RELEASED` holes that no reader touches.
 //!
 //! * counts: a decoding sequence holds at most `ceil(W / bs) + 1` blocks, and the
-//!   probe of issue 21 (window 64, context 320, block 16) holds 5 instead of 20;
+//!   probe of a reported bug (window 64, context 320, block 16) holds 5 instead of 20;
 //! * a model-based property test with byte checks on `HostStorage`: every token the
 //!   engine writes carries its own id in its K and V bytes; after every action, every
 //!   computed position inside the window of each sequence's next query holds its own
@@ -43,7 +43,7 @@ fn window_manager(bs: usize, num_blocks: usize, window: Option<usize>) -> KvCach
     .unwrap()
 }
 
-/// The probe of issue 21: prefill 64 tokens, then decode to 320 tokens.
+/// The reported probe: prefill 64 tokens, then decode to 320 tokens.
 fn probe_blocks(window: Option<usize>) -> (usize, usize) {
     let mut kv = window_manager(16, 64, window);
     let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());

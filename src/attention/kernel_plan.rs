@@ -765,7 +765,7 @@ mod occupancy_tests {
 
     #[test]
     fn wave_quantisation_is_avoided() {
-        // Issue 19's case: 64 x 4096 tokens, 8 KV heads, 132 SMs at 3 CTAs per SM. One
+        // The work-list case: 64 x 4096 tokens, 8 KV heads, 132 SMs at 3 CTAs per SM. One
         // split is 512 CTAs: 2 waves of 4096 (+64). Three splits of 1376: 1536 CTAs,
         // 4 waves of 1376 (+64) = 5760 against 8320.
         let lens = vec![4096u32; 64];

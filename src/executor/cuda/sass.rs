@@ -476,7 +476,7 @@ mod tests {
     use super::*;
 
     /// A trimmed `cuobjdump -sass` listing of the decode kernel (bf16, d128, GQA 8,
-    /// sm_90, before issue 19): the header, the q-loading loop (loads, no exp), the
+    /// sm_90, before the work-list launch): the header, the q-loading loop (loads, no exp), the
     /// KV-token loop cut down to a sample of its body (loads and exps), and an
     /// epilogue loop (a shared-memory atomic, no exp). Encodings as cuobjdump prints
     /// them. Two lines are made by hand to exercise the parser: an `STL` (a spill)

@@ -245,7 +245,7 @@ pub(crate) mod tests {
 
     #[test]
     fn out_of_order_layer_swaps_complete_only_with_the_latest_fence() {
-        // Issue 20, bug 1: swap_layer(3) then swap_layer(0); the device has finished
+        // A reported bug: swap_layer(3) then swap_layer(0); the device has finished
         // the first. The old rule asked the highest layer's event and said "complete".
         let stream = Arc::new(FakeStream::default());
         let mut ledger = FenceLedger::new(4);

@@ -539,7 +539,7 @@ mod tests {
 
     #[test]
     fn layers_are_ready_when_their_copies_land_not_when_issued() {
-        // Issue 20, bug 2: the old engine said "ready" as soon as swap_layer returned.
+        // A reported bug: the old engine said "ready" as soon as swap_layer returned.
         let (mut kv, stream, mut engine, job) = swap_submitted(3);
         drain_until(&mut engine, SeqId(1), 2);
         // Every layer issued, none landed.
