@@ -102,6 +102,13 @@ impl CacheBuilder {
         self
     }
 
+    /// [`CacheConfig::table_capacity_blocks`]: room each block table makes at once
+    /// (the longest sequence's blocks, for a decode step that never allocates).
+    pub fn table_capacity_blocks(mut self, blocks: usize) -> Self {
+        self.config.table_capacity_blocks = blocks;
+        self
+    }
+
     /// Host and disk tiers to swap to (default: none).
     pub fn tiers(mut self, tiers: TierConfig) -> Self {
         self.tiers = tiers;
