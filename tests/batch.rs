@@ -397,10 +397,12 @@ fn a_sequence_listed_twice_is_refused() {
 
 #[derive(Debug, Clone)]
 enum StepAction {
-    /// Admit a prompt with ids (one of two shared prefixes plus a tail).
+    /// Admit a prompt with ids (one of two shared prefixes plus a tail), or (`ids`
+    /// false) a prompt of that length without any.
     Admit {
         prefix: u8,
         tail: u8,
+        ids: bool,
     },
     /// One step: per running sequence (in row order) its query tokens, lookahead and
     /// accepted share (out of 4).
@@ -415,7 +417,8 @@ enum StepAction {
 
 fn step_action() -> impl Strategy<Value = StepAction> {
     prop_oneof![
-        2 => (0u8..2, 0u8..10).prop_map(|(prefix, tail)| StepAction::Admit { prefix, tail }),
+        2 => (0u8..2, 0u8..10, any::<bool>())
+            .prop_map(|(prefix, tail, ids)| StepAction::Admit { prefix, tail, ids }),
         6 => prop::collection::vec((1u8..6, 0u8..3, 0u8..5), 8).prop_map(StepAction::Step),
         1 => Just(StepAction::Rotate),
         1 => any::<u8>().prop_map(StepAction::Fork),
@@ -440,14 +443,27 @@ impl StepPair {
     fn apply(&mut self, a: &StepAction) {
         let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
         match a {
-            StepAction::Admit { prefix, tail } => {
+            StepAction::Admit { prefix, tail, ids } => {
                 let id = SeqId(self.next);
                 self.next += 1;
                 let mut prompt: Vec<u32> = (0..9).map(|t| t + 100 * u32::from(*prefix)).collect();
                 prompt.extend((0..u32::from(*tail)).map(|t| 1_000 + self.next as u32 * 16 + t));
                 let opts = AdmitOptions::default();
-                let r1 = self.step.admit_tokens(id, &prompt, &opts, &mut slots);
-                let r2 = self.single.admit_tokens(id, &prompt, &opts, &mut slots);
+                let (r1, r2) = if *ids {
+                    (
+                        self.step
+                            .admit_tokens(id, &prompt, &opts, &mut slots)
+                            .map(|_| ()),
+                        self.single
+                            .admit_tokens(id, &prompt, &opts, &mut slots)
+                            .map(|_| ()),
+                    )
+                } else {
+                    (
+                        self.step.admit(id, prompt.len(), &mut slots),
+                        self.single.admit(id, prompt.len(), &mut slots),
+                    )
+                };
                 assert_eq!(r1.is_ok(), r2.is_ok());
                 if r1.is_ok() {
                     self.running.push(id);
@@ -582,6 +598,10 @@ impl StepPair {
             assert_eq!(
                 self.step.block_table(id).unwrap(),
                 self.single.block_table(id).unwrap()
+            );
+            assert_eq!(
+                self.step.num_computed_tokens(id).unwrap(),
+                self.single.num_computed_tokens(id).unwrap()
             );
         }
     }

@@ -866,6 +866,83 @@ impl KvCacheManager {
         self.reserve_at(h, n, lookahead, commit_now, tokens, slots, copies)
     }
 
+    /// [`Self::reserve_at`] of `n` query tokens (no lookahead) in the common case that
+    /// [`Self::append_in_last_block`] takes: they all land in the sequence's own last
+    /// block, private and unregistered, after computed tokens. Returns the first slot
+    /// (the `n` slots are consecutive) and the blocks registered, or `None`, having
+    /// changed nothing, when the general path is needed.
+    #[inline(always)]
+    pub(crate) fn reserve_in_last_block(&mut self, h: SeqHandle, n: usize) -> Option<(u64, usize)> {
+        if self.window.is_some() {
+            return None;
+        }
+        let max_len = self.max_seq_len();
+        let KvCacheManager {
+            layout,
+            pool,
+            prefix,
+            seqs,
+            live_token_slots,
+            ..
+        } = self;
+        let bs = layout.block_size();
+        let s = seqs.at_mut(h)?;
+        let off = layout.block_offset(s.computed);
+        if off == 0
+            || n == 0
+            || n > bs - off
+            || s.computed != s.num_tokens
+            || s.scheduled != 0
+            || s.in_flight.is_some()
+            || s.twin_pending
+        {
+            return None;
+        }
+        let end = s.computed + n;
+        if end > max_len {
+            return None;
+        }
+        let &last = s.table.last()?;
+        let fill = pool.private_fill_mut(last)?;
+        if prefix.is_registered(last) {
+            return None;
+        }
+        let first = layout.slot(last, 0).0 + off as u64;
+        let filled = off + n;
+        if usize::from(*fill) < filled {
+            *live_token_slots += filled - usize::from(*fill);
+            *fill = filled as u16;
+        }
+        s.num_tokens = end;
+        s.scheduled = n;
+        Some((
+            first,
+            if s.prefix.is_some() {
+                prefix::extend_chain_in(prefix, bs, s)
+            } else {
+                0
+            },
+        ))
+    }
+
+    /// [`Self::commit_at`] of a sequence already checked (resident, `n` at most its
+    /// reservation) that has no twin to settle, no token ids and no window: the
+    /// accepted tokens become computed. `false`, having changed nothing, otherwise.
+    #[inline(always)]
+    pub(crate) fn commit_plain(&mut self, h: SeqHandle, n: usize) -> bool {
+        if self.window.is_some() {
+            return false;
+        }
+        match self.seqs.at_mut(h) {
+            Some(s) if !s.twin_pending && s.prefix.is_none() && n <= s.scheduled => {
+                s.computed += n;
+                s.scheduled = 0;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// The common decode step, in place: `n` committed tokens that all land in the
     /// sequence's own last block, which already holds computed tokens and is neither
     /// shared nor registered (so no block is taken, copied or released and no

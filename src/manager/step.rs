@@ -320,26 +320,42 @@ impl KvCacheManager {
         let rows = entries.len();
         out.resize_rows(rows);
         for (row, e) in entries.iter().enumerate() {
-            out.scratch.clear();
-            let epoch = self.table_epoch;
-            self.reserve_at(
-                e.seq,
-                e.new_tokens,
-                e.lookahead,
-                false,
-                None,
-                &mut out.scratch,
-                &mut out.copies,
-            )?;
-            if self.table_epoch != epoch {
-                // This reservation changed an entry of its own table (a copy-on-write,
-                // a shared copy, a window's release): rewrite its row.
-                out.row_seq[row] = None;
+            let in_place = if e.lookahead == 0 {
+                self.reserve_in_last_block(e.seq, e.new_tokens)
+            } else {
+                None
+            };
+            if let Some((first_slot, _)) = in_place {
+                // The common decode step: consecutive slots of the own last block.
+                let n = e.new_tokens as i64;
+                let first = first_slot as i64;
+                if n == 1 {
+                    out.slot_mapping.push(first);
+                } else {
+                    out.slot_mapping.extend(first..first + n);
+                }
+            } else {
+                out.scratch.clear();
+                let epoch = self.table_epoch;
+                self.reserve_at(
+                    e.seq,
+                    e.new_tokens,
+                    e.lookahead,
+                    false,
+                    None,
+                    &mut out.scratch,
+                    &mut out.copies,
+                )?;
+                if self.table_epoch != epoch {
+                    // This reservation changed an entry of its own table (a
+                    // copy-on-write, a shared copy, a window's release): rewrite its row.
+                    out.row_seq[row] = None;
+                }
+                out.slot_mapping
+                    .extend(out.scratch[..e.new_tokens].iter().map(|s| s.0 as i64));
             }
             let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
             let first = s.computed;
-            out.slot_mapping
-                .extend(out.scratch[..e.new_tokens].iter().map(|s| s.0 as i64));
             out.positions
                 .extend((first..first + e.new_tokens).map(|p| p as i64));
             out.query_start_loc.push(out.slot_mapping.len() as u32);
@@ -386,7 +402,9 @@ impl KvCacheManager {
         }
         let mut registered = 0;
         for &(h, n) in accepted {
-            registered += self.commit_at(h, n)?;
+            if !self.commit_plain(h, n) {
+                registered += self.commit_at(h, n)?;
+            }
         }
         Ok(registered)
     }
