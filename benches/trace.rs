@@ -16,8 +16,9 @@
 //! `append_tokens_batch`, by handle), and through the step path engines use
 //! (`reserve_step` into `StepBuffers`, which also writes positions, query start
 //! locations and the padded block tables the bare list never builds; `commit_step`;
-//! with prefix caching the step's ids by `add_token_ids`). Before criterion runs, a summary table (median of interleaved replays) prints
-//! ns per appended token and the ratio to the bare list (`TRACE_SUMMARY=0` skips it).
+//! with prefix caching `reserve_step_tokens`, which takes the step's ids). Before
+//! criterion runs, a summary table (median of interleaved replays) prints ns per
+//! appended token and the ratio to the bare list (`TRACE_SUMMARY=0` skips it).
 //!
 //! `cargo bench --bench trace -- --warm-up-time 1 --measurement-time 3`
 
@@ -247,8 +248,8 @@ enum Path {
     /// One `append_batch` / `append_tokens_batch` call by handle.
     Batch,
     /// The step path engines use: one `reserve_step` into `StepBuffers` (slot
-    /// mapping, positions, query start locations and the padded block tables), the
-    /// ids of the step's tokens by `add_token_ids` (prefix on), one `commit_step`.
+    /// mapping, positions, query start locations and the padded block tables), or
+    /// `reserve_step_tokens` with the step's ids (prefix on), then one `commit_step`.
     Step,
 }
 
@@ -304,7 +305,7 @@ impl Replay for Paged {
             self.handles[i] = Some(self.kv.handle(id).unwrap());
         }
     }
-    fn step(&mut self, trace: &Trace, step: &Step<'_>, slots: &mut Vec<Slot>) {
+    fn step(&mut self, _: &Trace, step: &Step<'_>, slots: &mut Vec<Slot>) {
         let (running, sampled) = (step.running, step.sampled);
         if self.path == Path::Step {
             self.entries.clear();
@@ -313,14 +314,14 @@ impl Replay for Paged {
                 new_tokens: 1,
                 lookahead: 0,
             }));
-            self.kv
-                .reserve_step(&self.entries, &mut self.buffers)
-                .unwrap();
             if self.prefix {
-                for ((&i, &j), &t) in running.iter().zip(step.done).zip(sampled) {
-                    let at = trace.seqs[i].prompt + j;
-                    self.kv.add_token_ids(SeqId(i as u64), at, &[t]).unwrap();
-                }
+                self.kv
+                    .reserve_step_tokens(&self.entries, sampled, &mut self.buffers)
+                    .unwrap();
+            } else {
+                self.kv
+                    .reserve_step(&self.entries, &mut self.buffers)
+                    .unwrap();
             }
             self.accepted.clear();
             self.accepted

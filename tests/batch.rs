@@ -405,8 +405,10 @@ enum StepAction {
         ids: bool,
     },
     /// One step: per running sequence (in row order) its query tokens, lookahead and
-    /// accepted share (out of 4).
-    Step(Vec<(u8, u8, u8)>),
+    /// accepted share (out of 4); with `true`, the query tokens' ids come with the
+    /// step (`reserve_step_tokens`), and the per-sequence side adds the accepted ones
+    /// after its commit (`add_token_ids`).
+    Step(Vec<(u8, u8, u8)>, bool),
     /// Move the first running sequence to the back (rows change owners).
     Rotate,
     Fork(u8),
@@ -419,7 +421,8 @@ fn step_action() -> impl Strategy<Value = StepAction> {
     prop_oneof![
         2 => (0u8..2, 0u8..10, any::<bool>())
             .prop_map(|(prefix, tail, ids)| StepAction::Admit { prefix, tail, ids }),
-        6 => prop::collection::vec((1u8..6, 0u8..3, 0u8..5), 8).prop_map(StepAction::Step),
+        6 => (prop::collection::vec((1u8..6, 0u8..3, 0u8..5), 8), any::<bool>())
+            .prop_map(|(plan, ids)| StepAction::Step(plan, ids)),
         1 => Just(StepAction::Rotate),
         1 => any::<u8>().prop_map(StepAction::Fork),
         1 => (any::<u8>(), 1u8..6).prop_map(|(k, n)| StepAction::Truncate(k, n)),
@@ -469,7 +472,7 @@ impl StepPair {
                     self.running.push(id);
                 }
             }
-            StepAction::Step(plan) => {
+            StepAction::Step(plan, with_ids) => {
                 let rows = self.running.len().min(ROWS);
                 let entries: Vec<pagedkv::StepEntry> = (0..rows)
                     .map(|k| pagedkv::StepEntry {
@@ -478,8 +481,20 @@ impl StepPair {
                         lookahead: usize::from(plan[k].1),
                     })
                     .collect();
+                // An id per query token: a function of the sequence and position.
+                let mut ids = Vec::new();
+                for (k, e) in entries.iter().enumerate() {
+                    let id = self.running[k];
+                    let first = self.step.num_computed_tokens(id).unwrap();
+                    ids.extend((first..first + e.new_tokens).map(|p| (p * 7 + k) as u32 % 5));
+                }
                 let before = (self.step.stats(), self.step.prefix_stats());
-                match self.step.reserve_step(&entries, &mut self.buf) {
+                let reserved = if *with_ids {
+                    self.step.reserve_step_tokens(&entries, &ids, &mut self.buf)
+                } else {
+                    self.step.reserve_step(&entries, &mut self.buf)
+                };
+                match reserved {
                     Ok(()) => {
                         let mut mapping = Vec::new();
                         let mut positions = Vec::new();
@@ -517,8 +532,23 @@ impl StepPair {
                             .map(|(k, e)| (e.seq, e.new_tokens * usize::from(plan[k].2) / 4))
                             .collect();
                         self.step.commit_step(&accepted).unwrap();
+                        let mut at = 0;
                         for (k, &(_, n)) in accepted.iter().enumerate() {
-                            self.single.commit(self.running[k], n).unwrap();
+                            let id = self.running[k];
+                            let first = self.single.num_computed_tokens(id).unwrap();
+                            let step_ids = &ids[at..at + entries[k].new_tokens];
+                            at += entries[k].new_tokens;
+                            // The accepted ids, known before the commit registers.
+                            if *with_ids && (first == 0 || self.single.is_registering(id).unwrap())
+                            {
+                                // Ids after a gap (a step without ids) are not
+                                // recorded by either side.
+                                match self.single.add_token_ids(id, first, &step_ids[..n]) {
+                                    Ok(_) | Err(Error::TokenIdsGap { .. }) => {}
+                                    Err(e) => panic!("{e}"),
+                                }
+                            }
+                            self.single.commit(id, n).unwrap();
                         }
                     }
                     Err(e) => {

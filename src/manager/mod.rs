@@ -668,6 +668,7 @@ impl KvCacheManager {
         let s = self.seqs.at_mut(h).ok_or(Error::StaleHandle(h))?;
         s.computed += n;
         s.scheduled = 0;
+        prefix::commit_step_ids(s, bs);
         let computed = s.computed;
         let mut registered = prefix::extend_chain_in(&mut self.prefix, bs, s);
         if s.twin_pending {
@@ -872,7 +873,12 @@ impl KvCacheManager {
     /// (the `n` slots are consecutive) and the blocks registered, or `None`, having
     /// changed nothing, when the general path is needed.
     #[inline(always)]
-    pub(crate) fn reserve_in_last_block(&mut self, h: SeqHandle, n: usize) -> Option<(u64, usize)> {
+    pub(crate) fn reserve_in_last_block(
+        &mut self,
+        h: SeqHandle,
+        n: usize,
+        tokens: Option<&[u32]>,
+    ) -> Option<(u64, usize)> {
         if self.window.is_some() {
             return None;
         }
@@ -915,6 +921,10 @@ impl KvCacheManager {
         }
         s.num_tokens = end;
         s.scheduled = n;
+        match tokens {
+            Some(ids) => prefix::record_step_ids(prefix, false, s, ids, bs),
+            None => prefix::forget_step_ids(s),
+        }
         Some((
             first,
             if s.prefix.is_some() {
@@ -1096,9 +1106,13 @@ impl KvCacheManager {
             live_token_slots,
         );
         s.num_tokens = new_len;
-        if let Some(ids) = tokens {
-            prefix::start_tracking(prefix, windowed, s, ids);
-            prefix::record_ids(s, ids, bs);
+        match tokens {
+            Some(ids) if !commit_now => prefix::record_step_ids(prefix, windowed, s, ids, bs),
+            Some(ids) => {
+                prefix::start_tracking(prefix, windowed, s, ids);
+                prefix::record_ids(s, ids, bs);
+            }
+            None => prefix::forget_step_ids(s),
         }
         // This step's first query: the engine computes the step after this call.
         let first_query = s.computed;

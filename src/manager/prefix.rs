@@ -62,6 +62,10 @@ pub(crate) struct SeqPrefix {
     /// shares that copy in its place once its own block's K/V is surely written
     /// ([`KvCacheManager::settle_twin`]); set together with `Sequence::twin_pending`.
     twin: Option<(BlockHash, BlockId)>,
+    /// The ids of the reservation outstanding came with it
+    /// ([`KvCacheManager::reserve_step_tokens`]): its commit drops those of the
+    /// positions it rejects.
+    step_ids: bool,
 }
 
 impl SeqPrefix {
@@ -76,6 +80,7 @@ impl SeqPrefix {
             last: None,
             ids: Vec::new(),
             twin: None,
+            step_ids: false,
         }
     }
 
@@ -103,6 +108,7 @@ impl SeqPrefix {
             last: None,
             ids,
             twin: None,
+            step_ids: false,
             ..self.clone()
         })
     }
@@ -184,6 +190,42 @@ pub(crate) fn record_ids(s: &mut Sequence, ids: &[u32], bs: usize) {
 /// manager has no sliding window (which registers nothing, so never tracks).
 fn starts_tracking(windowed: bool, first: usize, ids: &[u32]) -> bool {
     first == 0 && !ids.is_empty() && !windowed
+}
+
+/// Records `ids`, the ids of the query tokens of the reservation `s` is getting now
+/// (tracking starts if they are position 0's), and marks them as the step's: the
+/// commit keeps only the accepted ones ([`commit_step_ids`]).
+pub(crate) fn record_step_ids(
+    index: &PrefixIndex,
+    windowed: bool,
+    s: &mut Sequence,
+    ids: &[u32],
+    bs: usize,
+) {
+    start_tracking(index, windowed, s, ids);
+    record_ids(s, ids, bs);
+    if let Some(p) = s.prefix.as_deref_mut() {
+        p.step_ids = true;
+    }
+}
+
+/// A reservation without ids: none of the ids known are the step's.
+#[inline]
+pub(crate) fn forget_step_ids(s: &mut Sequence) {
+    if let Some(p) = s.prefix.as_deref_mut() {
+        p.step_ids = false;
+    }
+}
+
+/// At a commit: when the ids of the reservation came with it, the ids past the
+/// computed tokens are those of rejected positions, and go.
+pub(crate) fn commit_step_ids(s: &mut Sequence, bs: usize) {
+    let computed = s.computed;
+    if let Some(p) = s.prefix.as_deref_mut() {
+        if std::mem::take(&mut p.step_ids) {
+            p.ids.truncate(computed.saturating_sub(p.chain * bs));
+        }
+    }
 }
 
 /// Starts tracking the ids of `s`, admitted without any, when [`starts_tracking`] says
@@ -515,6 +557,7 @@ impl KvCacheManager {
                 last: valid.checked_sub(1).map(|i| hit.hashes[i]),
                 ids: tokens[cached..].to_vec(),
                 twin: None,
+                step_ids: false,
             })
         });
         let s = Sequence {

@@ -251,6 +251,55 @@ impl KvCacheManager {
     /// [`Error::OutOfBlocks`] when the step's whole need (as
     /// [`Self::blocks_needed_batch`] counts it) is not available.
     pub fn reserve_step(&mut self, entries: &[StepEntry], out: &mut StepBuffers) -> Result<()> {
+        self.reserve_step_inner(entries, None, out)
+    }
+
+    /// [`Self::reserve_step`] with the token ids of the step's query tokens, one per
+    /// query token, entry after entry (`ids.len()` is the step's query token count):
+    /// the input ids an engine knows when it schedules (a prompt chunk's; a decode's
+    /// last sampled token and its drafts). They are recorded as
+    /// [`Self::add_token_ids`] records them, so the prefix cache registers the blocks
+    /// they fill as soon as they are committed, and a sequence admitted without ids
+    /// starts tracking when position 0's arrive. The ids of positions a commit
+    /// rejects (drafts) are dropped by that commit.
+    ///
+    /// ```
+    /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCacheManager, KvLayout, ModelShape};
+    /// use pagedkv::{PrefixHit, SeqId, StepBuffers, StepEntry};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::F16 };
+    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 4)?, CacheConfig::new(64))?;
+    /// let mut slots = Vec::new();
+    /// kv.admit(SeqId(1), 0, &mut slots)?;
+    /// let mut step = StepBuffers::new(8, 64, 16);
+    /// let a = kv.handle(SeqId(1))?;
+    /// kv.reserve_step_tokens(&[StepEntry { seq: a, new_tokens: 6, lookahead: 0 }],
+    ///                        &[1, 2, 3, 4, 5, 6], &mut step)?;
+    /// assert_eq!(kv.commit_step(&[(a, 6)])?, 1);           // one full block registered
+    /// let mut hit = PrefixHit::default();
+    /// assert_eq!(kv.lookup_prefix(&[1, 2, 3, 4, 9], &AdmitOptions::default(), &mut hit)?, 4);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// Those of [`Self::reserve_step`]; [`Error::ShapeMismatch`] when `ids` does not
+    /// hold one id per query token. Nothing changed on error.
+    pub fn reserve_step_tokens(
+        &mut self,
+        entries: &[StepEntry],
+        ids: &[u32],
+        out: &mut StepBuffers,
+    ) -> Result<()> {
+        self.reserve_step_inner(entries, Some(ids), out)
+    }
+
+    fn reserve_step_inner(
+        &mut self,
+        entries: &[StepEntry],
+        ids: Option<&[u32]>,
+        out: &mut StepBuffers,
+    ) -> Result<()> {
         if entries.len() > out.max_seqs {
             return Err(Error::ShapeMismatch {
                 what: "sequences of a step (StepBuffers max_seqs)",
@@ -268,6 +317,15 @@ impl KvCacheManager {
                 expected: out.max_tokens,
                 got: tokens,
             });
+        }
+        if let Some(ids) = ids {
+            if ids.len() != tokens {
+                return Err(Error::ShapeMismatch {
+                    what: "token ids of a step (one per query token)",
+                    expected: tokens,
+                    got: ids.len(),
+                });
+            }
         }
         // Check every entry first, so that a failed call changes nothing. The bound
         // counts each sequence alone (a block shared by two of the batch counts for
@@ -319,9 +377,12 @@ impl KvCacheManager {
         out.begin();
         let rows = entries.len();
         out.resize_rows(rows);
+        let mut at = 0;
         for (row, e) in entries.iter().enumerate() {
+            let step_ids = ids.map(|ids| &ids[at..at + e.new_tokens]);
+            at += e.new_tokens;
             let in_place = if e.lookahead == 0 {
-                self.reserve_in_last_block(e.seq, e.new_tokens)
+                self.reserve_in_last_block(e.seq, e.new_tokens, step_ids)
             } else {
                 None
             };
@@ -342,7 +403,7 @@ impl KvCacheManager {
                     e.new_tokens,
                     e.lookahead,
                     false,
-                    None,
+                    step_ids,
                     &mut out.scratch,
                     &mut out.copies,
                 )?;
