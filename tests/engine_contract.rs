@@ -588,6 +588,45 @@ fn a_stale_hit_is_checked_at_admission() {
     kv.check_invariants().unwrap();
 }
 
+/// `can_admit_chunk` says yes exactly when admitting the hit and reserving its first
+/// chunk succeeds, counting the cached blocks the hit shares and those it revives.
+#[test]
+fn a_chunked_prompt_is_admitted_when_its_first_chunk_fits() {
+    let opts = AdmitOptions::default();
+    let shared: Vec<u32> = (0..3 * BS as u32).collect();
+    let mut prompt = shared.clone();
+    prompt.extend(500..500 + 20 * BS as u32);
+    let mut outcomes = [0; 2];
+    for live in [false, true] {
+        for chunk in 1..=12 * BS {
+            let mut kv = manager(24, 0);
+            let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
+            // A sequence whose three cached blocks the prompt shares, alive or freed
+            // (then they are revived from the cache), and one holding 12 blocks.
+            kv.admit_tokens(SeqId(1), &shared, &opts, &mut slots)
+                .unwrap();
+            kv.admit(SeqId(2), 12 * BS, &mut slots).unwrap();
+            if !live {
+                kv.free(SeqId(1)).unwrap();
+            }
+            let mut hit = PrefixHit::default();
+            kv.lookup_prefix(&prompt, &opts, &mut hit).unwrap();
+            assert_eq!(hit.cached_tokens(), 3 * BS);
+            assert!(!kv.can_admit_hit(&hit));
+            let says = kv.can_admit_chunk(&hit, chunk);
+            let a = kv.admit_prompt(SeqId(3), &prompt, &hit).unwrap();
+            let does = kv
+                .reserve(SeqId(3), chunk, 0, &mut slots, &mut copies)
+                .is_ok();
+            assert_eq!(says, does, "live {live}, chunk {chunk}, {a:?}");
+            outcomes[usize::from(does)] += 1;
+            kv.check_invariants().unwrap();
+        }
+    }
+    // 9 blocks are left for the new tokens: chunks up to 36 tokens fit.
+    assert_eq!(outcomes, [2 * 12, 2 * 36]);
+}
+
 /// With `unschedule_below`, a lower-priority group already reserved this step is
 /// taken for a higher-priority one: its reservation is cancelled and reported.
 /// Without the option the only candidate left is the asking sequence itself.

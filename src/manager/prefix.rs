@@ -439,6 +439,45 @@ impl KvCacheManager {
                 <= self.num_available_blocks()
     }
 
+    /// Whether [`Self::admit_prompt`] of `hit`'s prompt, followed by a reservation of
+    /// its first `first_chunk` uncached tokens, would fit now while keeping the
+    /// watermark: the admission rule of a chunked-prefill scheduler that admits a
+    /// request once its first chunk fits (as vLLM does) rather than its whole prompt
+    /// ([`Self::can_admit_hit`]). The later chunks then compete for blocks like any
+    /// running sequence's step.
+    ///
+    /// ```
+    /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCacheManager, KvLayout, ModelShape};
+    /// use pagedkv::{PrefixHit, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::F16 };
+    /// let cfg = CacheConfig { watermark_blocks: 0, ..CacheConfig::new(16) };
+    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, cfg)?;
+    /// kv.admit(SeqId(1), 128, &mut Vec::new())?;           // 8 of the 16 blocks
+    /// let prompt: Vec<u32> = (0..200).collect();          // 13 blocks
+    /// let mut hit = PrefixHit::default();
+    /// kv.lookup_prefix(&prompt, &AdmitOptions::default(), &mut hit)?;
+    /// assert!(!kv.can_admit_hit(&hit));
+    /// assert!(kv.can_admit_chunk(&hit, 64));                // 4 blocks
+    /// assert!(!kv.can_admit_chunk(&hit, 192));              // 12 blocks
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    pub fn can_admit_chunk(&self, hit: &PrefixHit, first_chunk: usize) -> bool {
+        let held = hit
+            .cached_tokens()
+            .saturating_add(first_chunk)
+            .min(hit.prompt_len);
+        hit.prompt_len <= self.max_seq_len()
+            && self
+                .layout
+                .blocks_for_tokens(held)
+                .saturating_sub(hit.blocks.len())
+                + self.count_evictable(&hit.blocks)
+                + self.config.watermark_blocks
+                <= self.num_available_blocks()
+    }
+
     /// Admits `seq` with prompt `tokens` for chunked prefill: shares `hit`'s cached
     /// blocks (from [`Self::lookup_prefix`] of the same tokens) and allocates nothing
     /// else. The sequence starts with `cached_tokens` computed tokens and knows every
