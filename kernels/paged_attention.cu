@@ -240,17 +240,22 @@ __device__ __noinline__ void fused_merge(void* out, float* lse, const u32* work,
 }
 
 // Which decode path this specialisation compiles (the host mirrors this choice in
-// src/attention/decode_mma.rs to size the dynamic shared memory): tensor cores for
-// GQA 3..16 over 16-bit and fp8 caches whose head rows are 64, 128, 256 or 512 bytes
-// (d <= 256; power-of-two rows keep the lane quarters, V eighths and the swizzle whole)
-// and whose pages nest with 16-token tiles; the simple path otherwise (GQA 1-2, where
-// an MMA would be 7/8 padding, and f32 caches).
+// src/attention/decode_mma.rs, `uses_mma`, to size the dynamic shared memory): tensor
+// cores for GQA 3..16 over 16-bit and fp8 caches whose head rows are 64, 128, 256 or
+// 512 bytes (d <= 256; power-of-two rows keep the lane quarters, V eighths and the
+// swizzle whole), whose pages nest with 16-token tiles, and whose pages hold at least
+// 32 of a tile's 16-byte chunks (a page of min(BLOCK_SIZE, 16) rows: the copy's page
+// index is a compile-time constant only when each copy's 32 lanes stay in one page,
+// see issue() below; this excludes e.g. bf16 d128 page 1, bf16 d64 pages 1-2, fp8
+// d128 pages 1-2); the simple path otherwise (GQA 1-2, where an MMA would be 7/8
+// padding, f32 caches, and those small pages).
 #define PKV_KV_BYTES (KV_DTYPE == PKV_FP8 ? 1 : (KV_DTYPE == PKV_F32 ? 4 : 2))
+#define PKV_PAGE_TILE_CHUNKS ((BLOCK_SIZE < 16 ? BLOCK_SIZE : 16) * HEAD_DIM * PKV_KV_BYTES / 16)
 #ifndef DECODE_MMA
 #define DECODE_MMA (KV_DTYPE != PKV_F32 && GQA_GROUP >= 3 && GQA_GROUP <= 16 && HEAD_DIM % 16 == 0 && \
                     HEAD_DIM <= 256 && HEAD_DIM * PKV_KV_BYTES >= 64 &&                             \
                     ((HEAD_DIM * PKV_KV_BYTES) & (HEAD_DIM * PKV_KV_BYTES - 1)) == 0 &&               \
-                    (BLOCK_SIZE % 16 == 0 || 16 % BLOCK_SIZE == 0))
+                    (BLOCK_SIZE % 16 == 0 || 16 % BLOCK_SIZE == 0) && PKV_PAGE_TILE_CHUNKS % 32 == 0)
 #endif
 
 // ---------------------------------------------------------------------------------
@@ -307,6 +312,14 @@ static_assert(HEAD_DIM % 16 == 0 && ROW_BYTES >= 64 && (ROW_BYTES & (ROW_BYTES -
 static_assert(BLOCK_SIZE % MMA_TILE == 0 || MMA_TILE % BLOCK_SIZE == 0, "MMA path: pages and tiles nest");
 static_assert(EIGHTH_BYTES % 8 == 0, "MMA path: an eighth of a row is whole 8-byte words");
 static_assert((MMA_TILE * ROW_CHUNKS) % 32 == 0, "MMA path: chunks divide among lanes");
+// issue() takes copy c's page as the compile-time ids[32 c / chunks per page]: right
+// only when a page's chunks in a tile are whole multiples of 32, so that lanes 0..31
+// of one copy never straddle two pages (smaller pages would silently read other
+// tokens' K/V). DECODE_MMA's default and the host's `uses_mma` exclude such pages; a
+// -DDECODE_MMA=1 forcing one, or a drift of the default, stops here.
+static_assert(((MMA_TILE / PAGES_PER_TILE) * ROW_CHUNKS) % 32 == 0 &&
+                  (MMA_TILE / PAGES_PER_TILE) * ROW_CHUNKS == PKV_PAGE_TILE_CHUNKS,
+              "MMA path: a page holds a multiple of 32 of a tile's 16-byte chunks");
 
 // Chunk swizzle of token row t (bank-conflict-free reads of the 256-byte and 128-byte
 // rows of d128; the kernel is correct for any bijection, and the replay checks it).
@@ -464,9 +477,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_decode
                 const u32 t = tile0 + (u32)tile * MMA_TILE + tt;
                 const bool valid = t >= begin && t < end;
                 // The page of copy c is known at compile time: a page holds
-                // (16 / PAGES_PER_TILE) * ROW_CHUNKS chunks, a multiple of 32, so lanes
-                // 0..31 of copy c all fall in page 32 c / that (a runtime index into a
-                // register array would put it in local memory).
+                // (16 / PAGES_PER_TILE) * ROW_CHUNKS chunks, a multiple of 32 (asserted
+                // above), so lanes 0..31 of copy c all fall in page 32 c / that (a
+                // runtime index into a register array would put it in local memory).
                 const u32 blk = ids[(32 * c) / ((MMA_TILE / PAGES_PER_TILE) * ROW_CHUNKS)];
                 const unsigned char* src = head_base + (u64)blk * sb + (u64)(t % BLOCK_SIZE) * st + ch * 16;
                 const u32 dst = wsm_addr + stage * STAGE_BYTES + tt * ROW_BYTES + ((ch ^ mma_swizzle(tt)) * 16);

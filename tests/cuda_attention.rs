@@ -32,6 +32,8 @@ struct Case {
     dtype: DType,
     head_dim: usize,
     group: usize,
+    /// Tokens per page.
+    block_size: usize,
     alibi: bool,
     window: Option<usize>,
     contexts: Vec<usize>,
@@ -60,7 +62,7 @@ fn setup(test: &str, case: &Case, seed: u64, want_gpu: bool) -> Option<Setup> {
         head_dim: case.head_dim,
         kv_dtype: case.dtype,
     };
-    let layout = KvLayout::new(shape, 16).unwrap();
+    let layout = KvLayout::new(shape, case.block_size).unwrap();
     let bs = layout.block_size();
     let needed: usize = case.contexts.iter().map(|&c| c.div_ceil(bs)).sum();
     let num_blocks = needed + 8;
@@ -336,6 +338,7 @@ fn decode_matches_reference_for_every_dtype_group_and_head_dim() {
                     dtype,
                     head_dim,
                     group,
+                    block_size: 16,
                     alibi: false,
                     window: None,
                     contexts: CONTEXTS.to_vec(),
@@ -367,6 +370,7 @@ fn decode_matches_reference_with_alibi_and_sliding_window() {
             dtype,
             head_dim,
             group,
+            block_size: 16,
             alibi,
             window,
             contexts: CONTEXTS.to_vec(),
@@ -395,6 +399,7 @@ fn sixteen_bit_queries_and_outputs_round_once_and_any_stream_gives_the_same_bits
             dtype: case_dtype,
             head_dim: 128,
             group,
+            block_size: 16,
             alibi: false,
             window: None,
             contexts: CONTEXTS.to_vec(),
@@ -530,6 +535,7 @@ fn hostile_tables_are_rejected_before_launch() {
         dtype: DType::BF16,
         head_dim: 64,
         group: 4,
+        block_size: 16,
         alibi: false,
         window: None,
         contexts: vec![20, 5],
@@ -711,23 +717,37 @@ fn simulate_kernel(s: &Setup, contexts: &[usize], plan: SplitPlan) -> (Vec<f32>,
 }
 
 /// Every cache dtype at head dims 64 and 128 and GQA 1, 4 and 8, plus ALiBi and window
-/// cases; one test per dtype so that the test threads share the work.
-fn simulation_cases(dtype: DType) -> Vec<(DType, usize, usize, bool, Option<usize>)> {
+/// cases, plus pages of 1, 2 and 4 tokens at d128 GQA 8 (bf16 and f16 take the tensor
+/// cores from page 2, fp8 from page 4; smaller pages keep the simple path); one test
+/// per dtype so that the test threads share the work.
+fn simulation_cases(dtype: DType) -> Vec<Case> {
+    let case = |(dtype, head_dim, group, block_size, alibi, window)| Case {
+        dtype,
+        head_dim,
+        group,
+        block_size,
+        alibi,
+        window,
+        contexts: CONTEXTS.to_vec(),
+    };
     let mut cases = Vec::new();
     if dtype != DType::F32 {
         for head_dim in [64, 128] {
             for group in [1, 4, 8] {
-                cases.push((dtype, head_dim, group, false, None));
+                cases.push(case((dtype, head_dim, group, 16, false, None)));
             }
+        }
+        for block_size in [1, 2, 4] {
+            cases.push(case((dtype, 128, 8, block_size, false, None)));
         }
     }
     let extra = [
-        (DType::BF16, 128, 4, true, None),
-        (DType::F16, 64, 8, false, Some(40)),
-        (DType::Fp8E4M3, 128, 8, true, Some(300)),
-        (DType::F32, 128, 8, true, Some(17)),
+        (DType::BF16, 128, 4, 16, true, None),
+        (DType::F16, 64, 8, 16, false, Some(40)),
+        (DType::Fp8E4M3, 128, 8, 16, true, Some(300)),
+        (DType::F32, 128, 8, 16, true, Some(17)),
     ];
-    cases.extend(extra.into_iter().filter(|c| c.0 == dtype));
+    cases.extend(extra.into_iter().filter(|c| c.0 == dtype).map(case));
     cases
 }
 
@@ -747,27 +767,20 @@ fn kernel_algorithm_simulated_on_cpu_matches_reference_fp8() {
     simulate_cases(400, &simulation_cases(DType::Fp8E4M3));
 }
 
-fn simulate_cases(seed: u64, cases: &[(DType, usize, usize, bool, Option<usize>)]) {
-    for (n, &(dtype, head_dim, group, alibi, window)) in cases.iter().enumerate() {
-        let case = Case {
-            dtype,
-            head_dim,
-            group,
-            alibi,
-            window,
-            contexts: CONTEXTS.to_vec(),
-        };
-        let s = setup("simulation", &case, seed + n as u64, false).unwrap();
+fn simulate_cases(seed: u64, cases: &[Case]) {
+    for (n, case) in cases.iter().enumerate() {
+        let bs = case.block_size;
+        let s = setup("simulation", case, seed + n as u64, false).unwrap();
         let (want_out, want_lse) = reference(&s, &case.contexts);
         let max_ctx = *case.contexts.iter().max().unwrap();
         let mut plans: Vec<SplitPlan> = [1, 3, 64]
             .iter()
-            .map(|&n| split_plan_with(max_ctx, 16, n).unwrap())
+            .map(|&n| split_plan_with(max_ctx, bs, n).unwrap())
             .collect();
-        plans.push(plan_splits(case.contexts.len(), 2, max_ctx, 16, 132));
+        plans.push(plan_splits(case.contexts.len(), 2, max_ctx, bs, 132));
         let lens: Vec<u32> = case.contexts.iter().map(|&c| c as u32).collect();
-        plans.push(plan_splits_for_occupancy(&lens, window, 2, 16, 132, 3));
-        let mma = uses_mma(dtype, group, head_dim, 16);
+        plans.push(plan_splits_for_occupancy(&lens, case.window, 2, bs, 132, 3));
+        let mma = uses_mma(case.dtype, case.group, case.head_dim, bs);
         for plan in plans {
             let what = format!("simulated {case:?} {plan:?}");
             if mma {
@@ -814,6 +827,7 @@ fn a_decode_step_captured_in_a_cuda_graph_replays_new_inputs() {
             dtype,
             head_dim: 128,
             group,
+            block_size: 16,
             alibi,
             window,
             contexts: CONTEXTS.to_vec(),

@@ -9,6 +9,7 @@
 
 use std::io::Write;
 
+use pagedkv::attention::decode_mma::uses_mma;
 use pagedkv::executor::cuda::{catalog, compile_uncached, nvrtc_present, Arch, KernelSpec};
 
 fn nvrtc_or_skip(test: &str) -> bool {
@@ -59,6 +60,14 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
             let m = compile_uncached(spec, arch)
                 .unwrap_or_else(|e| panic!("{} for {}: {e}", describe(spec), arch.sm()));
             assert!(!m.cubin.is_empty(), "no cubin for {}", describe(spec));
+            if let KernelSpec::Attention(a) = spec {
+                assert_eq!(
+                    m.ptx.contains("mma.sync"),
+                    uses_mma(a.dtype, a.gqa_group, a.head_dim, a.block_size),
+                    "{}: the compiled decode path is not the one uses_mma sizes for",
+                    describe(spec)
+                );
+            }
             let resources = m.resources();
             for entry in spec.entry_points() {
                 assert!(
@@ -195,6 +204,42 @@ fn edge_specialisations_the_host_check_accepts_compile() {
             panic!("{spec:?} passed the host check but failed to compile: {e}")
         });
         assert!(!m.cubin.is_empty());
+    }
+}
+
+/// The host sizes a launch's dynamic shared memory by `uses_mma`; the kernel picks its
+/// path by `DECODE_MMA`. Around the small-page limit (a page must hold 32 of a tile's
+/// 16-byte chunks: 512 bytes of rows) the PTX holds `mma.sync` exactly where
+/// `uses_mma` says, for 64-, 128- and 256-byte rows: the two sides cannot drift apart
+/// unnoticed, and the kernel's `static_assert` refuses a tensor-core path with smaller
+/// pages.
+#[test]
+fn the_tensor_core_path_is_compiled_exactly_where_the_host_expects_it() {
+    if !nvrtc_or_skip("the_tensor_core_path_is_compiled_exactly_where_the_host_expects_it") {
+        return;
+    }
+    use pagedkv::executor::cuda::AttentionSpec;
+    use pagedkv::DType;
+    for (dtype, head_dim, block_size, mma) in [
+        (DType::BF16, 32, 4, false),
+        (DType::BF16, 32, 8, true),
+        (DType::Fp8E4M3, 128, 2, false),
+        (DType::Fp8E4M3, 128, 4, true),
+        (DType::BF16, 128, 1, false),
+        (DType::BF16, 128, 2, true),
+    ] {
+        let spec = AttentionSpec {
+            head_dim,
+            block_size,
+            gqa_group: 8,
+            dtype,
+            unroll: 0,
+            vec_bytes: 0,
+        };
+        assert_eq!(uses_mma(dtype, 8, head_dim, block_size), mma, "{spec:?}");
+        let m = compile_uncached(&KernelSpec::Attention(spec), Arch::SM90)
+            .unwrap_or_else(|e| panic!("{spec:?}: {e}"));
+        assert_eq!(m.ptx.contains("mma.sync"), mma, "{spec:?}");
     }
 }
 

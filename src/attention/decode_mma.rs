@@ -39,6 +39,14 @@ pub const MMA_WARPS: usize = 4;
 
 /// Whether a specialisation compiles the tensor-core path; mirrors the kernel's
 /// `DECODE_MMA` default.
+///
+/// Pages smaller than a tile must still hold a multiple of 32 of its 16-byte chunks
+/// (`PKV_PAGE_TILE_CHUNKS % 32 == 0`): the kernel's cp.async copy takes each copy's
+/// page as a compile-time index, right only when the 32 lanes of one copy stay in one
+/// page. So bf16/f16 d32 pages 1-4, d64 pages 1-2, d128 page 1 and fp8 d64 pages 1-4,
+/// d128 pages 1-2, d256 page 1 keep the simple path; the kernel `static_assert`s the
+/// same condition on its tensor-core path, and `tests/kernels_compile.rs` checks that
+/// the PTX of a specialisation holds `mma.sync` exactly when this says so.
 pub fn uses_mma(dtype: DType, gqa_group: usize, head_dim: usize, block_size: usize) -> bool {
     let row_bytes = head_dim * dtype.size_bytes();
     dtype != DType::F32
@@ -49,6 +57,13 @@ pub fn uses_mma(dtype: DType, gqa_group: usize, head_dim: usize, block_size: usi
         && row_bytes.is_power_of_two()
         && block_size > 0
         && (block_size.is_multiple_of(MMA_TILE) || MMA_TILE.is_multiple_of(block_size))
+        && page_tile_chunks(row_bytes, block_size).is_multiple_of(32)
+}
+
+/// 16-byte chunks of one page inside one tile (`PKV_PAGE_TILE_CHUNKS`): the page's
+/// rows in the tile (`min(block_size, MMA_TILE)`) times the chunks of a row.
+fn page_tile_chunks(row_bytes: usize, block_size: usize) -> usize {
+    block_size.min(MMA_TILE) * row_bytes / 16
 }
 
 /// Pipeline stages of the tensor-core path: 3 when they fit in 64 KiB per CTA, else 2
@@ -1171,6 +1186,26 @@ mod tests {
                 assert!(uses_mma(DType::Fp8E4M3, g, 64, bs));
             }
         }
+        // Pages under a tile: the smallest that holds 32 of a tile's chunks (512 bytes
+        // of rows) takes the tensor cores, the next smaller one keeps the simple path,
+        // because the kernel's copy could not name its page at compile time.
+        for (dtype, d, smallest) in [
+            (DType::BF16, 32, 8),
+            (DType::F16, 64, 4),
+            (DType::BF16, 128, 2),
+            (DType::F16, 256, 1),
+            (DType::Fp8E4M3, 64, 8),
+            (DType::Fp8E4M3, 128, 4),
+            (DType::Fp8E4M3, 256, 2),
+        ] {
+            for bs in [1, 2, 4, 8, 16] {
+                assert_eq!(
+                    uses_mma(dtype, 8, d, bs),
+                    bs >= smallest,
+                    "{dtype} d{d} page {bs}"
+                );
+            }
+        }
         // bf16 d128: 2 stages of K+V per warp (64 KiB); fp8 d128: 3 stages (48 KiB).
         assert_eq!(
             decode_dynamic_shared_bytes(DType::BF16, 8, 128, 16),
@@ -1310,6 +1345,47 @@ mod tests {
         }
         // The bound is not vacuous: the worst element uses a visible part of it.
         assert!(worst > 0.01, "worst error / bound {worst}");
+    }
+
+    /// Pages of 1, 2 and 4 tokens (several per tile): every shape the tensor-core path
+    /// takes is replayed, with the lanes' compile-time page of each copy checked
+    /// against the token it copies (the replay's `assert_eq!`); the shapes it does not
+    /// take are refused by the replay, as the kernel compiles the simple path for them.
+    #[test]
+    fn small_pages_are_replayed_or_left_to_the_simple_path() {
+        let ctxs = [37, 5, 18];
+        let (mut replayed, mut refused) = (0, 0);
+        for dtype in [DType::BF16, DType::F16, DType::Fp8E4M3] {
+            for d in [32, 64, 128, 256] {
+                for bs in [1, 2, 4] {
+                    let group = if d == 256 { 4 } else { 8 };
+                    if dtype == DType::Fp8E4M3 && d == 32 {
+                        continue; // 32-byte rows: never the tensor cores
+                    }
+                    let c = case(dtype, group, d, bs, &ctxs, Data::Random);
+                    let mut params = AttentionParams::new(d);
+                    if !uses_mma(dtype, group, d, bs) {
+                        let plan = crate::attention::split_plan_with(37, bs, 1).unwrap();
+                        let r = replay_decode_mma(&c.st, 0, &c.q, &c.tables, &params, plan);
+                        assert!(
+                            matches!(r, Err(Error::Unsupported(_))),
+                            "{dtype} d{d} bs{bs}"
+                        );
+                        refused += 1;
+                        continue;
+                    }
+                    for (window, splits) in [(None, 1), (Some(9), 2)] {
+                        params.sliding_window = window;
+                        check(&c, &params, splits).unwrap_or_else(|e| {
+                            panic!("{dtype} d{d} bs{bs} {window:?} splits {splits}: {e}")
+                        });
+                    }
+                    replayed += 1;
+                }
+            }
+        }
+        // 16-bit: d64 page 4, d128 pages 2-4, d256 pages 1-4; fp8: d128 page 4, d256 2-4.
+        assert_eq!((replayed, refused), (15, 18));
     }
 
     #[test]
