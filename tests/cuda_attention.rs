@@ -1,5 +1,8 @@
-//! The CUDA decode kernel against an f64 reference on the same cache: f16, bf16 and
-//! fp8 (with scales), GQA groups 1/2/4/5/8/16, head dims 64/128/256, ALiBi, sliding window,
+//! The CUDA decode kernel against an f64 reference on the same cache: every
+//! specialisation of `executor::cuda::PREBUILT_ATTENTION` (f16, bf16 and fp8 with scales
+//! at GQA 1/4/8 and head dims 64/128, f32, pages of 1/2/4/8 tokens beside 16; the GPU
+//! machine has no NVRTC, so a test may only launch what is prebuilt, which a CPU test
+//! here checks for every fixed case), ALiBi, sliding window,
 //! every slot past a context poisoned with NaN (a kernel that reads one fails), empty
 //! sequences, padded and CSR tables, and split counts 1, 2, 3, 5, 8, 64 plus the
 //! planner's choice (several chunks per sequence exercise the work list's fused
@@ -20,6 +23,7 @@ use pagedkv::attention::reference::paged_decode_reference;
 use pagedkv::attention::{
     plan_splits, plan_splits_for_occupancy, split_plan_with, AttentionParams, SplitPlan,
 };
+use pagedkv::executor::cuda::{catalog, AttentionSpec, KernelSpec, PREBUILT_ATTENTION};
 use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
 use pagedkv::{
     BlockId, CsrTables, DType, HostStorage, KvLayout, ModelShape, PaddedTables, Slot, Storage,
@@ -327,45 +331,96 @@ fn run(test: &str, case: Case, seed: u64) -> bool {
 
 const CONTEXTS: [usize; 8] = [1, 15, 16, 17, 100, 333, 0, 1030];
 
+/// The fixed cases of the tests below (dtype, head dim, GQA group, ALiBi, window), all
+/// on 16-token pages; `every_case_here_is_prebuilt` holds them to the catalog.
+const ALIBI_WINDOW_CASES: [(DType, usize, usize, bool, Option<usize>); 4] = [
+    (DType::BF16, 128, 4, true, None),
+    (DType::F16, 64, 8, false, Some(40)),
+    (DType::Fp8E4M3, 128, 8, true, Some(300)),
+    (DType::F32, 128, 8, true, Some(17)),
+];
+/// `sixteen_bit_queries_and_outputs_round_once...`: (dtype, GQA group) at d128.
+const IO_CASES: [(DType, usize); 3] = [(DType::BF16, 8), (DType::Fp8E4M3, 4), (DType::F16, 1)];
+/// `hostile_tables_are_rejected_before_launch`: (dtype, head dim, GQA group).
+const HOSTILE_CASE: (DType, usize, usize) = (DType::BF16, 64, 4);
+/// The CUDA-graph step: the tensor-core path (bf16 GQA 8) and the simple one (f16 GQA 1,
+/// ALiBi, window), at d128.
+const GRAPH_CASES: [(DType, usize, bool, Option<usize>); 2] = [
+    (DType::BF16, 8, false, None),
+    (DType::F16, 1, true, Some(100)),
+];
+
+/// Runs without a GPU: every specialisation a test of this file launches is among the
+/// cubins `.ci/gpu-check build` prebuilds (`catalog()`), since the GPU machine cannot
+/// compile one.
 #[test]
-fn decode_matches_reference_for_every_dtype_group_and_head_dim() {
-    let mut seed = 10;
-    for dtype in [DType::F16, DType::BF16, DType::Fp8E4M3] {
-        for head_dim in [64, 128, 256] {
-            for group in [1, 2, 4, 5, 8, 16] {
-                seed += 1;
-                let case = Case {
-                    dtype,
-                    head_dim,
-                    group,
-                    block_size: 16,
-                    alibi: false,
-                    window: None,
-                    contexts: CONTEXTS.to_vec(),
-                };
-                if !run(
-                    "decode_matches_reference_for_every_dtype_group_and_head_dim",
-                    case,
-                    seed,
-                ) {
-                    return;
-                }
-            }
+fn every_case_here_is_prebuilt() {
+    let all = catalog();
+    let mut used: Vec<AttentionSpec> = PREBUILT_ATTENTION.to_vec();
+    used.extend(
+        ALIBI_WINDOW_CASES
+            .iter()
+            .map(|&(dtype, d, g, _, _)| AttentionSpec::decode(dtype, d, g, 16)),
+    );
+    used.extend(
+        IO_CASES
+            .iter()
+            .map(|&(dtype, g)| AttentionSpec::decode(dtype, 128, g, 16)),
+    );
+    used.push(AttentionSpec::decode(
+        HOSTILE_CASE.0,
+        HOSTILE_CASE.1,
+        HOSTILE_CASE.2,
+        16,
+    ));
+    used.extend(
+        GRAPH_CASES
+            .iter()
+            .map(|&(dtype, g, _, _)| AttentionSpec::decode(dtype, 128, g, 16)),
+    );
+    for spec in used {
+        assert!(
+            all.contains(&KernelSpec::Attention(spec)),
+            "{spec:?} is launched by tests/cuda_attention.rs but not prebuilt"
+        );
+    }
+    // Both decode paths, and pages under a tile on both.
+    let mma = |a: &AttentionSpec| uses_mma(a.dtype, a.gqa_group, a.head_dim, a.block_size);
+    assert!(PREBUILT_ATTENTION.iter().any(mma));
+    assert!(PREBUILT_ATTENTION.iter().any(|a| !mma(a)));
+    assert!(PREBUILT_ATTENTION
+        .iter()
+        .any(|a| a.block_size < 16 && mma(a)));
+    assert!(PREBUILT_ATTENTION
+        .iter()
+        .any(|a| a.block_size < 16 && !mma(a)));
+}
+
+#[test]
+fn decode_matches_reference_for_every_prebuilt_specialisation() {
+    for (i, a) in PREBUILT_ATTENTION.iter().enumerate() {
+        let case = Case {
+            dtype: a.dtype,
+            head_dim: a.head_dim,
+            group: a.gqa_group,
+            block_size: a.block_size,
+            alibi: false,
+            window: None,
+            contexts: CONTEXTS.to_vec(),
+        };
+        if !run(
+            "decode_matches_reference_for_every_prebuilt_specialisation",
+            case,
+            11 + i as u64,
+        ) {
+            return;
         }
     }
 }
 
 #[test]
 fn decode_matches_reference_with_alibi_and_sliding_window() {
-    for (i, (dtype, head_dim, group, alibi, window)) in [
-        (DType::BF16, 128, 4, true, None),
-        (DType::F16, 64, 8, false, Some(40)),
-        (DType::Fp8E4M3, 128, 8, true, Some(300)),
-        (DType::F32, 128, 8, true, Some(17)),
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    for (i, (dtype, head_dim, group, alibi, window)) in ALIBI_WINDOW_CASES.into_iter().enumerate() {
         let case = Case {
             dtype,
             head_dim,
@@ -394,7 +449,7 @@ fn decode_matches_reference_with_alibi_and_sliding_window() {
 fn sixteen_bit_queries_and_outputs_round_once_and_any_stream_gives_the_same_bits() {
     use half::{bf16, f16};
     use pagedkv::attention::cuda::{Outputs, Queries};
-    for (case_dtype, group) in [(DType::BF16, 8), (DType::Fp8E4M3, 4), (DType::F16, 1)] {
+    for (case_dtype, group) in IO_CASES {
         let case = Case {
             dtype: case_dtype,
             head_dim: 128,
@@ -532,9 +587,9 @@ fn sixteen_bit_queries_and_outputs_round_once_and_any_stream_gives_the_same_bits
 #[test]
 fn hostile_tables_are_rejected_before_launch() {
     let case = Case {
-        dtype: DType::BF16,
-        head_dim: 64,
-        group: 4,
+        dtype: HOSTILE_CASE.0,
+        head_dim: HOSTILE_CASE.1,
+        group: HOSTILE_CASE.2,
         block_size: 16,
         alibi: false,
         window: None,
@@ -741,13 +796,12 @@ fn simulation_cases(dtype: DType) -> Vec<Case> {
             cases.push(case((dtype, 128, 8, block_size, false, None)));
         }
     }
-    let extra = [
-        (DType::BF16, 128, 4, 16, true, None),
-        (DType::F16, 64, 8, 16, false, Some(40)),
-        (DType::Fp8E4M3, 128, 8, 16, true, Some(300)),
-        (DType::F32, 128, 8, 16, true, Some(17)),
-    ];
-    cases.extend(extra.into_iter().filter(|c| c.0 == dtype).map(case));
+    cases.extend(
+        ALIBI_WINDOW_CASES
+            .into_iter()
+            .filter(|c| c.0 == dtype)
+            .map(|(dtype, d, g, alibi, window)| case((dtype, d, g, 16, alibi, window))),
+    );
     cases
 }
 
@@ -818,11 +872,7 @@ fn sub_batch(s: &Setup, rows: &[usize]) -> PaddedTables {
 #[test]
 fn a_decode_step_captured_in_a_cuda_graph_replays_new_inputs() {
     use pagedkv::attention::StepCapacity;
-    // The tensor-core path (bf16 GQA 8) and the simple one (f16 GQA 1, ALiBi, window).
-    for (dtype, group, alibi, window) in [
-        (DType::BF16, 8, false, None),
-        (DType::F16, 1, true, Some(100)),
-    ] {
+    for (dtype, group, alibi, window) in GRAPH_CASES {
         let case = Case {
             dtype,
             head_dim: 128,

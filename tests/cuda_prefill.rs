@@ -20,6 +20,48 @@ fn rel_err(a: &[f32], b: &[f64]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
+/// (head dim, GQA group) of `prefill_matches_the_f64_reference`, each in f16, bf16 and
+/// fp8 on 16-token pages.
+const PREFILL_CASES: [(usize, usize); 3] = [(128, 8), (64, 1), (128, 4)];
+const PREFILL_DTYPES: [DType; 3] = [DType::F16, DType::BF16, DType::Fp8E4M3];
+/// `multi_query_verification_matches_successive_decode_launches`: bf16, d128, 16 query
+/// heads over 2 KV heads.
+const VERIFY_SHAPE: ModelShape = ModelShape {
+    num_layers: 1,
+    num_q_heads: 16,
+    num_kv_heads: 2,
+    head_dim: 128,
+    kv_dtype: DType::BF16,
+};
+
+/// Runs without a GPU: every prefill and decode specialisation this file launches is
+/// among the cubins `.ci/gpu-check build` prebuilds (the GPU machine has no NVRTC).
+#[test]
+fn every_case_here_is_prebuilt() {
+    use pagedkv::executor::cuda::{catalog, AttentionSpec, KernelSpec, PrefillSpec};
+    let all = catalog();
+    let mut used = Vec::new();
+    for dtype in PREFILL_DTYPES {
+        for (head_dim, gqa_group) in PREFILL_CASES {
+            used.push(KernelSpec::Prefill(PrefillSpec {
+                head_dim,
+                block_size: 16,
+                gqa_group,
+                dtype,
+            }));
+        }
+    }
+    let verify = KvLayout::new(VERIFY_SHAPE, 16).unwrap();
+    used.push(KernelSpec::Prefill(PrefillSpec::for_layout(&verify)));
+    used.push(KernelSpec::Attention(AttentionSpec::for_layout(&verify)));
+    for spec in used {
+        assert!(
+            all.contains(&spec),
+            "{spec:?} is launched by tests/cuda_prefill.rs but not prebuilt"
+        );
+    }
+}
+
 #[test]
 fn prefill_matches_the_f64_reference() {
     let test = "prefill_matches_the_f64_reference";
@@ -27,8 +69,8 @@ fn prefill_matches_the_f64_reference() {
     // a whole prompt, a decode-like single token, an empty chunk, one past tile bounds.
     let ctxs = [700usize, 129, 40, 33, 300];
     let qlens = [100usize, 129, 1, 0, 37];
-    for dtype in [DType::F16, DType::BF16, DType::Fp8E4M3] {
-        for (head_dim, group) in [(128, 8), (64, 1), (128, 4)] {
+    for dtype in PREFILL_DTYPES {
+        for (head_dim, group) in PREFILL_CASES {
             let kv_heads = 2;
             let shape = ModelShape {
                 num_layers: 1,
@@ -135,13 +177,7 @@ fn multi_query_verification_matches_successive_decode_launches() {
     let test = "multi_query_verification_matches_successive_decode_launches";
     let ctxs = [300usize, 17, 64];
     let drafts = [5usize, 1, 8];
-    let shape = ModelShape {
-        num_layers: 1,
-        num_q_heads: 16,
-        num_kv_heads: 2,
-        head_dim: 128,
-        kv_dtype: DType::BF16,
-    };
+    let shape = VERIFY_SHAPE;
     let layout = KvLayout::new(shape, 16).unwrap();
     let bs = layout.block_size();
     let num_blocks: usize = ctxs.iter().map(|c| c.div_ceil(bs)).sum::<usize>() + 2;

@@ -4,7 +4,7 @@
 //! `paged_attention_decode` profiled: instructions per iteration by class, KV bytes per
 //! warp and iteration, registers and spills (ptxas), occupancy, and the modeled
 //! bandwidth ceiling on an H200. Prints the table; fails when a specialisation on the
-//! bench shapes (`examples/gpu_bench.rs`: d128, page 16, GQA 8, bf16 and fp8) models
+//! bench shapes (`examples/gpu_bench`: d128, page 16, GQA 8, bf16 and fp8) models
 //! below `MIN_MODELED_FRACTION_OF_HBM` or spills in its main loop. The MLA decode
 //! specialisations (`kernels/mla_decode.cu`) are profiled the same way and printed in
 //! a second table, with no floor.

@@ -9,6 +9,11 @@
 
 use std::io::Write;
 
+// The bench's case list; its NVRTC-or-prebuilt check is the bench's, unused here.
+#[allow(dead_code)]
+#[path = "../examples/gpu_bench/cases.rs"]
+mod gpu_bench_cases;
+
 use pagedkv::attention::decode_mma::uses_mma;
 use pagedkv::executor::cuda::{catalog, compile_uncached, nvrtc_present, Arch, KernelSpec};
 
@@ -98,6 +103,22 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
         "{} modules compiled; most registers per thread: {worst_regs}",
         2 * specs.len()
     );
+}
+
+/// Runs without NVRTC: the GPU machine has none, so every decode specialisation
+/// `examples/gpu_bench` launches must be a prebuilt cubin. (The GPU tests' fixed
+/// cases are checked in their own files, serve's models in
+/// tests/serve_prefill_chunks.rs.)
+#[test]
+fn the_benchs_kernels_are_prebuilt() {
+    let all = catalog();
+    for spec in gpu_bench_cases::decode_specs() {
+        assert!(
+            all.contains(&KernelSpec::Attention(spec)),
+            "gpu_bench launches {spec:?}, which is not prebuilt"
+        );
+        assert!(pagedkv::executor::cuda::PREBUILT_ATTENTION.contains(&spec));
+    }
 }
 
 #[test]

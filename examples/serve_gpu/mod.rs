@@ -592,6 +592,31 @@ mod cuda {
     }
 }
 
+/// The kernel modules `serve --backend cuda` launches for the model cache `layout`
+/// that are neither among the prebuilt cubins (`executor::cuda::catalog()`, from
+/// `PREBUILT_ATTENTION`) nor compilable here (no NVRTC, as on the GPU machine); empty
+/// when the run can start. tests/serve_prefill_chunks.rs holds the models
+/// `.ci/gpu-check` runs to an empty list without NVRTC.
+#[cfg(feature = "cuda")]
+pub fn unprebuilt_kernels(
+    layout: &KvLayout,
+    nvrtc: bool,
+) -> Vec<pagedkv::executor::cuda::KernelSpec> {
+    use pagedkv::executor::cuda::{catalog, AttentionSpec, KernelSpec, PrefillSpec};
+    if nvrtc {
+        return Vec::new();
+    }
+    let all = catalog();
+    [
+        KernelSpec::CacheOps,
+        KernelSpec::Attention(AttentionSpec::for_layout(layout)),
+        KernelSpec::Prefill(PrefillSpec::for_layout(layout)),
+    ]
+    .into_iter()
+    .filter(|s| !all.contains(s))
+    .collect()
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::{Checked, Device, ModelCache, SharedChecks};
@@ -629,6 +654,13 @@ mod cuda {
         host_blocks: usize,
         checks: &SharedChecks,
     ) -> pagedkv::Result<Box<dyn ModelCache>> {
+        let missing = super::unprebuilt_kernels(&layout, pagedkv::executor::cuda::nvrtc_present());
+        if !missing.is_empty() {
+            return Err(pagedkv::Error::Unsupported(format!(
+                "no NVRTC here and no prebuilt cubin for {missing:?} (PREBUILT_ATTENTION \
+                 lists what .ci/gpu-check build prebuilds)"
+            )));
+        }
         let storage = cuda_storage(layout, num_blocks, host_blocks)?;
         let prefill = CudaPrefill::new(&storage)?;
         let decode = CudaAttention::new(&storage)?;

@@ -18,9 +18,9 @@ mod nvrtc;
 pub mod sass;
 
 pub use nvrtc::{
-    catalog, compile, compile_uncached, parse_ptxas_log, write_cubin, Arch, AttentionSpec,
-    CompiledModule, KernelResources, KernelSpec, MlaSpec, PrefillSpec, ATTENTION_THREADS,
-    CUBIN_DIR_ENV, PREFILL_WARPS,
+    catalog, compile, compile_uncached, parse_ptxas_log, prebuilt_prefill, write_cubin, Arch,
+    AttentionSpec, CompiledModule, KernelResources, KernelSpec, MlaSpec, PrefillSpec,
+    ATTENTION_THREADS, CUBIN_DIR_ENV, PREBUILT_ATTENTION, PREFILL_WARPS,
 };
 
 use crate::error::{Error, Result};

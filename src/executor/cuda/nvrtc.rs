@@ -60,6 +60,24 @@ pub struct AttentionSpec {
 }
 
 impl AttentionSpec {
+    /// The specialisation of one cache shape with the kernel's default unroll and
+    /// vector width.
+    pub const fn decode(
+        dtype: DType,
+        head_dim: usize,
+        gqa_group: usize,
+        block_size: usize,
+    ) -> Self {
+        AttentionSpec {
+            head_dim,
+            block_size,
+            gqa_group,
+            dtype,
+            unroll: 0,
+            vec_bytes: 0,
+        }
+    }
+
     /// The specialisation for `layout`, with the default unroll.
     pub fn for_layout(layout: &crate::layout::KvLayout) -> Self {
         let shape = layout.shape();
@@ -372,44 +390,96 @@ impl KernelSpec {
     }
 }
 
-/// Every specialisation the crate's tests, bench and example use; CI compiles each
-/// for sm_80 and sm_90. Engines may compile others: any [`AttentionSpec`] that passes
-/// [`AttentionSpec::check`] is valid.
+/// Dtypes, head dims and GQA groups of [`PREBUILT_ATTENTION`]'s 16-token-page grid.
+const GRID_DTYPES: [DType; 3] = [DType::F16, DType::BF16, DType::Fp8E4M3];
+const GRID_HEAD_DIMS: [usize; 2] = [64, 128];
+const GRID_GROUPS: [usize; 3] = [1, 4, 8];
+const GRID_LEN: usize = GRID_DTYPES.len() * GRID_HEAD_DIMS.len() * GRID_GROUPS.len();
+
+/// Pages under a tile, on both decode paths: bf16 d128 page 1 and fp8 d128 page 2 keep
+/// the simple path (too small for the tensor-core copy, see
+/// [`crate::attention::decode_mma::uses_mma`]); bf16 d128 page 4 and f16 d64 page 8
+/// take the tensor cores with 4 and 2 pages per tile.
+const SMALL_PAGES: [AttentionSpec; 4] = [
+    AttentionSpec::decode(DType::BF16, 128, 8, 1),
+    AttentionSpec::decode(DType::BF16, 128, 8, 4),
+    AttentionSpec::decode(DType::Fp8E4M3, 128, 4, 2),
+    AttentionSpec::decode(DType::F16, 64, 4, 8),
+];
+
+/// Every attention specialisation the GPU checks launch, the one list they all take
+/// theirs from: `tests/cuda_attention.rs` sweeps all of it, `tests/cuda_prefill.rs` and
+/// [`catalog`]'s prefill modules use its 16-token grid, `examples/gpu_bench` (bf16
+/// and fp8 at d128 GQA 8) and `serve --backend cuda` (the scaled llama3 shapes, d64
+/// GQA 4 and 8) launch members of it. [`catalog`] prebuilds each for the GPU machine,
+/// which has no NVRTC; CPU tests hold every fixed case of those users to the catalog
+/// (`tests/cuda_attention.rs`, `tests/cuda_prefill.rs`, `tests/kernels_compile.rs` for
+/// the bench, `tests/serve_prefill_chunks.rs` for serve).
+///
+/// The grid: f16, bf16, fp8 x head dims 64, 128 x GQA 1, 4, 8 on 16-token pages; then
+/// f32 at d128 GQA 8; then pages of 1, 2, 4 and 8 tokens (`SMALL_PAGES`).
+pub const PREBUILT_ATTENTION: [AttentionSpec; GRID_LEN + 1 + SMALL_PAGES.len()] =
+    prebuilt_attention();
+
+const fn prebuilt_attention() -> [AttentionSpec; GRID_LEN + 1 + SMALL_PAGES.len()] {
+    let mut out = [AttentionSpec::decode(DType::F32, 128, 8, 16); GRID_LEN + 1 + SMALL_PAGES.len()];
+    let mut n = 0;
+    let mut i = 0;
+    while i < GRID_DTYPES.len() {
+        let mut j = 0;
+        while j < GRID_HEAD_DIMS.len() {
+            let mut k = 0;
+            while k < GRID_GROUPS.len() {
+                out[n] =
+                    AttentionSpec::decode(GRID_DTYPES[i], GRID_HEAD_DIMS[j], GRID_GROUPS[k], 16);
+                n += 1;
+                k += 1;
+            }
+            j += 1;
+        }
+        i += 1;
+    }
+    // out[n] stays f32 d128 GQA 8.
+    n += 1;
+    let mut p = 0;
+    while p < SMALL_PAGES.len() {
+        out[n] = SMALL_PAGES[p];
+        n += 1;
+        p += 1;
+    }
+    out
+}
+
+/// The prefill specialisations prebuilt: [`PREBUILT_ATTENTION`]'s 16-bit and fp8
+/// entries on 16-token pages (its grid).
+pub fn prebuilt_prefill() -> impl Iterator<Item = PrefillSpec> {
+    PREBUILT_ATTENTION
+        .iter()
+        .filter(|a| a.block_size == 16 && a.dtype != DType::F32)
+        .map(|a| PrefillSpec {
+            head_dim: a.head_dim,
+            block_size: a.block_size,
+            gqa_group: a.gqa_group,
+            dtype: a.dtype,
+        })
+}
+
+/// Every module the crate's GPU tests, bench and example use, prebuilt as cubins for
+/// the GPU machine (`gpu_bench --write-cubins`); CI compiles each for sm_80 and sm_90.
+/// The attention and prefill modules come from [`PREBUILT_ATTENTION`]. Engines may
+/// compile others: any [`AttentionSpec`] that passes [`AttentionSpec::check`] is valid.
+///
+/// Explicit `unroll` and `vec_bytes` variants are not here: every GQA-8 shape takes the
+/// tensor-core path, which compiles neither, so such a module would be the default's
+/// twin.
 pub fn catalog() -> Vec<KernelSpec> {
     let mut out = vec![KernelSpec::CacheOps];
-    for dtype in [DType::F16, DType::BF16, DType::Fp8E4M3] {
-        for head_dim in [64, 128] {
-            for gqa_group in [1, 4, 8] {
-                out.push(KernelSpec::Attention(AttentionSpec {
-                    head_dim,
-                    block_size: 16,
-                    gqa_group,
-                    dtype,
-                    unroll: 0,
-                    vec_bytes: 0,
-                }));
-            }
-        }
-    }
-    out.push(KernelSpec::Attention(AttentionSpec {
-        head_dim: 128,
-        block_size: 16,
-        gqa_group: 8,
-        dtype: DType::F32,
-        unroll: 0,
-        vec_bytes: 0,
-    }));
-    // The bench compares explicit unrolls on its main case (bf16, d128, GQA 8).
-    for unroll in [1, 2] {
-        out.push(KernelSpec::Attention(AttentionSpec {
-            head_dim: 128,
-            block_size: 16,
-            gqa_group: 8,
-            dtype: DType::BF16,
-            unroll,
-            vec_bytes: 0,
-        }));
-    }
+    out.extend(
+        PREBUILT_ATTENTION
+            .iter()
+            .copied()
+            .map(KernelSpec::Attention),
+    );
     // MLA decode on DeepSeek-V3's latent (512 + 64) in 16-token pages: bf16 and fp8
     // with 8 heads per CTA, and bf16 with 16.
     for (dtype, heads_per_cta) in [(DType::BF16, 8), (DType::Fp8E4M3, 8), (DType::BF16, 16)] {
@@ -421,30 +491,7 @@ pub fn catalog() -> Vec<KernelSpec> {
             heads_per_cta,
         }));
     }
-    // Prefill: the decode catalog's dtypes, head dims and groups.
-    for dtype in [DType::F16, DType::BF16, DType::Fp8E4M3] {
-        for head_dim in [64, 128] {
-            for gqa_group in [1, 4, 8] {
-                out.push(KernelSpec::Prefill(PrefillSpec {
-                    head_dim,
-                    block_size: 16,
-                    gqa_group,
-                    dtype,
-                }));
-            }
-        }
-    }
-    // ...and 8- against 16-byte loads for fp8 at GQA 8.
-    for vec_bytes in [8, 16] {
-        out.push(KernelSpec::Attention(AttentionSpec {
-            head_dim: 128,
-            block_size: 16,
-            gqa_group: 8,
-            dtype: DType::Fp8E4M3,
-            unroll: 0,
-            vec_bytes,
-        }));
-    }
+    out.extend(prebuilt_prefill().map(KernelSpec::Prefill));
     out
 }
 
@@ -784,6 +831,21 @@ ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
         }
         .check()
         .is_ok());
+    }
+
+    #[test]
+    fn the_catalog_is_the_prebuilt_list_once_each_within_the_compile_budget() {
+        let all = catalog();
+        for (i, a) in all.iter().enumerate() {
+            assert!(!all[i + 1..].contains(a), "{a:?} twice");
+        }
+        for a in PREBUILT_ATTENTION {
+            assert!(all.contains(&KernelSpec::Attention(a)));
+        }
+        assert_eq!(prebuilt_prefill().count(), GRID_LEN);
+        // CI compiles each module for two arches (tests/kernels_compile.rs): 45 modules
+        // in the catalog is what it was sized for.
+        assert!(all.len() <= 45, "{} modules", all.len());
     }
 
     #[test]

@@ -32,7 +32,7 @@
 //!   per-call cost the batch call removes is host overhead, which the driver can only
 //!   amortise. Device-to-device copies (`copy_blocks`) are a kernel already, one launch
 //!   per plan. This choice is reasoned, not measured: no GPU was available when it
-//!   was made; `examples/gpu_bench.rs` reports swap GB/s and host enqueue time beside
+//!   was made; `examples/gpu_bench` reports swap GB/s and host enqueue time beside
 //!   one pinned memcpy of the same bytes, which is the measurement that should confirm
 //!   or overturn it.
 

@@ -24,14 +24,18 @@
 //! DIR, for a GPU machine without NVRTC (`PAGEDKV_CUBIN_DIR=DIR`).
 
 #[cfg(feature = "cuda")]
+mod cases;
+
+#[cfg(feature = "cuda")]
 mod gpu {
+    use super::cases::{self, shape};
     use cudarc::driver::sys;
     use pagedkv::attention::cuda::{CudaAttention, Outputs, Queries, Tables};
     use pagedkv::attention::AttentionParams;
     use pagedkv::executor::cuda::AttentionSpec;
     use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
     use pagedkv::{
-        BlockId, CopyPlan, DType, Error, KvLayout, ModelShape, PaddedTables, Result, Slot, Storage,
+        BlockId, CopyPlan, DType, Error, KvLayout, PaddedTables, Result, Slot, Storage,
         SwapDirection, SwapPlan,
     };
     use serde_json::{json, Value};
@@ -45,16 +49,6 @@ mod gpu {
 
     fn cuda_err(e: impl std::fmt::Display) -> Error {
         Error::Cuda(e.to_string())
-    }
-
-    fn shape(dtype: DType) -> ModelShape {
-        ModelShape {
-            num_layers: 1,
-            num_q_heads: 64,
-            num_kv_heads: 8,
-            head_dim: 128,
-            kv_dtype: dtype,
-        }
     }
 
     /// Holds a stream until released from the host (or 30 s pass, so a mistake cannot
@@ -221,7 +215,7 @@ mod gpu {
         splits: Option<u32>,
         bf16_io: bool,
     ) -> Result<Value> {
-        let layout = KvLayout::new(shape(dtype), 16)?;
+        let layout = KvLayout::new(shape(dtype), cases::BLOCK_SIZE)?;
         let per_batch = batch * ctx.div_ceil(16);
         let kv_bytes = batch * ctx * 8 * 128 * 2 * dtype.size_bytes();
         let laps = LAP_BYTES.div_ceil(kv_bytes).clamp(1, 8);
@@ -233,6 +227,8 @@ mod gpu {
             vec_bytes,
             ..AttentionSpec::for_layout(&layout)
         };
+        debug_assert!(unroll != 0 || vec_bytes != 0 || cases::decode_specs().contains(&spec));
+        cases::check_prebuilt(&spec)?;
         let mut attn = CudaAttention::with_spec(&storage, spec)?;
         let dts = (0..laps)
             .map(|r| {
