@@ -301,6 +301,9 @@ fn family_writer(f: usize) -> u64 {
     900 + f as u64
 }
 
+/// The writer id of rejected drafts and lookahead slots (no sequence has it).
+const DRAFT_WRITER: u64 = 999;
+
 /// The value group `g` writes for sequence `id` at position `pos` (exact in f32).
 fn value(g: usize, id: u64, pos: usize) -> f32 {
     (g * 1_000_000 + id as usize * 1_000 + pos) as f32
@@ -328,6 +331,14 @@ struct Model {
 
 impl Model {
     fn write(&mut self, id: SeqId, first: usize) {
+        self.write_step(id, first, usize::MAX);
+    }
+
+    /// Runs the step's copies and writes its slots from position `first`: the first
+    /// `accepted` as `id`'s tokens, the rest (rejected drafts and lookahead slots) as
+    /// [`DRAFT_WRITER`]'s, so that a draft's bytes never pass for the token later
+    /// committed at its position.
+    fn write_step(&mut self, id: SeqId, first: usize, accepted: usize) {
         for g in 0..self.kv.num_groups() {
             self.cow_copies += self.step.copies[g].copies().len();
             self.store.copy_blocks(&self.step.copies[g]).unwrap();
@@ -335,7 +346,8 @@ impl Model {
             let mut k = Vec::new();
             let mut v = Vec::new();
             for i in 0..slots.len() {
-                let x = value(g, id.0, first + i);
+                let writer = if i < accepted { id.0 } else { DRAFT_WRITER };
+                let x = value(g, writer, first + i);
                 for _ in 0..HEAD_DIM {
                     k.extend_from_slice(&x.to_le_bytes());
                     v.extend_from_slice(&(-x).to_le_bytes());
@@ -445,8 +457,8 @@ impl Model {
                 let first = self.seqs[i].1.len();
                 let r = self.kv.reserve(id, n, la, &mut self.step);
                 if r.is_ok() {
-                    self.write(id, first);
                     let acc = acc.min(n);
+                    self.write_step(id, first, acc);
                     self.kv.commit(id, acc).unwrap();
                     self.seqs[i].1.extend(std::iter::repeat_n(id.0, acc));
                 }
@@ -772,6 +784,29 @@ fn prefix_hits_are_served_and_counted_in_every_group() {
     assert_eq!(m.hits, 40);
     m.apply(&Action::Fork(1));
     m.apply(&Action::Append(3, 5));
+    m.check();
+}
+
+/// A step whose drafts are rejected leaves draft bytes in slots that the next calls
+/// hand out again for the tokens really committed there; every computed position must
+/// hold the committed token's bytes (the model writes drafts as [`DRAFT_WRITER`]),
+/// through a fork, a copy-on-write, a swap and a prefix hit of the family's prompt.
+#[test]
+fn rejected_drafts_never_pass_for_the_tokens_committed_after_them() {
+    let l = layout(BS, 1);
+    let mut m = model(&[GroupSpec::full(l), GroupSpec::full(l)]);
+    m.apply(&Action::AdmitTokens(1, 6)); // seq 0: one full block registered
+    m.apply(&Action::Step(0, 3, 2, 1)); // positions 6..11 reserved, 6 accepted
+    assert_eq!(m.kv.num_computed_tokens(m.seqs[0].0).unwrap(), 7);
+    m.apply(&Action::Fork(0)); // seq 1 shares the block holding drafts 7 and 8..
+    m.apply(&Action::Append(0, 3)); // 7..10 committed: copy on write of that block
+    m.apply(&Action::Step(1, 4, 0, 2)); // the child: 7, 8 accepted, 9, 10 drafts
+    m.apply(&Action::Append(1, 2)); // 9, 10 committed over the drafts
+    m.apply(&Action::SwapOut(0, false));
+    m.apply(&Action::SwapIn(0));
+    m.apply(&Action::AdmitTokens(1, 9)); // hits the family's first block
+    assert_eq!(m.hits, BS);
+    assert!(m.cow_copies > 0 && m.swaps > 0);
     m.check();
 }
 
