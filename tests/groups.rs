@@ -1532,9 +1532,10 @@ fn a_group_export_with_token_ids_imports_through_the_prefix_caches() {
 /// register twins of the cached blocks; a fork, a step with rejected drafts and two
 /// admissions that take cached pages across groups later leave a live block whose
 /// parent is a cached one (`check_invariants`: "group 0: live block #23 has a cached
-/// parent #10"). Ignored until the manager is fixed; remove the `ignore` with the fix.
+/// parent #10"): the step's sequence shared the cached copies in place of its own
+/// blocks while its fork sibling still held them, then registered a block they share
+/// under the copy. A twin whose own block a sibling still holds now stays pending.
 #[test]
-#[ignore = "open bug: a live block with a cached parent after twins and cross-group page moves"]
 fn twins_of_cached_blocks_keep_their_parents_live_across_group_page_moves() {
     let l = layout(BS, 1);
     let specs = [
