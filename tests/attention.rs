@@ -296,6 +296,159 @@ fn alibi_and_sliding_window_match_reference() {
     }
 }
 
+/// One query head's attention, in `f64`, over the keys a sliding window of `window`
+/// tokens lets a query at position `p` see, written from the definition and not from
+/// [`AttentionParams::window_start`]: the `window` most recent positions, the query's
+/// own included, i.e. keys `t` with `t <= p` and `p - t < window` (the crate's
+/// documented rule, "the last `w` tokens, the query's own position included"; vLLM's
+/// convention, which passes FlashAttention `window_size = (w - 1, 0)`, and Hugging
+/// Face Mistral's mask `q_idx - kv_idx < sliding_window`). `k` and `v` are one
+/// sequence's `[ctx, kv_heads, d]` values; ALiBi adds `slope * (t - p)`.
+#[allow(clippy::too_many_arguments)]
+fn windowed_attention(
+    (k, v): (&[f32], &[f32]),
+    (kv_heads, d, kv_head): (usize, usize, usize),
+    q: &[f32],
+    p: usize,
+    window: Option<usize>,
+    scale: f64,
+    slope: f64,
+) -> Vec<f64> {
+    let seen: Vec<usize> = (0..=p)
+        .filter(|&t| window.is_none_or(|w| p - t < w))
+        .collect();
+    let at = |x: &[f32], t: usize, i: usize| f64::from(x[(t * kv_heads + kv_head) * d + i]);
+    let logits: Vec<f64> = seen
+        .iter()
+        .map(|&t| {
+            let dot: f64 = (0..d).map(|i| f64::from(q[i]) * at(k, t, i)).sum();
+            dot * scale + slope * (t as f64 - p as f64)
+        })
+        .collect();
+    let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let weights: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+    let sum: f64 = weights.iter().sum();
+    (0..d)
+        .map(|i| {
+            seen.iter()
+                .zip(&weights)
+                .map(|(&t, w)| w / sum * at(v, t, i))
+                .sum()
+        })
+        .collect()
+}
+
+/// The sliding window checked against a rule written in this test
+/// ([`windowed_attention`]), not against the crate's reference (which shares
+/// `window_start` with the kernels, so a window one token too wide in both passes
+/// every comparison between them). f32, so the stored values are the written ones;
+/// windows around the block size and the context lengths; decode and prefill, the
+/// fast CPU kernels and the f64 reference both.
+#[test]
+fn sliding_window_attends_to_exactly_the_last_w_positions() {
+    let mut rng = SplitMix64::new(11);
+    let (qh, kvh, d) = (4, 2, 16);
+    let group = qh / kvh;
+    for window in [1, 2, 15, 16, 17, 63] {
+        for alibi in [false, true] {
+            let mut params = AttentionParams::new(d);
+            params.sliding_window = Some(window);
+            if alibi {
+                params.alibi_slopes = Some(alibi_slopes(qh));
+            }
+            let scale = f64::from(params.scale);
+            // Decode: the query sits at the last context position. No shared blocks:
+            // `written` then holds what the arena holds.
+            let case = build_case(&mut rng, shape(qh, kvh, d, DType::F32), &CTXS, 0, &params);
+            let layer = 1;
+            let qv = randv(&mut rng, CTXS.len() * qh * d, 2.0);
+            let (fast, _) = fast_decode(&case, layer, &qv, &params, None);
+            let reference =
+                paged_decode_reference(&case.storage, layer, &qv, &case.tables, &params).unwrap();
+            let mut want = vec![0.0f64; qv.len()];
+            for (i, &ctx) in CTXS.iter().enumerate().filter(|(_, &c)| c > 0) {
+                let (k, v) = &case.written[layer][i];
+                for h in 0..qh {
+                    let row = (i * qh + h) * d..(i * qh + h + 1) * d;
+                    want[row.clone()].copy_from_slice(&windowed_attention(
+                        (k, v),
+                        (kvh, d, h / group),
+                        &qv[row],
+                        ctx - 1,
+                        Some(window),
+                        scale,
+                        f64::from(params.slope(h)),
+                    ));
+                }
+            }
+            let tag = format!("decode window {window} alibi {alibi}");
+            assert_close(&tag, &fast, &want, tol(DType::F32));
+            let reference: Vec<f32> = reference.out.iter().map(|&x| x as f32).collect();
+            assert_close(
+                &format!("{tag} reference"),
+                &reference,
+                &want,
+                tol(DType::F32),
+            );
+
+            // Prefill: query j of n new tokens sits at position ctx - n + j.
+            let seqs = [(40usize, 40usize), (100, 17), (5, 1), (33, 2)];
+            let ctxs: Vec<usize> = seqs.iter().map(|s| s.0).collect();
+            let case = build_case(&mut rng, shape(qh, kvh, d, DType::F32), &ctxs, 0, &params);
+            let mut qsl = vec![0];
+            for s in &seqs {
+                qsl.push(qsl.last().unwrap() + s.1);
+            }
+            let tokens = *qsl.last().unwrap();
+            let qv = randv(&mut rng, tokens * qh * d, 2.0);
+            let mut fast = vec![f32::NAN; qv.len()];
+            paged_prefill(
+                &case.storage,
+                layer,
+                &qv,
+                &qsl,
+                &case.tables,
+                &params,
+                None,
+                &mut fast,
+                None,
+            )
+            .unwrap();
+            let reference =
+                paged_prefill_reference(&case.storage, layer, &qv, &qsl, &case.tables, &params)
+                    .unwrap();
+            let mut want = vec![0.0f64; qv.len()];
+            for (i, &(ctx, n)) in seqs.iter().enumerate() {
+                let (k, v) = &case.written[layer][i];
+                for j in 0..n {
+                    let tok = qsl[i] + j;
+                    for h in 0..qh {
+                        let row = (tok * qh + h) * d..(tok * qh + h + 1) * d;
+                        want[row.clone()].copy_from_slice(&windowed_attention(
+                            (k, v),
+                            (kvh, d, h / group),
+                            &qv[row],
+                            ctx - n + j,
+                            Some(window),
+                            scale,
+                            f64::from(params.slope(h)),
+                        ));
+                    }
+                }
+            }
+            let tag = format!("prefill window {window} alibi {alibi}");
+            assert_close(&tag, &fast, &want, tol(DType::F32));
+            let reference: Vec<f32> = reference.out.iter().map(|&x| x as f32).collect();
+            assert_close(
+                &format!("{tag} reference"),
+                &reference,
+                &want,
+                tol(DType::F32),
+            );
+        }
+    }
+}
+
 #[test]
 fn every_split_count_gives_the_same_result() {
     let mut rng = SplitMix64::new(3);

@@ -588,6 +588,168 @@ fn a_forged_collision_on_a_keyed_block_is_a_miss() {
     e.check();
 }
 
+// ---- a hit admitted with another prompt than it was looked up for ----------------
+
+impl Engine {
+    /// Admits `tokens` (shadow namespace `ns`) with `hit`, which the caller looked up,
+    /// computes the rest in one chunk (reserve, write, commit) and returns the cached
+    /// tokens.
+    fn admit_hit(
+        &mut self,
+        seq: SeqId,
+        ns: u64,
+        tokens: &[u32],
+        hit: &pagedkv::PrefixHit,
+    ) -> usize {
+        let a = self.kv.admit_prompt(seq, tokens, hit).unwrap();
+        let rest = tokens.len() - a.cached_tokens;
+        self.copies.clear();
+        self.kv
+            .reserve(seq, rest, 0, &mut self.slots, &mut self.copies)
+            .unwrap();
+        self.store.copy_blocks(&self.copies).unwrap();
+        self.shadow.insert(seq, (ns, tokens.to_vec()));
+        self.write(seq, a.cached_tokens);
+        self.kv.commit(seq, rest).unwrap();
+        a.cached_tokens
+    }
+}
+
+/// A hit looked up for prompt A and admitted (`admit_prompt`) with prompt B shares
+/// only the leading blocks whose stored token ids B confirms: none when B differs in
+/// block 0, the blocks before the first difference otherwise. The hit's blocks are
+/// all still registered under the hit's hashes, so only the confirmation of the ids
+/// stops B from reading A's K/V (`a_stale_hit_is_checked_at_admission` in
+/// `tests/engine_contract.rs` covers hits whose blocks were evicted).
+#[test]
+fn a_hit_admitted_with_another_prompt_shares_only_what_that_prompt_confirms() {
+    let mut e = Engine::new(manager(32));
+    let a = toks(0, 13); // 3 full blocks + 1
+    e.admit(SeqId(1), 0, &a, &NONE).unwrap();
+    let a_blocks = e.kv.block_table(SeqId(1)).unwrap()[..3].to_vec();
+    e.free(SeqId(1));
+    let mut hit = pagedkv::PrefixHit::default();
+    e.kv.lookup_prefix(&a, &NONE, &mut hit).unwrap();
+    assert_eq!(hit.cached_tokens(), 12);
+
+    let mut first = a.clone();
+    first[1] = 777; // block 0 differs
+    let mut later = a.clone();
+    later[9] = 777; // only block 2 differs
+    assert_eq!(e.admit_hit(SeqId(2), 0, &first, &hit), 0);
+    assert_eq!(e.admit_hit(SeqId(3), 0, &later, &hit), 8);
+    let t2 = e.kv.block_table(SeqId(2)).unwrap();
+    assert!(
+        t2.iter().all(|b| !a_blocks.contains(b)),
+        "{t2:?} vs {a_blocks:?}"
+    );
+    let t3 = e.kv.block_table(SeqId(3)).unwrap();
+    assert_eq!(&t3[..2], &a_blocks[..2]);
+    assert!(!a_blocks.contains(&t3[2]), "{t3:?} vs {a_blocks:?}");
+    // Every sequence reads its own K/V, not prompt A's.
+    e.check();
+    // The hit still serves the prompt it was made for.
+    assert_eq!(e.admit_hit(SeqId(4), 0, &a, &hit), 12);
+    assert_eq!(&e.kv.block_table(SeqId(4)).unwrap()[..3], &a_blocks[..]);
+    e.check();
+}
+
+/// Xxh3Hasher with the cache salt and the extra keys left out: the same tokens hash
+/// alike in every namespace and under every block key, so only the stored namespace
+/// and keys tell them apart.
+#[derive(Debug, Clone, Copy)]
+struct NamespaceAndKeyBlindHasher;
+
+impl PrefixHasher for NamespaceAndKeyBlindHasher {
+    fn namespace(&self, _salt: &[u8], _extra: &[u8]) -> BlockHash {
+        Xxh3Hasher.namespace(b"", b"")
+    }
+    fn block(&self, parent: BlockHash, tokens: &[u32], _extra: &[u8]) -> BlockHash {
+        Xxh3Hasher.block(parent, tokens, b"")
+    }
+    fn clone_box(&self) -> Box<dyn PrefixHasher> {
+        Box::new(*self)
+    }
+}
+
+/// A stale hit whose blocks now hold the same tokens under another namespace or other
+/// block keys: looked up with `(ns_a, opts_a)`, then the blocks are evicted and the
+/// same physical blocks registered again, under the same hashes (the hasher ignores
+/// salt and keys), by the prompt admitted with `(ns_b, opts_b)`. Admitting the stale
+/// hit must share only the blocks whose stored namespace and keys are the hit's;
+/// returns the cached tokens.
+fn stale_hit_under_other_options(
+    (ns_a, opts_a): (u64, &AdmitOptions),
+    (ns_b, opts_b): (u64, &AdmitOptions),
+) -> usize {
+    // 4 blocks: the prompt takes the whole arena, so its second admission gets the
+    // same blocks back.
+    let mut e = Engine::new(manager_with(4, |p| {
+        p.hasher = Box::new(NamespaceAndKeyBlindHasher)
+    }));
+    let prompt = toks(0, 13);
+    e.admit(SeqId(1), ns_a, &prompt, opts_a).unwrap();
+    let hit_blocks = e.kv.block_table(SeqId(1)).unwrap()[..3].to_vec();
+    e.free(SeqId(1));
+    let mut hit = pagedkv::PrefixHit::default();
+    e.kv.lookup_prefix(&prompt, opts_a, &mut hit).unwrap();
+    assert_eq!(hit.cached_tokens(), 12);
+    assert_eq!(e.kv.evict_cached(usize::MAX), 3);
+    e.admit(SeqId(2), ns_b, &prompt, opts_b).unwrap();
+    let table = e.kv.block_table(SeqId(2)).unwrap().to_vec();
+    e.free(SeqId(2));
+    // The precondition of the test: the stale hit's blocks are registered again, in
+    // the same places and under its hashes, by the other prompt.
+    assert_eq!(&table[..3], &hit_blocks[..]);
+    let mut again = pagedkv::PrefixHit::default();
+    e.kv.lookup_prefix(&prompt, opts_b, &mut again).unwrap();
+    assert_eq!(again.cached_tokens(), 12);
+    let cached = e.admit_hit(SeqId(3), ns_a, &prompt, &hit);
+    assert_eq!(
+        &e.kv.block_table(SeqId(3)).unwrap()[..cached / BLOCK],
+        &table[..cached / BLOCK]
+    );
+    e.check();
+    cached
+}
+
+#[test]
+fn a_stale_hit_is_confirmed_against_the_namespace_and_block_keys_at_admission() {
+    let (salt_a, salt_b) = (
+        AdmitOptions {
+            cache_salt: b"tenant-a",
+            ..NONE
+        },
+        AdmitOptions {
+            cache_salt: b"tenant-b",
+            ..NONE
+        },
+    );
+    // Another namespace: block 0 already differs.
+    assert_eq!(stale_hit_under_other_options((1, &salt_a), (2, &salt_b)), 0);
+    let (a, b) = (image(6, b"image-a"), image(6, b"image-b"));
+    let (key_a, key_b) = (
+        AdmitOptions {
+            block_keys: &a,
+            ..NONE
+        },
+        AdmitOptions {
+            block_keys: &b,
+            ..NONE
+        },
+    );
+    // Other block keys from block 1 on: only block 0 is shared.
+    assert_eq!(
+        stale_hit_under_other_options((with_span(0, 6, 0), &key_a), (with_span(0, 6, 1), &key_b)),
+        4
+    );
+    // The same options: the whole hit is served.
+    assert_eq!(
+        stale_hit_under_other_options((with_span(0, 6, 0), &key_a), (with_span(0, 6, 0), &key_a)),
+        12
+    );
+}
+
 // ---- events and reset -------------------------------------------------------------
 
 #[test]

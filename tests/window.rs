@@ -263,6 +263,33 @@ fn cpu_attention_never_reads_released_blocks() {
             "{paged:?} vs {want:?}"
         );
     }
+    // Both kernels above take the window from `AttentionParams::window_start`; check
+    // them against the rule written here from the definition (the last `w` positions,
+    // the query's own included: keys `t <= p` with `p - t < w`).
+    let p = total - 1;
+    let seen: Vec<usize> = (0..=p).filter(|&t| p - t < w).collect();
+    assert_eq!(seen.len(), w);
+    for h in 0..2 {
+        let qh = &q[h * d..(h + 1) * d];
+        let logits: Vec<f64> = seen
+            .iter()
+            .map(|&t| {
+                let dot: f64 = (0..d).map(|i| f64::from(qh[i]) * f64::from(kf(t, i))).sum();
+                dot * f64::from(params.scale)
+            })
+            .collect();
+        let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = logits.iter().map(|l| (l - m).exp()).sum();
+        for i in 0..d {
+            let o: f64 = seen
+                .iter()
+                .zip(&logits)
+                .map(|(&t, l)| (l - m).exp() / sum * f64::from(vf(t, i)))
+                .sum();
+            let got = f64::from(paged[h * d + i]);
+            assert!((got - o).abs() < 1e-5, "head {h} dim {i}: {got} vs {o}");
+        }
+    }
 }
 
 // ---- model-based property test ----------------------------------------------------

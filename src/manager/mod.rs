@@ -673,8 +673,7 @@ impl KvCacheManager {
         let mut registered = prefix::extend_chain_in(&mut self.prefix, bs, s);
         if s.twin_pending {
             // The step's K/V is written: share the cached copies of its duplicates.
-            let spare = self.num_available_blocks();
-            registered += self.settle_twin(h, spare, usize::MAX)?;
+            registered += self.settle_twin(h, usize::MAX)?;
         }
         // The step is computed: the next query sits at `computed`.
         self.release_out_of_window(h, computed)?;
@@ -1067,7 +1066,7 @@ impl KvCacheManager {
         // replaces a full computed block, outside the span this reservation writes).
         let mut registered = 0;
         if twin {
-            registered += self.settle_twin(h, 0, 1)?;
+            registered += self.settle_twin(h, 1)?;
         }
         let bs = self.block_size();
         if replaced > 0 {

@@ -933,20 +933,16 @@ impl KvCacheManager {
     /// Called where the sequence's own block is surely written: by [`Self::commit`] and
     /// a swap-in's completion (its step or transfer is done), and at the next call that
     /// hands the sequence slots (the one-call appends register before the engine
-    /// writes). `spare` is how many available blocks the caller can give up: sharing
-    /// a cached copy while a fork sibling still holds the sequence's block takes one,
-    /// and waits (the twin stays pending) when `spare` is 0. Settles at most
+    /// writes). While a fork sibling still holds the sequence's own block the twin
+    /// stays pending: sharing the copy alone would leave the sibling holding the
+    /// blocks registered next without their parent (a live block under a cached
+    /// one, which eviction could not honour). Settles at most
     /// `max_twins` twins (a reservation settles one, so that [`Self::twin_frees`] is
     /// what it gives back). Never fails on a consistent manager; on a pool error the
     /// sequence keeps its own block.
     #[cold]
     #[inline(never)]
-    pub(crate) fn settle_twin(
-        &mut self,
-        h: SeqHandle,
-        mut spare: usize,
-        max_twins: usize,
-    ) -> Result<usize> {
+    pub(crate) fn settle_twin(&mut self, h: SeqHandle, max_twins: usize) -> Result<usize> {
         let bs = self.block_size();
         let (mut registered, mut settled) = (0, 0);
         // Out of its slot while blocks are released (see `replace_protected`).
@@ -977,12 +973,10 @@ impl KvCacheManager {
                 match (self.pool.state(copy), self.pool.refcount(own)) {
                     (Ok(state), Ok(own_refs)) => {
                         let revive = state == BlockState::Cached;
-                        if revive && own_refs > 1 {
-                            if spare == 0 {
-                                // Would take an available block: wait.
-                                break;
-                            }
-                            spare -= 1;
+                        if own_refs > 1 {
+                            // A fork sibling holds the own block too: wait until it
+                            // is this sequence's alone.
+                            break;
                         }
                         Some(revive)
                     }

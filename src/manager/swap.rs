@@ -1096,8 +1096,7 @@ impl KvCacheManager {
         };
         super::prefix::extend_chain_in(&mut self.prefix, bs, s);
         if s.twin_pending {
-            let spare = self.num_available_blocks();
-            self.settle_twin(h, spare, usize::MAX)?;
+            self.settle_twin(h, usize::MAX)?;
         }
         Ok(())
     }
