@@ -5,10 +5,10 @@
 //! and checked against the values it must hold.
 //!
 //! ```text
-//! cargo run --release --example serve                  # table
+//! cargo run --release --example serve                  # table, and the memory timeline SVG under target/
 //! cargo run --release --example serve -- --json        # {"paged": {...}, "contiguous": {...}, ...}
 //! cargo run --release --example serve -- --elastic     # shrink the arena mid-trace, then grow it
-//! cargo run --release --example serve -- --svg kv.svg  # KV memory over time, paged vs contiguous
+//! cargo run --release --example serve -- --svg kv.svg  # the timeline to another path (--no-svg: none)
 //! cargo run --release --example serve -- --backend cuda  # the same runs on CudaStorage + CUDA kernels, checked against the host
 //! cargo run --release --example serve -- --hybrid      # Gemma-3-like hybrid: KV-cache groups
 //! cargo run --release --example serve -- --help
@@ -93,9 +93,13 @@ struct Args {
     /// Trace seed.
     #[arg(long, default_value_t = 7)]
     seed: u64,
-    /// Write an SVG of KV memory over time (paged vs contiguous) to this path.
+    /// Write the SVG of KV memory over time (paged vs contiguous) to this path instead
+    /// of `serve-timeline.svg` in the target directory.
     #[arg(long)]
     svg: Option<std::path::PathBuf>,
+    /// Draw no SVG.
+    #[arg(long, conflicts_with = "svg")]
+    no_svg: bool,
     /// Where the arenas live: `host`, or `cuda` (CudaStorage, the cache-write, prefill
     /// and decode kernels; the runs are repeated on the host and must agree).
     #[arg(long, value_enum, default_value_t = StorageKind::Host)]
@@ -1142,15 +1146,41 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         runs,
         ..
     } = out;
-    if let Some(path) = &args.svg {
+    // The picture is the simulation's main output, so it is drawn unless `--no-svg`. A
+    // path the user chose must be writable; the default one may not exist (a binary
+    // copied to another machine), which costs the picture, not the run.
+    let svg_note = if args.no_svg {
+        None
+    } else {
         let title = format!(
             "{}: {} blocks of {} tokens, paged vs contiguous",
             config.name, num_blocks, args.block_size
         );
         let paged_tl = runs[0].2.clone();
         let contig_tl = runs[runs.len() - 1].2.clone();
-        MemoryChart::new(title, &layout, num_blocks, paged_tl, contig_tl).write_svg(path)?;
-    }
+        let chart = MemoryChart::new(title, &layout, num_blocks, paged_tl, contig_tl);
+        match &args.svg {
+            Some(path) => {
+                chart.write_svg(path)?;
+                Some(format!("memory timeline: {}", path.display()))
+            }
+            None => {
+                let path = default_svg_path();
+                // One level only: a missing `target/` (cargo built elsewhere, through
+                // `build.target-dir`) is made; a directory whose parent is gone (the
+                // binary copied to another machine) is not.
+                if let Some(dir) = path.parent() {
+                    let _ = std::fs::create_dir(dir);
+                }
+                Some(match chart.write_svg(&path) {
+                    Ok(()) => format!("memory timeline: {}", path.display()),
+                    Err(e) => {
+                        format!("memory timeline not written ({e}); --svg PATH chooses another")
+                    }
+                })
+            }
+        }
+    };
     let cuda = (args.backend == StorageKind::Cuda).then(|| checks.borrow().clone());
     if args.json {
         let mut out = serde_json::Map::new();
@@ -1161,13 +1191,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             out.insert("cuda_checks".into(), c.json());
         }
         println!("{}", serde_json::Value::Object(out));
+        // Standard output stays one JSON object.
+        if let Some(note) = svg_note {
+            eprintln!("{note}");
+        }
         return Ok(());
     }
     print_table(&args, &config, &layout, num_blocks, &trace, &runs);
     if let Some(c) = &cuda {
         c.print();
     }
+    if let Some(note) = svg_note {
+        println!("\n{note}");
+    }
     Ok(())
+}
+
+/// Where the timeline goes without `--svg`: `serve-timeline.svg` in the target
+/// directory: `CARGO_TARGET_DIR` when set (the run inherits it from the shell that ran
+/// cargo; a relative one is relative to the working directory, as for cargo), else
+/// `target/` in the crate.
+fn default_svg_path() -> std::path::PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target"))
+        .join("serve-timeline.svg")
 }
 
 /// Runs the trace on every configuration the arguments ask for, with `kind`'s storages.
