@@ -4,9 +4,10 @@
 //! The engine picks the recorder: anything installed with
 //! `metrics::set_global_recorder` (or scoped with `metrics::with_local_recorder`)
 //! receives what [`MetricsExporter::publish`] sends. For a process that wants a
-//! Prometheus endpoint without pulling an async HTTP stack, [`PrometheusRecorder`]
-//! renders the text exposition format (through `metrics-exporter-prometheus` without
-//! its HTTP features) and [`serve_prometheus`] answers `GET /metrics` on a
+//! Prometheus endpoint without pulling an async HTTP stack, `PrometheusRecorder`
+//! (feature `prometheus`) renders the text exposition format (through
+//! `metrics-exporter-prometheus` without its HTTP features) and `serve_prometheus`
+//! answers `GET /metrics` on a
 //! `std::net::TcpListener`, for a bounded number of requests or time. The metric table,
 //! the publishing and that server are this crate's; the text format is not.
 //!
@@ -25,10 +26,11 @@
 //! [`MetricsSnapshot::from_manager`] takes the *peak* of used blocks since the previous
 //! snapshot ([`KvCacheManager::take_peak_used_blocks`]) and publishes it as
 //! `pagedkv_blocks_used_peak`. Take a snapshot once per scrape (the `before_render`
-//! hook of [`serve_prometheus`] does exactly that) and the gauge is the peak between
+//! hook of `serve_prometheus` does exactly that) and the gauge is the peak between
 //! two scrapes.
 //!
 //! ```
+//! # #[cfg(feature = "prometheus")] {
 //! use pagedkv::metrics::{MetricsExporter, MetricsSnapshot, PrometheusRecorder, names};
 //! use pagedkv::{CacheConfig, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
 //!
@@ -45,15 +47,10 @@
 //! });
 //! let text = recorder.render();
 //! assert!(text.contains(&format!("{} 3\n", names::BLOCKS_USED)));
+//! # }
 //! # Ok::<(), pagedkv::Error>(())
 //! ```
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use crate::error::{Error, Result};
 use crate::manager::{CacheStats, KvCacheManager};
 
 /// Metric names, all with the `pagedkv_` prefix.
@@ -409,186 +406,202 @@ impl MetricsExporter {
     }
 }
 
-// ---- the Prometheus text-format recorder ---------------------------------------------
+/// The Prometheus text format and its loopback endpoint (feature `prometheus`).
+#[cfg(feature = "prometheus")]
+mod prometheus {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
 
-/// A `metrics` recorder that keeps the latest values and renders them in the
-/// Prometheus text exposition format (version 0.0.4): the recorder of
-/// [`metrics-exporter-prometheus`](https://docs.rs/metrics-exporter-prometheus), built
-/// without its default features, so without its tokio/hyper HTTP listener and push
-/// gateway. Histograms are rendered as summaries (quantiles, `_sum`, `_count`).
-///
-/// What stays hand-written here, and why: this wrapper, because the crate's recorder
-/// does not clone and the example installs one copy globally while the server renders
-/// from another; and [`serve_prometheus`], because the crate's own endpoint is the
-/// `http-listener` feature, which is the async stack this avoids.
-///
-/// Clones share the same values, so one clone can be installed as the recorder while
-/// another renders for the HTTP server.
-///
-/// The text is the upstream crate's: metric families come in no fixed order, and an
-/// infinite gauge is written `inf` (which Prometheus parses) rather than `+Inf`.
-#[derive(Debug, Clone)]
-pub struct PrometheusRecorder {
-    inner: Arc<metrics_exporter_prometheus::PrometheusRecorder>,
-}
+    use crate::error::{Error, Result};
 
-impl Default for PrometheusRecorder {
-    fn default() -> Self {
-        Self::new()
+    // ---- the Prometheus text-format recorder ---------------------------------------------
+
+    /// A `metrics` recorder that keeps the latest values and renders them in the
+    /// Prometheus text exposition format (version 0.0.4): the recorder of
+    /// [`metrics-exporter-prometheus`](https://docs.rs/metrics-exporter-prometheus), built
+    /// without its default features, so without its tokio/hyper HTTP listener and push
+    /// gateway. Histograms are rendered as summaries (quantiles, `_sum`, `_count`).
+    ///
+    /// What stays hand-written here, and why: this wrapper, because the crate's recorder
+    /// does not clone and the example installs one copy globally while the server renders
+    /// from another; and [`serve_prometheus`], because the crate's own endpoint is the
+    /// `http-listener` feature, which is the async stack this avoids.
+    ///
+    /// Clones share the same values, so one clone can be installed as the recorder while
+    /// another renders for the HTTP server.
+    ///
+    /// The text is the upstream crate's: metric families come in no fixed order, and an
+    /// infinite gauge is written `inf` (which Prometheus parses) rather than `+Inf`.
+    #[derive(Debug, Clone)]
+    pub struct PrometheusRecorder {
+        inner: Arc<metrics_exporter_prometheus::PrometheusRecorder>,
     }
-}
 
-impl PrometheusRecorder {
-    /// An empty recorder.
-    pub fn new() -> Self {
-        PrometheusRecorder {
-            inner: Arc::new(metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder()),
+    impl Default for PrometheusRecorder {
+        fn default() -> Self {
+            Self::new()
         }
     }
 
-    /// All metrics in the text format, one family (`# HELP`, `# TYPE`, its series) after
-    /// another.
-    pub fn render(&self) -> String {
-        self.inner.handle().render()
-    }
-}
+    impl PrometheusRecorder {
+        /// An empty recorder.
+        pub fn new() -> Self {
+            PrometheusRecorder {
+                inner: Arc::new(
+                    metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder(),
+                ),
+            }
+        }
 
-impl ::metrics::Recorder for PrometheusRecorder {
-    fn describe_counter(
-        &self,
-        key: ::metrics::KeyName,
-        unit: Option<::metrics::Unit>,
-        description: ::metrics::SharedString,
-    ) {
-        self.inner.describe_counter(key, unit, description);
-    }
-
-    fn describe_gauge(
-        &self,
-        key: ::metrics::KeyName,
-        unit: Option<::metrics::Unit>,
-        description: ::metrics::SharedString,
-    ) {
-        self.inner.describe_gauge(key, unit, description);
+        /// All metrics in the text format, one family (`# HELP`, `# TYPE`, its series) after
+        /// another.
+        pub fn render(&self) -> String {
+            self.inner.handle().render()
+        }
     }
 
-    fn describe_histogram(
-        &self,
-        key: ::metrics::KeyName,
-        unit: Option<::metrics::Unit>,
-        description: ::metrics::SharedString,
-    ) {
-        self.inner.describe_histogram(key, unit, description);
+    impl ::metrics::Recorder for PrometheusRecorder {
+        fn describe_counter(
+            &self,
+            key: ::metrics::KeyName,
+            unit: Option<::metrics::Unit>,
+            description: ::metrics::SharedString,
+        ) {
+            self.inner.describe_counter(key, unit, description);
+        }
+
+        fn describe_gauge(
+            &self,
+            key: ::metrics::KeyName,
+            unit: Option<::metrics::Unit>,
+            description: ::metrics::SharedString,
+        ) {
+            self.inner.describe_gauge(key, unit, description);
+        }
+
+        fn describe_histogram(
+            &self,
+            key: ::metrics::KeyName,
+            unit: Option<::metrics::Unit>,
+            description: ::metrics::SharedString,
+        ) {
+            self.inner.describe_histogram(key, unit, description);
+        }
+
+        fn register_counter(
+            &self,
+            key: &::metrics::Key,
+            metadata: &::metrics::Metadata<'_>,
+        ) -> ::metrics::Counter {
+            self.inner.register_counter(key, metadata)
+        }
+
+        fn register_gauge(
+            &self,
+            key: &::metrics::Key,
+            metadata: &::metrics::Metadata<'_>,
+        ) -> ::metrics::Gauge {
+            self.inner.register_gauge(key, metadata)
+        }
+
+        fn register_histogram(
+            &self,
+            key: &::metrics::Key,
+            metadata: &::metrics::Metadata<'_>,
+        ) -> ::metrics::Histogram {
+            self.inner.register_histogram(key, metadata)
+        }
     }
 
-    fn register_counter(
-        &self,
-        key: &::metrics::Key,
-        metadata: &::metrics::Metadata<'_>,
-    ) -> ::metrics::Counter {
-        self.inner.register_counter(key, metadata)
+    // ---- a bounded loopback HTTP server ----------------------------------------------------
+
+    /// When [`serve_prometheus`] stops.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct ServeLimits {
+        /// Requests to answer before returning.
+        pub max_requests: usize,
+        /// Longest time to serve, from the call.
+        pub max_duration: Duration,
     }
 
-    fn register_gauge(
-        &self,
-        key: &::metrics::Key,
-        metadata: &::metrics::Metadata<'_>,
-    ) -> ::metrics::Gauge {
-        self.inner.register_gauge(key, metadata)
-    }
+    /// Longest request head [`serve_prometheus`] reads.
+    const MAX_REQUEST_BYTES: usize = 8 * 1024;
 
-    fn register_histogram(
-        &self,
-        key: &::metrics::Key,
-        metadata: &::metrics::Metadata<'_>,
-    ) -> ::metrics::Histogram {
-        self.inner.register_histogram(key, metadata)
-    }
-}
-
-// ---- a bounded loopback HTTP server ----------------------------------------------------
-
-/// When [`serve_prometheus`] stops.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ServeLimits {
-    /// Requests to answer before returning.
-    pub max_requests: usize,
-    /// Longest time to serve, from the call.
-    pub max_duration: Duration,
-}
-
-/// Longest request head [`serve_prometheus`] reads.
-const MAX_REQUEST_BYTES: usize = 8 * 1024;
-
-/// Answers HTTP `GET /metrics` (and `GET /`) on `listener` with
-/// `recorder.render()`, calling `before_render` first so the caller can publish a
-/// fresh snapshot; anything else gets a 404. Returns the number of requests answered
-/// once `limits` is reached.
-///
-/// Deliberately small and synchronous: one connection at a time, `Connection: close`,
-/// a 2-second read timeout per request. It is meant for a loopback port scraped by a
-/// local agent, not for the open internet.
-///
-/// # Errors
-/// [`Error::Io`] when the listener fails (a failing client connection is dropped and
-/// does not end the loop).
-pub fn serve_prometheus(
-    listener: &TcpListener,
-    recorder: &PrometheusRecorder,
-    limits: ServeLimits,
-    mut before_render: impl FnMut(),
-) -> Result<usize> {
-    let io = |e: std::io::Error| Error::Io(format!("metrics server: {e}"));
-    let start = Instant::now();
-    listener.set_nonblocking(true).map_err(io)?;
-    let mut served = 0;
-    while served < limits.max_requests && start.elapsed() < limits.max_duration {
-        match listener.accept() {
-            Ok((stream, _)) => {
-                if answer(stream, recorder, &mut before_render).is_ok() {
-                    served += 1;
+    /// Answers HTTP `GET /metrics` (and `GET /`) on `listener` with
+    /// `recorder.render()`, calling `before_render` first so the caller can publish a
+    /// fresh snapshot; anything else gets a 404. Returns the number of requests answered
+    /// once `limits` is reached.
+    ///
+    /// Deliberately small and synchronous: one connection at a time, `Connection: close`,
+    /// a 2-second read timeout per request. It is meant for a loopback port scraped by a
+    /// local agent, not for the open internet.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the listener fails (a failing client connection is dropped and
+    /// does not end the loop).
+    pub fn serve_prometheus(
+        listener: &TcpListener,
+        recorder: &PrometheusRecorder,
+        limits: ServeLimits,
+        mut before_render: impl FnMut(),
+    ) -> Result<usize> {
+        let io = |e: std::io::Error| Error::Io(format!("metrics server: {e}"));
+        let start = Instant::now();
+        listener.set_nonblocking(true).map_err(io)?;
+        let mut served = 0;
+        while served < limits.max_requests && start.elapsed() < limits.max_duration {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    if answer(stream, recorder, &mut before_render).is_ok() {
+                        served += 1;
+                    }
                 }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io(e)),
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(io(e)),
         }
+        Ok(served)
     }
-    Ok(served)
+
+    fn answer(
+        mut stream: TcpStream,
+        recorder: &PrometheusRecorder,
+        before_render: &mut impl FnMut(),
+    ) -> std::io::Result<()> {
+        stream.set_nonblocking(false)?;
+        stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST_BYTES {
+            let n = stream.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            head.extend_from_slice(&buf[..n]);
+        }
+        let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+        let mut parts = line.split(|&b| b == b' ');
+        let (method, path) = (parts.next(), parts.next());
+        let (status, body) = match (method, path) {
+            (Some(b"GET"), Some(b"/metrics" | b"/")) => {
+                before_render();
+                ("200 OK", recorder.render())
+            }
+            _ => ("404 Not Found", "not found; try GET /metrics\n".to_string()),
+        };
+        write!(
+            stream,
+            "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )?;
+        stream.flush()
+    }
 }
 
-fn answer(
-    mut stream: TcpStream,
-    recorder: &PrometheusRecorder,
-    before_render: &mut impl FnMut(),
-) -> std::io::Result<()> {
-    stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST_BYTES {
-        let n = stream.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
-    let mut parts = line.split(|&b| b == b' ');
-    let (method, path) = (parts.next(), parts.next());
-    let (status, body) = match (method, path) {
-        (Some(b"GET"), Some(b"/metrics" | b"/")) => {
-            before_render();
-            ("200 OK", recorder.render())
-        }
-        _ => ("404 Not Found", "not found; try GET /metrics\n".to_string()),
-    };
-    write!(
-        stream,
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    stream.flush()
-}
+#[cfg(feature = "prometheus")]
+pub use prometheus::{serve_prometheus, PrometheusRecorder, ServeLimits};
