@@ -445,3 +445,43 @@ fn truncate_refuses_a_sequence_mid_step_and_changes_nothing() {
     kv.check_invariants().unwrap();
     check(&kv, &storage, SeqId(2), 7);
 }
+
+/// The prefix cache's droppers (`reset_prefix_cache`, the spill to the host tier)
+/// take only unreferenced blocks, and a reservation references every block of its
+/// table, including a cached one it revived: a whole-prompt hit recomputes its last
+/// block, and the reservation shares the cached copy in its place. Nothing of the
+/// reserved sequence goes, and its blocks stay registered.
+#[test]
+fn prefix_reset_and_spill_leave_a_block_revived_by_a_reservation() {
+    let (mut kv, mut storage) = manager(8);
+    let (opts, mut slots) = (AdmitOptions::default(), Vec::new());
+    let prompt: Vec<u32> = (0..8).collect();
+    kv.admit_tokens(SeqId(1), &prompt, &opts, &mut slots)
+        .unwrap();
+    let cached = kv.block_table(SeqId(1)).unwrap().to_vec();
+    kv.free(SeqId(1)).unwrap();
+    let a = kv
+        .admit_tokens(SeqId(2), &prompt, &opts, &mut slots)
+        .unwrap();
+    assert_eq!(a.cached_tokens, 4);
+    assert_ne!(kv.block_table(SeqId(2)).unwrap()[1], cached[1]);
+    let mut step = Vec::new();
+    kv.reserve(SeqId(2), 1, 0, &mut step, &mut CopyPlan::new())
+        .unwrap();
+    let table = kv.block_table(SeqId(2)).unwrap().to_vec();
+    assert_eq!(table[..2], cached[..], "the reservation revived the copy");
+    assert_eq!(kv.stats().cached_blocks, 0);
+    let reset = kv.reset_prefix_cache().unwrap();
+    assert_eq!((reset.evicted_blocks, reset.kept_live_blocks), (0, 2));
+    let spill = pagedkv::executor::tier::spill_cached_prefixes(&mut kv, &mut storage).unwrap();
+    assert_eq!((spill.spilled_blocks, spill.evicted_blocks), (0, 0));
+    assert_eq!(kv.block_table(SeqId(2)).unwrap(), table);
+    write(&mut storage, SeqId(2), 8, &step);
+    kv.commit(SeqId(2), 1).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(
+        kv.cached_prefix_len(&(0..9).collect::<Vec<_>>(), &opts)
+            .unwrap(),
+        8
+    );
+}
