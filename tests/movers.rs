@@ -3,12 +3,12 @@
 //! Between `reserve` (or `reserve_step`) and `commit` the model writes K/V through the
 //! slots it was handed, so every block of a sequence holding a reservation is in
 //! flight: defragmentation plans around those blocks, a shrink whose tail holds one
-//! refuses (changing nothing), and the broker takes no memory from a model mid-step.
-//! Each case writes the step through the reserved slots after the mover ran and reads
-//! the committed bytes back from `HostStorage`, and each refusal leaves everything as
-//! it was. (The round's two bookkeeping defects have their tests beside their
-//! kin: `tests/reliability.rs` for the group swap-in's fills, `tests/prefix.rs` for
-//! the one rule of token ids.)
+//! refuses (changing nothing), the broker takes no memory from a model mid-step, and
+//! `truncate` refuses a sequence mid-step. Each case writes the step through the
+//! reserved slots after the mover ran and reads the committed bytes back from
+//! `HostStorage`, and each refusal leaves everything as it was. (The round's two
+//! bookkeeping defects have their tests beside their kin: `tests/reliability.rs` for
+//! the group swap-in's fills, `tests/prefix.rs` for the one rule of token ids.)
 
 use pagedkv::broker::{Broker, BrokerConfig, ModelLimits, SleepOptions};
 use pagedkv::executor::{defragment_with, shrink_to};
@@ -406,4 +406,82 @@ fn sleep_refuses_a_model_mid_step() {
     b.sleep(a, SleepOptions::default()).unwrap();
     let g = b.lock(a).unwrap();
     check(g.kv(), g.storage(), SeqId(2), 8);
+}
+
+/// `truncate` releases the blocks past the new length, and a reservation's slots are
+/// in those blocks: mid-step it refuses (it used to cancel the reservation silently
+/// and free the block the step was writing), changing nothing. Committed, or
+/// cancelled with `commit(seq, 0)`, the same call goes through.
+#[test]
+fn truncate_refuses_a_sequence_mid_step_and_changes_nothing() {
+    let (mut kv, mut storage, step) = reserved_above_a_hole();
+    let before = snapshot(&kv, &storage);
+    // 4 releases the block of positions 4-7 (the step writes 6-7 there); 7 only cuts
+    // the reservation.
+    for new_len in [4, 7, 8] {
+        let e = kv.truncate(SeqId(2), new_len).unwrap_err();
+        assert!(
+            matches!(e, Error::SequenceState { seq: SeqId(2), .. }),
+            "{e:?}"
+        );
+        assert_eq!(snapshot(&kv, &storage), before);
+    }
+    write(&mut storage, SeqId(2), 6, &step);
+    kv.commit(SeqId(2), 2).unwrap();
+    kv.check_invariants().unwrap();
+    check(&kv, &storage, SeqId(2), 8);
+    kv.truncate(SeqId(2), 7).unwrap();
+    assert_eq!(kv.num_computed_tokens(SeqId(2)).unwrap(), 7);
+    check(&kv, &storage, SeqId(2), 7);
+    // A cancelled reservation leaves its slots allocated; truncate drops them.
+    let mut step = Vec::new();
+    kv.reserve(SeqId(2), 1, 2, &mut step, &mut CopyPlan::new())
+        .unwrap();
+    assert!(kv.truncate(SeqId(2), 8).is_err());
+    kv.commit(SeqId(2), 0).unwrap();
+    assert_eq!(kv.num_tokens(SeqId(2)).unwrap(), 10);
+    kv.truncate(SeqId(2), 7).unwrap();
+    assert_eq!(kv.block_table(SeqId(2)).unwrap().len(), 2);
+    kv.check_invariants().unwrap();
+    check(&kv, &storage, SeqId(2), 7);
+}
+
+/// The prefix cache's droppers (`reset_prefix_cache`, the spill to the host tier)
+/// take only unreferenced blocks, and a reservation references every block of its
+/// table, including a cached one it revived: a whole-prompt hit recomputes its last
+/// block, and the reservation shares the cached copy in its place. Nothing of the
+/// reserved sequence goes, and its blocks stay registered.
+#[test]
+fn prefix_reset_and_spill_leave_a_block_revived_by_a_reservation() {
+    let (mut kv, mut storage) = manager(8);
+    let (opts, mut slots) = (AdmitOptions::default(), Vec::new());
+    let prompt: Vec<u32> = (0..8).collect();
+    kv.admit_tokens(SeqId(1), &prompt, &opts, &mut slots)
+        .unwrap();
+    let cached = kv.block_table(SeqId(1)).unwrap().to_vec();
+    kv.free(SeqId(1)).unwrap();
+    let a = kv
+        .admit_tokens(SeqId(2), &prompt, &opts, &mut slots)
+        .unwrap();
+    assert_eq!(a.cached_tokens, 4);
+    assert_ne!(kv.block_table(SeqId(2)).unwrap()[1], cached[1]);
+    let mut step = Vec::new();
+    kv.reserve(SeqId(2), 1, 0, &mut step, &mut CopyPlan::new())
+        .unwrap();
+    let table = kv.block_table(SeqId(2)).unwrap().to_vec();
+    assert_eq!(table[..2], cached[..], "the reservation revived the copy");
+    assert_eq!(kv.stats().cached_blocks, 0);
+    let reset = kv.reset_prefix_cache().unwrap();
+    assert_eq!((reset.evicted_blocks, reset.kept_live_blocks), (0, 2));
+    let spill = pagedkv::executor::tier::spill_cached_prefixes(&mut kv, &mut storage).unwrap();
+    assert_eq!((spill.spilled_blocks, spill.evicted_blocks), (0, 0));
+    assert_eq!(kv.block_table(SeqId(2)).unwrap(), table);
+    write(&mut storage, SeqId(2), 8, &step);
+    kv.commit(SeqId(2), 1).unwrap();
+    kv.check_invariants().unwrap();
+    assert_eq!(
+        kv.cached_prefix_len(&(0..9).collect::<Vec<_>>(), &opts)
+            .unwrap(),
+        8
+    );
 }

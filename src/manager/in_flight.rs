@@ -12,14 +12,41 @@
 //! [`KvCacheManager::readable_blocks`] is the one place that says what a reader may
 //! read. Every mover asks it:
 //!
-//! - per sequence (`KvCacheManager::idle`): preemption, fork and swap-out refuse a
-//!   sequence mid-step with [`Error::SequenceState`];
+//! - per sequence (`KvCacheManager::idle`): preemption, fork, swap-out and
+//!   `truncate` (whose released tail holds the reservation's slots) refuse a sequence
+//!   mid-step with [`Error::SequenceState`];
 //! - per block ([`KvCacheManager::in_flight_blocks`]): defragmentation (of one manager
 //!   or of KV-cache groups) plans around them, they stay put;
 //! - per tail ([`KvCacheManager::check_tail_not_in_flight`]): a shrink whose released
 //!   tail holds one refuses, changing nothing;
 //! - per manager ([`KvCacheManager::mid_step_sequence`]): the broker takes no memory
 //!   from a model mid-step, and does not put it to sleep.
+//!
+//! The other movers respect it without asking, because a sequence mid-step holds a
+//! reference to every block of its table (so none of them is free or cached) and is
+//! resident (so it has no host or disk blocks):
+//!
+//! - grow (`plan_grow`, `executor::grow_to`): adds free blocks at the tail and plans
+//!   no move; block ids, and so slots, stay what they were (a CUDA arena grows its
+//!   virtual mapping in place);
+//! - disk spill and restore (`plan_spill` / `plan_restore`, `executor::spill_to_disk`
+//!   / `restore_from_disk`), the host<->disk tier moves: they take only swapped-out
+//!   sequences, and copy between host blocks and disk slots, never device blocks;
+//! - prefix spill and restore (`plan_prefix_spill` / `plan_prefix_restore`): the
+//!   spill copies and evicts only evictable cached blocks, the restore writes only
+//!   free device blocks;
+//! - prefix reset and eviction (`reset_prefix_cache`, `evict_cached`): drop only
+//!   cached blocks, never a block a table references, one that a reservation revived
+//!   included (`tests/movers.rs`);
+//! - import (`ExportView::import_into[_cache]`, group exports alike): admits a new
+//!   sequence ([`Error::DuplicateSequence`] rather than replacing one); its evictions,
+//!   on admission or after a failed write, drop only cached blocks;
+//! - group page lending (`give_pages`, `move_page`, `reclaim_page` in
+//!   `manager/groups.rs`): lends only free pages and reclaims only pages the hidden
+//!   lender holds, which reserves nothing, so no mid-step table names either.
+//!
+//! `free` of a sequence mid-step is its owner abandoning the step, not a mover: it
+//! goes through.
 //!
 //! Swap transfers in flight are the other kind of block in flight; the movers refuse
 //! them separately (their blocks are held by the tier, not by a reservation).

@@ -1249,12 +1249,17 @@ impl KvCacheManager {
     /// tokens on the one-call path, lookahead slots no longer wanted); blocks no longer
     /// needed are released and the computed count follows.
     ///
+    /// A sequence holding an uncommitted reservation is refused: the step is writing
+    /// through the slots it was handed, and the blocks this would release are among
+    /// them (nothing frees a block a step is writing). Commit first; `commit(seq, 0)`
+    /// cancels the reservation, and its slots stay allocated for `truncate` to drop.
+    ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::PastEnd`] when `new_len` is longer than
-    /// the sequence; [`Error::SequenceState`] when it is swapped out or has a swap in
-    /// flight. Nothing changed on error.
+    /// the sequence; [`Error::SequenceState`] when it is swapped out, has a swap in
+    /// flight or holds an uncommitted reservation. Nothing changed on error.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
-        let s = self.resident(seq)?;
+        let s = self.idle(seq)?;
         if new_len > s.num_tokens {
             return Err(Error::PastEnd {
                 seq,
@@ -1285,10 +1290,8 @@ impl KvCacheManager {
             }
         }
         s.num_tokens = new_len;
-        if s.computed + s.scheduled > new_len {
-            s.computed = s.computed.min(new_len);
-            s.scheduled = new_len - s.computed;
-        }
+        // No reservation (`idle` above): only the computed count follows.
+        s.computed = s.computed.min(new_len);
         self.prefix_after_truncate(&mut s, new_len);
         self.seqs.put(h, s);
         result
