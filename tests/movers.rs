@@ -13,8 +13,9 @@
 use pagedkv::broker::{Broker, BrokerConfig, ModelLimits, SleepOptions};
 use pagedkv::executor::{defragment_with, shrink_to};
 use pagedkv::{
-    AdmitOptions, CopyPlan, DType, DefragOptions, Error, GroupSpec, GroupStep, HostStorage,
-    KvCacheGroups, KvCacheManager, KvLayout, ModelShape, SeqId, Slot, Storage, TierConfig,
+    AdmitOptions, CopyPlan, CostModel, DType, DefragOptions, Error, GroupSpec, GroupStep,
+    HostStorage, KvCacheGroups, KvCacheManager, KvLayout, ModelShape, PreemptAction, PreemptMode,
+    PreemptPolicy, SeqId, Slot, Storage, TierConfig,
 };
 
 const BS: usize = 4;
@@ -484,4 +485,760 @@ fn prefix_reset_and_spill_leave_a_block_revived_by_a_reservation() {
             .unwrap(),
         8
     );
+}
+
+// ---------------------------------------------------------------------------------
+// The model: every mover at any point of a step, against a byte shadow.
+// ---------------------------------------------------------------------------------
+
+/// What one position's K/V holds, as a tag: `token_tag` for a position admitted with
+/// token ids (a function of the token prefix, as in a real model, so a prefix hit
+/// reads the same bytes), a fresh counter for every other write, drafts included.
+/// 0 is never written.
+type Tag = u32;
+
+/// Tags of positions admitted with token ids carry the high bit; counters stay below.
+fn token_tag(prefix_hash: u64) -> Tag {
+    (prefix_hash as u32) | 0x8000_0000
+}
+
+fn chain(prev: u64, token: u32) -> u64 {
+    let mut z = prev.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(token);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z ^ (z >> 31)
+}
+
+/// One token's K (kind 0) or V (kind 1) bytes of `tag` in `layer`.
+fn tag_bytes(tag: Tag, layer: usize, kind: u8, out: &mut Vec<u8>) {
+    let n = layout().shape().head_dim * layout().dtype().size_bytes();
+    // The tag, then bytes that tell the layer and the kind apart.
+    out.extend_from_slice(&tag.to_le_bytes());
+    out.extend((4..n).map(|i| (layer as u8) << 4 | kind << 2 | i as u8));
+}
+
+fn write_tags(storage: &mut HostStorage, slots: &[Slot], tags: &[Tag]) {
+    assert_eq!(slots.len(), tags.len());
+    for layer in 0..layout().num_layers() {
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for &t in tags {
+            tag_bytes(t, layer, 0, &mut k);
+            tag_bytes(t, layer, 1, &mut v);
+        }
+        storage.write_slots(layer, slots, &k, &v).unwrap();
+    }
+}
+
+/// The step a sequence is in: reserved, and perhaps written.
+#[derive(Debug, Clone)]
+struct Step {
+    /// The first reserved position (the computed count at `reserve`).
+    first: usize,
+    /// Positions of this step (the rest of `slots` is lookahead).
+    n: usize,
+    /// The slots `reserve` handed out: `n` positions, then the lookahead.
+    slots: Vec<Slot>,
+    /// What the step wrote through `slots` (drafts in the lookahead), once written.
+    written: Option<Vec<Tag>>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Shadow {
+    /// The tag of every computed position.
+    computed: Vec<Tag>,
+    step: Option<Step>,
+}
+
+#[derive(Debug, Clone)]
+enum Action {
+    /// `admit` of `len` fresh tokens, or (`prompt` is `Some`) `admit_tokens` of one of
+    /// a few shared prompts plus a tail.
+    Admit {
+        len: u8,
+        prompt: Option<u8>,
+    },
+    Reserve {
+        pick: u8,
+        n: u8,
+        lookahead: u8,
+    },
+    /// The model writes the step of a sequence mid-step.
+    Write {
+        pick: u8,
+    },
+    /// `accept` of the step (clamped); an unwritten step is cancelled (`commit(seq, 0)`).
+    Commit {
+        pick: u8,
+        accept: u8,
+    },
+    Defrag {
+        opts: u8,
+        planned: bool,
+    },
+    Shrink {
+        by: u8,
+        planned: bool,
+    },
+    Grow {
+        by: u8,
+    },
+    Preempt {
+        extra: u8,
+        swap: bool,
+    },
+    Fork {
+        pick: u8,
+    },
+    SwapOut {
+        pick: u8,
+    },
+    SwapIn {
+        pick: u8,
+    },
+    Truncate {
+        pick: u8,
+        len: u8,
+    },
+    ResetPrefix,
+    Free {
+        pick: u8,
+    },
+}
+
+fn mover_action() -> impl proptest::strategy::Strategy<Value = Action> {
+    use proptest::prelude::*;
+    let b = any::<u8>;
+    prop_oneof![
+        3 => (1..14u8, prop::option::weighted(0.4, 0..3u8))
+            .prop_map(|(len, prompt)| Action::Admit { len, prompt }),
+        4 => (b(), 1..6u8, 0..3u8).prop_map(|(pick, n, lookahead)| Action::Reserve { pick, n, lookahead }),
+        4 => b().prop_map(|pick| Action::Write { pick }),
+        3 => (b(), b()).prop_map(|(pick, accept)| Action::Commit { pick, accept }),
+        2 => (b(), any::<bool>()).prop_map(|(opts, planned)| Action::Defrag { opts, planned }),
+        2 => (1..12u8, any::<bool>()).prop_map(|(by, planned)| Action::Shrink { by, planned }),
+        1 => (1..12u8).prop_map(|by| Action::Grow { by }),
+        1 => (0..8u8, any::<bool>()).prop_map(|(extra, swap)| Action::Preempt { extra, swap }),
+        1 => b().prop_map(|pick| Action::Fork { pick }),
+        1 => b().prop_map(|pick| Action::SwapOut { pick }),
+        1 => b().prop_map(|pick| Action::SwapIn { pick }),
+        1 => (b(), b()).prop_map(|(pick, len)| Action::Truncate { pick, len }),
+        1 => Just(Action::ResetPrefix),
+        1 => b().prop_map(|pick| Action::Free { pick }),
+    ]
+}
+
+const MODEL_BLOCKS: usize = 12;
+const MODEL_MAX_BLOCKS: usize = 24;
+
+struct Model {
+    kv: KvCacheManager,
+    storage: HostStorage,
+    seqs: std::collections::BTreeMap<SeqId, Shadow>,
+    /// Swapped out: the computed tags, read again after the swap-in.
+    swapped: std::collections::BTreeMap<SeqId, Vec<Tag>>,
+    next_seq: u64,
+    next_tag: Tag,
+    slots: Vec<Slot>,
+    copies: CopyPlan,
+    seen: Seen,
+}
+
+/// What a run exercised, so the test can tell that it reached the interleavings.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    /// Movers run while a step was reserved and not yet written.
+    before_write: usize,
+    /// Movers run while a step was written and not yet committed.
+    before_commit: usize,
+    /// Defragmentations and shrinks that moved blocks with a step in flight.
+    moved_mid_step: usize,
+    /// Refusals of a sequence mid-step.
+    refused_mid_step: usize,
+    /// Commits that made positions computed.
+    commits: usize,
+    swaps: usize,
+}
+
+/// Everything a refused call must leave as it was, swapped sequences included.
+fn full_snapshot(kv: &KvCacheManager, storage: &HostStorage) -> String {
+    let mut ids: Vec<_> = kv.sequence_ids().collect();
+    ids.sort();
+    let tables: Vec<_> = ids
+        .iter()
+        .map(|&s| {
+            (
+                s,
+                kv.block_table(s).ok().map(<[_]>::to_vec),
+                kv.num_tokens(s).ok(),
+                kv.num_computed_tokens(s).ok(),
+            )
+        })
+        .collect();
+    format!(
+        "{:?} {:?} {:?} {:?} {tables:?} {} {}",
+        kv.stats(),
+        kv.tier_stats(),
+        kv.fragmentation(),
+        kv.pool().states(),
+        kv.num_blocks(),
+        storage.num_blocks()
+    )
+}
+
+fn is_state_error(e: &Error, seq: SeqId) -> bool {
+    matches!(e, Error::SequenceState { seq: s, .. } if *s == seq)
+}
+
+impl Model {
+    fn new() -> Self {
+        let kv = KvCacheManager::builder(layout())
+            .num_blocks(MODEL_BLOCKS)
+            .max_num_blocks(MODEL_MAX_BLOCKS)
+            .watermark_blocks(0)
+            .tiers(TierConfig {
+                num_host_blocks: 16,
+                num_disk_slots: 0,
+            })
+            .build()
+            .unwrap();
+        let storage = HostStorage::with_host_tier(layout(), MODEL_BLOCKS, 16).unwrap();
+        Model {
+            kv,
+            storage,
+            seqs: Default::default(),
+            swapped: Default::default(),
+            next_seq: 0,
+            next_tag: 1,
+            slots: Vec::new(),
+            copies: CopyPlan::new(),
+            seen: Seen::default(),
+        }
+    }
+
+    fn tag(&mut self) -> Tag {
+        self.next_tag += 1;
+        self.next_tag
+    }
+
+    fn pick(&self, p: u8) -> Option<SeqId> {
+        let n = self.seqs.len();
+        (n > 0).then(|| *self.seqs.keys().nth(p as usize % n).unwrap())
+    }
+
+    fn pick_mid_step(&self, p: u8) -> Option<SeqId> {
+        let ids: Vec<_> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.step.is_some())
+            .map(|(&id, _)| id)
+            .collect();
+        (!ids.is_empty()).then(|| ids[p as usize % ids.len()])
+    }
+
+    fn mid_step_tables(&self) -> Vec<(SeqId, Vec<pagedkv::BlockId>)> {
+        self.seqs
+            .iter()
+            .filter(|(_, s)| s.step.is_some())
+            .map(|(&id, _)| (id, self.kv.block_table(id).unwrap().to_vec()))
+            .collect()
+    }
+
+    /// Runs a swap plan on the storage and completes it; the sequences move tiers.
+    fn finish_swap(&mut self, job: &pagedkv::SwapJob, seqs: &[SeqId], out: bool) {
+        self.storage.swap(&job.plan).unwrap();
+        self.seen.swaps += 1;
+        self.kv.complete_swap(job.ticket).unwrap();
+        for &id in seqs {
+            if out {
+                let s = self.seqs.remove(&id).unwrap();
+                assert!(s.step.is_none(), "{id} swapped out mid-step");
+                self.swapped.insert(id, s.computed);
+            } else {
+                let computed = self.swapped.remove(&id).unwrap();
+                self.seqs.insert(
+                    id,
+                    Shadow {
+                        computed,
+                        step: None,
+                    },
+                );
+            }
+        }
+    }
+
+    fn apply(&mut self, a: &Action) {
+        let before = full_snapshot(&self.kv, &self.storage);
+        let in_flight = self.mid_step_tables();
+        let frag = self.kv.fragmentation();
+        let is_mover = !matches!(
+            a,
+            Action::Admit { .. }
+                | Action::Reserve { .. }
+                | Action::Write { .. }
+                | Action::Commit { .. }
+        );
+        if is_mover {
+            for s in self.seqs.values().filter_map(|s| s.step.as_ref()) {
+                match s.written {
+                    None => self.seen.before_write += 1,
+                    Some(_) => self.seen.before_commit += 1,
+                }
+            }
+        }
+        // `None`: the action did not apply (no sequence to pick).
+        let Some(refused) = self.act(a) else {
+            return;
+        };
+        // `Err` of a call the model allows to fail: it must have changed nothing.
+        if matches!(a, Action::Defrag { .. } | Action::Shrink { .. })
+            && !in_flight.is_empty()
+            && self.kv.fragmentation() != frag
+        {
+            self.seen.moved_mid_step += 1;
+        }
+        if let Some(e) = refused {
+            if matches!(e, Error::SequenceState { seq, .. } if in_flight.iter().any(|t| t.0 == seq))
+            {
+                self.seen.refused_mid_step += 1;
+            }
+            assert_eq!(
+                full_snapshot(&self.kv, &self.storage),
+                before,
+                "{a:?} refused ({e}) but changed the manager"
+            );
+        }
+        // Nothing remaps a block a step is writing, whatever ran.
+        for (seq, table) in in_flight {
+            if self.seqs.get(&seq).is_some_and(|s| s.step.is_some()) {
+                let now = self.kv.block_table(seq).unwrap();
+                assert_eq!(now, table, "{a:?} remapped {seq} mid-step");
+            }
+        }
+    }
+
+    /// Runs `a`; `Some(Some(e))` when the manager refused it with `e`.
+    fn act(&mut self, a: &Action) -> Option<Option<Error>> {
+        Some(match *a {
+            Action::Admit { len, prompt } => self.admit(len, prompt),
+            Action::Reserve { pick, n, lookahead } => {
+                let seq = self.pick(pick)?;
+                let (n, lookahead) = (n as usize, lookahead as usize);
+                let mid_step = self.seqs[&seq].step.is_some();
+                self.copies.clear();
+                match self
+                    .kv
+                    .reserve(seq, n, lookahead, &mut self.slots, &mut self.copies)
+                {
+                    Ok(()) => {
+                        assert!(!mid_step, "{seq}: a second reservation went through");
+                        assert_eq!(self.slots.len(), n + lookahead);
+                        if !self.copies.is_empty() {
+                            self.storage.copy_blocks(&self.copies).unwrap();
+                        }
+                        let s = self.seqs.get_mut(&seq).unwrap();
+                        s.step = Some(Step {
+                            first: s.computed.len(),
+                            n,
+                            slots: self.slots.clone(),
+                            written: None,
+                        });
+                        None
+                    }
+                    Err(e) => {
+                        assert!(!mid_step || is_state_error(&e, seq), "{e:?}");
+                        Some(e)
+                    }
+                }
+            }
+            Action::Write { pick } => {
+                let seq = self.pick_mid_step(pick)?;
+                let step = self.seqs[&seq].step.clone().unwrap();
+                if step.written.is_some() {
+                    return Some(None);
+                }
+                let tags: Vec<Tag> = (0..step.slots.len()).map(|_| self.tag()).collect();
+                write_tags(&mut self.storage, &step.slots, &tags);
+                self.seqs
+                    .get_mut(&seq)
+                    .unwrap()
+                    .step
+                    .as_mut()
+                    .unwrap()
+                    .written = Some(tags);
+                None
+            }
+            Action::Commit { pick, accept } => {
+                let seq = self.pick_mid_step(pick)?;
+                let s = self.seqs.get_mut(&seq).unwrap();
+                let step = s.step.take().unwrap();
+                let accept = match &step.written {
+                    Some(tags) => {
+                        let accept = accept as usize % (step.n + 1);
+                        s.computed.extend_from_slice(&tags[..accept]);
+                        self.seen.commits += usize::from(accept > 0);
+                        accept
+                    }
+                    None => 0,
+                };
+                self.kv.commit(seq, accept).unwrap();
+                None
+            }
+            Action::Defrag { opts, planned } => {
+                let opts = match opts % 3 {
+                    0 => DefragOptions::FULL,
+                    1 => DefragOptions::incremental(1 + opts as usize % 4),
+                    _ => DefragOptions::FULL.above(f64::from(opts) / 255.0),
+                };
+                if planned {
+                    let pending = self.kv.plan_defragment(opts).unwrap();
+                    if !pending.plan().is_empty() {
+                        self.storage
+                            .copy_blocks(&pending.plan().to_copy_plan())
+                            .unwrap();
+                    }
+                    pending.commit().unwrap();
+                } else {
+                    defragment_with(&mut self.kv, &mut self.storage, opts).unwrap();
+                }
+                None
+            }
+            Action::Shrink { by, planned } => {
+                let target = self.kv.num_blocks().saturating_sub(by as usize).max(1);
+                if planned {
+                    match self.kv.plan_shrink(target) {
+                        Ok(pending) => {
+                            if !pending.plan().is_empty() {
+                                self.storage
+                                    .copy_blocks(&pending.plan().to_copy_plan())
+                                    .unwrap();
+                            }
+                            self.storage.resize(target).unwrap();
+                            pending.commit().unwrap();
+                            None
+                        }
+                        Err(e) => Some(e),
+                    }
+                } else {
+                    shrink_to(&mut self.kv, target, &mut self.storage).err()
+                }
+            }
+            Action::Grow { by } => {
+                let target = self.kv.num_blocks() + by as usize;
+                pagedkv::executor::grow_to(&mut self.kv, target, &mut self.storage).err()
+            }
+            Action::Preempt { extra, swap } => {
+                let needed = self.kv.num_available_blocks() + 1 + extra as usize;
+                let policy = PreemptPolicy {
+                    mode: if swap {
+                        PreemptMode::AlwaysSwap
+                    } else {
+                        PreemptMode::AlwaysRecompute
+                    },
+                    cost: CostModel::new(1e9, 1e4).unwrap(),
+                    unschedule_below: None,
+                };
+                match self.kv.preempt_for(needed, &policy) {
+                    Ok(preempted) => {
+                        for p in preempted {
+                            assert!(p.unscheduled.is_empty());
+                            for id in &p.seqs {
+                                assert!(self.seqs[id].step.is_none(), "preempted {id} mid-step");
+                            }
+                            match p.action {
+                                PreemptAction::Swap(job) => self.finish_swap(&job, &p.seqs, true),
+                                PreemptAction::Recompute { .. } => {
+                                    for id in &p.seqs {
+                                        self.seqs.remove(id);
+                                    }
+                                }
+                            }
+                        }
+                        None
+                    }
+                    Err(e) => Some(e),
+                }
+            }
+            Action::Fork { pick } => {
+                let parent = self.pick(pick)?;
+                let child = SeqId(self.next_seq);
+                self.next_seq += 1;
+                let mid_step = self.seqs[&parent].step.is_some();
+                match self.kv.fork(parent, child) {
+                    Ok(()) => {
+                        assert!(!mid_step, "fork of {parent} mid-step went through");
+                        let computed = self.seqs[&parent].computed.clone();
+                        self.seqs.insert(
+                            child,
+                            Shadow {
+                                computed,
+                                step: None,
+                            },
+                        );
+                        None
+                    }
+                    Err(e) => {
+                        assert!(mid_step && is_state_error(&e, parent), "{e:?}");
+                        Some(e)
+                    }
+                }
+            }
+            Action::SwapOut { pick } => {
+                let seq = self.pick(pick)?;
+                let mid_step = self.seqs[&seq].step.is_some();
+                match self.kv.swap_out(seq) {
+                    Ok(job) => {
+                        assert!(!mid_step, "swap-out of {seq} mid-step went through");
+                        self.finish_swap(&job, &[seq], true);
+                        None
+                    }
+                    Err(e) => {
+                        assert!(!mid_step || is_state_error(&e, seq), "{e:?}");
+                        Some(e)
+                    }
+                }
+            }
+            Action::SwapIn { pick } => {
+                let n = self.swapped.len();
+                if n == 0 {
+                    return Some(None);
+                }
+                let seq = *self.swapped.keys().nth(pick as usize % n).unwrap();
+                match self.kv.swap_in(seq) {
+                    Ok(job) => {
+                        self.finish_swap(&job, &[seq], false);
+                        None
+                    }
+                    Err(e) => Some(e),
+                }
+            }
+            Action::Truncate { pick, len } => {
+                let seq = self.pick(pick)?;
+                let new_len = len as usize % (self.kv.num_tokens(seq).unwrap() + 1);
+                let mid_step = self.seqs[&seq].step.is_some();
+                match self.kv.truncate(seq, new_len) {
+                    Ok(()) => {
+                        assert!(!mid_step, "truncate of {seq} mid-step went through");
+                        self.seqs.get_mut(&seq).unwrap().computed.truncate(new_len);
+                        None
+                    }
+                    Err(e) => {
+                        assert!(mid_step && is_state_error(&e, seq), "{e:?}");
+                        Some(e)
+                    }
+                }
+            }
+            Action::ResetPrefix => {
+                self.kv.reset_prefix_cache().unwrap();
+                None
+            }
+            Action::Free { pick } => {
+                // Of any sequence: one mid-step is its owner abandoning the step.
+                let seq = self.pick(pick)?;
+                self.kv.free(seq).unwrap();
+                self.seqs.remove(&seq);
+                None
+            }
+        })
+    }
+
+    fn admit(&mut self, len: u8, prompt: Option<u8>) -> Option<Error> {
+        let seq = SeqId(self.next_seq);
+        self.next_seq += 1;
+        let Some(p) = prompt else {
+            let len = len as usize;
+            if let Err(e) = self.kv.admit(seq, len, &mut self.slots) {
+                return Some(e);
+            }
+            let tags: Vec<Tag> = (0..len).map(|_| self.tag()).collect();
+            write_tags(&mut self.storage, &self.slots.clone(), &tags);
+            self.seqs.insert(
+                seq,
+                Shadow {
+                    computed: tags,
+                    step: None,
+                },
+            );
+            return None;
+        };
+        let mut tokens: Vec<u32> = match p {
+            0 => (0..10).collect(),
+            1 => (0..6).chain(50..57).collect(),
+            _ => (100..109).collect(),
+        };
+        tokens.extend((0..u32::from(len % 5)).map(|i| 900 + i));
+        let adm =
+            match self
+                .kv
+                .admit_tokens(seq, &tokens, &AdmitOptions::default(), &mut self.slots)
+            {
+                Ok(adm) => adm,
+                Err(e) => return Some(e),
+            };
+        let mut hash = 0;
+        let tags: Vec<Tag> = tokens
+            .iter()
+            .map(|&t| {
+                hash = chain(hash, t);
+                token_tag(hash)
+            })
+            .collect();
+        write_tags(
+            &mut self.storage,
+            &self.slots.clone(),
+            &tags[adm.cached_tokens..],
+        );
+        self.seqs.insert(
+            seq,
+            Shadow {
+                computed: tags,
+                step: None,
+            },
+        );
+        None
+    }
+
+    /// Reads every resident sequence back through its current table: computed
+    /// positions through `readable_blocks`, a written step through the table its
+    /// slots address, and the slots of every step still address that table.
+    fn check(&self, after: &Action) {
+        if let Err(e) = self.kv.check_invariants() {
+            panic!("after {after:?}: invariant broken: {e}");
+        }
+        assert_eq!(self.storage.num_blocks(), self.kv.num_blocks());
+        let l = layout();
+        for (&seq, s) in &self.seqs {
+            let (blocks, computed) = self.kv.readable_blocks(seq).unwrap();
+            assert_eq!(
+                computed,
+                s.computed.len(),
+                "after {after:?}: {seq} computed"
+            );
+            self.expect_tags(seq, blocks, 0, &s.computed, after);
+            let Some(step) = &s.step else { continue };
+            let table = self.kv.block_table(seq).unwrap();
+            for (i, &slot) in step.slots.iter().enumerate() {
+                let pos = step.first + i;
+                let want = table.get(pos / BS).map(|&b| l.slot(b, pos % BS));
+                assert_eq!(
+                    want,
+                    Some(slot),
+                    "after {after:?}: {seq} position {pos}: the step's slot went stale"
+                );
+            }
+            if let Some(tags) = &step.written {
+                self.expect_tags(seq, table, step.first, tags, after);
+            }
+        }
+    }
+
+    /// Positions `first..first + tags.len()` of `seq`, read through `table`, hold
+    /// `tags`' bytes.
+    fn expect_tags(
+        &self,
+        seq: SeqId,
+        table: &[pagedkv::BlockId],
+        first: usize,
+        tags: &[Tag],
+        after: &Action,
+    ) {
+        let len = first + tags.len();
+        if tags.is_empty() {
+            return;
+        }
+        for layer in 0..layout().num_layers() {
+            let per_token = layout().shape().head_dim * layout().dtype().size_bytes();
+            let (mut rk, mut rv) = (vec![0; len * per_token], vec![0; len * per_token]);
+            self.storage
+                .read_tokens(layer, table, len, &mut rk, &mut rv)
+                .unwrap();
+            for (i, &t) in tags.iter().enumerate() {
+                let (mut k, mut v) = (Vec::new(), Vec::new());
+                tag_bytes(t, layer, 0, &mut k);
+                tag_bytes(t, layer, 1, &mut v);
+                let r = (first + i) * per_token..(first + i + 1) * per_token;
+                assert!(
+                    rk[r.clone()] == k[..] && rv[r] == v[..],
+                    "after {after:?}: {seq} layer {layer} position {}: K/V bytes are not \
+                     the ones written (want tag {t:#x})",
+                    first + i
+                );
+            }
+        }
+    }
+
+    /// Frees everything: nothing leaks.
+    fn finish(mut self) -> Seen {
+        let ids: Vec<_> = self
+            .seqs
+            .keys()
+            .chain(self.swapped.keys())
+            .copied()
+            .collect();
+        for id in ids {
+            self.kv.free(id).unwrap();
+        }
+        self.kv.evict_cached(usize::MAX);
+        self.kv.check_invariants().unwrap();
+        let s = self.kv.stats();
+        assert_eq!((s.used_blocks, s.cached_blocks), (0, 0), "leak");
+        assert_eq!(self.kv.tier_stats().host_used_blocks, 0, "host tier leak");
+        self.seen
+    }
+}
+
+/// Issue 39: every mover (defragmentation, one-call and planned; shrink, one-call and
+/// planned; grow; preemption; fork; swap out and in; truncate; prefix reset; free of
+/// another sequence) at any point of a step: before `reserve`, between `reserve` and
+/// the step's write, between the write and `commit`. Movers that refuse a sequence
+/// mid-step return `SequenceState` and change nothing; the others leave the step's
+/// blocks where its slots say; every committed position reads the bytes its step
+/// wrote, through the sequence's current table. Reverting the defragmentation fix
+/// (an empty `in_flight_blocks`) fails the table check at the move; with that check
+/// off, the byte shadow still catches it when a write follows the move (found in some
+/// runs, not all: the table check is the reliable one).
+#[test]
+fn every_mover_between_reserve_and_commit_keeps_the_steps_bytes() {
+    use proptest::prelude::*;
+    use proptest::test_runner::TestRunner;
+    let config = ProptestConfig {
+        cases: 256,
+        source_file: Some(file!()),
+        ..ProptestConfig::default()
+    };
+    let mut runner = TestRunner::new(config);
+    let total = std::cell::RefCell::new(Vec::new());
+    let result = runner.run(&prop::collection::vec(mover_action(), 8..64), |actions| {
+        let mut m = Model::new();
+        for a in &actions {
+            m.apply(a);
+            m.check(a);
+        }
+        total.borrow_mut().push(m.finish());
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}\n{runner}");
+    }
+    let total = total.into_inner();
+    let cases = |f: fn(&Seen) -> usize| total.iter().filter(|s| f(s) > 0).count();
+    eprintln!(
+        "cases with: mover before write {}, before commit {}, moves mid-step {}, refusals {}, commits {}, swaps {} (of {})",
+        cases(|s| s.before_write),
+        cases(|s| s.before_commit),
+        cases(|s| s.moved_mid_step),
+        cases(|s| s.refused_mid_step),
+        cases(|s| s.commits),
+        cases(|s| s.swaps),
+        total.len()
+    );
+    // 256 cases see about 167, 127, 77, 147, 97 and 140; the floors are far below.
+    for (what, n, floor) in [
+        ("a mover before the write", cases(|s| s.before_write), 64),
+        ("a mover before the commit", cases(|s| s.before_commit), 48),
+        ("a move mid-step", cases(|s| s.moved_mid_step), 24),
+        ("a refusal mid-step", cases(|s| s.refused_mid_step), 48),
+        ("a commit", cases(|s| s.commits), 32),
+        ("a swap", cases(|s| s.swaps), 48),
+    ] {
+        assert!(n >= floor, "only {n} cases saw {what}");
+    }
 }
