@@ -866,11 +866,9 @@ impl KvCacheManager {
         self.reserve_at(h, n, lookahead, commit_now, tokens, slots, copies)
     }
 
-    /// [`Self::reserve_at`] of `n` query tokens (no lookahead) in the common case that
-    /// [`Self::append_in_last_block`] takes: they all land in the sequence's own last
-    /// block, private and unregistered, after computed tokens. Returns the first slot
-    /// (the `n` slots are consecutive) and the blocks registered, or `None`, having
-    /// changed nothing, when the general path is needed.
+    /// [`Self::reserve_at`] of `n` query tokens (no lookahead) in the common case of
+    /// [`Self::in_last_block`]. Returns the first slot (the `n` slots are
+    /// consecutive) and the blocks registered, or `None`, having changed nothing.
     #[inline(always)]
     pub(crate) fn reserve_in_last_block(
         &mut self,
@@ -878,60 +876,7 @@ impl KvCacheManager {
         n: usize,
         tokens: Option<&[u32]>,
     ) -> Option<(u64, usize)> {
-        if self.window.is_some() {
-            return None;
-        }
-        let max_len = self.max_seq_len();
-        let KvCacheManager {
-            layout,
-            pool,
-            prefix,
-            seqs,
-            live_token_slots,
-            ..
-        } = self;
-        let bs = layout.block_size();
-        let s = seqs.at_mut(h)?;
-        let off = layout.block_offset(s.computed);
-        if off == 0
-            || n == 0
-            || n > bs - off
-            || s.computed != s.num_tokens
-            || s.scheduled != 0
-            || s.in_flight.is_some()
-            || s.twin_pending
-        {
-            return None;
-        }
-        let end = s.computed + n;
-        if end > max_len {
-            return None;
-        }
-        let &last = s.table.last()?;
-        let fill = pool.private_fill_mut(last)?;
-        if prefix.is_registered(last) {
-            return None;
-        }
-        let first = layout.slot(last, 0).0 + off as u64;
-        let filled = off + n;
-        if usize::from(*fill) < filled {
-            *live_token_slots += filled - usize::from(*fill);
-            *fill = filled as u16;
-        }
-        s.num_tokens = end;
-        s.scheduled = n;
-        match tokens {
-            Some(ids) => prefix::record_step_ids(prefix, false, s, ids, bs),
-            None => prefix::forget_step_ids(s),
-        }
-        Some((
-            first,
-            if s.prefix.is_some() {
-                prefix::extend_chain_in(prefix, bs, s)
-            } else {
-                0
-            },
-        ))
+        self.in_last_block(h, n, tokens, false)
     }
 
     /// [`Self::commit_at`] of a sequence already checked (resident, `n` at most its
@@ -953,12 +898,9 @@ impl KvCacheManager {
     }
 
     /// The common decode step, in place: `n` committed tokens that all land in the
-    /// sequence's own last block, which already holds computed tokens and is neither
-    /// shared nor registered (so no block is taken, copied or released and no
-    /// window moves). Does what [`Self::reserve_at`] does in that case, without its
-    /// general bookkeeping (cost count, replacement scan, block loop); returns the
-    /// blocks registered, or `None`, having changed nothing, when the call needs the
-    /// general path (which also reports every error).
+    /// sequence's own last block (see [`Self::in_last_block`]); appends their slots to
+    /// `slots` and returns the blocks registered, or `None`, having changed nothing,
+    /// when the call needs the general path (which also reports every error).
     #[inline(always)]
     fn append_in_last_block(
         &mut self,
@@ -967,6 +909,34 @@ impl KvCacheManager {
         tokens: Option<&[u32]>,
         slots: &mut Vec<Slot>,
     ) -> Option<usize> {
+        let (first, registered) = self.in_last_block(h, n, tokens, true)?;
+        if n == 1 {
+            // The decode step: a push, not the general extend (a third of the path's
+            // instructions under callgrind).
+            slots.push(Slot(first));
+        } else {
+            slots.extend((first..first + n as u64).map(Slot));
+        }
+        Some(registered)
+    }
+
+    /// `n` tokens that all land in the sequence's own last block, which already holds
+    /// computed tokens and is neither shared nor registered (so no block is taken,
+    /// copied or released and no window moves): what [`Self::reserve_at`] does in
+    /// that case, without its general bookkeeping (cost count, replacement scan,
+    /// block loop). With `commit` they are computed at once (with their ids, when
+    /// given); without, they are this step's reservation (its ids marked as the
+    /// step's). Returns the first of their consecutive slots and the blocks
+    /// registered, or `None`, having changed nothing, when the general path is
+    /// needed.
+    #[inline(always)]
+    fn in_last_block(
+        &mut self,
+        h: SeqHandle,
+        n: usize,
+        tokens: Option<&[u32]>,
+        commit: bool,
+    ) -> Option<(u64, usize)> {
         if self.window.is_some() {
             return None;
         }
@@ -1003,30 +973,32 @@ impl KvCacheManager {
         if prefix.is_registered(last) {
             return None;
         }
-        let base = layout.slot(last, 0).0;
-        if n == 1 {
-            // The decode step: a push, not the general extend (a third of the path's
-            // instructions under callgrind).
-            slots.push(Slot(base + off as u64));
-        } else {
-            slots.extend((off..off + n).map(|o| Slot(base + o as u64)));
-        }
+        let first = layout.slot(last, 0).0 + off as u64;
         let filled = off + n;
         if usize::from(*fill) < filled {
             *live_token_slots += filled - usize::from(*fill);
             *fill = filled as u16;
         }
         s.num_tokens = end;
-        if let Some(ids) = tokens {
-            prefix::record_ids(s, ids, bs);
+        if commit {
+            if let Some(ids) = tokens {
+                prefix::record_ids(s, ids, bs);
+            }
+            s.computed = end;
+        } else {
+            s.scheduled = n;
+            match tokens {
+                Some(ids) => prefix::record_step_ids(prefix, false, s, ids, bs),
+                None => prefix::forget_step_ids(s),
+            }
         }
-        s.computed = end;
         // Without token ids there is nothing to register: skip the call.
-        Some(if s.prefix.is_some() {
+        let registered = if s.prefix.is_some() {
             prefix::extend_chain_in(prefix, bs, s)
         } else {
             0
-        })
+        };
+        Some((first, registered))
     }
 
     /// The one slot-handing path: reserve `n + lookahead` slots after the computed
