@@ -258,10 +258,12 @@ impl KvCacheManager {
     /// query token, entry after entry (`ids.len()` is the step's query token count):
     /// the input ids an engine knows when it schedules (a prompt chunk's; a decode's
     /// last sampled token and its drafts). They are recorded as
-    /// [`Self::add_token_ids`] records them, so the prefix cache registers the blocks
+    /// [`Self::append_tokens`] records them, so the prefix cache registers the blocks
     /// they fill as soon as they are committed, and a sequence admitted without ids
-    /// starts tracking when position 0's arrive. The ids of positions a commit
-    /// rejects (drafts) are dropped by that commit.
+    /// starts tracking when position 0's arrive; ids after a gap (a position whose id
+    /// never came) are not recorded, where [`Self::add_token_ids`] would report
+    /// [`Error::TokenIdsGap`]. The ids of positions a commit rejects (drafts) are
+    /// dropped by that commit.
     ///
     /// ```
     /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCacheManager, KvLayout, ModelShape};
