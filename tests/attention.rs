@@ -357,6 +357,41 @@ fn sliding_window_attends_to_exactly_the_last_w_positions() {
                 params.alibi_slopes = Some(alibi_slopes(qh));
             }
             let scale = f64::from(params.scale);
+            // The expected output of every head of every query `(token row, sequence,
+            // position)` of `at`, from the window rule above (not the crate's
+            // `window_start`); rows not in `at` stay 0.
+            type At = [(usize, usize, usize)];
+            let expect = |written: &[(Vec<f32>, Vec<f32>)], at: &At, qv: &[f32]| {
+                let mut want = vec![0.0f64; qv.len()];
+                for &(tok, i, pos) in at {
+                    let (k, v) = &written[i];
+                    for h in 0..qh {
+                        let row = (tok * qh + h) * d..(tok * qh + h + 1) * d;
+                        want[row.clone()].copy_from_slice(&windowed_attention(
+                            (k, v),
+                            (kvh, d, h / group),
+                            &qv[row],
+                            pos,
+                            Some(window),
+                            scale,
+                            f64::from(params.slope(h)),
+                        ));
+                    }
+                }
+                want
+            };
+            // The fast kernel and the f64 reference both against it.
+            let check = |what: &str, fast: &[f32], reference: &[f64], want: &[f64]| {
+                let tag = format!("{what} window {window} alibi {alibi}");
+                assert_close(&tag, fast, want, tol(DType::F32));
+                let reference: Vec<f32> = reference.iter().map(|&x| x as f32).collect();
+                assert_close(
+                    &format!("{tag} reference"),
+                    &reference,
+                    want,
+                    tol(DType::F32),
+                );
+            };
             // Decode: the query sits at the last context position. No shared blocks:
             // `written` then holds what the arena holds.
             let case = build_case(&mut rng, shape(qh, kvh, d, DType::F32), &CTXS, 0, &params);
@@ -365,31 +400,14 @@ fn sliding_window_attends_to_exactly_the_last_w_positions() {
             let (fast, _) = fast_decode(&case, layer, &qv, &params, None);
             let reference =
                 paged_decode_reference(&case.storage, layer, &qv, &case.tables, &params).unwrap();
-            let mut want = vec![0.0f64; qv.len()];
-            for (i, &ctx) in CTXS.iter().enumerate().filter(|(_, &c)| c > 0) {
-                let (k, v) = &case.written[layer][i];
-                for h in 0..qh {
-                    let row = (i * qh + h) * d..(i * qh + h + 1) * d;
-                    want[row.clone()].copy_from_slice(&windowed_attention(
-                        (k, v),
-                        (kvh, d, h / group),
-                        &qv[row],
-                        ctx - 1,
-                        Some(window),
-                        scale,
-                        f64::from(params.slope(h)),
-                    ));
-                }
-            }
-            let tag = format!("decode window {window} alibi {alibi}");
-            assert_close(&tag, &fast, &want, tol(DType::F32));
-            let reference: Vec<f32> = reference.out.iter().map(|&x| x as f32).collect();
-            assert_close(
-                &format!("{tag} reference"),
-                &reference,
-                &want,
-                tol(DType::F32),
-            );
+            let at: Vec<_> = CTXS
+                .iter()
+                .enumerate()
+                .filter(|(_, &c)| c > 0)
+                .map(|(i, &c)| (i, i, c - 1))
+                .collect();
+            let want = expect(&case.written[layer], &at, &qv);
+            check("decode", &fast, &reference.out, &want);
 
             // Prefill: query j of n new tokens sits at position ctx - n + j.
             let seqs = [(40usize, 40usize), (100, 17), (5, 1), (33, 2)];
@@ -417,34 +435,16 @@ fn sliding_window_attends_to_exactly_the_last_w_positions() {
             let reference =
                 paged_prefill_reference(&case.storage, layer, &qv, &qsl, &case.tables, &params)
                     .unwrap();
-            let mut want = vec![0.0f64; qv.len()];
-            for (i, &(ctx, n)) in seqs.iter().enumerate() {
-                let (k, v) = &case.written[layer][i];
-                for j in 0..n {
-                    let tok = qsl[i] + j;
-                    for h in 0..qh {
-                        let row = (tok * qh + h) * d..(tok * qh + h + 1) * d;
-                        want[row.clone()].copy_from_slice(&windowed_attention(
-                            (k, v),
-                            (kvh, d, h / group),
-                            &qv[row],
-                            ctx - n + j,
-                            Some(window),
-                            scale,
-                            f64::from(params.slope(h)),
-                        ));
-                    }
-                }
-            }
-            let tag = format!("prefill window {window} alibi {alibi}");
-            assert_close(&tag, &fast, &want, tol(DType::F32));
-            let reference: Vec<f32> = reference.out.iter().map(|&x| x as f32).collect();
-            assert_close(
-                &format!("{tag} reference"),
-                &reference,
-                &want,
-                tol(DType::F32),
-            );
+            let at: Vec<_> = seqs
+                .iter()
+                .enumerate()
+                .flat_map(|(i, &(ctx, n))| {
+                    let first = qsl[i];
+                    (0..n).map(move |j| (first + j, i, ctx - n + j))
+                })
+                .collect();
+            let want = expect(&case.written[layer], &at, &qv);
+            check("prefill", &fast, &reference.out, &want);
         }
     }
 }
