@@ -6,8 +6,8 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use pagedkv::{
-    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, KvCacheManager, KvLayout,
-    ModelShape, SeqId,
+    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, KvCache, KvLayout, ModelShape,
+    SeqId,
 };
 
 const BLOCKS: usize = 16_384;
@@ -24,14 +24,14 @@ fn layout() -> KvLayout {
     KvLayout::new(s, 16).unwrap()
 }
 
-fn paged() -> KvCacheManager {
+fn paged() -> KvCache {
     let cfg = CacheConfig {
         num_blocks: BLOCKS,
         watermark_blocks: 0,
         max_seq_len_tokens: MAX_LEN,
         ..CacheConfig::new(0)
     };
-    KvCacheManager::new(layout(), cfg).unwrap()
+    KvCache::new(layout(), cfg).unwrap()
 }
 
 fn contiguous() -> ContiguousCache {

@@ -8,8 +8,8 @@
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use pagedkv::{
-    CacheConfig, CopyPlan, DType, DefragOptions, HostStorage, KvCacheManager, KvLayout, ModelShape,
-    SeqId, Storage,
+    CacheConfig, CopyPlan, DType, DefragOptions, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
+    Storage,
 };
 use std::hint::black_box;
 
@@ -39,10 +39,10 @@ fn layout(num_kv_heads: usize, head_dim: usize) -> KvLayout {
 
 /// A full arena of `num_seqs` sequences decoded in lockstep (so tables interleave),
 /// then a random half of them freed: about 50 % of the blocks live, scattered.
-fn scattered(layout: KvLayout, num_blocks: usize, num_seqs: usize) -> KvCacheManager {
+fn scattered(layout: KvLayout, num_blocks: usize, num_seqs: usize) -> KvCache {
     let mut config = CacheConfig::new(num_blocks);
     config.watermark_blocks = 0;
-    let mut kv = KvCacheManager::new(layout, config).expect("manager");
+    let mut kv = KvCache::new(layout, config).expect("manager");
     let mut slots = Vec::new();
     let mut copies = CopyPlan::new();
     let bs = layout.block_size();

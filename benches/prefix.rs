@@ -12,7 +12,7 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use pagedkv::pool::prefix::{ChainHasher, PrefixHasher, Xxh3Hasher};
 use pagedkv::{
-    AdmitOptions, CacheAllocator, CacheConfig, ContiguousCache, DType, KvCacheManager, KvLayout,
+    AdmitOptions, CacheAllocator, CacheConfig, ContiguousCache, DType, KvCache, KvLayout,
     ModelShape, SeqId,
 };
 
@@ -33,14 +33,14 @@ fn layout() -> KvLayout {
     KvLayout::new(s, BLOCK_SIZE).unwrap()
 }
 
-fn manager() -> KvCacheManager {
+fn manager() -> KvCache {
     let cfg = CacheConfig {
         num_blocks: BLOCKS,
         watermark_blocks: 0,
         max_seq_len_tokens: 4096,
         ..CacheConfig::new(0)
     };
-    KvCacheManager::new(layout(), cfg).unwrap()
+    KvCache::new(layout(), cfg).unwrap()
 }
 
 fn prompt(first: u32) -> Vec<u32> {

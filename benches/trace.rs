@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use pagedkv::{
     AdmitOptions, BlockId, BlockPool, CacheAllocator, CacheConfig, ContiguousCache, CopyPlan,
-    DType, KvCacheManager, KvLayout, ModelShape, SeqHandle, SeqId, Slot, StepBuffers, StepEntry,
+    DType, KvCache, KvLayout, ModelShape, SeqHandle, SeqId, Slot, StepBuffers, StepEntry,
 };
 
 const SEED: u64 = 18;
@@ -230,14 +230,14 @@ fn layout() -> KvLayout {
     KvLayout::new(s, BLOCK_SIZE).unwrap()
 }
 
-fn manager() -> KvCacheManager {
+fn manager() -> KvCache {
     let cfg = CacheConfig {
         num_blocks: NUM_BLOCKS,
         watermark_blocks: 0,
         max_seq_len_tokens: PROMPT_MAX + DECODE_MAX,
         ..CacheConfig::new(0)
     };
-    KvCacheManager::new(layout(), cfg).unwrap()
+    KvCache::new(layout(), cfg).unwrap()
 }
 
 /// How [`Paged`] runs the decode step.
@@ -257,7 +257,7 @@ enum Path {
 /// (on), then each decode step through one of the [`Path`]s; handles are taken once at
 /// admission.
 struct Paged {
-    kv: KvCacheManager,
+    kv: KvCache,
     prefix: bool,
     path: Path,
     slots: Vec<Slot>,

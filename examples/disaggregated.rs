@@ -25,7 +25,7 @@ use pagedkv::export::HEADER_FIXED_BYTES;
 use pagedkv::layout::Kv;
 use pagedkv::{
     export_sequence, exported_len, import_sequence, CacheConfig, CopyPlan, DType, ExportHeader,
-    HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId, ShardedStorage, Slot, Storage,
+    HostStorage, KvCache, KvLayout, ModelShape, SeqId, ShardedStorage, Slot, Storage,
 };
 
 #[derive(Parser, Debug)]
@@ -120,7 +120,7 @@ fn kv_rows(tokens: impl Iterator<Item = (u32, usize)>, layer: usize, row: usize)
 
 /// One serving instance: a manager and the storage it drives.
 struct Instance<S: Storage> {
-    mgr: KvCacheManager,
+    mgr: KvCache,
     kv: S,
 }
 
@@ -128,7 +128,7 @@ impl<S: Storage> Instance<S> {
     fn new(layout: KvLayout, num_blocks: usize, kv: S) -> Self {
         let mut config = CacheConfig::new(num_blocks);
         config.watermark_blocks = 0;
-        let mgr = KvCacheManager::new(layout, config).expect("valid config");
+        let mgr = KvCache::new(layout, config).expect("valid config");
         Instance { mgr, kv }
     }
 

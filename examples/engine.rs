@@ -38,9 +38,9 @@ use std::time::Instant;
 use clap::Parser;
 use pagedkv::attention::model::{SplitMix64, TinyModel};
 use pagedkv::{
-    AdmitOptions, BlockId, CopyPlan, CostModel, DType, Error, HostStorage, KvCacheManager,
-    KvLayout, ModelShape, PaddedTables, PreemptAction, PreemptPolicy, PreemptReason, Preemption,
-    PrefixHit, SeqId, Slot, StepEntry, Storage, TierConfig,
+    AdmitOptions, BlockId, CopyPlan, CostModel, DType, Error, HostStorage, KvCache, KvLayout,
+    ModelShape, PaddedTables, PreemptAction, PreemptPolicy, PreemptReason, Preemption, PrefixHit,
+    SeqId, Slot, StepEntry, Storage, TierConfig,
 };
 
 #[derive(Parser, Debug, Clone)]
@@ -365,7 +365,7 @@ struct Engine<'a> {
     cfg: RunConfig,
     model: &'a TinyModel,
     trace: &'a [Request],
-    kv: KvCacheManager,
+    kv: KvCache,
     store: HostStorage,
     policy: PreemptPolicy,
     seqs: HashMap<SeqId, SeqState>,
@@ -397,7 +397,7 @@ impl<'a> Engine<'a> {
         let layout = KvLayout::new(*model.shape(), block_size)?;
         let store = HostStorage::with_host_tier(layout, cfg.num_blocks, cfg.host_blocks)?;
         // The host tier's size is given once, to the storage; the manager's comes from it.
-        let kv = KvCacheManager::builder(layout)
+        let kv = KvCache::builder(layout)
             .num_blocks(cfg.num_blocks)
             .watermark_blocks(WATERMARK_BLOCKS)
             .max_seq_len_tokens(MAX_SEQ_LEN)

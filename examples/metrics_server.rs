@@ -1,4 +1,4 @@
-//! Runs a small synthetic decode workload on a `KvCacheManager` and serves its metrics
+//! Runs a small synthetic decode workload on a `KvCache` and serves its metrics
 //! in the Prometheus text format on a loopback port, for a bounded time or number of
 //! scrapes, then exits.
 //!
@@ -23,9 +23,7 @@ use clap::Parser;
 use pagedkv::metrics::{
     serve_prometheus, MetricsExporter, MetricsSnapshot, PrometheusRecorder, ServeLimits,
 };
-use pagedkv::{
-    CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId, SharedKvCacheManager,
-};
+use pagedkv::{CacheConfig, CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId, SharedKvCache};
 
 #[derive(Parser, Debug)]
 #[command(about = "Serve pagedkv metrics for a synthetic workload")]
@@ -58,7 +56,7 @@ impl XorShift {
 
 /// Admits requests with random prompt and output lengths and decodes them one token
 /// per step, freeing each when it reaches its length, until `stop`.
-fn workload(kv: &SharedKvCacheManager, stop: &AtomicBool) -> pagedkv::Result<()> {
+fn workload(kv: &SharedKvCache, stop: &AtomicBool) -> pagedkv::Result<()> {
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
     let mut live: Vec<(SeqId, usize)> = Vec::new();
     let mut slots = Vec::new();
@@ -107,7 +105,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         kv_dtype: DType::BF16,
     };
     let layout = KvLayout::new(shape, 16)?;
-    let kv = Arc::new(SharedKvCacheManager::new(KvCacheManager::new(
+    let kv = Arc::new(SharedKvCache::new(KvCache::new(
         layout,
         CacheConfig::new(2048),
     )?));

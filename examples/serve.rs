@@ -28,7 +28,7 @@ use pagedkv::chart::{EventKind, MemoryChart, Timeline};
 use pagedkv::manager::FragStats;
 use pagedkv::pool::prefix::AdmitOptions;
 use pagedkv::{
-    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, HostStorage, KvCacheManager, KvLayout,
+    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, HostStorage, KvCache, KvLayout,
     ModelConfig, PaddedTables, SeqId, Slot, Storage, SwapPlan,
 };
 use pagedkv::{PreemptAction, PreemptPolicy, TierConfig};
@@ -213,7 +213,7 @@ fn make_trace(args: &Args) -> Vec<Request> {
 /// The allocator under test, with what differs between the kinds.
 enum Backend<'a> {
     Paged {
-        kv: &'a mut KvCacheManager,
+        kv: &'a mut KvCache,
         prefix_cache: bool,
     },
     Contiguous(&'a mut ContiguousCache),
@@ -273,7 +273,7 @@ impl Backend<'_> {
             _ => self.alloc_mut().append(seq, 1, slots, copies),
         }
     }
-    fn paged(&mut self) -> Option<&mut KvCacheManager> {
+    fn paged(&mut self) -> Option<&mut KvCache> {
         match self {
             Backend::Paged { kv, .. } => Some(kv),
             Backend::Contiguous(_) => None,
@@ -1296,7 +1296,7 @@ fn simulate(
         })
     };
     for &(name, prefix_cache) in paged_runs {
-        let mut kv = KvCacheManager::new(layout, cfg)?;
+        let mut kv = KvCache::new(layout, cfg)?;
         let mut store = mirror(num_blocks, 0)?;
         bar.set_prefix(name);
         let backend = Backend::Paged {
@@ -1322,7 +1322,7 @@ fn simulate(
             num_host_blocks: num_blocks,
             num_disk_slots: 0,
         };
-        let mut kv = KvCacheManager::with_tiers(layout, cfg, tiers)?;
+        let mut kv = KvCache::with_tiers(layout, cfg, tiers)?;
         let mut store = mirror(squeezed, num_blocks)?;
         let policy = match reuse_policy {
             // The host run after a GPU run decides with the GPU run's cost model, so

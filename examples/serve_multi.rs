@@ -45,8 +45,8 @@ use std::collections::VecDeque;
 use clap::Parser;
 use pagedkv::broker::{Broker, BrokerConfig, ModelId, ModelLimits, MoveReason, SleepOptions};
 use pagedkv::{
-    AdmitOptions, CopyPlan, DType, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId,
-    Storage, TierConfig,
+    AdmitOptions, CopyPlan, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage,
+    TierConfig,
 };
 
 #[derive(Parser, Debug, Clone)]
@@ -582,7 +582,7 @@ fn simulate(
             Some(_) => (args.host_mib << 20) / spec.layout.block_bytes(),
             None => 0,
         };
-        let kv = KvCacheManager::builder(spec.layout)
+        let kv = KvCache::builder(spec.layout)
             .num_blocks(blocks)
             .watermark_blocks(0)
             .tiers(TierConfig {

@@ -1,5 +1,5 @@
 //! The baseline every comparison runs beside: a contiguous-reservation cache, and the
-//! [`CacheAllocator`] trait both it and the paged [`KvCacheManager`] implement.
+//! [`CacheAllocator`] trait both it and the paged [`KvCache`] implement.
 //!
 //! [`ContiguousCache`] gives each sequence one run of `max_len` tokens, reserved up front
 //! in the same arena and with the same layout, so slots, storage and attention work
@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqId};
 use crate::layout::plans::CopyPlan;
 use crate::layout::{KvLayout, Slot};
-use crate::manager::{CacheStats, KvCacheManager, SeqMap};
+use crate::manager::{CacheStats, KvCache, SeqMap};
 
 /// The calls the serve simulation and the benches make, so paged and contiguous
 /// allocation run the same code side by side.
@@ -26,12 +26,12 @@ pub trait CacheAllocator {
     /// Admits a sequence; writes the slots of its tokens.
     ///
     /// # Errors
-    /// As [`KvCacheManager::admit`].
+    /// As [`KvCache::admit`].
     fn admit(&mut self, seq: SeqId, num_tokens: usize, slots: &mut Vec<Slot>) -> Result<()>;
     /// Appends tokens; writes their slots; adds any needed copies to `copies`.
     ///
     /// # Errors
-    /// As [`KvCacheManager::append`].
+    /// As [`KvCache::append`].
     fn append(
         &mut self,
         seq: SeqId,
@@ -42,7 +42,7 @@ pub trait CacheAllocator {
     /// Forks `parent` into `child`; adds any needed copies to `copies`.
     ///
     /// # Errors
-    /// As [`KvCacheManager::fork`], plus [`Error::OutOfBlocks`] where forking copies.
+    /// As [`KvCache::fork`], plus [`Error::OutOfBlocks`] where forking copies.
     fn fork(&mut self, parent: SeqId, child: SeqId, copies: &mut CopyPlan) -> Result<()>;
     /// Frees a sequence.
     ///
@@ -63,18 +63,18 @@ pub trait CacheAllocator {
     fn stats(&self) -> CacheStats;
 }
 
-impl CacheAllocator for KvCacheManager {
+impl CacheAllocator for KvCache {
     fn name(&self) -> &'static str {
         "paged"
     }
     fn layout(&self) -> &KvLayout {
-        KvCacheManager::layout(self)
+        KvCache::layout(self)
     }
     fn can_admit(&self, num_tokens: usize) -> bool {
-        KvCacheManager::can_admit(self, num_tokens)
+        KvCache::can_admit(self, num_tokens)
     }
     fn admit(&mut self, seq: SeqId, num_tokens: usize, slots: &mut Vec<Slot>) -> Result<()> {
-        KvCacheManager::admit(self, seq, num_tokens, slots)
+        KvCache::admit(self, seq, num_tokens, slots)
     }
     fn append(
         &mut self,
@@ -83,22 +83,22 @@ impl CacheAllocator for KvCacheManager {
         slots: &mut Vec<Slot>,
         copies: &mut CopyPlan,
     ) -> Result<()> {
-        KvCacheManager::append(self, seq, n, slots, copies)
+        KvCache::append(self, seq, n, slots, copies)
     }
     fn fork(&mut self, parent: SeqId, child: SeqId, _copies: &mut CopyPlan) -> Result<()> {
-        KvCacheManager::fork(self, parent, child)
+        KvCache::fork(self, parent, child)
     }
     fn free(&mut self, seq: SeqId) -> Result<()> {
-        KvCacheManager::free(self, seq)
+        KvCache::free(self, seq)
     }
     fn block_table(&self, seq: SeqId) -> Result<&[BlockId]> {
-        KvCacheManager::block_table(self, seq)
+        KvCache::block_table(self, seq)
     }
     fn num_tokens(&self, seq: SeqId) -> Result<usize> {
-        KvCacheManager::num_tokens(self, seq)
+        KvCache::num_tokens(self, seq)
     }
     fn stats(&self) -> CacheStats {
-        KvCacheManager::stats(self)
+        KvCache::stats(self)
     }
 }
 

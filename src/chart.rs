@@ -13,13 +13,13 @@
 //!
 //! ```
 //! use pagedkv::chart::{EventKind, MemoryChart, Timeline};
-//! use pagedkv::{CacheAllocator, CacheConfig, ContiguousCache, DType, KvCacheManager,
+//! use pagedkv::{CacheAllocator, CacheConfig, ContiguousCache, DType, KvCache,
 //!               KvLayout, ModelShape, SeqId};
 //!
 //! let shape = ModelShape { num_layers: 2, num_q_heads: 4, num_kv_heads: 2, head_dim: 8,
 //!                          kv_dtype: DType::F16 };
 //! let layout = KvLayout::new(shape, 16)?;
-//! let mut paged = KvCacheManager::new(layout, CacheConfig::new(64))?;
+//! let mut paged = KvCache::new(layout, CacheConfig::new(64))?;
 //! let mut contiguous = ContiguousCache::new(layout, 64, 256)?;
 //! let (mut p, mut c) = (Timeline::new("paged"), Timeline::new("contiguous"));
 //! let mut slots = Vec::new();
@@ -174,7 +174,7 @@ impl Timeline {
 /// Which run a line belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Run {
-    /// The paged [`crate::KvCacheManager`].
+    /// The paged [`crate::KvCache`].
     Paged,
     /// The [`crate::ContiguousCache`] baseline.
     Contiguous,

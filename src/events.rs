@@ -42,7 +42,7 @@
 //! are never sent as 32-byte strings (vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
 
 use crate::error::{Error, Result};
-use crate::manager::KvCacheManager;
+use crate::manager::KvCache;
 use crate::pool::prefix::{Medium, PrefixEvent};
 
 /// How events are laid out inside a batch (see the module docs).
@@ -136,19 +136,14 @@ impl VllmEventEncoder {
         Ok(runs.len())
     }
 
-    /// Drains `kv`'s recorded prefix events ([`KvCacheManager::drain_prefix_events`];
+    /// Drains `kv`'s recorded prefix events ([`KvCache::drain_prefix_events`];
     /// turn recording on with `PrefixConfig::record_events`) and appends them to `out`
     /// as one batch stamped `ts`. Returns the number of wire events; when there were no
     /// events it writes nothing and returns 0.
     ///
     /// # Errors
     /// As [`Self::encode_batch`]; the drained events are kept for the next call then.
-    pub fn drain_manager(
-        &mut self,
-        kv: &mut KvCacheManager,
-        ts: f64,
-        out: &mut Vec<u8>,
-    ) -> Result<usize> {
+    pub fn drain_manager(&mut self, kv: &mut KvCache, ts: f64, out: &mut Vec<u8>) -> Result<usize> {
         kv.drain_prefix_events(&mut self.drained);
         if self.drained.is_empty() {
             return Ok(0);

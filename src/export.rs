@@ -9,12 +9,12 @@
 //!
 //! ```
 //! use pagedkv::{export_sequence, exported_len, import_sequence, CacheConfig, DType,
-//!               HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId, Storage};
+//!               HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage};
 //!
 //! let shape = ModelShape { num_layers: 2, num_q_heads: 8, num_kv_heads: 2, head_dim: 8,
 //!                          kv_dtype: DType::F16 };
 //! let (prefill_layout, decode_layout) = (KvLayout::new(shape, 16)?, KvLayout::new(shape, 32)?);
-//! let mut prefill = KvCacheManager::new(prefill_layout, CacheConfig::new(32))?;
+//! let mut prefill = KvCache::new(prefill_layout, CacheConfig::new(32))?;
 //! let mut prefill_kv = HostStorage::new(prefill_layout, 32)?;
 //! let mut slots = Vec::new();
 //! prefill.admit(SeqId(7), 40, &mut slots)?;
@@ -27,7 +27,7 @@
 //! export_sequence(&prefill, &prefill_kv, SeqId(7), None, &mut wire)?;
 //!
 //! // The decode side pages by 32 tokens; the export is token-major, so it re-pages.
-//! let mut decode = KvCacheManager::new(decode_layout, CacheConfig::new(16))?;
+//! let mut decode = KvCache::new(decode_layout, CacheConfig::new(16))?;
 //! let mut decode_kv = HostStorage::new(decode_layout, 16)?;
 //! let imported = import_sequence(&mut decode, &mut decode_kv, SeqId(1), &wire)?;
 //! assert_eq!((imported.num_tokens, imported.table.len()), (40, 2));
@@ -104,7 +104,7 @@ use crate::executor::storage::Storage;
 use crate::ids::{BlockId, SeqId};
 use crate::layout::shape::{DType, KvKind, ModelShape};
 use crate::layout::{KvLayout, Strides};
-use crate::manager::KvCacheManager;
+use crate::manager::KvCache;
 
 pub mod groups;
 
@@ -596,11 +596,11 @@ pub fn export_blocks<S: Storage + ?Sized>(
 ///
 /// # Errors
 /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when the sequence's bytes are not
-/// readable ([`KvCacheManager::readable_blocks`]: swapped out, or a swap in flight);
+/// readable ([`KvCache::readable_blocks`]: swapped out, or a swap in flight);
 /// [`Error::InvalidConfig`] when `storage` does not have the manager's layout; as
 /// [`export_blocks`].
 pub fn export_sequence<S: Storage + ?Sized>(
-    manager: &KvCacheManager,
+    manager: &KvCache,
     storage: &S,
     seq: SeqId,
     token_ids: Option<&[u32]>,
@@ -616,7 +616,7 @@ pub fn export_sequence<S: Storage + ?Sized>(
     export_blocks(storage, table, computed, token_ids, out)
 }
 
-fn check_storage<S: Storage + ?Sized>(manager: &KvCacheManager, storage: &S) -> Result<()> {
+fn check_storage<S: Storage + ?Sized>(manager: &KvCache, storage: &S) -> Result<()> {
     if storage.layout() != manager.layout() {
         return Err(Error::config(
             "storage",
@@ -755,7 +755,7 @@ impl<'a> ExportView<'a> {
     /// returns, so only the manager's peak-usage counter can show it was there.
     pub fn import_into<S: Storage + ?Sized>(
         &self,
-        manager: &mut KvCacheManager,
+        manager: &mut KvCache,
         storage: &mut S,
         seq: SeqId,
     ) -> Result<ImportedSequence> {
@@ -788,19 +788,19 @@ impl<'a> ExportView<'a> {
     }
 
     /// [`Self::import_into`] through the receiver's prefix cache: the exported token ids
-    /// are admitted with [`KvCacheManager::admit_tokens`], so a prefix the receiver
+    /// are admitted with [`KvCache::admit_tokens`], so a prefix the receiver
     /// already caches is shared instead of written again, and the imported full blocks
     /// are registered for later requests (a decode instance can serve the next turn of a
     /// conversation from them). Only the uncached tokens' K/V is written.
     ///
     /// # Errors
     /// [`Error::ExportFormat`] when the export carries no token ids; otherwise as
-    /// [`Self::import_into`] and [`KvCacheManager::admit_tokens`]. If the storage fails
+    /// [`Self::import_into`] and [`KvCache::admit_tokens`]. If the storage fails
     /// a write, the sequence is freed and every evictable cached block is evicted, so a
     /// block registered by this call but never written cannot be hit later.
     pub fn import_into_cache<S: Storage + ?Sized>(
         &self,
-        manager: &mut KvCacheManager,
+        manager: &mut KvCache,
         storage: &mut S,
         seq: SeqId,
         opts: &crate::pool::prefix::AdmitOptions<'_>,
@@ -870,7 +870,7 @@ pub struct ImportedSequence {
 /// # Errors
 /// As [`ExportView::parse`] and [`ExportView::import_into`].
 pub fn import_sequence<S: Storage + ?Sized>(
-    manager: &mut KvCacheManager,
+    manager: &mut KvCache,
     storage: &mut S,
     seq: SeqId,
     buf: &[u8],

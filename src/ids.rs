@@ -46,13 +46,13 @@ id_type!(
 );
 
 id_type!(
-    /// Names one pin taken by `KvCacheManager::pin_prefix`.
+    /// Names one pin taken by `KvCache::pin_prefix`.
     PinId(u64),
     "pin "
 );
 
 id_type!(
-    /// Names one swap transfer from its plan to `KvCacheManager::complete_swap`.
+    /// Names one swap transfer from its plan to `KvCache::complete_swap`.
     SwapTicket(u64),
     "ticket "
 );
@@ -63,9 +63,9 @@ id_type!(
     "slot "
 );
 
-/// A resident sequence's place in a `KvCacheManager`, for the calls that run once per
+/// A resident sequence's place in a `KvCache`, for the calls that run once per
 /// sequence per step (`append_batch`): reaching the sequence through it costs an index
-/// and a generation compare, no hashing. Obtained from `KvCacheManager::handle`; valid
+/// and a generation compare, no hashing. Obtained from `KvCache::handle`; valid
 /// from admission (or swap-in) until the sequence is freed (or swapped out). A handle
 /// kept past that is refused (`Error::StaleHandle`), never pointed at another sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

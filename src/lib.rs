@@ -12,16 +12,16 @@
 //! # The engine path
 //!
 //! Admit a prompt through the prefix cache, then run each model step as one
-//! [`KvCacheManager::reserve_step`] into fixed [`StepBuffers`] and one
-//! [`KvCacheManager::commit_step`] of what the step accepted:
+//! [`KvCache::reserve_step`] into fixed [`StepBuffers`] and one
+//! [`KvCache::commit_step`] of what the step accepted:
 //!
 //! ```
-//! use pagedkv::{AdmitOptions, CacheConfig, DType, KvCacheManager, KvLayout, ModelShape,
+//! use pagedkv::{AdmitOptions, CacheConfig, DType, KvCache, KvLayout, ModelShape,
 //!               PrefixHit, SeqId, StepBuffers, StepEntry};
 //!
 //! let shape = ModelShape { num_layers: 32, num_q_heads: 32, num_kv_heads: 8, head_dim: 128,
 //!                          kv_dtype: DType::BF16 };              // Llama-3-8B's KV
-//! let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(256))?;
+//! let mut kv = KvCache::new(KvLayout::new(shape, 16)?, CacheConfig::new(256))?;
 //! let mut step = StepBuffers::new(8, 512, 64); // rows, query tokens, blocks per row
 //! let (mut hit, opts) = (PrefixHit::default(), AdmitOptions::default());
 //!
@@ -45,7 +45,7 @@
 //! | ids, errors | [`ids`], [`error`] | [`BlockId`], [`SeqId`], [`SeqHandle`], tickets; the one [`Error`] enum |
 //! | layout and plans | [`layout`] | [`ModelShape`], dtypes and their conversions, [`KvLayout`] (all addressing), plans as plain data |
 //! | pools | [`pool`] | [`BlockPool`] (free list, refcounts), the prefix index and its eviction policies, the sharded pool |
-//! | manager | [`manager`] | [`KvCacheManager`] and [`KvCacheGroups`]: sequences to block tables, the engine contract, prefix-cache use, tiers, preemption, defragmentation *plans*; never touches memory |
+//! | manager | [`manager`] | [`KvCache`] and [`KvCacheGroups`]: sequences to block tables, the engine contract, prefix-cache use, tiers, preemption, defragmentation *plans*; never touches memory |
 //! | batch tables | [`tables`] | [`PaddedTables`], [`CsrTables`] and their validation |
 //! | executor | [`executor`] | [`Storage`], [`HostStorage`], the CUDA storage, [`ShardedStorage`], the disk tier, [`TransferEngine`]; the one-call conveniences (defragment, shrink, spill) as plan + execute + commit |
 //! | attention | [`attention`] | f64 reference, CPU (rayon, AVX2) decode and chunked prefill, RoPE fused with the cache write, MLA decode, the CUDA kernels' launchers |
@@ -157,8 +157,8 @@ pub use manager::preempt::{
     CostModel, PreemptAction, PreemptEvent, PreemptMode, PreemptPolicy, PreemptReason, Preemption,
 };
 pub use manager::{
-    CacheBuilder, CacheConfig, CacheStats, DefragOptions, FragStats, KvCacheManager, PendingDefrag,
-    PendingResize, PendingTierMove, SharedKvCacheManager, StepBuffers, StepEntry,
+    CacheBuilder, CacheConfig, CacheStats, DefragOptions, FragStats, KvCache, PendingDefrag,
+    PendingResize, PendingTierMove, SharedKvCache, StepBuffers, StepEntry,
 };
 pub use manager::{PendingPrefixRestore, PendingPrefixSpill, PrefixRestore, PrefixSpill};
 pub use manager::{PrefixHit, SwapJob, TierBlock, TierConfig, TierStats};

@@ -24,7 +24,7 @@
 //!
 //! A gauge sampled every few seconds misses the spikes that cause preemptions, so
 //! [`MetricsSnapshot::from_manager`] takes the *peak* of used blocks since the previous
-//! snapshot ([`KvCacheManager::take_peak_used_blocks`]) and publishes it as
+//! snapshot ([`KvCache::take_peak_used_blocks`]) and publishes it as
 //! `pagedkv_blocks_used_peak`. Take a snapshot once per scrape (the `before_render`
 //! hook of `serve_prometheus` does exactly that) and the gauge is the peak between
 //! two scrapes.
@@ -32,11 +32,11 @@
 //! ```
 //! # #[cfg(feature = "prometheus")] {
 //! use pagedkv::metrics::{MetricsExporter, MetricsSnapshot, PrometheusRecorder, names};
-//! use pagedkv::{CacheConfig, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+//! use pagedkv::{CacheConfig, DType, KvCache, KvLayout, ModelShape, SeqId};
 //!
 //! let shape = ModelShape { num_layers: 2, num_q_heads: 4, num_kv_heads: 2, head_dim: 8,
 //!                          kv_dtype: DType::F16 };
-//! let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+//! let mut kv = KvCache::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
 //! kv.admit(SeqId(1), 40, &mut Vec::new())?;
 //!
 //! let recorder = PrometheusRecorder::new();
@@ -51,7 +51,7 @@
 //! # Ok::<(), pagedkv::Error>(())
 //! ```
 
-use crate::manager::{CacheStats, KvCacheManager};
+use crate::manager::{CacheStats, KvCache};
 
 /// Metric names, all with the `pagedkv_` prefix.
 pub mod names {
@@ -276,7 +276,7 @@ impl ExtraCounters {
     /// Everything the manager counts beyond [`CacheStats`]: prefix-cache queries and
     /// hits, swapped blocks, preemptions by kind, swap bytes, defragmentation moves.
     /// Swap time stays `None`: the engine executes swap plans and times them.
-    pub fn from_manager(kv: &KvCacheManager) -> Self {
+    pub fn from_manager(kv: &KvCache) -> Self {
         let prefix = kv.prefix_stats();
         let tiers = kv.tier_stats();
         let defrag = kv.defrag_counters();
@@ -314,7 +314,7 @@ pub struct MetricsSnapshot {
 
 impl MetricsSnapshot {
     /// Reads the manager's counters and takes its peak (restarting the peak window).
-    pub fn from_manager(kv: &mut KvCacheManager) -> Self {
+    pub fn from_manager(kv: &mut KvCache) -> Self {
         let cache = kv.stats();
         MetricsSnapshot {
             cache,

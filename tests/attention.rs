@@ -23,7 +23,7 @@ use pagedkv::attention::reference::{paged_decode_reference, paged_prefill_refere
 use pagedkv::attention::{alibi_slopes, AttentionParams, DecodeOutput};
 use pagedkv::{
     BlockId, CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, Error, HostStorage,
-    KvCacheManager, KvLayout, ModelShape, PaddedTables, SeqId, Slot, Storage,
+    KvCache, KvLayout, ModelShape, PaddedTables, SeqId, Slot, Storage,
 };
 
 const BS: usize = 16;
@@ -651,7 +651,7 @@ fn contiguous_baselines_match_paged_bit_for_bit() {
             ..AttentionParams::new(d)
         };
         // The same tokens through the paged manager and through contiguous reservations.
-        let mut paged = KvCacheManager::new(layout, CacheConfig::new(128)).unwrap();
+        let mut paged = KvCache::new(layout, CacheConfig::new(128)).unwrap();
         let mut contig = ContiguousCache::new(layout, 128, max_len).unwrap();
         let mut st_p = poisoned(layout, 128);
         let mut st_c = poisoned(layout, 128);
@@ -754,7 +754,7 @@ fn fork_cow_and_shared_blocks_equal_an_unshared_copy() {
         |rng: &mut SplitMix64, n: usize| (randv(rng, n * kv * d, 1.0), randv(rng, n * kv * d, 1.0));
     let prompt_kv: Vec<_> = (0..2).map(|_| tok(&mut rng, prompt)).collect();
     // Shared: A with the prompt, forked into B and C; each appends its own token.
-    let mut m = KvCacheManager::new(layout, CacheConfig::new(32)).unwrap();
+    let mut m = KvCache::new(layout, CacheConfig::new(32)).unwrap();
     let mut st = poisoned(layout, 32);
     let mut slots = Vec::new();
     m.admit(SeqId(0), prompt, &mut slots).unwrap();
@@ -781,7 +781,7 @@ fn fork_cow_and_shared_blocks_equal_an_unshared_copy() {
         "two copy-on-writes of the shared last block"
     );
     // Unshared: three independent sequences with the same tokens.
-    let mut u = KvCacheManager::new(layout, CacheConfig::new(32)).unwrap();
+    let mut u = KvCache::new(layout, CacheConfig::new(32)).unwrap();
     let mut su = poisoned(layout, 32);
     for s in 0..3u64 {
         u.admit(SeqId(s), prompt + 1, &mut slots).unwrap();
@@ -928,7 +928,7 @@ fn tiny_model_agrees_under_paged_and_contiguous_allocation() {
         let requests: Vec<(usize, usize)> = (0..8)
             .map(|_| (1 + rng.below(50) as usize, 1 + rng.below(12) as usize))
             .collect();
-        let mut paged = KvCacheManager::new(layout, CacheConfig::new(200)).unwrap();
+        let mut paged = KvCache::new(layout, CacheConfig::new(200)).unwrap();
         let mut sp = poisoned(layout, 200);
         let a = serve(&model, &mut paged, &mut sp, &requests, 8, 64);
         let mut contig = ContiguousCache::new(layout, 200, 96).unwrap();

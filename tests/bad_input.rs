@@ -1,8 +1,8 @@
 //! Bad input gets a typed error and leaves the state as it was.
 
 use pagedkv::{
-    CacheConfig, CopyPlan, DType, Error, HostStorage, KvCacheManager, KvLayout, ModelConfig,
-    ModelShape, SeqId, Slot, Storage,
+    CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelConfig, ModelShape,
+    SeqId, Slot, Storage,
 };
 
 fn shape() -> ModelShape {
@@ -15,9 +15,9 @@ fn shape() -> ModelShape {
     }
 }
 
-fn manager() -> KvCacheManager {
+fn manager() -> KvCache {
     let layout = KvLayout::new(shape(), 16).unwrap();
-    KvCacheManager::new(
+    KvCache::new(
         layout,
         CacheConfig {
             num_blocks: 8,
@@ -30,7 +30,7 @@ fn manager() -> KvCacheManager {
 }
 
 /// Everything observable about a manager, to compare before and after a failed call.
-fn snapshot(kv: &KvCacheManager) -> String {
+fn snapshot(kv: &KvCache) -> String {
     let mut ids: Vec<_> = kv.sequence_ids().collect();
     ids.sort();
     let tables: Vec<_> = ids
@@ -150,7 +150,7 @@ fn invalid_configs() {
         Err(Error::InvalidConfig { .. })
     ));
     let layout = KvLayout::new(shape(), 16).unwrap();
-    assert!(KvCacheManager::new(layout, CacheConfig::new(0)).is_err());
+    assert!(KvCache::new(layout, CacheConfig::new(0)).is_err());
     let cfg = CacheConfig {
         num_blocks: 4,
         watermark_blocks: 4,
@@ -158,7 +158,7 @@ fn invalid_configs() {
         ..CacheConfig::new(0)
     };
     assert!(matches!(
-        KvCacheManager::new(layout, cfg),
+        KvCache::new(layout, cfg),
         Err(Error::InvalidConfig {
             field: "watermark_blocks",
             ..

@@ -13,13 +13,13 @@
 //! without an error.
 
 use pagedkv::{
-    AdmitOptions, CopyPlan, DType, Error, KvCacheManager, KvLayout, ModelShape, SeqHandle, SeqId,
+    AdmitOptions, CopyPlan, DType, Error, KvCache, KvLayout, ModelShape, SeqHandle, SeqId,
 };
 use proptest::prelude::*;
 
 const BS: usize = 4;
 
-fn manager(num_blocks: usize) -> KvCacheManager {
+fn manager(num_blocks: usize) -> KvCache {
     let shape = ModelShape {
         num_layers: 1,
         num_q_heads: 2,
@@ -27,7 +27,7 @@ fn manager(num_blocks: usize) -> KvCacheManager {
         head_dim: 4,
         kv_dtype: DType::F16,
     };
-    KvCacheManager::builder(KvLayout::new(shape, BS).unwrap())
+    KvCache::builder(KvLayout::new(shape, BS).unwrap())
         .num_blocks(num_blocks)
         .watermark_blocks(0)
         .build()
@@ -60,8 +60,8 @@ fn action() -> impl Strategy<Value = Action> {
 }
 
 struct Pair {
-    batch: KvCacheManager,
-    single: KvCacheManager,
+    batch: KvCache,
+    single: KvCache,
     /// Running sequences: id, whether its ids are known, and its handle in `batch`.
     running: Vec<(SeqId, bool, SeqHandle)>,
     next: u64,
@@ -435,8 +435,8 @@ const ROWS: usize = 8;
 const WIDTH: usize = 24;
 
 struct StepPair {
-    step: KvCacheManager,
-    single: KvCacheManager,
+    step: KvCache,
+    single: KvCache,
     running: Vec<SeqId>,
     buf: pagedkv::StepBuffers,
     next: u64,
@@ -678,7 +678,7 @@ fn refused_steps_change_nothing() {
         .unwrap();
     kv.commit_step(&[(h1, 1), (h2, 1)]).unwrap();
     let (before, shown) = (kv.stats(), buf.clone());
-    let same = |kv: &KvCacheManager, buf: &pagedkv::StepBuffers| {
+    let same = |kv: &KvCache, buf: &pagedkv::StepBuffers| {
         assert_eq!(kv.stats(), before);
         assert_eq!(buf.slot_mapping(), shown.slot_mapping());
         assert_eq!(buf.tables(), shown.tables());

@@ -16,8 +16,8 @@ use pagedkv::broker::{
     Broker, BrokerConfig, ModelGuard, ModelId, ModelLimits, MoveReason, Party, SleepOptions,
 };
 use pagedkv::{
-    AdmitOptions, CopyPlan, DType, Error, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId,
-    Slot, Storage, TierConfig,
+    AdmitOptions, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Slot,
+    Storage, TierConfig,
 };
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
@@ -58,7 +58,7 @@ fn broker_with(config: BrokerConfig, floors: [usize; 3]) -> (Broker<HostStorage>
     for (i, layout) in layouts().into_iter().enumerate() {
         let bpc = b.blocks_per_chunk(&layout).unwrap();
         let blocks = floors[i] * bpc;
-        let kv = KvCacheManager::builder(layout)
+        let kv = KvCache::builder(layout)
             .num_blocks(blocks)
             .watermark_blocks(0)
             .tiers(TierConfig {
@@ -108,7 +108,7 @@ fn write_tokens(storage: &mut HostStorage, tokens: &[u32], first_pos: usize, slo
     }
 }
 
-fn check_tokens(kv: &KvCacheManager, storage: &HostStorage, seq: SeqId, tokens: &[u32]) {
+fn check_tokens(kv: &KvCache, storage: &HostStorage, seq: SeqId, tokens: &[u32]) {
     let layout = *storage.layout();
     let table = kv.block_table(seq).unwrap();
     for layer in 0..layout.num_layers() {
@@ -601,7 +601,7 @@ fn reservation_times_out_with_a_typed_error_and_gives_back() {
 fn sleep_swaps_sequences_out_and_shrinks_to_the_floor() {
     let mut b = Broker::new(BrokerConfig::new(16 * CHUNK, CHUNK)).unwrap();
     let layout = layouts()[0];
-    let kv = KvCacheManager::builder(layout)
+    let kv = KvCache::builder(layout)
         .num_blocks(32)
         .watermark_blocks(0)
         .tiers(pagedkv::TierConfig {
@@ -748,7 +748,7 @@ fn concurrent_schedulers_and_reservations() {
 fn cached_model(host_blocks: usize) -> (Broker<HostStorage>, ModelId, Vec<Vec<u32>>) {
     let mut b = Broker::new(BrokerConfig::new(16 * CHUNK, CHUNK)).unwrap();
     let layout = layouts()[0]; // 4 tokens per block, 4 blocks per chunk
-    let kv = KvCacheManager::builder(layout)
+    let kv = KvCache::builder(layout)
         .num_blocks(16)
         .watermark_blocks(0)
         .tiers(TierConfig {
@@ -883,7 +883,7 @@ fn a_failed_spill_or_restore_changes_nothing() {
         num_host_blocks: 8,
         ..TierConfig::default()
     };
-    let mut kv = KvCacheManager::builder(layout)
+    let mut kv = KvCache::builder(layout)
         .num_blocks(16)
         .tiers(tiers)
         .build()
@@ -897,7 +897,7 @@ fn a_failed_spill_or_restore_changes_nothing() {
     kv.admit_tokens(SeqId(1), &prompt, &AdmitOptions::default(), &mut slots)
         .unwrap();
     kv.free(SeqId(1)).unwrap();
-    let snapshot = |kv: &KvCacheManager| {
+    let snapshot = |kv: &KvCache| {
         (
             kv.stats(),
             kv.tier_stats(),
@@ -968,10 +968,7 @@ fn a_chunk_maps_exactly_its_bytes_per_layer_granule() {
     let config = BrokerConfig::new(48 * MIB, 2 * MIB).with_granule(2 * MIB);
     let mut b: Broker<HostStorage> = Broker::new(config).unwrap();
     let bpc = b.blocks_per_chunk(&gpu[0]).unwrap();
-    let kv = KvCacheManager::builder(gpu[0])
-        .num_blocks(bpc)
-        .build()
-        .unwrap();
+    let kv = KvCache::builder(gpu[0]).num_blocks(bpc).build().unwrap();
     let storage = HostStorage::new(gpu[0], bpc).unwrap();
     let err = b
         .register("m", kv, storage, ModelLimits::new(2 * MIB, 48 * MIB))
@@ -985,7 +982,7 @@ fn a_chunk_maps_exactly_its_bytes_per_layer_granule() {
         Broker::new(BrokerConfig::new(4 * chunk, chunk).with_granule(2 * MIB)).unwrap();
     for (i, l) in gpu.iter().enumerate() {
         let bpc = b.blocks_per_chunk(l).unwrap();
-        let kv = KvCacheManager::builder(*l).num_blocks(bpc).build().unwrap();
+        let kv = KvCache::builder(*l).num_blocks(bpc).build().unwrap();
         let storage = HostStorage::new(*l, bpc).unwrap();
         b.register(
             format!("m{i}"),
@@ -1035,10 +1032,7 @@ fn registration_reads_the_storages_granule() {
         let config = BrokerConfig::new(8 * chunk, chunk).with_granule(declared);
         let mut b: Broker<Granular> = Broker::new(config).unwrap();
         let bpc = b.blocks_per_chunk(&layout).unwrap();
-        let kv = KvCacheManager::builder(layout)
-            .num_blocks(bpc)
-            .build()
-            .unwrap();
+        let kv = KvCache::builder(layout).num_blocks(bpc).build().unwrap();
         let storage = Granular {
             inner: HostStorage::new(layout, bpc).unwrap(),
             granule,

@@ -18,7 +18,7 @@ use std::time::Duration;
 use cuda_common::{storage_or_skip, Rng};
 use pagedkv::broker::{chunk_bytes_for, Broker, BrokerConfig, ModelId, ModelLimits, MoveReason};
 use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
-use pagedkv::{DType, KvCacheManager, KvLayout, ModelShape, SeqId, Storage};
+use pagedkv::{DType, KvCache, KvLayout, ModelShape, SeqId, Storage};
 
 /// The VMM allocation granule of the H200 (and of every CUDA GPU so far).
 const GRANULE: usize = 2 << 20;
@@ -55,12 +55,7 @@ fn chunk_moves_keep_bytes_on_the_gpu() {
     for (i, l) in layouts.iter().enumerate() {
         let bpc = broker.blocks_per_chunk(l).unwrap();
         let blocks = 4 * bpc;
-        let kv = || {
-            KvCacheManager::builder(*l)
-                .num_blocks(blocks)
-                .build()
-                .unwrap()
-        };
+        let kv = || KvCache::builder(*l).num_blocks(blocks).build().unwrap();
         let limits = ModelLimits::new(chunk, 12 * chunk);
         // Backed by chunks larger than the granule (the default): refused, nothing
         // granted.

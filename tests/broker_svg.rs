@@ -10,8 +10,7 @@ use std::time::Duration;
 use pagedkv::broker::{Broker, BrokerConfig, ModelLimits, Party, SleepOptions};
 use pagedkv::chart::{MemoryChart, Timeline};
 use pagedkv::{
-    AdmitOptions, CacheConfig, DType, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId,
-    TierConfig,
+    AdmitOptions, CacheConfig, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId, TierConfig,
 };
 
 const CHUNK: usize = 64 << 10;
@@ -101,7 +100,7 @@ fn the_broker_chart_is_well_formed_and_draws_every_move() {
         .enumerate()
     {
         let bpc = b.blocks_per_chunk(&l).unwrap();
-        let kv = KvCacheManager::builder(l)
+        let kv = KvCache::builder(l)
             .num_blocks(2 * bpc)
             .watermark_blocks(0)
             .tiers(TierConfig {
@@ -242,7 +241,7 @@ fn the_broker_chart_is_well_formed_and_draws_every_move() {
 #[test]
 fn the_memory_chart_is_well_formed_inside_its_view_box() {
     let l = layout(2, 2, 16);
-    let mut kv = KvCacheManager::new(l, CacheConfig::new(64)).unwrap();
+    let mut kv = KvCache::new(l, CacheConfig::new(64)).unwrap();
     let mut t = Timeline::new("paged");
     let mut slots = Vec::new();
     for step in 0..40u64 {

@@ -3,8 +3,8 @@
 
 use pagedkv::chart::{EventKind, MemoryChart, Sample, Timeline, LINES};
 use pagedkv::{
-    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, KvCacheManager, KvLayout,
-    ModelShape, SeqId,
+    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, KvCache, KvLayout, ModelShape,
+    SeqId,
 };
 
 fn layout() -> KvLayout {
@@ -61,7 +61,7 @@ fn simulate(cache: &mut dyn CacheAllocator, steps: u64) -> Timeline {
 
 fn chart() -> MemoryChart {
     let layout = layout();
-    let mut paged = KvCacheManager::new(layout, CacheConfig::new(256)).unwrap();
+    let mut paged = KvCache::new(layout, CacheConfig::new(256)).unwrap();
     let mut contiguous = ContiguousCache::new(layout, 256, 528).unwrap();
     let mut p = simulate(&mut paged, 400);
     let c = simulate(&mut contiguous, 400);

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use pagedkv::pool::sharded::ShardedPool;
 use pagedkv::{
-    CacheConfig, CopyPlan, DType, Error, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId,
-    SharedKvCacheManager, Storage,
+    CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
+    SharedKvCache, Storage,
 };
 
 fn rng(seed: u64) -> impl FnMut() -> u64 {
@@ -118,7 +118,7 @@ fn shared_manager_stress_8_threads() {
         max_seq_len_tokens: 0,
         ..CacheConfig::new(0)
     };
-    let kv = SharedKvCacheManager::new(KvCacheManager::new(layout, cfg).unwrap());
+    let kv = SharedKvCache::new(KvCache::new(layout, cfg).unwrap());
     let store = Arc::new(parking_lot::Mutex::new(
         HostStorage::new(layout, 256).unwrap(),
     ));

@@ -139,7 +139,7 @@ fn staging_a_step_allocates_nothing() {
 /// and refused steps (a duplicate in the batch).
 #[test]
 fn the_step_path_allocates_nothing_once_admitted() {
-    use pagedkv::{CacheConfig, KvCacheManager, SeqId, StepBuffers, StepEntry};
+    use pagedkv::{CacheConfig, KvCache, SeqId, StepBuffers, StepEntry};
     let shape = ModelShape {
         num_layers: 2,
         num_q_heads: 8,
@@ -155,7 +155,7 @@ fn the_step_path_allocates_nothing_once_admitted() {
         table_capacity_blocks: max_len / 16,
         ..CacheConfig::new(48 * max_len / 16)
     };
-    let mut kv = KvCacheManager::new(layout, cfg).unwrap();
+    let mut kv = KvCache::new(layout, cfg).unwrap();
     let mut slots = Vec::new();
     let mut handles = Vec::new();
     for i in 0..48u64 {

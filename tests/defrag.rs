@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use pagedkv::{
     BlockId, BlockState, CacheConfig, CacheStats, CopyPlan, DType, DefragOptions, Error, FragStats,
-    HostStorage, KvCacheManager, KvLayout, ModelShape, MovePlan, SeqId, Slot, Storage,
+    HostStorage, KvCache, KvLayout, ModelShape, MovePlan, SeqId, Slot, Storage,
 };
 use proptest::prelude::*;
 
@@ -36,7 +36,7 @@ fn pattern(tag: u64, layer: usize, kv: u64, i: usize) -> u8 {
 
 /// A manager, its storage, and the tags of every sequence's tokens.
 struct Harness<S: Storage = HostStorage> {
-    kv: KvCacheManager,
+    kv: KvCache,
     storage: S,
     tags: HashMap<SeqId, Vec<u64>>,
     next_tag: u64,
@@ -68,7 +68,7 @@ impl<S: Storage> Harness<S> {
         config.watermark_blocks = 0;
         config.max_num_blocks = max_num_blocks;
         Harness {
-            kv: KvCacheManager::new(layout(), config).unwrap(),
+            kv: KvCache::new(layout(), config).unwrap(),
             storage,
             tags: HashMap::new(),
             next_tag: 1,
@@ -662,7 +662,7 @@ fn shrink_respects_the_watermark() {
     let layout = layout();
     let mut config = CacheConfig::new(32);
     config.watermark_blocks = 4;
-    let mut kv = KvCacheManager::new(layout, config).unwrap();
+    let mut kv = KvCache::new(layout, config).unwrap();
     let mut storage = HostStorage::new(layout, 32).unwrap();
     assert!(matches!(
         pagedkv::executor::shrink_to(&mut kv, 4, &mut storage),

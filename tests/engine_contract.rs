@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use pagedkv::{
-    AdmitOptions, CopyPlan, CostModel, DType, Error, KvCacheManager, KvLayout, ModelShape,
-    PreemptMode, PreemptPolicy, PrefixHit, SeqId, Slot, SwapDirection, SwapPlan, TierConfig,
+    AdmitOptions, CopyPlan, CostModel, DType, Error, KvCache, KvLayout, ModelShape, PreemptMode,
+    PreemptPolicy, PrefixHit, SeqId, Slot, SwapDirection, SwapPlan, TierConfig,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
@@ -31,8 +31,8 @@ fn layout() -> KvLayout {
     KvLayout::new(shape, BS).unwrap()
 }
 
-fn manager(num_blocks: usize, host_blocks: usize) -> KvCacheManager {
-    KvCacheManager::builder(layout())
+fn manager(num_blocks: usize, host_blocks: usize) -> KvCache {
+    KvCache::builder(layout())
         .num_blocks(num_blocks)
         .watermark_blocks(0)
         .tiers(TierConfig {
@@ -109,7 +109,7 @@ struct Shadow {
 }
 
 struct Harness {
-    kv: KvCacheManager,
+    kv: KvCache,
     /// What each device slot holds (absent: never written).
     device: HashMap<u64, u32>,
     /// What each host-tier slot holds.

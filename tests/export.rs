@@ -10,7 +10,7 @@ use pagedkv::export::{xxh64, EXPORT_VERSION, HEADER_FIXED_BYTES};
 use pagedkv::layout::Kv;
 use pagedkv::{
     export_blocks, export_sequence, exported_len, import_sequence, CacheConfig, CopyPlan, DType,
-    Error, ExportHeader, ExportView, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId,
+    Error, ExportHeader, ExportView, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
     ShardedStorage, Storage,
 };
 
@@ -55,7 +55,7 @@ fn token_bytes(pos: u64, layer: usize, kv: Kv, len: usize, out: &mut Vec<u8>) {
 
 /// A manager and its storage.
 struct Cache<S: Storage> {
-    mgr: KvCacheManager,
+    mgr: KvCache,
     kv: S,
 }
 
@@ -64,7 +64,7 @@ fn host_cache(block_size: usize, num_blocks: usize) -> Cache<HostStorage> {
     let mut config = CacheConfig::new(num_blocks);
     config.watermark_blocks = 0;
     Cache {
-        mgr: KvCacheManager::new(l, config).unwrap(),
+        mgr: KvCache::new(l, config).unwrap(),
         kv: HostStorage::new(l, num_blocks).unwrap(),
     }
 }
@@ -74,7 +74,7 @@ fn tp_cache(block_size: usize, num_blocks: usize, tp: usize) -> Cache<ShardedSto
     let mut config = CacheConfig::new(num_blocks);
     config.watermark_blocks = 0;
     Cache {
-        mgr: KvCacheManager::new(l, config).unwrap(),
+        mgr: KvCache::new(l, config).unwrap(),
         kv: ShardedStorage::host(l, tp, num_blocks, 0).unwrap(),
     }
 }
@@ -544,7 +544,7 @@ fn other_shapes_and_dtypes_are_rejected() {
     ];
     for (other, want) in cases {
         let l = KvLayout::new(other, 8).unwrap();
-        let mut mgr = KvCacheManager::new(l, CacheConfig::new(8)).unwrap();
+        let mut mgr = KvCache::new(l, CacheConfig::new(8)).unwrap();
         let kv = HostStorage::new(l, 8).unwrap();
         mgr.admit(SeqId(1), 10, &mut Vec::new()).unwrap();
         let mut buf = vec![0; exported_len(&l, 10, false).unwrap()];
@@ -670,7 +670,7 @@ fn latent_layout(block_size: usize) -> KvLayout {
 /// Admits `seq` with `n` tokens in `mgr` and writes latent bytes that name the token,
 /// the layer and `salt`; returns every layer's latents.
 fn latent_prefill(
-    mgr: &mut KvCacheManager,
+    mgr: &mut KvCache,
     kv: &mut HostStorage,
     seq: SeqId,
     n: usize,
@@ -690,7 +690,7 @@ fn latent_prefill(
         .collect()
 }
 
-fn read_latents(mgr: &KvCacheManager, kv: &HostStorage, seq: SeqId) -> Vec<Vec<u8>> {
+fn read_latents(mgr: &KvCache, kv: &HostStorage, seq: SeqId) -> Vec<Vec<u8>> {
     let (table, n) = mgr.readable_blocks(seq).unwrap();
     (0..2)
         .map(|layer| {
@@ -704,7 +704,7 @@ fn read_latents(mgr: &KvCacheManager, kv: &HostStorage, seq: SeqId) -> Vec<Vec<u
 #[test]
 fn a_latent_layout_round_trips_and_is_refused_by_a_kv_receiver() {
     let sender_layout = latent_layout(4);
-    let mut sender = KvCacheManager::new(sender_layout, pagedkv::CacheConfig::new(16)).unwrap();
+    let mut sender = KvCache::new(sender_layout, pagedkv::CacheConfig::new(16)).unwrap();
     let mut sender_kv = HostStorage::new(sender_layout, 16).unwrap();
     let want = latent_prefill(&mut sender, &mut sender_kv, SeqId(1), 23, 0x5a);
     let ids = ids_for(23, 3);
@@ -719,7 +719,7 @@ fn a_latent_layout_round_trips_and_is_refused_by_a_kv_receiver() {
 
     // The receiver pages by 8 tokens: re-paged, every latent byte the same.
     let rx_layout = latent_layout(8);
-    let mut rx = KvCacheManager::new(rx_layout, pagedkv::CacheConfig::new(16)).unwrap();
+    let mut rx = KvCache::new(rx_layout, pagedkv::CacheConfig::new(16)).unwrap();
     let mut rx_kv = HostStorage::new(rx_layout, 16).unwrap();
     let got = import_sequence(&mut rx, &mut rx_kv, SeqId(7), &wire).unwrap();
     assert_eq!((got.num_tokens, got.table.len()), (23, 3));
@@ -764,7 +764,7 @@ fn a_latent_layout_round_trips_and_is_refused_by_a_kv_receiver() {
         kv_dtype: DType::F16,
     };
     let kv_layout = KvLayout::new(kv_shape, 4).unwrap();
-    let mut kv_rx = KvCacheManager::new(kv_layout, pagedkv::CacheConfig::new(16)).unwrap();
+    let mut kv_rx = KvCache::new(kv_layout, pagedkv::CacheConfig::new(16)).unwrap();
     let mut kv_rx_kv = HostStorage::new(kv_layout, 16).unwrap();
     let e = import_sequence(&mut kv_rx, &mut kv_rx_kv, SeqId(1), &wire).unwrap_err();
     assert!(

@@ -23,8 +23,8 @@
 //!   (`TierFull`, `OutOfBlocks`, state, unknown ticket) change nothing.
 
 use pagedkv::{
-    AdmitOptions, BlockId, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage,
-    KvCacheGroups, KvCacheManager, KvKind, KvLayout, ModelShape, SeqId, Storage,
+    AdmitOptions, BlockId, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage, KvCache,
+    KvCacheGroups, KvKind, KvLayout, ModelShape, SeqId, Storage,
 };
 use proptest::prelude::*;
 
@@ -216,7 +216,7 @@ fn failure_in_a_later_group_leaves_the_earlier_ones_unchanged() {
 fn first_decode_step_after_a_long_prompt_needs_no_extra_page() {
     let l = layout(16, 1);
     // Prompt 128 tokens = 8 blocks, window 64: the query at 128 reads 65..=128.
-    let mut single = KvCacheManager::builder(l)
+    let mut single = KvCache::builder(l)
         .num_blocks(8)
         .watermark_blocks(0)
         .sliding_window(64)

@@ -8,9 +8,8 @@ use pagedkv::attention::reference::paged_decode_reference;
 use pagedkv::attention::AttentionParams;
 use pagedkv::pool::sharded::ShardedPool;
 use pagedkv::{
-    BlockId, BlockPool, CacheConfig, CopyPlan, CsrTables, DType, Error, HostStorage,
-    KvCacheManager, KvLayout, ModelShape, PaddedTables, SeqId, Slot, Storage, SwapDirection,
-    SwapPlan,
+    BlockId, BlockPool, CacheConfig, CopyPlan, CsrTables, DType, Error, HostStorage, KvCache,
+    KvLayout, ModelShape, PaddedTables, SeqId, Slot, Storage, SwapDirection, SwapPlan,
 };
 
 const BS: usize = 4;
@@ -26,9 +25,9 @@ fn shape() -> ModelShape {
     }
 }
 
-fn setup() -> (KvCacheManager, HostStorage) {
+fn setup() -> (KvCache, HostStorage) {
     let layout = KvLayout::new(shape(), BS).unwrap();
-    let kv = KvCacheManager::new(
+    let kv = KvCache::new(
         layout,
         CacheConfig {
             watermark_blocks: 0,
@@ -39,7 +38,7 @@ fn setup() -> (KvCacheManager, HostStorage) {
     (kv, HostStorage::with_host_tier(layout, BLOCKS, 4).unwrap())
 }
 
-fn snapshot(kv: &KvCacheManager) -> String {
+fn snapshot(kv: &KvCache) -> String {
     let mut ids: Vec<_> = kv.sequence_ids().collect();
     ids.sort();
     let t: Vec<_> = ids
@@ -102,8 +101,8 @@ fn manager_lengths_near_the_limits() {
 #[test]
 fn zero_sizes() {
     let layout = KvLayout::new(shape(), BS).unwrap();
-    assert!(KvCacheManager::new(layout, CacheConfig::new(0)).is_err());
-    assert!(KvCacheManager::new(layout, CacheConfig::new(0)).is_err());
+    assert!(KvCache::new(layout, CacheConfig::new(0)).is_err());
+    assert!(KvCache::new(layout, CacheConfig::new(0)).is_err());
     assert!(pagedkv::ContiguousCache::new(layout, 8, 0).is_err());
     assert!(ShardedPool::new(0, 1, 1).is_err());
     assert!(ShardedPool::new(4, 0, 1).is_err());

@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 
 use pagedkv::{
-    CacheConfig, CopyPlan, DType, Error, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId,
-    Slot, Storage,
+    CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Slot,
+    Storage,
 };
 use proptest::prelude::*;
 
@@ -57,7 +57,7 @@ fn action() -> impl Strategy<Value = Action> {
 
 /// The engine side: manager + storage + the shadow model of what each sequence holds.
 struct Harness {
-    kv: KvCacheManager,
+    kv: KvCache,
     store: HostStorage,
     /// Shadow: the value written for each token of each sequence.
     shadow: BTreeMap<SeqId, Vec<u32>>,
@@ -76,7 +76,7 @@ impl Harness {
             ..CacheConfig::new(0)
         };
         Harness {
-            kv: KvCacheManager::new(layout(), cfg).unwrap(),
+            kv: KvCache::new(layout(), cfg).unwrap(),
             store: HostStorage::new(layout(), BLOCKS).unwrap(),
             shadow: BTreeMap::new(),
             next_seq: 0,

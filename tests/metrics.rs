@@ -9,9 +9,9 @@ use pagedkv::metrics::{
     names, serve_prometheus, ExtraCounters, MetricKind, MetricsExporter, MetricsSnapshot,
     PrometheusRecorder, ServeLimits, METRICS,
 };
-use pagedkv::{CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+use pagedkv::{CacheConfig, CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId};
 
-fn manager() -> KvCacheManager {
+fn manager() -> KvCache {
     let shape = ModelShape {
         num_layers: 2,
         num_q_heads: 4,
@@ -19,7 +19,7 @@ fn manager() -> KvCacheManager {
         head_dim: 8,
         kv_dtype: DType::F16,
     };
-    KvCacheManager::new(KvLayout::new(shape, 16).unwrap(), CacheConfig::new(64)).unwrap()
+    KvCache::new(KvLayout::new(shape, 16).unwrap(), CacheConfig::new(64)).unwrap()
 }
 
 fn full_extras() -> ExtraCounters {
@@ -171,7 +171,7 @@ fn peak_is_kept_since_the_last_read() {
 
     let recorder = PrometheusRecorder::new();
     let exporter = MetricsExporter::new();
-    let publish = |kv: &mut KvCacheManager| {
+    let publish = |kv: &mut KvCache| {
         let snap = MetricsSnapshot::from_manager(kv);
         ::metrics::with_local_recorder(&recorder, || exporter.publish(&snap));
         recorder.render()

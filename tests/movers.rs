@@ -14,7 +14,7 @@ use pagedkv::broker::{Broker, BrokerConfig, ModelLimits, SleepOptions};
 use pagedkv::executor::{defragment_with, shrink_to};
 use pagedkv::{
     AdmitOptions, CopyPlan, CostModel, DType, DefragOptions, Error, GroupSpec, GroupStep,
-    HostStorage, KvCacheGroups, KvCacheManager, KvLayout, ModelShape, PreemptAction, PreemptMode,
+    HostStorage, KvCache, KvCacheGroups, KvLayout, ModelShape, PreemptAction, PreemptMode,
     PreemptPolicy, SeqId, Slot, Storage, TierConfig,
 };
 
@@ -31,8 +31,8 @@ fn layout() -> KvLayout {
     KvLayout::new(shape, BS).unwrap()
 }
 
-fn manager(num_blocks: usize) -> (KvCacheManager, HostStorage) {
-    let kv = KvCacheManager::builder(layout())
+fn manager(num_blocks: usize) -> (KvCache, HostStorage) {
+    let kv = KvCache::builder(layout())
         .num_blocks(num_blocks)
         .watermark_blocks(0)
         .tiers(TierConfig {
@@ -75,7 +75,7 @@ fn write(storage: &mut HostStorage, seq: SeqId, first_pos: usize, slots: &[Slot]
 
 /// Reads back the first `len` tokens of `seq` and compares them with what `write`
 /// wrote (every byte is odd, so a zeroed or stale block shows).
-fn check(kv: &KvCacheManager, storage: &HostStorage, seq: SeqId, len: usize) {
+fn check(kv: &KvCache, storage: &HostStorage, seq: SeqId, len: usize) {
     let table = kv.block_table(seq).unwrap();
     for layer in 0..layout().num_layers() {
         let (mut k, mut v) = (Vec::new(), Vec::new());
@@ -99,7 +99,7 @@ fn check(kv: &KvCacheManager, storage: &HostStorage, seq: SeqId, len: usize) {
 }
 
 /// Everything a failed call must leave as it was.
-fn snapshot(kv: &KvCacheManager, storage: &HostStorage) -> String {
+fn snapshot(kv: &KvCache, storage: &HostStorage) -> String {
     let mut ids: Vec<_> = kv.sequence_ids().collect();
     ids.sort();
     let tables: Vec<_> = ids
@@ -124,7 +124,7 @@ fn snapshot(kv: &KvCacheManager, storage: &HostStorage) -> String {
 
 /// The repro: sequence 2 sits above a hole left by sequence 1 and holds a
 /// reservation of 2 tokens (positions 6-7) when the arena is compacted.
-fn reserved_above_a_hole() -> (KvCacheManager, HostStorage, Vec<Slot>) {
+fn reserved_above_a_hole() -> (KvCache, HostStorage, Vec<Slot>) {
     let (mut kv, mut storage) = manager(8);
     let mut slots = Vec::new();
     kv.admit(SeqId(1), 8, &mut slots).unwrap();
@@ -308,7 +308,7 @@ fn broker_with_a_mid_step() -> (
     assert_eq!(l.block_bytes(), CHUNK / 4);
     let mut b = Broker::new(BrokerConfig::new(4 * CHUNK, CHUNK)).unwrap();
     let model = |blocks| {
-        let kv = KvCacheManager::builder(l)
+        let kv = KvCache::builder(l)
             .num_blocks(blocks)
             .watermark_blocks(0)
             .build()
@@ -630,7 +630,7 @@ const MODEL_BLOCKS: usize = 12;
 const MODEL_MAX_BLOCKS: usize = 24;
 
 struct Model {
-    kv: KvCacheManager,
+    kv: KvCache,
     storage: HostStorage,
     seqs: std::collections::BTreeMap<SeqId, Shadow>,
     /// Swapped out: the computed tags, read again after the swap-in.
@@ -659,7 +659,7 @@ struct Seen {
 }
 
 /// Everything a refused call must leave as it was, swapped sequences included.
-fn full_snapshot(kv: &KvCacheManager, storage: &HostStorage) -> String {
+fn full_snapshot(kv: &KvCache, storage: &HostStorage) -> String {
     let mut ids: Vec<_> = kv.sequence_ids().collect();
     ids.sort();
     let tables: Vec<_> = ids
@@ -690,7 +690,7 @@ fn is_state_error(e: &Error, seq: SeqId) -> bool {
 
 impl Model {
     fn new() -> Self {
-        let kv = KvCacheManager::builder(layout())
+        let kv = KvCache::builder(layout())
             .num_blocks(MODEL_BLOCKS)
             .max_num_blocks(MODEL_MAX_BLOCKS)
             .watermark_blocks(0)

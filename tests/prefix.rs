@@ -10,8 +10,8 @@ use pagedkv::pool::prefix::{
     Xxh3Hasher,
 };
 use pagedkv::{
-    AdmitOptions, BlockHash, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCacheManager,
-    KvLayout, ModelShape, PinId, PrefixConfig, PrefixEvent, SeqId, Slot, Storage,
+    AdmitOptions, BlockHash, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout,
+    ModelShape, PinId, PrefixConfig, PrefixEvent, SeqId, Slot, Storage,
 };
 use proptest::prelude::*;
 
@@ -39,14 +39,14 @@ fn cfg(num_blocks: usize) -> CacheConfig {
     }
 }
 
-fn manager(num_blocks: usize) -> KvCacheManager {
-    KvCacheManager::new(layout(), cfg(num_blocks)).unwrap()
+fn manager(num_blocks: usize) -> KvCache {
+    KvCache::new(layout(), cfg(num_blocks)).unwrap()
 }
 
-fn manager_with(num_blocks: usize, f: impl FnOnce(&mut PrefixConfig)) -> KvCacheManager {
+fn manager_with(num_blocks: usize, f: impl FnOnce(&mut PrefixConfig)) -> KvCache {
     let mut p = PrefixConfig::for_arena(num_blocks);
     f(&mut p);
-    KvCacheManager::with_prefix_config(layout(), cfg(num_blocks), p).unwrap()
+    KvCache::with_prefix_config(layout(), cfg(num_blocks), p).unwrap()
 }
 
 const NONE: AdmitOptions<'static> = AdmitOptions {
@@ -61,7 +61,7 @@ fn toks(start: u32, n: usize) -> Vec<u32> {
 }
 
 /// Everything observable about the manager, to prove a failed call changed nothing.
-fn snapshot(kv: &KvCacheManager) -> String {
+fn snapshot(kv: &KvCache) -> String {
     format!("{kv:?}")
 }
 
@@ -128,7 +128,7 @@ fn pattern(value: u64, layer: usize) -> ([u8; 4 * HEAD_DIM], [u8; 4 * HEAD_DIM])
 
 /// Engine side: manager + storage + what each sequence should hold.
 struct Engine {
-    kv: KvCacheManager,
+    kv: KvCache,
     store: HostStorage,
     /// Per sequence: namespace id and token ids.
     shadow: BTreeMap<SeqId, (u64, Vec<u32>)>,
@@ -137,7 +137,7 @@ struct Engine {
 }
 
 impl Engine {
-    fn new(kv: KvCacheManager) -> Self {
+    fn new(kv: KvCache) -> Self {
         let n = kv.num_blocks();
         Engine {
             kv,
@@ -242,7 +242,7 @@ impl Engine {
 #[test]
 fn the_manager_stays_send_and_sync() {
     fn assert_send_sync<T: Send + Sync>() {}
-    assert_send_sync::<KvCacheManager>();
+    assert_send_sync::<KvCache>();
 }
 
 // ---- hits and misses --------------------------------------------------------------
@@ -1134,7 +1134,7 @@ fn pinning_is_limited_and_unknown_prefixes_are_errors() {
     kv.unpin_prefix(p2.id).unwrap();
     kv.check_invariants().unwrap();
     assert!(matches!(
-        KvCacheManager::with_prefix_config(layout(), cfg(8), {
+        KvCache::with_prefix_config(layout(), cfg(8), {
             let mut p = PrefixConfig::for_arena(8);
             p.max_pinned_blocks = 9;
             p
@@ -1309,7 +1309,7 @@ struct Model {
 }
 
 impl Model {
-    fn new(kv: KvCacheManager, bases: Vec<Vec<u32>>) -> Self {
+    fn new(kv: KvCache, bases: Vec<Vec<u32>>) -> Self {
         Model {
             e: Engine::new(kv),
             bases,
@@ -1508,7 +1508,7 @@ impl Model {
     }
 }
 
-fn model_manager(hasher: Box<dyn PrefixHasher>, cost_aware: bool) -> KvCacheManager {
+fn model_manager(hasher: Box<dyn PrefixHasher>, cost_aware: bool) -> KvCache {
     let mut p = PrefixConfig::for_arena(MODEL_BLOCKS);
     p.hasher = hasher;
     p.max_pinned_blocks = 8;
@@ -1522,7 +1522,7 @@ fn model_manager(hasher: Box<dyn PrefixHasher>, cost_aware: bool) -> KvCacheMana
         max_seq_len_tokens: 0,
         ..CacheConfig::new(0)
     };
-    KvCacheManager::with_prefix_config(layout(), c, p).unwrap()
+    KvCache::with_prefix_config(layout(), c, p).unwrap()
 }
 
 fn bases() -> impl Strategy<Value = Vec<Vec<u32>>> {
@@ -1645,7 +1645,7 @@ impl Engine {
     /// An engine whose storage and manager have a host tier of `host` blocks.
     fn with_host_tier(num_blocks: usize, host: usize) -> Self {
         let store = HostStorage::with_host_tier(layout(), num_blocks, host).unwrap();
-        let kv = KvCacheManager::with_tiers(
+        let kv = KvCache::with_tiers(
             layout(),
             cfg(num_blocks),
             pagedkv::TierConfig::for_storage(&store),
@@ -1870,7 +1870,7 @@ fn ids_from_position_zero_start_tracking_in_every_call() {
 #[test]
 fn a_window_manager_tracks_ids_from_no_call() {
     let window = || {
-        KvCacheManager::builder(layout())
+        KvCache::builder(layout())
             .num_blocks(16)
             .watermark_blocks(0)
             .sliding_window(8)

@@ -6,13 +6,12 @@
 
 use pagedkv::executor::tier::{restore_spilled_prefixes, spill_cached_prefixes};
 use pagedkv::{
-    AdmitOptions, DType, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId, Storage,
-    TierConfig,
+    AdmitOptions, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage, TierConfig,
 };
 
 const BS: usize = 4;
 
-fn setup(blocks: usize, host: usize) -> (KvCacheManager, HostStorage) {
+fn setup(blocks: usize, host: usize) -> (KvCache, HostStorage) {
     let shape = ModelShape {
         num_layers: 2,
         num_q_heads: 2,
@@ -21,7 +20,7 @@ fn setup(blocks: usize, host: usize) -> (KvCacheManager, HostStorage) {
         kv_dtype: DType::F32,
     };
     let layout = KvLayout::new(shape, BS).unwrap();
-    let kv = KvCacheManager::builder(layout)
+    let kv = KvCache::builder(layout)
         .num_blocks(blocks)
         .watermark_blocks(0)
         .max_pinned_blocks(blocks)
@@ -51,7 +50,7 @@ fn token_len(storage: &HostStorage) -> usize {
 }
 
 /// Admits `prompt` as `seq` and writes the K/V of the tokens the cache did not hold.
-fn admit(kv: &mut KvCacheManager, storage: &mut HostStorage, seq: u64, prompt: &[u32]) -> usize {
+fn admit(kv: &mut KvCache, storage: &mut HostStorage, seq: u64, prompt: &[u32]) -> usize {
     let mut slots = Vec::new();
     let a = kv
         .admit_tokens(SeqId(seq), prompt, &AdmitOptions::default(), &mut slots)
@@ -69,7 +68,7 @@ fn admit(kv: &mut KvCacheManager, storage: &mut HostStorage, seq: u64, prompt: &
 }
 
 /// Checks every token of `seq` against the pattern.
-fn check(kv: &KvCacheManager, storage: &HostStorage, seq: u64, prompt: &[u32]) {
+fn check(kv: &KvCache, storage: &HostStorage, seq: u64, prompt: &[u32]) {
     let table = kv.block_table(SeqId(seq)).unwrap();
     let n = token_len(storage);
     for layer in 0..2 {
@@ -92,7 +91,7 @@ fn scribble(storage: &mut HostStorage) {
     }
 }
 
-fn cached(kv: &KvCacheManager, prompt: &[u32]) -> usize {
+fn cached(kv: &KvCache, prompt: &[u32]) -> usize {
     kv.cached_prefix_len(prompt, &AdmitOptions::default())
         .unwrap()
 }

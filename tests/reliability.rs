@@ -2,7 +2,7 @@
 //! the class it belongs to.
 //!
 //! - Every entry point that reads a sequence's bytes agrees on which states are
-//!   readable: one predicate ([`KvCacheManager::readable_blocks`]), checked here for
+//!   readable: one predicate ([`KvCache::readable_blocks`]), checked here for
 //!   every state a sequence can be in.
 //! - Every counter the metrics publish equals what the tables say:
 //!   `check_invariants` recomputes each block's fill (the most any holder holds in it)
@@ -10,7 +10,7 @@
 
 use pagedkv::{
     export_sequence, exported_len, AdmitOptions, CopyPlan, CsrTables, DType, Error, HostStorage,
-    KvCacheManager, KvLayout, ModelShape, PaddedTables, SeqId, Storage, TierConfig,
+    KvCache, KvLayout, ModelShape, PaddedTables, SeqId, Storage, TierConfig,
 };
 
 fn layout() -> KvLayout {
@@ -24,8 +24,8 @@ fn layout() -> KvLayout {
     KvLayout::new(shape, 4).unwrap()
 }
 
-fn manager() -> KvCacheManager {
-    KvCacheManager::builder(layout())
+fn manager() -> KvCache {
+    KvCache::builder(layout())
         .num_blocks(16)
         .watermark_blocks(0)
         .tiers(TierConfig {
@@ -37,7 +37,7 @@ fn manager() -> KvCacheManager {
 }
 
 /// The tokens the tables really hold: for each block, the most any holder holds.
-fn real_live_slots(kv: &KvCacheManager, seqs: &[SeqId]) -> usize {
+fn real_live_slots(kv: &KvCache, seqs: &[SeqId]) -> usize {
     let mut fill = std::collections::HashMap::new();
     for &id in seqs {
         let Ok(table) = kv.block_table(id) else {
@@ -93,7 +93,7 @@ fn a_group_swap_in_keeps_shared_fills_exact() {
     let mut kv = manager();
     let mut storage = HostStorage::with_host_tier(layout(), 16, 16).unwrap();
     let mut slots = Vec::new();
-    let round_trip = |kv: &mut KvCacheManager, storage: &mut HostStorage| {
+    let round_trip = |kv: &mut KvCache, storage: &mut HostStorage| {
         let group = [SeqId(1), SeqId(2)];
         let job = kv.swap_out_group(&group).unwrap();
         storage.swap(&job.plan).unwrap();
@@ -169,7 +169,7 @@ fn no_entry_point_reads_a_sequence_mid_swap() {
 
     // Every state, and whether its bytes are readable.
     let mut states: Vec<(&str, bool)> = Vec::new();
-    let mut check = |kv: &KvCacheManager, storage: &HostStorage, name: &'static str| {
+    let mut check = |kv: &KvCache, storage: &HostStorage, name: &'static str| {
         let readable = kv.readable_blocks(SeqId(1)).is_ok();
         let export = export_sequence(kv, storage, SeqId(1), None, &mut out);
         let fill_p = kv.fill_padded(&[SeqId(1)], &mut padded);

@@ -1,8 +1,8 @@
 //! Named fragmentation scenarios, each run under paged and contiguous allocation.
 
 use pagedkv::{
-    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, KvCacheManager, KvLayout,
-    ModelShape, SeqId,
+    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, KvCache, KvLayout, ModelShape,
+    SeqId,
 };
 
 const BLOCK: usize = 16;
@@ -20,8 +20,8 @@ fn layout() -> KvLayout {
     KvLayout::new(s, BLOCK).unwrap()
 }
 
-fn paged() -> KvCacheManager {
-    KvCacheManager::new(
+fn paged() -> KvCache {
+    KvCache::new(
         layout(),
         CacheConfig {
             num_blocks: BLOCKS,

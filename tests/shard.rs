@@ -7,8 +7,8 @@ use std::collections::HashMap;
 
 use pagedkv::layout::Kv;
 use pagedkv::{
-    BlockId, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCacheManager, KvLayout,
-    ModelShape, SeqId, ShardedStorage, Slot, Storage, SwapDirection, SwapPlan,
+    BlockId, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape,
+    SeqId, ShardedStorage, Slot, Storage, SwapDirection, SwapPlan,
 };
 
 const KV_HEADS: usize = 4;
@@ -67,7 +67,7 @@ fn rows(tags: &[u64], layer: usize) -> (Vec<u8>, Vec<u8>) {
 /// One manager driving an unsharded storage and a sharded one in lockstep, with a
 /// shadow of what every sequence should hold.
 struct Rig {
-    manager: KvCacheManager,
+    manager: KvCache,
     whole: HostStorage,
     sharded: ShardedStorage<HostStorage>,
     /// Content tag of each token of each live sequence.
@@ -84,7 +84,7 @@ impl Rig {
         let mut config = CacheConfig::new(BLOCKS);
         config.watermark_blocks = 0;
         Rig {
-            manager: KvCacheManager::new(layout(), config).unwrap(),
+            manager: KvCache::new(layout(), config).unwrap(),
             whole: HostStorage::with_host_tier(layout(), BLOCKS, HOST_BLOCKS).unwrap(),
             sharded: ShardedStorage::host(layout(), num_shards, BLOCKS, HOST_BLOCKS).unwrap(),
             shadow: HashMap::new(),

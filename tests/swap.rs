@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crossbeam_channel::{unbounded, Receiver};
 use pagedkv::layout::plans::SwapDirection;
 use pagedkv::{
-    BlockId, CacheConfig, CopyPlan, CostModel, DType, DiskTier, Error, HostStorage, KvCacheManager,
+    BlockId, CacheConfig, CopyPlan, CostModel, DType, DiskTier, Error, HostStorage, KvCache,
     KvLayout, ModelShape, PreemptAction, PreemptPolicy, PreemptReason, SeqId, Slot, Storage,
     SwapJob, SwapPlan, TierBlock, TierConfig, TransferEngine,
 };
@@ -30,7 +30,7 @@ fn layout() -> KvLayout {
 }
 
 struct Rig {
-    kv: KvCacheManager,
+    kv: KvCache,
     storage: HostStorage,
     /// Token values of every live sequence: token `i` of `seq` was written with the
     /// byte pattern of `values[seq][i]`.
@@ -49,7 +49,7 @@ fn rig(device: usize, host: usize, disk: usize) -> Rig {
         ..TierConfig::for_storage(&storage)
     };
     Rig {
-        kv: KvCacheManager::with_tiers(l, config, tiers).unwrap(),
+        kv: KvCache::with_tiers(l, config, tiers).unwrap(),
         storage,
         values: HashMap::new(),
         next_value: 1,
@@ -167,7 +167,7 @@ impl Rig {
 }
 
 /// Everything observable about the bookkeeping, to prove a failed call changed nothing.
-fn snapshot(kv: &KvCacheManager) -> String {
+fn snapshot(kv: &KvCache) -> String {
     let mut ids: Vec<SeqId> = kv.sequence_ids().chain(kv.swapped_sequence_ids()).collect();
     ids.sort();
     let mut s = format!("{:?}\n{:?}\n", kv.stats(), kv.tier_stats());
@@ -411,7 +411,7 @@ fn a_host_tier_larger_than_the_storage_is_a_clear_error_that_loses_nothing() {
         num_disk_slots: 0,
     };
     let mut r = Rig {
-        kv: KvCacheManager::with_tiers(l, config, tiers).unwrap(),
+        kv: KvCache::with_tiers(l, config, tiers).unwrap(),
         storage,
         values: HashMap::new(),
         next_value: 1,
@@ -591,7 +591,7 @@ fn transfer_engine_falls_back_to_one_batched_swap_and_reports_errors() {
         num_host_blocks: 8,
         num_disk_slots: 0,
     };
-    let mut kv = KvCacheManager::with_tiers(l, CacheConfig::new(8), tiers).unwrap();
+    let mut kv = KvCache::with_tiers(l, CacheConfig::new(8), tiers).unwrap();
     kv.admit(SeqId(1), 8, &mut Vec::new()).unwrap();
     let job = kv.swap_out(SeqId(1)).unwrap();
     engine.submit(&job).unwrap();

@@ -10,8 +10,8 @@
 
 use pagedkv::events::{VllmEventEncoder, VllmEventLayout};
 use pagedkv::{
-    AdmitOptions, BlockHash, CacheConfig, DType, Error, KvCacheManager, KvLayout, Medium,
-    ModelShape, PrefixConfig, PrefixEvent, SeqId,
+    AdmitOptions, BlockHash, CacheConfig, DType, Error, KvCache, KvLayout, Medium, ModelShape,
+    PrefixConfig, PrefixEvent, SeqId,
 };
 
 const BLOCK: usize = 4;
@@ -27,7 +27,7 @@ fn layout() -> KvLayout {
     KvLayout::new(shape, BLOCK).unwrap()
 }
 
-fn manager(num_blocks: usize, f: impl FnOnce(&mut PrefixConfig)) -> KvCacheManager {
+fn manager(num_blocks: usize, f: impl FnOnce(&mut PrefixConfig)) -> KvCache {
     let mut p = PrefixConfig::for_arena(num_blocks);
     p.record_events = true;
     f(&mut p);
@@ -37,7 +37,7 @@ fn manager(num_blocks: usize, f: impl FnOnce(&mut PrefixConfig)) -> KvCacheManag
         max_seq_len_tokens: 0,
         ..CacheConfig::new(0)
     };
-    KvCacheManager::with_prefix_config(layout(), cfg, p).unwrap()
+    KvCache::with_prefix_config(layout(), cfg, p).unwrap()
 }
 
 const NONE: AdmitOptions<'static> = AdmitOptions {
@@ -47,7 +47,7 @@ const NONE: AdmitOptions<'static> = AdmitOptions {
     block_keys: &[],
 };
 
-fn admit(kv: &mut KvCacheManager, seq: u64, tokens: &[u32], opts: &AdmitOptions<'_>) -> usize {
+fn admit(kv: &mut KvCache, seq: u64, tokens: &[u32], opts: &AdmitOptions<'_>) -> usize {
     let mut slots = Vec::new();
     kv.admit_tokens(SeqId(seq), tokens, opts, &mut slots)
         .unwrap()
@@ -560,7 +560,7 @@ mod vllm_hash {
         assert_eq!(a.key(), BlockHash(230_106_440_338_742_253));
     }
 
-    fn vllm_manager(num_blocks: usize) -> KvCacheManager {
+    fn vllm_manager(num_blocks: usize) -> KvCache {
         manager(num_blocks, |p| {
             p.hasher = Box::new(VllmHasher::with_python_hash_seed("0"));
         })

@@ -15,8 +15,8 @@ use pagedkv::attention::cpu::{contiguous_decode, paged_decode, ContiguousKv};
 use pagedkv::attention::AttentionParams;
 use pagedkv::tables::validate_tables_window;
 use pagedkv::{
-    BlockId, CopyPlan, DType, Error, HostStorage, KvCacheManager, KvLayout, ModelShape,
-    PaddedTables, SeqId, Slot, Storage,
+    BlockId, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, PaddedTables,
+    SeqId, Slot, Storage,
 };
 use proptest::prelude::*;
 
@@ -31,8 +31,8 @@ fn layout(bs: usize, dtype: DType, head_dim: usize) -> KvLayout {
     KvLayout::new(shape, bs).unwrap()
 }
 
-fn window_manager(bs: usize, num_blocks: usize, window: Option<usize>) -> KvCacheManager {
-    let b = KvCacheManager::builder(layout(bs, DType::F32, 4))
+fn window_manager(bs: usize, num_blocks: usize, window: Option<usize>) -> KvCache {
+    let b = KvCache::builder(layout(bs, DType::F32, 4))
         .num_blocks(num_blocks)
         .watermark_blocks(0);
     match window {
@@ -138,7 +138,7 @@ fn chunked_prefill_releases_at_commit_and_refuses_what_needs_released_blocks() {
 
 #[test]
 fn holed_sequence_swaps_only_its_held_blocks_and_preemption_may_swap_it() {
-    let mut kv = KvCacheManager::builder(layout(4, DType::F32, 4))
+    let mut kv = KvCache::builder(layout(4, DType::F32, 4))
         .num_blocks(8)
         .watermark_blocks(0)
         .tiers(pagedkv::TierConfig {
@@ -190,7 +190,7 @@ fn holed_sequence_swaps_only_its_held_blocks_and_preemption_may_swap_it() {
 fn cpu_attention_never_reads_released_blocks() {
     let (bs, d, w) = (4, 8, 7);
     let layout = layout(bs, DType::F32, d);
-    let mut kv = KvCacheManager::builder(layout)
+    let mut kv = KvCache::builder(layout)
         .num_blocks(32)
         .watermark_blocks(0)
         .sliding_window(w)
@@ -341,7 +341,7 @@ fn action() -> impl Strategy<Value = Action> {
 }
 
 struct Engine {
-    kv: KvCacheManager,
+    kv: KvCache,
     st: HostStorage,
     window: usize,
     /// Each live sequence and its true token ids (`tokens[p]` for every computed `p`).
@@ -515,7 +515,7 @@ proptest! {
         actions in proptest::collection::vec(action(), 1..120),
     ) {
         let layout = layout(BS, DType::F32, HD);
-        let kv = KvCacheManager::builder(layout)
+        let kv = KvCache::builder(layout)
             .num_blocks(num_blocks)
             .watermark_blocks(0)
             .sliding_window(window)

@@ -4,11 +4,11 @@
 //! The weight math (GGUF dequantisation, matmul, RMS norm, SwiGLU MLP, sampling) lives
 //! here, outside the crate: pagedkv is a KV-cache manager, not a model library. What the
 //! crate provides is everything between the projections: the GGUF reader
-//! ([`pagedkv::gguf`]), the block tables and prefix cache ([`KvCacheManager`]), the fused
+//! ([`pagedkv::gguf`]), the block tables and prefix cache ([`KvCache`]), the fused
 //! RoPE + cache write ([`rope_and_cache`]) and paged attention ([`paged_prefill`],
 //! [`paged_decode_split`]).
 //!
-//! [`Engine`] is a small continuous-batching scheduler over one [`KvCacheManager`]:
+//! [`Engine`] is a small continuous-batching scheduler over one [`KvCache`]:
 //! requests are admitted with `admit_tokens` (prefix-cache hits skip their cached
 //! blocks), prompts are prefilled in chunks of at most `chunk_tokens` tokens mixed with
 //! the decode tokens of running sequences, `n > 1` forks a request after its prompt
@@ -25,8 +25,8 @@ use pagedkv::attention::model::SplitMix64;
 use pagedkv::attention::{rope_and_cache, AttentionParams, Rope, RopeStyle};
 use pagedkv::gguf::{GgmlType, GgufFile, GgufModelInfo, GgufTensorInfo, GgufValue};
 use pagedkv::{
-    AdmitOptions, CacheConfig, CopyPlan, DType, DefragOptions, HostStorage, KvCacheManager,
-    KvLayout, PaddedTables, SeqId, Slot, Storage, TierConfig,
+    AdmitOptions, CacheConfig, CopyPlan, DType, DefragOptions, HostStorage, KvCache, KvLayout,
+    PaddedTables, SeqId, Slot, Storage, TierConfig,
 };
 use rayon::prelude::*;
 
@@ -651,12 +651,12 @@ pub struct EngineStats {
     pub longest_tokens: usize,
 }
 
-/// Continuous batching over one [`KvCacheManager`] and one [`HostStorage`].
+/// Continuous batching over one [`KvCache`] and one [`HostStorage`].
 pub struct Engine<'m> {
     /// The model.
     pub model: &'m Model,
     /// The cache manager.
-    pub kv: KvCacheManager,
+    pub kv: KvCache,
     /// The cache memory.
     pub storage: HostStorage,
     /// The configuration.
@@ -679,7 +679,7 @@ impl<'m> Engine<'m> {
         let layout = KvLayout::new(shape, config.block_size).map_err(kv_err)?;
         let mut cc = CacheConfig::new(config.num_blocks);
         cc.watermark_blocks = 0;
-        let kv = KvCacheManager::with_tiers(
+        let kv = KvCache::with_tiers(
             layout,
             cc,
             TierConfig {

@@ -27,8 +27,7 @@ use std::time::{Duration, Instant};
 
 use pagedkv::attention::model::SplitMix64;
 use pagedkv::{
-    CopyPlan, DType, GroupSpec, GroupStep, KvCacheGroups, KvCacheManager, KvLayout, ModelShape,
-    SeqId,
+    CopyPlan, DType, GroupSpec, GroupStep, KvCache, KvCacheGroups, KvLayout, ModelShape, SeqId,
 };
 
 /// Layers of the model, one global per `GLOBAL_EVERY`.
@@ -104,7 +103,7 @@ pub trait Alloc {
 
 /// Every layer full: one manager.
 pub struct AllFull {
-    kv: KvCacheManager,
+    kv: KvCache,
     slots: Vec<pagedkv::Slot>,
     copies: CopyPlan,
 }
@@ -114,7 +113,7 @@ impl AllFull {
     pub fn new(budget: u64) -> pagedkv::Result<Self> {
         let l = KvLayout::new(shape(LAYERS), BLOCK)?;
         let blocks = (budget / l.block_bytes() as u64) as usize;
-        let kv = KvCacheManager::builder(l)
+        let kv = KvCache::builder(l)
             .num_blocks(blocks)
             .watermark_blocks(blocks / 100)
             .build()?;
@@ -188,8 +187,8 @@ impl Alloc for Groups {
 
 /// The hybrid model as two managers on a fixed split of the budget.
 pub struct Split {
-    global: KvCacheManager,
-    local: KvCacheManager,
+    global: KvCache,
+    local: KvCache,
     slots: Vec<pagedkv::Slot>,
     copies: CopyPlan,
 }
@@ -204,11 +203,11 @@ impl Split {
         let gb = (g_bytes / gl.block_bytes() as u64) as usize;
         let lb = ((budget - g_bytes) / lo.block_bytes() as u64) as usize;
         Ok(Split {
-            global: KvCacheManager::builder(gl)
+            global: KvCache::builder(gl)
                 .num_blocks(gb)
                 .watermark_blocks(gb / 100)
                 .build()?,
-            local: KvCacheManager::builder(lo)
+            local: KvCache::builder(lo)
                 .num_blocks(lb)
                 .watermark_blocks(lb / 100)
                 .sliding_window(WINDOW)

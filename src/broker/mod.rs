@@ -4,7 +4,7 @@
 //! A [`Broker`] owns a budget of bytes (VRAM with `CudaStorage`, host memory with
 //! [`HostStorage`](crate::executor::storage::HostStorage)) cut into chunks of
 //! [`BrokerConfig::chunk_bytes`] (on CUDA, the VMM granule: 2 MiB). Each registered
-//! model is a [`KvCacheManager`] and its [`Storage`], of any shape and block size; a
+//! model is a [`KvCache`] and its [`Storage`], of any shape and block size; a
 //! chunk is, for each model, the whole number of its blocks that fits in the chunk
 //! (`chunk_bytes / block_bytes`; the rest of the chunk is charged but unused, and
 //! [`ModelBudget::blocks_per_chunk`] says how much). Every byte of the budget is, at
@@ -22,7 +22,7 @@
 //!    [`BrokerConfig::keep_free_chunks`] of free blocks so it does not immediately
 //!    need them back;
 //! 3. it takes chunks another model's prefix cache holds: cached blocks are evicted
-//!    ([`KvCacheManager::evict_cached`]), then the other model shrinks
+//!    ([`KvCache::evict_cached`]), then the other model shrinks
 //!    ([`MoveReason::TakeCached`]). Cold caches go first, whatever their holder's
 //!    priority; a warm cache only to a model of no lower priority (below).
 //!
@@ -30,7 +30,7 @@
 //! its ceiling ([`ModelLimits`]).
 //!
 //! A model whose scheduler is mid-step (a sequence holds an uncommitted
-//! [`KvCacheManager::reserve`] or [`KvCacheManager::reserve_step`]: the model is
+//! [`KvCache::reserve`] or [`KvCache::reserve_step`]: the model is
 //! writing through the slots it was handed) gives nothing, whether or not its lock is
 //! held: a shrink would move the blocks under the step's slots. The broker tries the
 //! next donor, and [`Broker::sleep`] refuses such a model.
@@ -84,7 +84,7 @@
 //! ```
 //! use std::time::Duration;
 //! use pagedkv::broker::{Broker, BrokerConfig, ModelLimits};
-//! use pagedkv::{DType, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId};
+//! use pagedkv::{DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId};
 //!
 //! let shape = |layers, heads| ModelShape { num_layers: layers, num_q_heads: 8,
 //!     num_kv_heads: heads, head_dim: 64, kv_dtype: DType::F16 };
@@ -93,7 +93,7 @@
 //! for (name, layout) in [("chat", KvLayout::new(shape(4, 2), 16)?),
 //!                        ("embed", KvLayout::new(shape(2, 4), 32)?)] {
 //!     let blocks = 2 * broker.blocks_per_chunk(&layout)?;          // two chunks each
-//!     let kv = KvCacheManager::builder(layout).num_blocks(blocks).build()?;
+//!     let kv = KvCache::builder(layout).num_blocks(blocks).build()?;
 //!     let storage = HostStorage::new(layout, blocks)?;
 //!     ids.push(broker.register(name, kv, storage, ModelLimits::new(1 << 20, 6 << 20))?);
 //! }
@@ -127,7 +127,7 @@ use crate::executor::tier::{restore_spilled_prefixes, spill_cached_prefixes};
 use crate::executor::{grow_to, shrink_to};
 use crate::ids::SeqId;
 use crate::layout::KvLayout;
-use crate::manager::KvCacheManager;
+use crate::manager::KvCache;
 
 /// Names the broker publishes on the `metrics` facade.
 pub mod metric_names {
@@ -512,7 +512,7 @@ pub struct WakeReport {
 /// A model's manager and storage, behind its lock.
 #[derive(Debug)]
 pub struct ModelState<S> {
-    kv: KvCacheManager,
+    kv: KvCache,
     storage: S,
     sleeping: bool,
 }
@@ -583,12 +583,12 @@ impl<S: Storage> ModelGuard<'_, S> {
     }
 
     /// The manager.
-    pub fn kv(&self) -> &KvCacheManager {
+    pub fn kv(&self) -> &KvCache {
         &self.state.kv
     }
 
     /// The manager, for scheduling calls.
-    pub fn kv_mut(&mut self) -> &mut KvCacheManager {
+    pub fn kv_mut(&mut self) -> &mut KvCache {
         &mut self.state.kv
     }
 
@@ -598,7 +598,7 @@ impl<S: Storage> ModelGuard<'_, S> {
     }
 
     /// Manager and storage together (writing K/V through the slots it hands out).
-    pub fn parts_mut(&mut self) -> (&mut KvCacheManager, &mut S) {
+    pub fn parts_mut(&mut self) -> (&mut KvCache, &mut S) {
         let st = &mut *self.state;
         (&mut st.kv, &mut st.storage)
     }
@@ -612,7 +612,7 @@ impl<S: Storage> ModelGuard<'_, S> {
     /// free budget first, then other models' free blocks, then their prefix caches
     /// (cold ones of any priority first, then warm ones of models of no higher
     /// priority: see the module docs); whole chunks, up to the ceiling. Returns
-    /// the blocks available afterwards ([`KvCacheManager::num_available_blocks`]),
+    /// the blocks available afterwards ([`KvCache::num_available_blocks`]),
     /// which is below `blocks` when the budget could not provide them (the scheduler
     /// then delays an admission or preempts). A sleeping model does not grow.
     ///
@@ -722,7 +722,7 @@ impl<S: Storage> Broker<S> {
     pub fn register(
         &mut self,
         name: impl Into<String>,
-        kv: KvCacheManager,
+        kv: KvCache,
         storage: S,
         limits: ModelLimits,
     ) -> Result<ModelId> {

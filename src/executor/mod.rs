@@ -16,12 +16,12 @@ use std::time::Instant;
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqId};
 use crate::layout::plans::{MovePlan, SwapDirection, SwapPlan};
-use crate::manager::{CostModel, DefragOptions, KvCacheManager};
+use crate::manager::{CostModel, DefragOptions, KvCache};
 use storage::Storage;
 use tier::DiskTier;
 
 /// Fails unless `storage` holds the manager's arena (same layout, same size).
-pub(crate) fn check_storage<S: Storage + ?Sized>(kv: &KvCacheManager, storage: &S) -> Result<()> {
+pub(crate) fn check_storage<S: Storage + ?Sized>(kv: &KvCache, storage: &S) -> Result<()> {
     if storage.layout() != kv.layout() {
         return Err(Error::config(
             "storage",
@@ -38,19 +38,19 @@ pub(crate) fn check_storage<S: Storage + ?Sized>(kv: &KvCacheManager, storage: &
     Ok(())
 }
 
-/// Compacts resident blocks toward block 0: [`KvCacheManager::plan_defragment`], the
+/// Compacts resident blocks toward block 0: [`KvCache::plan_defragment`], the
 /// moves on `storage`, then the commit. Returns the executed plan (empty when there
 /// was nothing to do or the fragmentation was below `opts.min_fragmentation`).
 ///
 /// ```
 /// use pagedkv::executor::{defragment_with, grow_to, shrink_to};
-/// use pagedkv::{CacheConfig, DType, DefragOptions, HostStorage, KvCacheManager,
+/// use pagedkv::{CacheConfig, DType, DefragOptions, HostStorage, KvCache,
 ///               KvLayout, ModelShape, SeqId};
 ///
 /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1,
 ///                          head_dim: 8, kv_dtype: DType::F16 };
 /// let layout = KvLayout::new(shape, 16)?;
-/// let mut kv = KvCacheManager::new(layout, CacheConfig::new(64))?;
+/// let mut kv = KvCache::new(layout, CacheConfig::new(64))?;
 /// let mut storage = HostStorage::new(layout, 64)?;
 /// let mut slots = Vec::new();
 /// for i in 0..64 {
@@ -75,7 +75,7 @@ pub(crate) fn check_storage<S: Storage + ?Sized>(kv: &KvCacheManager, storage: &
 /// [`Storage::copy_blocks`] returns. On error the manager is unchanged and the
 /// tables still read the same bytes (a failed copy only wrote into free blocks).
 pub fn defragment_with<S: Storage + ?Sized>(
-    kv: &mut KvCacheManager,
+    kv: &mut KvCache,
     storage: &mut S,
     opts: DefragOptions,
 ) -> Result<MovePlan> {
@@ -90,16 +90,16 @@ pub fn defragment_with<S: Storage + ?Sized>(
     Ok(plan)
 }
 
-/// Shrinks the arena to `num_blocks`: [`KvCacheManager::plan_shrink`], the moves on
+/// Shrinks the arena to `num_blocks`: [`KvCache::plan_shrink`], the moves on
 /// `storage`, the storage's tail released, then the commit. Returns the executed moves.
 ///
 /// # Errors
-/// As [`KvCacheManager::plan_shrink`]; [`Error::InvalidConfig`] /
+/// As [`KvCache::plan_shrink`]; [`Error::InvalidConfig`] /
 /// [`Error::ShapeMismatch`] for a storage that does not hold the manager's arena;
 /// whatever [`Storage::copy_blocks`] or [`Storage::resize`] returns. On error the
 /// manager is unchanged and its tables read the same bytes.
 pub fn shrink_to<S: Storage + ?Sized>(
-    kv: &mut KvCacheManager,
+    kv: &mut KvCache,
     num_blocks: usize,
     storage: &mut S,
 ) -> Result<MovePlan> {
@@ -118,14 +118,14 @@ pub fn shrink_to<S: Storage + ?Sized>(
 }
 
 /// Grows the arena to `num_blocks`: the storage first, then the manager
-/// ([`KvCacheManager::plan_grow`]). No live data moves.
+/// ([`KvCache::plan_grow`]). No live data moves.
 ///
 /// # Errors
-/// As [`KvCacheManager::plan_grow`]; [`Error::InvalidConfig`] /
+/// As [`KvCache::plan_grow`]; [`Error::InvalidConfig`] /
 /// [`Error::ShapeMismatch`] for a storage that does not hold the manager's arena;
 /// whatever [`Storage::resize`] returns. On error nothing changed.
 pub fn grow_to<S: Storage + ?Sized>(
-    kv: &mut KvCacheManager,
+    kv: &mut KvCache,
     num_blocks: usize,
     storage: &mut S,
 ) -> Result<()> {
@@ -137,7 +137,7 @@ pub fn grow_to<S: Storage + ?Sized>(
     pending.commit().map(|_| ())
 }
 
-fn check_disk(kv: &KvCacheManager, disk: &DiskTier) -> Result<()> {
+fn check_disk(kv: &KvCache, disk: &DiskTier) -> Result<()> {
     if disk.num_slots() != kv.num_disk_slots() {
         return Err(Error::config(
             "num_disk_slots",
@@ -159,17 +159,17 @@ fn check_disk(kv: &KvCacheManager, disk: &DiskTier) -> Result<()> {
 }
 
 /// Writes the host-tier blocks of swapped-out `seqs` to the disk tier and releases
-/// them from the host tier ([`KvCacheManager::plan_spill`], the copies, the commit).
+/// them from the host tier ([`KvCache::plan_spill`], the copies, the commit).
 /// Returns the blocks written. Each block is read from `storage`'s host tier and
 /// written to `disk` with its checksum.
 ///
 /// # Errors
-/// As [`KvCacheManager::plan_spill`]; [`Error::Io`] from a failed write;
+/// As [`KvCache::plan_spill`]; [`Error::Io`] from a failed write;
 /// [`Error::InvalidConfig`] / [`Error::ShapeMismatch`] when `disk` does not match the
 /// manager. Nothing changed on error: the sequences keep their host blocks, whose
 /// bytes are untouched (a failed write leaves a free slot that nothing reads).
 pub fn spill_to_disk<S: Storage + ?Sized>(
-    kv: &mut KvCacheManager,
+    kv: &mut KvCache,
     seqs: &[SeqId],
     storage: &S,
     disk: &mut DiskTier,
@@ -185,17 +185,17 @@ pub fn spill_to_disk<S: Storage + ?Sized>(
 }
 
 /// Reads the disk-tier blocks of swapped-out `seqs` back into the host tier, each
-/// checked against its checksum ([`KvCacheManager::plan_restore`], the copies, the
-/// commit); afterwards [`KvCacheManager::swap_in_group`] can bring them to the device.
+/// checked against its checksum ([`KvCache::plan_restore`], the copies, the
+/// commit); afterwards [`KvCache::swap_in_group`] can bring them to the device.
 /// Returns the blocks read.
 ///
 /// # Errors
-/// As [`KvCacheManager::plan_restore`]; [`Error::Io`]; [`Error::Checksum`] when a
+/// As [`KvCache::plan_restore`]; [`Error::Io`]; [`Error::Checksum`] when a
 /// block read back differs from what was written; [`Error::InvalidConfig`] /
 /// [`Error::ShapeMismatch`] when `disk` does not match the manager. Nothing changed on
 /// error: the sequences stay on disk, and only free host blocks were written.
 pub fn restore_from_disk<S: Storage + ?Sized>(
-    kv: &mut KvCacheManager,
+    kv: &mut KvCache,
     seqs: &[SeqId],
     storage: &mut S,
     disk: &DiskTier,
@@ -276,7 +276,7 @@ mod tests {
             kv_dtype: DType::F16,
         };
         let layout = KvLayout::new(shape, 2).unwrap();
-        let mut kv = KvCacheManager::new(layout, CacheConfig::new(4)).unwrap();
+        let mut kv = KvCache::new(layout, CacheConfig::new(4)).unwrap();
         let mut storage = HostStorage::new(layout, 5).unwrap();
         for result in [
             defragment_with(&mut kv, &mut storage, DefragOptions::FULL).map(|_| ()),

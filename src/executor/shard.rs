@@ -2,7 +2,7 @@
 //!
 //! Under tensor parallelism each GPU computes attention for a slice of the heads, so
 //! each GPU holds the K/V of `num_kv_heads / N` heads of *every* block. The block
-//! tables are the same on every GPU: one [`crate::KvCacheManager`] serves them all,
+//! tables are the same on every GPU: one [`crate::KvCache`] serves them all,
 //! and every plan it emits (copy-on-write, swap, resize) must run on every shard.
 //!
 //! [`ShardedStorage`] is that fan-out. It implements [`Storage`] with the *full*

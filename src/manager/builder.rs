@@ -1,24 +1,24 @@
-//! [`CacheBuilder`]: one place that composes every option of a [`KvCacheManager`].
+//! [`CacheBuilder`]: one place that composes every option of a [`KvCache`].
 
 use super::swap::Tiers;
-use super::{CacheConfig, KvCacheManager, TierConfig};
+use super::{CacheConfig, KvCache, TierConfig};
 use crate::error::Result;
 use crate::layout::KvLayout;
 use crate::pool::prefix::index::PrefixIndex;
 use crate::pool::prefix::{EvictionPolicy, PrefixConfig, PrefixEvent, PrefixHasher};
 
-/// Builds a [`KvCacheManager`] from a layout and any mix of options: arena size,
+/// Builds a [`KvCache`] from a layout and any mix of options: arena size,
 /// watermark, limits, host/disk tiers, prefix-cache hasher, eviction policy and events.
-/// Every option has the default [`KvCacheManager::new`] uses.
+/// Every option has the default [`KvCache::new`] uses.
 ///
 /// ```
 /// use pagedkv::pool::prefix::LruPolicy;
-/// use pagedkv::{DType, KvCacheManager, KvLayout, ModelShape, TierConfig};
+/// use pagedkv::{DType, KvCache, KvLayout, ModelShape, TierConfig};
 ///
 /// let shape = ModelShape { num_layers: 2, num_q_heads: 8, num_kv_heads: 2, head_dim: 64,
 ///                          kv_dtype: DType::BF16 };
 /// let (tx, rx) = crossbeam_channel::bounded(1024);
-/// let kv = KvCacheManager::builder(KvLayout::new(shape, 16)?)
+/// let kv = KvCache::builder(KvLayout::new(shape, 16)?)
 ///     .num_blocks(1024)
 ///     .watermark_blocks(16)
 ///     .tiers(TierConfig { num_host_blocks: 4096, num_disk_slots: 0 })
@@ -46,7 +46,7 @@ pub struct CacheBuilder {
     sliding_window: Option<usize>,
 }
 
-impl KvCacheManager {
+impl KvCache {
     /// A [`CacheBuilder`] for an arena of `layout` (64 blocks until
     /// [`CacheBuilder::num_blocks`] says otherwise).
     pub fn builder(layout: KvLayout) -> CacheBuilder {
@@ -165,11 +165,11 @@ impl CacheBuilder {
     /// such a sequence, or truncate it below its window.
     ///
     /// ```
-    /// use pagedkv::{CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    /// use pagedkv::{CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId};
     ///
     /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
     ///                          kv_dtype: DType::F16 };
-    /// let mut kv = KvCacheManager::builder(KvLayout::new(shape, 16)?)
+    /// let mut kv = KvCache::builder(KvLayout::new(shape, 16)?)
     ///     .num_blocks(64)
     ///     .sliding_window(64)
     ///     .build()?;
@@ -194,8 +194,8 @@ impl CacheBuilder {
     /// [`crate::Error::InvalidConfig`] for an empty arena, a watermark not below it, a
     /// `max_num_blocks` below it, pins past the arena, tiers past the `u32` id
     /// space, or a sliding window of 0 tokens.
-    pub fn build(self) -> Result<KvCacheManager> {
-        let mut kv = KvCacheManager::new(self.layout, self.config)?;
+    pub fn build(self) -> Result<KvCache> {
+        let mut kv = KvCache::new(self.layout, self.config)?;
         let mut prefix = self
             .prefix
             .unwrap_or_else(|| PrefixConfig::for_arena(self.config.num_blocks));

@@ -29,7 +29,7 @@
 //!
 //! - [`crate::executor::defragment_with`] plans, executes on a [`Storage`] and commits
 //!   in one call.
-//! - [`KvCacheManager::plan_defragment`] returns a [`PendingDefrag`]: the engine
+//! - [`KvCache::plan_defragment`] returns a [`PendingDefrag`]: the engine
 //!   executes [`PendingDefrag::plan`] itself (on its own stream, say) and then calls
 //!   [`PendingDefrag::commit`], which remaps the tables and frees the sources. Until
 //!   the commit the tables still point at the sources, which stay intact. The pending
@@ -45,14 +45,14 @@
 //! [`crate::executor::grow_to`] adds free blocks at the tail; since a block's address
 //! does not depend on the arena size (see [`crate::layout`]), no live data moves.
 
-use super::KvCacheManager;
+use super::KvCache;
 use crate::error::{Error, Result};
 use crate::ids::BlockId;
 use crate::layout::plans::MovePlan;
 use crate::pool::BlockState;
 
 /// How much one [`crate::executor::defragment_with`] or
-/// [`KvCacheManager::plan_defragment`] call may do.
+/// [`KvCache::plan_defragment`] call may do.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DefragOptions {
     /// Most blocks one call moves (`usize::MAX`: a full compaction). The highest
@@ -123,7 +123,7 @@ pub struct DefragCounters {
 }
 
 /// How scattered the arena and the block tables are; see
-/// [`KvCacheManager::fragmentation`].
+/// [`KvCache::fragmentation`].
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct FragStats {
     /// Blocks in the arena.
@@ -186,7 +186,7 @@ impl Occupancy {
 #[derive(Debug)]
 #[must_use = "dropping a pending compaction aborts it"]
 pub struct PendingDefrag<'a> {
-    manager: &'a mut KvCacheManager,
+    manager: &'a mut KvCache,
     plan: MovePlan,
 }
 
@@ -210,13 +210,13 @@ impl PendingDefrag<'_> {
     }
 }
 
-/// A resize planned by [`KvCacheManager::plan_shrink`] or
-/// [`KvCacheManager::plan_grow`] and not yet committed. Like [`PendingDefrag`], it
+/// A resize planned by [`KvCache::plan_shrink`] or
+/// [`KvCache::plan_grow`] and not yet committed. Like [`PendingDefrag`], it
 /// holds the manager's `&mut` borrow; dropping it aborts and changes nothing.
 #[derive(Debug)]
 #[must_use = "dropping a pending resize aborts it"]
 pub struct PendingResize<'a> {
-    manager: &'a mut KvCacheManager,
+    manager: &'a mut KvCache,
     num_blocks: usize,
     plan: MovePlan,
 }
@@ -244,7 +244,7 @@ impl PendingResize<'_> {
     }
 }
 
-impl KvCacheManager {
+impl KvCache {
     /// Fragmentation metrics, from one pass over the block states and one over the
     /// tables: O(blocks + table entries), so a monitoring call rather than a per-token
     /// one on large arenas.
@@ -609,7 +609,7 @@ mod tests {
     use crate::layout::KvLayout;
     use crate::manager::CacheConfig;
 
-    fn manager(num_blocks: usize) -> KvCacheManager {
+    fn manager(num_blocks: usize) -> KvCache {
         let shape = ModelShape {
             num_layers: 1,
             num_q_heads: 1,
@@ -620,7 +620,7 @@ mod tests {
         let layout = KvLayout::new(shape, 2).unwrap();
         let mut config = CacheConfig::new(num_blocks);
         config.watermark_blocks = 0;
-        KvCacheManager::new(layout, config).unwrap()
+        KvCache::new(layout, config).unwrap()
     }
 
     #[test]

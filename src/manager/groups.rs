@@ -3,7 +3,7 @@
 //!
 //! The design is vLLM's hybrid allocator: every group's block is one *page* of the
 //! same size in bytes, and a page belongs to exactly one group at a time. Each group
-//! is a [`KvCacheManager`] whose pool spans every page of the arena; the pages another
+//! is a [`KvCache`] whose pool spans every page of the arena; the pages another
 //! group owns are held, in that group's pool, by a hidden *lender* sequence (one
 //! reference each, no token of its own), so the group's own allocator, window
 //! freeing, copy-on-write and invariants run unchanged. When a group needs more free
@@ -48,7 +48,7 @@ use crate::layout::{KvLayout, Slot};
 use crate::pool::prefix::{Admission, AdmitOptions};
 use crate::pool::BlockState;
 
-use super::{KvCacheManager, PrefixHit, Sequence, TierConfig};
+use super::{KvCache, PrefixHit, Sequence, TierConfig};
 
 /// The sequence id that holds, in each group, the pages other groups own.
 const LENDER: SeqId = SeqId(u64::MAX);
@@ -161,7 +161,7 @@ pub struct GroupStats {
 /// ```
 #[derive(Debug, Clone)]
 pub struct KvCacheGroups {
-    groups: Vec<KvCacheManager>,
+    groups: Vec<KvCache>,
     /// `lent_pos[g][page]`: the page's index in group `g`'s lender table, or
     /// `NOT_LENT` when group `g` owns the page.
     lent_pos: Vec<Vec<u32>>,
@@ -251,7 +251,7 @@ impl KvCacheGroups {
         let mut lent_pos = Vec::with_capacity(specs.len());
         let mut host_lent_pos = Vec::with_capacity(specs.len());
         for (g, spec) in specs.iter().enumerate() {
-            let mut b = KvCacheManager::builder(spec.layout)
+            let mut b = KvCache::builder(spec.layout)
                 .num_blocks(num_pages)
                 .watermark_blocks(0)
                 .max_seq_len_tokens(max_len)
@@ -336,7 +336,7 @@ impl KvCacheGroups {
     ///
     /// # Panics
     /// When `g >= num_groups()`.
-    pub fn group(&self, g: usize) -> &KvCacheManager {
+    pub fn group(&self, g: usize) -> &KvCache {
         &self.groups[g]
     }
 
@@ -504,7 +504,7 @@ impl KvCacheGroups {
 
     /// Admits `seq` with prompt `tokens` in every group, sharing the cached prefix every
     /// group holds, and schedules the whole uncached rest in this step (committed at
-    /// once, as [`KvCacheManager::admit_tokens`] does in one manager): `step.slots[g]`
+    /// once, as [`KvCache::admit_tokens`] does in one manager): `step.slots[g]`
     /// gets the slots of `tokens[cached_tokens..]` in group `g`. The prompt's full
     /// blocks are registered in the prefix cache of every full or latent group, so the
     /// engine must write every slot it was given in the step that follows.
@@ -616,7 +616,7 @@ impl KvCacheGroups {
     }
 
     /// Appends and commits `n` tokens of `seq` in every group (the decode path; see
-    /// [`KvCacheManager::append`]).
+    /// [`KvCache::append`]).
     ///
     /// # Errors
     /// As [`Self::reserve`]. Nothing changed on error.
@@ -641,7 +641,7 @@ impl KvCacheGroups {
     }
 
     /// Reserves slots for the next `n` tokens of `seq` plus `lookahead` in every group
-    /// (see [`KvCacheManager::reserve`]); [`Self::commit`] marks the computed ones.
+    /// (see [`KvCache::reserve`]); [`Self::commit`] marks the computed ones.
     ///
     /// # Errors
     /// [`Error::UnknownSequence`], [`Error::SequenceState`] (swapped out, or holding
@@ -731,7 +731,7 @@ impl KvCacheGroups {
     }
 
     /// Marks `n` reserved tokens of `seq` computed in every group (see
-    /// [`KvCacheManager::commit`]); window groups give back what left the window.
+    /// [`KvCache::commit`]); window groups give back what left the window.
     ///
     /// # Errors
     /// [`Error::UnknownSequence`], [`Error::SequenceState`],
@@ -750,7 +750,7 @@ impl KvCacheGroups {
     /// the next write.
     ///
     /// # Errors
-    /// As [`KvCacheManager::fork`]. Nothing changed on error.
+    /// As [`KvCache::fork`]. Nothing changed on error.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
         self.check_id(parent)?;
         if is_hidden(child) {
@@ -826,7 +826,7 @@ impl KvCacheGroups {
                 self.host_lent_pos[to][block.index()] = NOT_LENT;
             }
         }
-        self.each_group_swap(seq, KvCacheManager::swap_out)
+        self.each_group_swap(seq, KvCache::swap_out)
     }
 
     /// Plans the swap-in of swapped-out `seq` in every group at once (pages move to
@@ -843,26 +843,26 @@ impl KvCacheGroups {
             *need = kv.swapped_table(seq)?.len();
         }
         self.give_pages()?;
-        let job = self.each_group_swap(seq, KvCacheManager::swap_in)?;
+        let job = self.each_group_swap(seq, KvCache::swap_in)?;
         self.note_usage();
         Ok(job)
     }
 
     /// Finishes both directions of a swap in every group (see
-    /// [`KvCacheManager::complete_swap`]).
+    /// [`KvCache::complete_swap`]).
     ///
     /// # Errors
     /// [`Error::UnknownTicket`] when the job is not in flight (nothing changed).
     pub fn complete_swap(&mut self, job: &GroupSwapJob) -> Result<()> {
-        self.finish_swap(job, KvCacheManager::complete_swap)
+        self.finish_swap(job, KvCache::complete_swap)
     }
 
-    /// Undoes a swap in every group (see [`KvCacheManager::abort_swap`]).
+    /// Undoes a swap in every group (see [`KvCache::abort_swap`]).
     ///
     /// # Errors
     /// [`Error::UnknownTicket`] when the job is not in flight (nothing changed).
     pub fn abort_swap(&mut self, job: &GroupSwapJob) -> Result<()> {
-        self.finish_swap(job, KvCacheManager::abort_swap)
+        self.finish_swap(job, KvCache::abort_swap)
     }
 
     /// Evicts up to `max_pages` cached pages from the groups' prefix caches (each by
@@ -1032,7 +1032,7 @@ impl KvCacheGroups {
     fn each_group_swap(
         &mut self,
         seq: SeqId,
-        call: fn(&mut KvCacheManager, SeqId) -> Result<super::SwapJob>,
+        call: fn(&mut KvCache, SeqId) -> Result<super::SwapJob>,
     ) -> Result<GroupSwapJob> {
         let mut job = GroupSwapJob {
             seq,
@@ -1059,7 +1059,7 @@ impl KvCacheGroups {
     fn finish_swap(
         &mut self,
         job: &GroupSwapJob,
-        call: fn(&mut KvCacheManager, SwapTicket) -> Result<()>,
+        call: fn(&mut KvCache, SwapTicket) -> Result<()>,
     ) -> Result<()> {
         if job.tickets.len() != self.groups.len() {
             return Err(Error::ShapeMismatch {
@@ -1277,7 +1277,7 @@ impl KvCacheGroups {
     }
 }
 
-impl KvCacheManager {
+impl KvCache {
     /// Takes one free page of this group and lends it: the lender holds it (one
     /// reference, full fill). Returns the page and its index in the lender's table.
     fn lend_page(&mut self) -> Result<(BlockId, usize)> {

@@ -1,7 +1,7 @@
 //! Blocks in flight: those a step is writing.
 //!
-//! Between [`KvCacheManager::reserve`] (or [`KvCacheManager::reserve_step`]) and
-//! [`KvCacheManager::commit`] the model writes K/V through the slots it was handed, and
+//! Between [`KvCache::reserve`] (or [`KvCache::reserve_step`]) and
+//! [`KvCache::commit`] the model writes K/V through the slots it was handed, and
 //! reads the context through the table it was handed, so every block of a sequence
 //! holding an uncommitted reservation is in flight. Nothing may move, free or remap
 //! such a block until the commit (DESIGN.md's engine contract): the slots would go
@@ -9,17 +9,17 @@
 //! wiser.
 //!
 //! This module is the one place that says which blocks those are, as
-//! [`KvCacheManager::readable_blocks`] is the one place that says what a reader may
+//! [`KvCache::readable_blocks`] is the one place that says what a reader may
 //! read. Every mover asks it:
 //!
-//! - per sequence (`KvCacheManager::idle`): preemption, fork, swap-out and
+//! - per sequence (`KvCache::idle`): preemption, fork, swap-out and
 //!   `truncate` (whose released tail holds the reservation's slots) refuse a sequence
 //!   mid-step with [`Error::SequenceState`];
-//! - per block ([`KvCacheManager::in_flight_blocks`]): defragmentation (of one manager
+//! - per block ([`KvCache::in_flight_blocks`]): defragmentation (of one manager
 //!   or of KV-cache groups) plans around them, they stay put;
-//! - per tail ([`KvCacheManager::check_tail_not_in_flight`]): a shrink whose released
+//! - per tail ([`KvCache::check_tail_not_in_flight`]): a shrink whose released
 //!   tail holds one refuses, changing nothing;
-//! - per manager ([`KvCacheManager::mid_step_sequence`]): the broker takes no memory
+//! - per manager ([`KvCache::mid_step_sequence`]): the broker takes no memory
 //!   from a model mid-step, and does not put it to sleep.
 //!
 //! The other movers respect it without asking, because a sequence mid-step holds a
@@ -51,7 +51,7 @@
 //! Swap transfers in flight are the other kind of block in flight; the movers refuse
 //! them separately (their blocks are held by the tier, not by a reservation).
 
-use super::{KvCacheManager, Sequence};
+use super::{KvCache, Sequence};
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqId};
 
@@ -72,7 +72,7 @@ pub(crate) fn mid_step_error(seq: SeqId) -> Error {
     }
 }
 
-impl KvCacheManager {
+impl KvCache {
     /// The lowest-numbered sequence holding an uncommitted reservation, if any
     /// (O(sequences)).
     pub(crate) fn mid_step_sequence(&self) -> Option<SeqId> {

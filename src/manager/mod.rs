@@ -1,4 +1,4 @@
-//! Sequences, block tables and the [`KvCacheManager`].
+//! Sequences, block tables and the [`KvCache`].
 //!
 //! The manager is pure bookkeeping: it never touches KV memory. Whenever data must
 //! move (copy-on-write), it returns a plan that a [`crate::executor::storage::Storage`] executes.
@@ -20,7 +20,7 @@ pub use defrag::{DefragCounters, DefragOptions, FragStats, PendingDefrag, Pendin
 pub use preempt::CostModel;
 pub use prefix::PrefixHit;
 pub use prefix_spill::{PendingPrefixRestore, PendingPrefixSpill, PrefixRestore, PrefixSpill};
-pub use shared::SharedKvCacheManager;
+pub use shared::SharedKvCache;
 pub use step::{StepBuffers, StepEntry};
 pub use swap::{PendingTierMove, SwapJob, TierBlock, TierConfig, TierStats};
 
@@ -35,12 +35,12 @@ use crate::pool::prefix::index::PrefixIndex;
 use crate::pool::prefix::PrefixConfig;
 use crate::pool::{BlockPool, BlockState};
 
-/// Tuning of a [`KvCacheManager`].
+/// Tuning of a [`KvCache`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CacheConfig {
     /// Blocks in the device arena.
     pub num_blocks: usize,
-    /// Blocks [`KvCacheManager::can_admit`] keeps in reserve so that running sequences
+    /// Blocks [`KvCache::can_admit`] keeps in reserve so that running sequences
     /// can still grow after an admission (vLLM's watermark).
     pub watermark_blocks: usize,
     /// Longest sequence, in tokens, the manager accepts (0: whatever the arena holds).
@@ -177,9 +177,9 @@ pub(crate) struct Sequence {
     pub(crate) table: Vec<BlockId>,
     /// Allocated token slots.
     pub(crate) num_tokens: usize,
-    /// Tokens whose K/V the engine reported written ([`KvCacheManager::commit`]).
+    /// Tokens whose K/V the engine reported written ([`KvCache::commit`]).
     pub(crate) computed: usize,
-    /// Tokens reserved by [`KvCacheManager::reserve`] and not yet committed.
+    /// Tokens reserved by [`KvCache::reserve`] and not yet committed.
     pub(crate) scheduled: usize,
     /// Prefix-cache progress; `None` when the token ids are unknown.
     pub(crate) prefix: Option<Box<prefix::SeqPrefix>>,
@@ -211,7 +211,7 @@ pub struct CacheStats {
     pub free_blocks: usize,
     /// Unreferenced blocks kept for the prefix cache (evictable, so also available).
     pub cached_blocks: usize,
-    /// Highest `used_blocks` since the last [`KvCacheManager::take_peak_used_blocks`].
+    /// Highest `used_blocks` since the last [`KvCache::take_peak_used_blocks`].
     pub peak_used_blocks: usize,
     /// Sequences known to the manager.
     pub num_sequences: usize,
@@ -236,12 +236,12 @@ impl CacheStats {
 /// Maps sequences to block tables over one [`BlockPool`].
 ///
 /// ```
-/// use pagedkv::{CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+/// use pagedkv::{CacheConfig, CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId};
 ///
 /// let shape = ModelShape { num_layers: 2, num_q_heads: 8, num_kv_heads: 2, head_dim: 64,
 ///                          kv_dtype: DType::BF16 };
 /// let layout = KvLayout::new(shape, 16)?;
-/// let mut kv = KvCacheManager::new(layout, CacheConfig::new(64))?;
+/// let mut kv = KvCache::new(layout, CacheConfig::new(64))?;
 /// let mut slots = Vec::new();
 /// let mut copies = CopyPlan::default();
 ///
@@ -256,7 +256,7 @@ impl CacheStats {
 /// # Ok::<(), pagedkv::Error>(())
 /// ```
 #[derive(Debug, Clone)]
-pub struct KvCacheManager {
+pub struct KvCache {
     pub(crate) layout: KvLayout,
     pub(crate) config: CacheConfig,
     pub(crate) pool: BlockPool,
@@ -285,13 +285,13 @@ pub struct KvCacheManager {
     pub(crate) table_epoch: u64,
 }
 
-/// The next value of [`KvCacheManager::table_epoch`].
+/// The next value of [`KvCache::table_epoch`].
 fn next_table_epoch() -> u64 {
     static EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     EPOCH.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
 }
 
-impl KvCacheManager {
+impl KvCache {
     /// Records that a table entry already handed out changed.
     #[inline]
     pub(crate) fn tables_changed(&mut self) {
@@ -328,7 +328,7 @@ impl KvCacheManager {
                 ),
             ));
         }
-        Ok(KvCacheManager {
+        Ok(KvCache {
             layout,
             config,
             pool: BlockPool::new(config.num_blocks)?,
@@ -409,11 +409,11 @@ impl KvCacheManager {
     /// sequences are reached by handle: no id is hashed and no sequence moves.
     ///
     /// ```
-    /// use pagedkv::{CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    /// use pagedkv::{CacheConfig, CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId};
     ///
     /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
     ///                          kv_dtype: DType::F16 };
-    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let mut kv = KvCache::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
     /// let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
     /// let mut running = Vec::new();
     /// for id in 0..4 {
@@ -605,11 +605,11 @@ impl KvCacheManager {
     /// (fork) or registered in the prefix cache is copied first (`copies`).
     ///
     /// ```
-    /// use pagedkv::{CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    /// use pagedkv::{CacheConfig, CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId};
     ///
     /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
     ///                          kv_dtype: DType::F16 };
-    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let mut kv = KvCache::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
     /// let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
     /// kv.admit(SeqId(1), 10, &mut slots)?;
     /// // Speculative step: 1 verified token + 3 drafts this step, 2 lookahead slots.
@@ -704,11 +704,11 @@ impl KvCacheManager {
     /// available blocks, every reservation of the batch, in order, fits too.
     ///
     /// ```
-    /// use pagedkv::{CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    /// use pagedkv::{CacheConfig, CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId};
     ///
     /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
     ///                          kv_dtype: DType::F16 };
-    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let mut kv = KvCache::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
     /// let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
     /// kv.admit(SeqId(1), 10, &mut slots)?;
     /// kv.fork(SeqId(1), SeqId(2))?; // both share the partly filled block
@@ -941,7 +941,7 @@ impl KvCacheManager {
             return None;
         }
         let max_len = self.max_seq_len();
-        let KvCacheManager {
+        let KvCache {
             layout,
             pool,
             prefix,
@@ -1046,7 +1046,7 @@ impl KvCacheManager {
         }
         let windowed = self.window.is_some();
         let table_capacity = self.config.table_capacity_blocks;
-        let KvCacheManager {
+        let KvCache {
             layout,
             pool,
             prefix,

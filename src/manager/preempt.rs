@@ -5,7 +5,7 @@
 //!
 //! Victims are whole *fork groups* (every sequence descending from one admission,
 //! so shared blocks move once and stay shared), taken in vLLM's order: lowest
-//! priority first ([`KvCacheManager::set_preempt_priority`]), then the most recently
+//! priority first ([`KvCache::set_preempt_priority`]), then the most recently
 //! admitted. Sequences with a swap in flight are never picked.
 //!
 //! For each victim the [`CostModel`] compares
@@ -22,7 +22,7 @@
 //! # Engine loop (overload)
 //!
 //! ```
-//! use pagedkv::{CacheConfig, CopyPlan, CostModel, DType, Error, HostStorage, KvCacheManager,
+//! use pagedkv::{CacheConfig, CopyPlan, CostModel, DType, Error, HostStorage, KvCache,
 //!               KvLayout, ModelShape, PreemptAction, PreemptPolicy, SeqId, Storage, TierConfig};
 //!
 //! let shape = ModelShape { num_layers: 2, num_q_heads: 4, num_kv_heads: 2, head_dim: 8,
@@ -30,7 +30,7 @@
 //! let layout = KvLayout::new(shape, 16)?;
 //! let mut storage = HostStorage::with_host_tier(layout, 8, 16)?;
 //! let tiers = TierConfig { num_host_blocks: 16, num_disk_slots: 0 };
-//! let mut kv = KvCacheManager::with_tiers(layout, CacheConfig::new(8), tiers)?;
+//! let mut kv = KvCache::with_tiers(layout, CacheConfig::new(8), tiers)?;
 //! let policy = PreemptPolicy::cost_based(pagedkv::executor::probe_cost_model(&mut storage, 4, 10_000.0)?);
 //! let (mut slots, mut copies) = (Vec::new(), CopyPlan::new());
 //!
@@ -51,11 +51,11 @@
 //! ```
 
 use crate::error::{Error, Result};
-use crate::manager::{KvCacheManager, SwapJob};
+use crate::manager::{KvCache, SwapJob};
 
 use crate::ids::{BlockId, SeqId};
 
-/// Events kept by [`KvCacheManager::take_preempt_events`] before the oldest are
+/// Events kept by [`KvCache::take_preempt_events`] before the oldest are
 /// dropped.
 pub const MAX_PREEMPT_EVENTS: usize = 4096;
 
@@ -99,7 +99,7 @@ impl CostModel {
     }
 }
 
-/// How [`KvCacheManager::preempt_for`] chooses between swapping and recomputing.
+/// How [`KvCache::preempt_for`] chooses between swapping and recomputing.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PreemptMode {
     /// The cheaper by the cost model.
@@ -165,8 +165,8 @@ pub enum PreemptReason {
 #[derive(Debug, Clone, PartialEq)]
 pub enum PreemptAction {
     /// Swapped out: execute the job's plan, then
-    /// [`KvCacheManager::complete_swap`] frees the device blocks; later
-    /// [`KvCacheManager::swap_in_group`] brings the group back.
+    /// [`KvCache::complete_swap`] frees the device blocks; later
+    /// [`KvCache::swap_in_group`] brings the group back.
     Swap(SwapJob),
     /// Freed now: the engine re-admits each sequence with its tokens (prompt and
     /// generated) when there is room, and prefills them again.
@@ -201,7 +201,7 @@ pub struct Preemption {
 }
 
 /// A record of one preemption, without its plan (see
-/// [`KvCacheManager::take_preempt_events`]).
+/// [`KvCache::take_preempt_events`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PreemptEvent {
     /// The group.
@@ -230,7 +230,7 @@ struct Candidate {
     tokens: usize,
 }
 
-impl KvCacheManager {
+impl KvCache {
     /// Fork groups of resident sequences with no swap in flight, in victim order;
     /// groups in this step's batch only when their priority is below
     /// `unschedule_below`.
@@ -301,23 +301,23 @@ impl KvCacheManager {
     /// [module docs](crate::manager::preempt) for the order and the decision).
     ///
     /// `needed_blocks` is the whole need of the allocation that failed, as
-    /// [`Error::OutOfBlocks`]`::needed` or [`KvCacheManager::blocks_needed`] report it
+    /// [`Error::OutOfBlocks`]`::needed` or [`KvCache::blocks_needed`] report it
     /// (not the shortfall): blocks already free or evictable and those in-flight
     /// swap-outs will free are counted first, and nothing is preempted when they
     /// suffice.
     ///
-    /// Sequences in this step's batch (an uncommitted [`KvCacheManager::reserve`]) are
+    /// Sequences in this step's batch (an uncommitted [`KvCache::reserve`]) are
     /// never picked, nor are their fork groups: the batch may be writing into their
     /// blocks. With [`PreemptPolicy::unschedule_below`], a lower-priority group of the
     /// batch may be: its reservations are cancelled and listed in
-    /// [`Preemption::unscheduled`]. An engine on the one-call path ([`KvCacheManager::append`], which
+    /// [`Preemption::unscheduled`]. An engine on the one-call path ([`KvCache::append`], which
     /// commits at once) decides preemption before it hands out the step's slots.
     ///
     /// Recomputed groups are freed at once. Swapped groups free their blocks when the
     /// engine has run each returned [`PreemptAction::Swap`] plan and called
-    /// [`KvCacheManager::complete_swap`]. Every decision is also counted in
-    /// [`KvCacheManager::tier_stats`] and recorded for
-    /// [`KvCacheManager::take_preempt_events`].
+    /// [`KvCache::complete_swap`]. Every decision is also counted in
+    /// [`KvCache::tier_stats`] and recorded for
+    /// [`KvCache::take_preempt_events`].
     ///
     /// A group's freed blocks are those only it references; blocks it shares with
     /// other groups are not counted, so the estimate errs on the side of one victim

@@ -21,11 +21,11 @@
 //!   blocks are fresh copies of its chain), and a truncation keeps the chain up to the
 //!   new length. Registration never stops while the ids are known.
 //!
-//! One rule for token ids, whichever call brings them ([`KvCacheManager::admit_tokens`],
-//! [`KvCacheManager::admit_prompt`], [`KvCacheManager::append_tokens`],
-//! [`KvCacheManager::append_tokens_batch`], [`KvCacheManager::add_token_ids`]): ids are
+//! One rule for token ids, whichever call brings them ([`KvCache::admit_tokens`],
+//! [`KvCache::admit_prompt`], [`KvCache::append_tokens`],
+//! [`KvCache::append_tokens_batch`], [`KvCache::add_token_ids`]): ids are
 //! known from position 0 on, without a gap. A sequence admitted without ids
-//! ([`KvCacheManager::admit`]) starts tracking, in the default namespace, when the ids
+//! ([`KvCache::admit`]) starts tracking, in the default namespace, when the ids
 //! of position 0 arrive; ids that would leave a gap (tokens appended without ids came
 //! first) are dropped by the appends and refused by `add_token_ids`
 //! ([`crate::Error::TokenIdsGap`]), which fills the gap. A sliding-window manager
@@ -33,7 +33,7 @@
 //! registered once it is computed and its ids are known, whichever comes last. The
 //! rule is `starts_tracking`, which every call asks.
 
-use super::{KvCacheManager, Sequence};
+use super::{KvCache, Sequence};
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, PinId, SeqHandle, SeqId};
 use crate::layout::plans::CopyPlan;
@@ -60,10 +60,10 @@ pub(crate) struct SeqPrefix {
     ids: Vec<u32>,
     /// Block `chain` duplicates block `.1`, registered under hash `.0`: the sequence
     /// shares that copy in its place once its own block's K/V is surely written
-    /// ([`KvCacheManager::settle_twin`]); set together with `Sequence::twin_pending`.
+    /// ([`KvCache::settle_twin`]); set together with `Sequence::twin_pending`.
     twin: Option<(BlockHash, BlockId)>,
     /// The ids of the reservation outstanding came with it
-    /// ([`KvCacheManager::reserve_step_tokens`]): its commit drops those of the
+    /// ([`KvCache::reserve_step_tokens`]): its commit drops those of the
     /// positions it rejects.
     step_ids: bool,
 }
@@ -114,9 +114,9 @@ impl SeqPrefix {
     }
 }
 
-/// A prefix-cache lookup that admission reuses: [`KvCacheManager::lookup_prefix`]
-/// hashes the prompt once, [`KvCacheManager::can_admit_hit`] and
-/// [`KvCacheManager::admit_prompt`] read the result without hashing again. Reuse one
+/// A prefix-cache lookup that admission reuses: [`KvCache::lookup_prefix`]
+/// hashes the prompt once, [`KvCache::can_admit_hit`] and
+/// [`KvCache::admit_prompt`] read the result without hashing again. Reuse one
 /// value across requests: its buffers keep their capacity.
 ///
 /// A hit found before other calls changed the cache is checked again at admission
@@ -167,7 +167,7 @@ impl PrefixHit {
 /// Records token ids for positions `s.computed..` (the tokens a one-call append or
 /// admission gives slots to). Ids before the known range are already registered
 /// content and skipped; ids after a gap (tokens appended without ids) cannot be placed
-/// and are dropped: registration waits for [`KvCacheManager::add_token_ids`].
+/// and are dropped: registration waits for [`KvCache::add_token_ids`].
 #[inline(always)]
 pub(crate) fn record_ids(s: &mut Sequence, ids: &[u32], bs: usize) {
     let pos = s.computed;
@@ -257,7 +257,7 @@ fn record_ids_at(p: &mut SeqPrefix, pos: usize, ids: &[u32], bs: usize) {
 /// Registers every block of `s` that is full, computed and whose ids are known, in
 /// order after its chain; returns how many were registered. A block whose content is
 /// already cached in another block (a duplicate) is not registered twice: the chain
-/// stops before it until [`KvCacheManager::settle_twin`] shares the cached copy in its
+/// stops before it until [`KvCache::settle_twin`] shares the cached copy in its
 /// place (see the module docs). Called after every slot-handing call: the common case
 /// (no block completed) is one comparison, so the work is per block, not per token.
 #[inline(always)]
@@ -362,12 +362,12 @@ fn register_next(
     link
 }
 
-impl KvCacheManager {
+impl KvCache {
     /// A manager whose prefix cache is tuned by `prefix` (shorthand for
-    /// [`KvCacheManager::builder`] with [`crate::manager::CacheBuilder::prefix`]).
+    /// [`KvCache::builder`] with [`crate::manager::CacheBuilder::prefix`]).
     ///
     /// # Errors
-    /// As [`KvCacheManager::new`]; [`Error::InvalidConfig`] when
+    /// As [`KvCache::new`]; [`Error::InvalidConfig`] when
     /// `prefix.max_pinned_blocks` exceeds the arena.
     pub fn with_prefix_config(
         layout: crate::layout::KvLayout,
@@ -447,13 +447,13 @@ impl KvCacheManager {
     /// running sequence's step.
     ///
     /// ```
-    /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCacheManager, KvLayout, ModelShape};
+    /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCache, KvLayout, ModelShape};
     /// use pagedkv::{PrefixHit, SeqId};
     ///
     /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
     ///                          kv_dtype: DType::F16 };
     /// let cfg = CacheConfig { watermark_blocks: 0, ..CacheConfig::new(16) };
-    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, cfg)?;
+    /// let mut kv = KvCache::new(KvLayout::new(shape, 16)?, cfg)?;
     /// kv.admit(SeqId(1), 128, &mut Vec::new())?;           // 8 of the 16 blocks
     /// let prompt: Vec<u32> = (0..200).collect();          // 13 blocks
     /// let mut hit = PrefixHit::default();
@@ -486,12 +486,12 @@ impl KvCacheManager {
     /// registered for other requests.
     ///
     /// ```
-    /// use pagedkv::{AdmitOptions, CacheConfig, CopyPlan, DType, KvCacheManager, KvLayout,
+    /// use pagedkv::{AdmitOptions, CacheConfig, CopyPlan, DType, KvCache, KvLayout,
     ///               ModelShape, PrefixHit, SeqId};
     ///
     /// let shape = ModelShape { num_layers: 2, num_q_heads: 8, num_kv_heads: 2, head_dim: 64,
     ///                          kv_dtype: DType::BF16 };
-    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let mut kv = KvCache::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
     /// let prompt: Vec<u32> = (0..100).collect();
     /// let (mut hit, mut slots, mut copies) = (PrefixHit::default(), Vec::new(), CopyPlan::default());
     /// let opts = AdmitOptions::default();
@@ -633,11 +633,11 @@ impl KvCacheManager {
     /// for the exact contract.
     ///
     /// ```
-    /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCache, KvLayout, ModelShape, SeqId};
     ///
     /// let shape = ModelShape { num_layers: 2, num_q_heads: 8, num_kv_heads: 2, head_dim: 64,
     ///                          kv_dtype: DType::BF16 };
-    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let mut kv = KvCache::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
     /// let system: Vec<u32> = (0..40).collect();
     /// let mut slots = Vec::new();
     /// let opts = AdmitOptions::default();
@@ -867,11 +867,11 @@ impl KvCacheManager {
     /// the index stays exact.
     ///
     /// ```
-    /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCache, KvLayout, ModelShape, SeqId};
     ///
     /// let shape = ModelShape { num_layers: 2, num_q_heads: 8, num_kv_heads: 2, head_dim: 64,
     ///                          kv_dtype: DType::BF16 };
-    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let mut kv = KvCache::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
     /// let (opts, mut slots) = (AdmitOptions::default(), Vec::new());
     /// kv.admit_tokens(SeqId(1), &(0..40).collect::<Vec<u32>>(), &opts, &mut slots)?;
     /// kv.admit_tokens(SeqId(2), &(100..140).collect::<Vec<u32>>(), &opts, &mut slots)?;
@@ -1189,10 +1189,10 @@ mod tests {
     use crate::ids::{BlockId, SeqId};
     use crate::layout::shape::{DType, ModelShape};
     use crate::layout::KvLayout;
-    use crate::manager::{CacheConfig, KvCacheManager};
+    use crate::manager::{CacheConfig, KvCache};
     use crate::pool::prefix::AdmitOptions;
 
-    fn kv(num_blocks: usize) -> KvCacheManager {
+    fn kv(num_blocks: usize) -> KvCache {
         let shape = ModelShape {
             num_layers: 1,
             num_q_heads: 1,
@@ -1200,7 +1200,7 @@ mod tests {
             head_dim: 2,
             kv_dtype: DType::F32,
         };
-        KvCacheManager::new(
+        KvCache::new(
             KvLayout::new(shape, 4).unwrap(),
             CacheConfig::new(num_blocks),
         )

@@ -1,11 +1,11 @@
 //! Spilling the prefix cache to the host tier, and restoring it.
 //!
 //! A model put to sleep gives its arena back, and with it the unreferenced blocks its
-//! prefix cache holds. Rather than evicting them, [`KvCacheManager::plan_prefix_spill`]
+//! prefix cache holds. Rather than evicting them, [`KvCache::plan_prefix_spill`]
 //! plans copying them to free host-tier blocks (a [`SwapPlan`] out); once the executor
 //! has run the plan, [`PendingPrefixSpill::commit`] keeps each block's content (hash,
 //! parent, token ids, keys) beside its host block and evicts the device copies. Later,
-//! [`KvCacheManager::plan_prefix_restore`] plans copying them back into free device
+//! [`KvCache::plan_prefix_restore`] plans copying them back into free device
 //! blocks (a [`SwapPlan`] in), and [`PendingPrefixRestore::commit`] registers them again
 //! under their old hashes, as cached blocks: a request with that prefix hits as if
 //! they had never left. [`crate::executor::tier::spill_cached_prefixes`] and
@@ -16,13 +16,13 @@
 //! fewer free blocks than that, the blocks nearest the root of their chains go first
 //! (so every spilled block's parent is spilled too, or stays on the device) and the
 //! rest is evicted; [`PrefixSpill`] says how many of each. Spilled blocks hold host
-//! blocks until they are restored or dropped ([`KvCacheManager::drop_spilled_prefixes`]),
+//! blocks until they are restored or dropped ([`KvCache::drop_spilled_prefixes`]),
 //! and count in [`crate::TierStats::host_used_blocks`]. A hit is only served from the
 //! device: lookups do not see spilled blocks until they are restored.
 
 use std::collections::HashSet;
 
-use super::KvCacheManager;
+use super::KvCache;
 use crate::error::{Error, Result};
 use crate::ids::BlockId;
 use crate::layout::plans::{SwapDirection, SwapPlan};
@@ -65,7 +65,7 @@ pub struct PrefixRestore {
 #[derive(Debug)]
 #[must_use = "dropping a pending prefix spill aborts it"]
 pub struct PendingPrefixSpill<'a> {
-    manager: &'a mut KvCacheManager,
+    manager: &'a mut KvCache,
     plan: SwapPlan,
     saved: Vec<SavedEntry>,
     evictable: usize,
@@ -126,7 +126,7 @@ impl PendingPrefixSpill<'_> {
 #[derive(Debug)]
 #[must_use = "dropping a pending prefix restore aborts it"]
 pub struct PendingPrefixRestore<'a> {
-    manager: &'a mut KvCacheManager,
+    manager: &'a mut KvCache,
     plan: SwapPlan,
     /// Index into the spilled list of each pair of the plan.
     picks: Vec<usize>,
@@ -188,7 +188,7 @@ impl PendingPrefixRestore<'_> {
     }
 }
 
-impl KvCacheManager {
+impl KvCache {
     /// Plans spilling the prefix cache's evictable blocks to the host tier (see the
     /// module docs): as many as the host tier has free blocks for, parents first; the
     /// commit evicts the rest. Changes nothing until [`PendingPrefixSpill::commit`].

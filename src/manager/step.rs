@@ -1,14 +1,14 @@
 //! The step path: one call reserves every sequence of a model step and fills the
 //! buffers the step reads, one call commits what the step accepted.
 //!
-//! [`KvCacheManager::reserve_step`] is [`KvCacheManager::reserve`] for a whole batch,
+//! [`KvCache::reserve_step`] is [`KvCache::reserve`] for a whole batch,
 //! reached by handle (no id is hashed), checked as a whole before anything changes,
 //! and writing straight into fixed-capacity [`StepBuffers`]: vLLM's slot mapping
 //! (`i64`, `-1` for padding), positions, `query_start_loc`, the padded block tables
 //! with their context lengths (the [`PaddedTables`] this crate's kernels read) and the
 //! step's copy-on-write copies. Sized once, the buffers never allocate, so their
 //! addresses can be captured by a CUDA graph; [`StepBuffers::pad_to`] pads a batch up
-//! to a captured shape. [`KvCacheManager::commit_step`] commits every sequence's
+//! to a captured shape. [`KvCache::commit_step`] commits every sequence's
 //! accepted tokens, also checked as a whole first.
 //!
 //! A table row is written only where it changed: the buffers remember which sequence
@@ -22,14 +22,14 @@ use crate::ids::{BlockId, SeqHandle};
 use crate::layout::plans::CopyPlan;
 use crate::layout::{PaddedTables, Slot};
 
-use super::{swap, KvCacheManager};
+use super::{swap, KvCache};
 
 /// One sequence's part of a step: `new_tokens` query tokens after its computed ones
 /// (a prefill chunk, or a decode token and its drafts), then `lookahead` slots
 /// reserved for later (never context, not in the step's buffers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepEntry {
-    /// The sequence ([`KvCacheManager::handle`]).
+    /// The sequence ([`KvCache::handle`]).
     pub seq: SeqHandle,
     /// Query tokens this step computes.
     pub new_tokens: usize,
@@ -37,7 +37,7 @@ pub struct StepEntry {
     pub lookahead: usize,
 }
 
-/// The inputs of one model step, filled by [`KvCacheManager::reserve_step`] into
+/// The inputs of one model step, filled by [`KvCache::reserve_step`] into
 /// buffers allocated once ([`StepBuffers::new`]) at fixed capacities.
 #[derive(Debug, Clone)]
 pub struct StepBuffers {
@@ -211,19 +211,19 @@ impl StepBuffers {
     }
 }
 
-impl KvCacheManager {
+impl KvCache {
     /// Reserves every sequence of a step in one call, as [`Self::reserve`] does for
     /// each entry in order, and fills `out` with the step's inputs (see
     /// [`StepBuffers`]). The whole batch is checked before anything changes: on
     /// error nothing changed and `out` holds the previous step.
     ///
     /// ```
-    /// use pagedkv::{CacheConfig, DType, KvCacheManager, KvLayout, ModelShape, SeqId};
+    /// use pagedkv::{CacheConfig, DType, KvCache, KvLayout, ModelShape, SeqId};
     /// use pagedkv::{StepBuffers, StepEntry};
     ///
     /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
     ///                          kv_dtype: DType::F16 };
-    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let mut kv = KvCache::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
     /// let mut slots = Vec::new();
     /// kv.admit(SeqId(1), 0, &mut slots)?;                  // a prompt to prefill
     /// kv.admit(SeqId(2), 20, &mut slots)?;
@@ -266,12 +266,12 @@ impl KvCacheManager {
     /// dropped by that commit.
     ///
     /// ```
-    /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCacheManager, KvLayout, ModelShape};
+    /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCache, KvLayout, ModelShape};
     /// use pagedkv::{PrefixHit, SeqId, StepBuffers, StepEntry};
     ///
     /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
     ///                          kv_dtype: DType::F16 };
-    /// let mut kv = KvCacheManager::new(KvLayout::new(shape, 4)?, CacheConfig::new(64))?;
+    /// let mut kv = KvCache::new(KvLayout::new(shape, 4)?, CacheConfig::new(64))?;
     /// let mut slots = Vec::new();
     /// kv.admit(SeqId(1), 0, &mut slots)?;
     /// let mut step = StepBuffers::new(8, 64, 16);

@@ -12,7 +12,7 @@
 //!
 //! * **swapping out**: the plan copies the device blocks to freshly taken host blocks.
 //!   The sequence keeps its device table and every device reference until
-//!   [`KvCacheManager::complete_swap`], so nothing can allocate those blocks while the
+//!   [`KvCache::complete_swap`], so nothing can allocate those blocks while the
 //!   transfer reads them, and attention on the sequence can still run. Append, fork,
 //!   truncate and free are refused ([`Error::SequenceState`]).
 //! * **swapped**: the sequence has no device blocks; its table names host-tier blocks
@@ -32,7 +32,7 @@
 //! correct because a shared block is never written in place (appends copy-on-write),
 //! so both copies hold the same bytes for as long as either is shared; the cost is
 //! the duplicated block. Swapping whole fork groups together (what
-//! [`KvCacheManager::preempt_for`] does) avoids it.
+//! [`KvCache::preempt_for`] does) avoids it.
 //!
 //! # Consecutive blocks
 //!
@@ -43,7 +43,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::Hash;
 
-use super::{in_flight, KvCacheManager, Sequence};
+use super::{in_flight, KvCache, Sequence};
 use crate::error::{Error, Result};
 use crate::manager::preempt::PreemptEvent;
 use crate::pool::BlockPool;
@@ -65,8 +65,8 @@ pub struct TierConfig {
 }
 
 /// A swap the manager has planned: execute `plan` (one [`crate::Storage::swap`] or a
-/// [`crate::TransferEngine`]), then call [`KvCacheManager::complete_swap`] with
-/// `ticket`, or [`KvCacheManager::abort_swap`] when the transfer failed.
+/// [`crate::TransferEngine`]), then call [`KvCache::complete_swap`] with
+/// `ticket`, or [`KvCache::abort_swap`] when the transfer failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SwapJob {
     /// The ticket to complete or abort.
@@ -95,7 +95,7 @@ pub struct TierStats {
     /// prefix-cache blocks).
     pub host_used_blocks: usize,
     /// Of those, prefix-cache blocks spilled to the host tier
-    /// ([`KvCacheManager::plan_prefix_spill`]) and not yet restored.
+    /// ([`KvCache::plan_prefix_spill`]) and not yet restored.
     pub spilled_prefix_blocks: usize,
     /// Slots in the disk tier.
     pub disk_slots: usize,
@@ -117,7 +117,7 @@ pub struct TierStats {
     pub blocks_spilled: u64,
     /// Blocks read disk -> host.
     pub blocks_restored: u64,
-    /// Groups preempted by [`KvCacheManager::preempt_for`].
+    /// Groups preempted by [`KvCache::preempt_for`].
     pub preemptions: u64,
     /// Of those, groups preempted by swapping.
     pub preempt_swaps: u64,
@@ -173,7 +173,7 @@ enum Pending {
     },
 }
 
-/// The tiers' bookkeeping inside a [`KvCacheManager`].
+/// The tiers' bookkeeping inside a [`KvCache`].
 #[derive(Debug, Clone)]
 pub(crate) struct Tiers {
     host: BlockPool,
@@ -260,14 +260,14 @@ impl Tiers {
     }
 }
 /// Copies between the host tier and the disk tier planned by
-/// [`KvCacheManager::plan_spill`] or [`KvCacheManager::plan_restore`] and not yet
+/// [`KvCache::plan_spill`] or [`KvCache::plan_restore`] and not yet
 /// committed. It holds the manager's `&mut` borrow, so nothing can take the
 /// destinations meanwhile; dropping it aborts and leaves the manager as it was (the
 /// destinations were free, so whatever was written there is never read).
 #[derive(Debug)]
 #[must_use = "dropping a pending tier move aborts it"]
 pub struct PendingTierMove<'a> {
-    manager: &'a mut KvCacheManager,
+    manager: &'a mut KvCache,
     to_disk: bool,
     seqs: Vec<SeqId>,
     /// `(host block, disk slot, references from the group)`.
@@ -414,12 +414,12 @@ fn drop_refs(pool: &mut BlockPool, block: BlockId, refs: u32) -> Result<()> {
     Ok(())
 }
 
-impl KvCacheManager {
+impl KvCache {
     /// A manager with a host tier (and optionally disk-tier bookkeeping) to swap to
-    /// (shorthand for [`KvCacheManager::builder`] with [`super::CacheBuilder::tiers`]).
+    /// (shorthand for [`KvCache::builder`] with [`super::CacheBuilder::tiers`]).
     ///
     /// # Errors
-    /// As [`KvCacheManager::new`]; [`Error::InvalidConfig`] when a tier does not fit
+    /// As [`KvCache::new`]; [`Error::InvalidConfig`] when a tier does not fit
     /// `u32` ids.
     pub fn with_tiers(
         layout: crate::layout::KvLayout,
@@ -1083,7 +1083,7 @@ fn lender_mut(swapped: &mut super::SeqMap<SwappedSeq>, lender: SeqId) -> Result<
         .ok_or(Error::UnknownSequence(lender))
 }
 
-impl KvCacheManager {
+impl KvCache {
     /// Registers the blocks of swapped-in sequence `id` that its rewound chain covers
     /// (sharing the copies still cached, see `manager/prefix.rs`).
     fn register_swapped_in(&mut self, id: SeqId) -> Result<()> {
@@ -1105,7 +1105,7 @@ impl KvCacheManager {
 /// The host-tier lending of KV-cache groups that share one host tier (see
 /// [`crate::manager::groups`]): each group's host pool spans the whole tier, and a
 /// hidden swapped sequence holds the host blocks other groups own.
-impl KvCacheManager {
+impl KvCache {
     /// Adds the hidden swapped sequence `lender`, which will hold lent host blocks.
     pub(crate) fn insert_host_lender(&mut self, lender: SeqId) {
         self.tiers.swapped.insert(

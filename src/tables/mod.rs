@@ -9,7 +9,7 @@ pub use validate::{validate_csr, validate_tables, validate_tables_window, MAX_CO
 
 use crate::error::{Error, Result};
 use crate::ids::SeqId;
-use crate::manager::KvCacheManager;
+use crate::manager::KvCache;
 
 /// Defined with the layout, where the manager's step buffers can hold one.
 pub use crate::layout::PaddedTables;
@@ -26,7 +26,7 @@ pub struct CsrTables {
     pub last_page_len: Vec<u32>,
 }
 
-impl KvCacheManager {
+impl KvCache {
     /// The rows of a batch: each sequence's context (computed plus this step's
     /// reserved tokens, never lookahead slots) and the blocks covering it. Fails on
     /// the first sequence that is unknown or not readable.

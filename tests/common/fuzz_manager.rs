@@ -1,7 +1,7 @@
 //! The manager fuzz harness, shared by `fuzz/fuzz_targets/manager.rs` (coverage-guided)
 //! and `tests/fuzz_replay.rs` (corpus replay and seeded random inputs under `cargo test`).
 //!
-//! The first input byte picks a configuration, composed with `KvCacheManager::builder`:
+//! The first input byte picks a configuration, composed with `KvCache::builder`:
 //! the eviction policy (LRU or cost-aware), the block hasher (XXH3 or the chain hash),
 //! the storage (`HostStorage`, or a `ShardedStorage` of two head shards) and whether
 //! swaps run through a `TransferEngine` on a worker thread or directly. The rest decode
@@ -21,7 +21,7 @@ use pagedkv::manager::{DefragOptions, SwapJob, TierConfig};
 use pagedkv::pool::prefix::{AdmitOptions, ChainHasher, CostAwarePolicy, LruPolicy};
 use pagedkv::PinId;
 use pagedkv::{
-    CacheConfig, CopyPlan, DType, HostStorage, KvCacheManager, KvLayout, ModelShape, SeqId,
+    CacheConfig, CopyPlan, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
     ShardedStorage, Slot, Storage, TransferEngine, Xxh3Hasher,
 };
 use parking_lot::Mutex;
@@ -65,7 +65,7 @@ impl Input<'_> {
 }
 
 struct Harness<S: Storage + Send + 'static> {
-    kv: KvCacheManager,
+    kv: KvCache,
     /// Shared with the transfer engine's worker when there is one.
     store: Arc<Mutex<S>>,
     engine: Option<TransferEngine<S>>,
@@ -80,7 +80,7 @@ struct Harness<S: Storage + Send + 'static> {
     prompts: [Vec<u32>; 3],
 }
 
-fn snapshot(kv: &KvCacheManager) -> String {
+fn snapshot(kv: &KvCache) -> String {
     let mut ids: Vec<_> = kv.sequence_ids().collect();
     ids.sort();
     let tables: Vec<_> = ids
@@ -115,12 +115,10 @@ impl<S: Storage + Send + 'static> Harness<S> {
             max_num_blocks: MAX_BLOCKS,
             ..CacheConfig::new(START_BLOCKS)
         };
-        let mut builder = KvCacheManager::builder(layout())
-            .config(cfg)
-            .tiers(TierConfig {
-                num_host_blocks: HOST_BLOCKS,
-                num_disk_slots: 0,
-            });
+        let mut builder = KvCache::builder(layout()).config(cfg).tiers(TierConfig {
+            num_host_blocks: HOST_BLOCKS,
+            num_disk_slots: 0,
+        });
         builder = if config & 1 != 0 {
             builder.eviction_policy(Box::new(CostAwarePolicy::default()))
         } else {

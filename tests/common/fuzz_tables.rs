@@ -8,8 +8,7 @@ use pagedkv::attention::cpu::paged_decode;
 use pagedkv::attention::AttentionParams;
 use pagedkv::tables::{validate_csr, validate_tables};
 use pagedkv::{
-    CacheConfig, CsrTables, DType, HostStorage, KvCacheManager, KvLayout, ModelShape, PaddedTables,
-    SeqId,
+    CacheConfig, CsrTables, DType, HostStorage, KvCache, KvLayout, ModelShape, PaddedTables, SeqId,
 };
 
 const BS: usize = 4;
@@ -50,7 +49,7 @@ pub fn run(mut data: &[u8]) {
     };
     let layout = KvLayout::new(shape, BS).expect("layout");
     let store = HostStorage::new(layout, BLOCKS).expect("storage");
-    let mut kv = KvCacheManager::new(
+    let mut kv = KvCache::new(
         layout,
         CacheConfig {
             watermark_blocks: 0,

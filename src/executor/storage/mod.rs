@@ -30,13 +30,13 @@ impl TierConfig {
     /// tier (set [`TierConfig::num_disk_slots`] after, as for the [`crate::DiskTier`]).
     ///
     /// ```
-    /// use pagedkv::{DType, HostStorage, KvCacheManager, KvLayout, ModelShape, TierConfig};
+    /// use pagedkv::{DType, HostStorage, KvCache, KvLayout, ModelShape, TierConfig};
     ///
     /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 4,
     ///                          kv_dtype: DType::F16 };
     /// let layout = KvLayout::new(shape, 16)?;
     /// let store = HostStorage::with_host_tier(layout, 32, 8)?;
-    /// let kv = KvCacheManager::builder(layout)
+    /// let kv = KvCache::builder(layout)
     ///     .num_blocks(32)
     ///     .tiers(TierConfig::for_storage(&store))
     ///     .build()?;

@@ -17,7 +17,7 @@ pub const DISK_SLOT_ALIGN: u64 = 4096;
 /// positional I/O (`pwrite`/`pread`), every slot checksummed.
 ///
 /// It only moves bytes; which slot holds what is the manager's bookkeeping
-/// ([`crate::KvCacheManager::plan_spill`]). The checksum of each written slot is
+/// ([`crate::KvCache::plan_spill`]). The checksum of each written slot is
 /// kept in memory and checked on every read, so a torn write, a bad sector or a file
 /// changed behind the tier's back is an [`Error::Checksum`], never wrong K/V.
 #[derive(Debug)]

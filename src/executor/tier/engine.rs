@@ -102,18 +102,18 @@ impl Progress {
 /// sends a [`TransferEvent`] per layer and per job through a crossbeam channel, so the
 /// engine never blocks on a transfer: it asks [`Self::is_layer_ready`] before running
 /// attention on a layer of a sequence being swapped in, and calls
-/// [`crate::KvCacheManager::complete_swap`] for every ticket that
+/// [`crate::KvCache::complete_swap`] for every ticket that
 /// [`Self::poll_completed`] returns. The lock is taken per layer, so other work on the
 /// storage interleaves with a long transfer.
 ///
 /// ```
-/// use pagedkv::{CacheConfig, DType, HostStorage, KvCacheManager, KvLayout, ModelShape,
+/// use pagedkv::{CacheConfig, DType, HostStorage, KvCache, KvLayout, ModelShape,
 ///               SeqId, TierConfig, TransferEngine};
 ///
 /// let shape = ModelShape { num_layers: 4, num_q_heads: 4, num_kv_heads: 2, head_dim: 8,
 ///                          kv_dtype: DType::F16 };
 /// let layout = KvLayout::new(shape, 16)?;
-/// let mut kv = KvCacheManager::with_tiers(layout, CacheConfig::new(64),
+/// let mut kv = KvCache::with_tiers(layout, CacheConfig::new(64),
 ///                                         TierConfig { num_host_blocks: 64, num_disk_slots: 0 })?;
 /// let mut engine = TransferEngine::new(HostStorage::with_host_tier(layout, 64, 64)?);
 ///
@@ -319,8 +319,8 @@ impl<S: Storage + Send + 'static> TransferEngine<S> {
     }
 
     /// Finished transfers and their outcomes, each reported once and then forgotten.
-    /// Pass each successful ticket to [`crate::KvCacheManager::complete_swap`] and each
-    /// failed one to [`crate::KvCacheManager::abort_swap`].
+    /// Pass each successful ticket to [`crate::KvCache::complete_swap`] and each
+    /// failed one to [`crate::KvCache::abort_swap`].
     pub fn poll_completed(&mut self) -> Vec<(SwapTicket, Result<()>)> {
         self.drain();
         let done: Vec<(SwapTicket, Result<()>)> = self
@@ -436,7 +436,7 @@ mod tests {
     use crate::layout::plans::CopyPlan;
     use crate::layout::shape::{DType, ModelShape};
     use crate::layout::{KvLayout, Slot};
-    use crate::manager::{CacheConfig, KvCacheManager, TierConfig};
+    use crate::manager::{CacheConfig, KvCache, TierConfig};
 
     /// A host storage that behaves like an asynchronous one: swaps return at once and
     /// are "on the device" until the test finishes the fake stream.
@@ -505,12 +505,7 @@ mod tests {
     /// over a fake stream: the manager, the stream, the engine and the submitted job.
     fn swap_submitted(
         num_layers: usize,
-    ) -> (
-        KvCacheManager,
-        Arc<FakeStream>,
-        TransferEngine<Async>,
-        SwapJob,
-    ) {
+    ) -> (KvCache, Arc<FakeStream>, TransferEngine<Async>, SwapJob) {
         let shape = ModelShape {
             num_layers,
             num_q_heads: 2,
@@ -523,7 +518,7 @@ mod tests {
             num_host_blocks: 8,
             num_disk_slots: 0,
         };
-        let mut kv = KvCacheManager::with_tiers(layout, CacheConfig::new(8), tiers).unwrap();
+        let mut kv = KvCache::with_tiers(layout, CacheConfig::new(8), tiers).unwrap();
         kv.admit(SeqId(1), 20, &mut Vec::new()).unwrap();
         let stream = Arc::new(FakeStream::default());
         let storage = Async {

@@ -1,11 +1,11 @@
 //! The prefix cache's spill to the host tier and its restore, carried out: the
 //! manager's plan, the copies on the storage, the commit (see
-//! [`KvCacheManager::plan_prefix_spill`]).
+//! [`KvCache::plan_prefix_spill`]).
 
 use crate::error::Result;
 use crate::executor::check_storage;
 use crate::executor::storage::Storage;
-use crate::manager::{KvCacheManager, PrefixRestore, PrefixSpill};
+use crate::manager::{KvCache, PrefixRestore, PrefixSpill};
 
 /// Copies the prefix cache's evictable blocks to `storage`'s host tier (as many as it
 /// has free blocks for, parents first), keeps them indexed there and evicts them from
@@ -14,14 +14,14 @@ use crate::manager::{KvCacheManager, PrefixRestore, PrefixSpill};
 ///
 /// ```
 /// use pagedkv::executor::tier::{restore_spilled_prefixes, spill_cached_prefixes};
-/// use pagedkv::{AdmitOptions, CacheConfig, DType, HostStorage, KvCacheManager, KvLayout,
+/// use pagedkv::{AdmitOptions, CacheConfig, DType, HostStorage, KvCache, KvLayout,
 ///               ModelShape, SeqId, TierConfig};
 ///
 /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1,
 ///                          head_dim: 8, kv_dtype: DType::F16 };
 /// let layout = KvLayout::new(shape, 4)?;
 /// let tiers = TierConfig { num_host_blocks: 8, num_disk_slots: 0 };
-/// let mut kv = KvCacheManager::with_tiers(layout, CacheConfig::new(16), tiers)?;
+/// let mut kv = KvCache::with_tiers(layout, CacheConfig::new(16), tiers)?;
 /// let mut storage = HostStorage::with_host_tier(layout, 16, 8)?;
 /// let (prompt, opts, mut slots) = ((0..13).collect::<Vec<u32>>(), AdmitOptions::default(), Vec::new());
 /// kv.admit_tokens(SeqId(1), &prompt, &opts, &mut slots)?;
@@ -40,7 +40,7 @@ use crate::manager::{KvCacheManager, PrefixRestore, PrefixSpill};
 /// that does not hold the manager's arena; the storage's swap errors. Nothing changed
 /// on error (only free host blocks were written).
 pub fn spill_cached_prefixes<S: Storage + ?Sized>(
-    kv: &mut KvCacheManager,
+    kv: &mut KvCache,
     storage: &mut S,
 ) -> Result<PrefixSpill> {
     check_storage(kv, storage)?;
@@ -59,7 +59,7 @@ pub fn spill_cached_prefixes<S: Storage + ?Sized>(
 /// As [`spill_cached_prefixes`]. Nothing changed on error (only free device blocks
 /// were written).
 pub fn restore_spilled_prefixes<S: Storage + ?Sized>(
-    kv: &mut KvCacheManager,
+    kv: &mut KvCache,
     storage: &mut S,
 ) -> Result<PrefixRestore> {
     check_storage(kv, storage)?;

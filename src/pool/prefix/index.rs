@@ -982,7 +982,7 @@ impl PrefixIndex {
         self.entry(b).map(Entry::parent)
     }
 
-    /// Checks the index against the pool; see `KvCacheManager::check_invariants`.
+    /// Checks the index against the pool; see `KvCache::check_invariants`.
     pub(crate) fn check(&self, pool: &BlockPool) -> std::result::Result<(), String> {
         if self.entries.len() != pool.num_blocks() {
             return Err(format!(

@@ -5,11 +5,11 @@
 //! | [`PrefixHasher`] ([`Xxh3Hasher`], [`ChainHasher`], `VllmHasher` with feature `vllm-hash`) | chained hash of (parent hash, token ids, the block's extra keys), seeded per namespace (cache salt + extra key) |
 //! | index (internal) | hash -> block, stored token ids, block keys and parent links to confirm every hit, pins, eviction candidates |
 //! | [`EvictionPolicy`] ([`LruPolicy`], [`CostAwarePolicy`]) | which unreferenced cached block goes first |
-//! | [`crate::KvCacheManager::admit_tokens`] and friends | the manager's entry points, in `manager/prefix.rs` |
+//! | [`crate::KvCache::admit_tokens`] and friends | the manager's entry points, in `manager/prefix.rs` |
 //!
 //! A block enters the cache when it becomes full in a sequence admitted or extended
-//! *with token ids* ([`crate::KvCacheManager::admit_tokens`],
-//! [`crate::KvCacheManager::append_tokens`]); the plain `admit`/`append` never touch
+//! *with token ids* ([`crate::KvCache::admit_tokens`],
+//! [`crate::KvCache::append_tokens`]); the plain `admit`/`append` never touch
 //! it. Registered blocks are immutable: writing into one (after a truncation made it
 //! the partial last block) goes through copy-on-write. When the last table reference
 //! goes, a registered block stays `Cached` (content kept, findable, evictable) until an
@@ -42,7 +42,7 @@ use crate::ids::{BlockId, PinId};
 /// Longest cache salt or extra key [`PrefixConfig::for_arena`] accepts, in bytes.
 pub const DEFAULT_MAX_KEY_BYTES: usize = 256;
 
-/// Tuning of the prefix cache of a [`crate::KvCacheManager`].
+/// Tuning of the prefix cache of a [`crate::KvCache`].
 #[derive(Debug, Clone)]
 pub struct PrefixConfig {
     /// Most blocks that pins may hold at once; pinned blocks are never evicted and do
@@ -50,7 +50,7 @@ pub struct PrefixConfig {
     pub max_pinned_blocks: usize,
     /// Longest cache salt, and longest extra key, in bytes.
     pub max_key_bytes: usize,
-    /// Whether [`PrefixEvent`]s are recorded for [`crate::KvCacheManager::drain_prefix_events`]
+    /// Whether [`PrefixEvent`]s are recorded for [`crate::KvCache::drain_prefix_events`]
     /// (off by default: nobody drains them otherwise).
     pub record_events: bool,
     /// Where to send every [`PrefixEvent`] as it happens (a router thread's receiver),
@@ -82,7 +82,7 @@ impl PrefixConfig {
     }
 }
 
-/// Per-request keys of [`crate::KvCacheManager::admit_tokens`].
+/// Per-request keys of [`crate::KvCache::admit_tokens`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct AdmitOptions<'a> {
     /// Anything besides the token ids that changes the K/V of every block (a LoRA
@@ -115,7 +115,7 @@ pub struct AdmitOptions<'a> {
     pub block_keys: &'a [(usize, &'a [u8])],
 }
 
-/// What [`crate::KvCacheManager::admit_tokens`] did.
+/// What [`crate::KvCache::admit_tokens`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Admission {
     /// Leading prompt tokens whose K/V is already cached; the engine computes only the
@@ -133,7 +133,7 @@ pub struct Admission {
 /// A pinned prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PinnedPrefix {
-    /// Pass to [`crate::KvCacheManager::unpin_prefix`].
+    /// Pass to [`crate::KvCache::unpin_prefix`].
     pub id: PinId,
     /// Tokens covered (whole blocks).
     pub tokens: usize,
@@ -148,7 +148,7 @@ pub enum Medium {
     /// hit shares.
     Device,
     /// The host (swap) tier: cached blocks spilled there
-    /// ([`crate::KvCacheManager::plan_prefix_spill`]) until they are restored. A hit
+    /// ([`crate::KvCache::plan_prefix_spill`]) until they are restored. A hit
     /// is only served from the device: restore first.
     Host,
 }
@@ -188,13 +188,13 @@ pub enum PrefixEvent {
         /// The tier it left.
         medium: Medium,
     },
-    /// [`crate::KvCacheManager::reset_prefix_cache`] ran: forget every block. The blocks
+    /// [`crate::KvCache::reset_prefix_cache`] ran: forget every block. The blocks
     /// it kept (referenced by a sequence, or pinned) follow as `BlockStored`, parents
     /// first.
     AllCleared,
 }
 
-/// What [`crate::KvCacheManager::reset_prefix_cache`] did.
+/// What [`crate::KvCache::reset_prefix_cache`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PrefixReset {
     /// Cached blocks dropped to the free list.
@@ -209,8 +209,8 @@ pub struct PrefixReset {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PrefixStats {
     /// Successful admissions through the prefix cache
-    /// ([`crate::KvCacheManager::admit_tokens`] and
-    /// [`crate::KvCacheManager::admit_prompt`]).
+    /// ([`crate::KvCache::admit_tokens`] and
+    /// [`crate::KvCache::admit_prompt`]).
     pub queries: u64,
     /// Prompt tokens of those calls.
     pub query_tokens: u64,
