@@ -1,6 +1,6 @@
 //! A Gemma-3-like hybrid model (5 sliding-window layers of window 1,024 per global
 //! layer) on one KV byte budget, three ways: every layer full; KV-cache groups
-//! (`KvCacheGroups`: one full and five window groups of 8 layers sharing one arena of
+//! (`KvCache::hybrid`: one full and five window groups of 8 layers sharing one arena of
 //! pages); and two managers on a fixed split of the budget (global layers / window
 //! layers, split by what one request holds in each at the end).
 //!
@@ -77,7 +77,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "split: global layers get {:.1} % of the budget; groups moved {} pages between groups",
         share * 100.0,
-        g.kv.stats().page_moves
+        g.kv.group_stats().page_moves
     );
     for r in runs {
         if r.finished != requests {

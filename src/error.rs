@@ -221,6 +221,16 @@ pub enum Error {
     /// The operation is not supported by this backend or configuration.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A call of the one-group API made on a hybrid cache (several KV-cache groups)
+    /// that this call does not serve yet; the `_grouped` calls and the lifecycle calls
+    /// serve every cache (see `KvCache::hybrid`).
+    #[error("{operation} is not available on a cache of {groups} KV-cache groups yet")]
+    NotOnHybrid {
+        /// The call refused.
+        operation: &'static str,
+        /// The cache's groups.
+        groups: usize,
+    },
     /// Tensor parallelism: the KV heads do not split evenly over the shards.
     #[error("{num_kv_heads} KV heads do not split evenly over {num_shards} shards")]
     UnevenHeadSplit {

@@ -606,6 +606,8 @@ pub fn export_sequence<S: Storage + ?Sized>(
     token_ids: Option<&[u32]>,
     out: &mut [u8],
 ) -> Result<usize> {
+    // A hybrid cache's sequences go out through `export_group_sequence`.
+    manager.one_group("export_sequence")?;
     check_storage(manager, storage)?;
     let (table, computed) = manager.readable_blocks(seq)?;
     if table.first() == Some(&BlockId::RELEASED) {

@@ -45,7 +45,7 @@
 //! | ids, errors | [`ids`], [`error`] | [`BlockId`], [`SeqId`], [`SeqHandle`], tickets; the one [`Error`] enum |
 //! | layout and plans | [`layout`] | [`ModelShape`], dtypes and their conversions, [`KvLayout`] (all addressing), plans as plain data |
 //! | pools | [`pool`] | [`BlockPool`] (free list, refcounts), the prefix index and its eviction policies, the sharded pool |
-//! | manager | [`manager`] | [`KvCache`] and [`KvCacheGroups`]: sequences to block tables, the engine contract, prefix-cache use, tiers, preemption, defragmentation *plans*; never touches memory |
+//! | manager | [`manager`] | [`KvCache`], over one or more KV-cache groups: sequences to block tables, the engine contract, prefix-cache use, tiers, preemption, defragmentation *plans*; never touches memory |
 //! | batch tables | [`tables`] | [`PaddedTables`], [`CsrTables`] and their validation |
 //! | executor | [`executor`] | [`Storage`], [`HostStorage`], the CUDA storage, [`ShardedStorage`], the disk tier, [`TransferEngine`]; the one-call conveniences (defragment, shrink, spill) as plan + execute + commit |
 //! | attention | [`attention`] | f64 reference, CPU (rayon, AVX2) decode and chunked prefill, RoPE fused with the cache write, MLA decode, the CUDA kernels' launchers |
@@ -150,9 +150,7 @@ pub use ids::{BlockId, DiskSlot, PinId, SeqHandle, SeqId, SwapTicket};
 pub use layout::plans::{BlockCopy, CopyPlan, MovePlan, SwapDirection, SwapPair, SwapPlan};
 pub use layout::shape::{DType, KvKind, ModelConfig, ModelShape};
 pub use layout::{Kv, KvLayout, Slot};
-pub use manager::groups::{
-    GroupSpec, GroupStats, GroupStep, GroupSwapJob, KvCacheGroups, PendingGroupDefrag,
-};
+pub use manager::groups::{GroupSpec, GroupStats, GroupStep, GroupSwapJob, PendingGroupDefrag};
 pub use manager::preempt::{
     CostModel, PreemptAction, PreemptEvent, PreemptMode, PreemptPolicy, PreemptReason, Preemption,
 };

@@ -1059,7 +1059,7 @@ impl PlanInput {
         }
     }
 
-    /// The KV-cache groups of one GPU, for [`crate::KvCacheGroups`]: the model's layers
+    /// The KV-cache groups of one GPU, for [`crate::KvCache::hybrid`]: the model's layers
     /// split into groups of the same number of layers, so that every group's page has
     /// the same bytes (vLLM's hybrid allocator does the same): `gcd(full layers, window
     /// layers)` layers a group, the full-attention (or latent) groups first, then the

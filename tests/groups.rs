@@ -1,4 +1,4 @@
-//! KV-cache groups over one arena of pages (`KvCacheGroups`).
+//! KV-cache groups over one arena of pages (`KvCache`).
 //!
 //! * configuration errors (no group, no page, pages of different bytes); a latent
 //!   (MLA) group beside a full group when their pages have the same bytes;
@@ -24,7 +24,7 @@
 
 use pagedkv::{
     AdmitOptions, BlockId, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage, KvCache,
-    KvCacheGroups, KvKind, KvLayout, ModelShape, SeqId, Storage,
+    KvKind, KvLayout, ModelShape, SeqId, Storage,
 };
 use proptest::prelude::*;
 
@@ -46,11 +46,11 @@ fn layout(bs: usize, layers: usize) -> KvLayout {
 }
 
 /// Every group's state, in full.
-fn snapshot(kv: &KvCacheGroups) -> Vec<String> {
+fn snapshot(kv: &KvCache) -> Vec<String> {
     let mut out: Vec<String> = (0..kv.num_groups())
         .map(|g| format!("{:?}", kv.group(g)))
         .collect();
-    out.push(format!("{:?}", kv.stats()));
+    out.push(format!("{:?}", kv.group_stats()));
     out
 }
 
@@ -58,18 +58,18 @@ fn snapshot(kv: &KvCacheGroups) -> Vec<String> {
 fn config_errors() {
     let l = layout(4, 1);
     assert!(matches!(
-        KvCacheGroups::new(&[], 8),
+        KvCache::hybrid(&[], 8),
         Err(Error::InvalidConfig { .. })
     ));
     assert!(matches!(
-        KvCacheGroups::new(&[GroupSpec::full(l)], 0),
+        KvCache::hybrid(&[GroupSpec::full(l)], 0),
         Err(Error::InvalidConfig { .. })
     ));
     // Two layers per page against one: different page bytes.
-    let e = KvCacheGroups::new(&[GroupSpec::full(l), GroupSpec::window(layout(4, 2), 8)], 8);
+    let e = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::window(layout(4, 2), 8)], 8);
     assert!(matches!(e, Err(Error::InvalidConfig { .. })), "{e:?}");
     // Equal bytes from different block sizes and layer counts are accepted.
-    KvCacheGroups::new(
+    KvCache::hybrid(
         &[
             GroupSpec::full(layout(8, 1)),
             GroupSpec::window(layout(4, 2), 8),
@@ -79,8 +79,8 @@ fn config_errors() {
     .unwrap()
     .check_invariants()
     .unwrap();
-    let kv = KvCacheGroups::new(&[GroupSpec::full(l)], 8).unwrap();
-    assert!(kv.with_watermark(8).is_err());
+    let kv = KvCache::hybrid(&[GroupSpec::full(l)], 8).unwrap();
+    assert!(kv.with_watermark_blocks(8).is_err());
 }
 
 /// A latent (MLA) group beside a full group: 4 tokens x (3 + 1) latent dims x f32 is
@@ -94,14 +94,14 @@ fn latent_group_shares_pages_with_a_full_group() {
     let latent = KvLayout::with_kind(ModelShape::latent(1, 2, 3, 1, DType::F32), BS, kind).unwrap();
     let full = layout(BS, 1);
     assert_eq!(latent.block_bytes(), full.block_bytes());
-    let mut kv = KvCacheGroups::new(&[GroupSpec::full(full), GroupSpec::full(latent)], 10).unwrap();
+    let mut kv = KvCache::hybrid(&[GroupSpec::full(full), GroupSpec::full(latent)], 10).unwrap();
     let mut step = GroupStep::default();
-    kv.admit(SeqId(1), 10, &mut step).unwrap(); // 3 pages in each group
-    kv.append(SeqId(1), 6, &mut step).unwrap(); // 4 in each
-    assert_eq!(kv.stats().used_per_group, vec![4, 4]);
+    kv.admit_grouped(SeqId(1), 10, &mut step).unwrap(); // 3 pages in each group
+    kv.append_grouped(SeqId(1), 6, &mut step).unwrap(); // 4 in each
+    assert_eq!(kv.group_stats().used_per_group, vec![4, 4]);
     assert!(kv.group(1).layout().is_latent());
     assert!(matches!(
-        kv.append(SeqId(1), 5, &mut step),
+        kv.append_grouped(SeqId(1), 5, &mut step),
         Err(Error::OutOfBlocks { needed: 4, free: 2 })
     ));
     kv.check_invariants().unwrap();
@@ -110,20 +110,20 @@ fn latent_group_shares_pages_with_a_full_group() {
 #[test]
 fn pages_move_to_the_group_that_needs_them() {
     let l = layout(4, 1);
-    let mut kv = KvCacheGroups::new(&[GroupSpec::full(l), GroupSpec::window(l, 8)], 40).unwrap();
+    let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::window(l, 8)], 40).unwrap();
     let mut step = GroupStep::default();
     // 20 tokens: 5 pages in each group, 10 of the 40.
-    kv.admit(SeqId(1), 20, &mut step).unwrap();
-    assert_eq!(kv.stats().owned_per_group.iter().sum::<usize>(), 40);
-    assert_eq!(kv.stats().used_per_group, vec![5, 5]);
+    kv.admit_grouped(SeqId(1), 20, &mut step).unwrap();
+    assert_eq!(kv.group_stats().owned_per_group.iter().sum::<usize>(), 40);
+    assert_eq!(kv.group_stats().used_per_group, vec![5, 5]);
     // Decoding: the window group gives pages back, the full group keeps taking them;
     // together they use every page of the arena at the end.
     let mut n = 0;
-    while kv.append(SeqId(1), 1, &mut step).is_ok() {
+    while kv.append_grouped(SeqId(1), 1, &mut step).is_ok() {
         n += 1;
         kv.check_invariants().unwrap();
     }
-    let st = kv.stats();
+    let st = kv.group_stats();
     // The full group holds 37 pages (148 tokens), the window group the 2 its next
     // query reads; the next token needs a page in each, and 1 is free.
     assert_eq!(st.used_per_group, vec![37, 2], "{st:?}");
@@ -133,15 +133,15 @@ fn pages_move_to_the_group_that_needs_them() {
     // A second sequence now fails whole, and changes nothing.
     let before = snapshot(&kv);
     assert!(matches!(
-        kv.admit(SeqId(2), 1, &mut step),
+        kv.admit_grouped(SeqId(2), 1, &mut step),
         Err(Error::OutOfBlocks { needed: 2, free: 1 })
     ));
     assert_eq!(snapshot(&kv), before);
     kv.free(SeqId(1)).unwrap();
-    assert_eq!(kv.stats().used_pages, 0);
+    assert_eq!(kv.group_stats().used_pages, 0);
     // Now the window group alone can take almost all of it.
-    kv.admit(SeqId(3), 4 * 39, &mut step).unwrap_err();
-    kv.admit(SeqId(3), 4 * 20, &mut step).unwrap();
+    kv.admit_grouped(SeqId(3), 4 * 39, &mut step).unwrap_err();
+    kv.admit_grouped(SeqId(3), 4 * 20, &mut step).unwrap();
     kv.check_invariants().unwrap();
 }
 
@@ -153,44 +153,44 @@ fn failure_in_a_later_group_leaves_the_earlier_ones_unchanged() {
         GroupSpec::window(l, 4),
         GroupSpec::full(l),
     ];
-    let mut kv = KvCacheGroups::new(&specs, 12).unwrap();
+    let mut kv = KvCache::hybrid(&specs, 12).unwrap();
     let mut step = GroupStep::default();
-    kv.admit(SeqId(1), 12, &mut step).unwrap(); // 3 pages in each group: 9 of 12
+    kv.admit_grouped(SeqId(1), 12, &mut step).unwrap(); // 3 pages in each group: 9 of 12
     kv.check_invariants().unwrap();
     let before = snapshot(&kv);
     // 8 tokens more: group 0 alone would fit (2 pages), all three groups do not.
-    let e = kv.admit(SeqId(2), 8, &mut step);
+    let e = kv.admit_grouped(SeqId(2), 8, &mut step);
     assert!(
         matches!(e, Err(Error::OutOfBlocks { needed: 6, free: 3 })),
         "{e:?}"
     );
     assert_eq!(snapshot(&kv), before);
     // The same for an append that needs pages in every group.
-    let e = kv.reserve(SeqId(1), 8, 0, &mut step);
+    let e = kv.reserve_grouped(SeqId(1), 8, 0, &mut step);
     assert!(matches!(e, Err(Error::OutOfBlocks { .. })), "{e:?}");
     assert_eq!(snapshot(&kv), before);
     // State errors: unknown, too long, duplicate, pending reservation.
     assert!(matches!(
-        kv.append(SeqId(9), 1, &mut step),
+        kv.append_grouped(SeqId(9), 1, &mut step),
         Err(Error::UnknownSequence(_))
     ));
     assert!(matches!(
-        kv.admit(SeqId(1), 1, &mut step),
+        kv.admit_grouped(SeqId(1), 1, &mut step),
         Err(Error::DuplicateSequence(_))
     ));
     assert!(matches!(
-        kv.admit(SeqId(5), 1000, &mut step),
+        kv.admit_grouped(SeqId(5), 1000, &mut step),
         Err(Error::TooLong { .. })
     ));
     assert!(matches!(
-        kv.admit(SeqId(u64::MAX), 1, &mut step),
+        kv.admit_grouped(SeqId(u64::MAX), 1, &mut step),
         Err(Error::DuplicateSequence(_))
     ));
     assert_eq!(snapshot(&kv), before);
-    kv.reserve(SeqId(1), 1, 0, &mut step).unwrap();
+    kv.reserve_grouped(SeqId(1), 1, 0, &mut step).unwrap();
     let before = snapshot(&kv);
     assert!(matches!(
-        kv.append(SeqId(1), 1, &mut step),
+        kv.append_grouped(SeqId(1), 1, &mut step),
         Err(Error::SequenceState { .. })
     ));
     assert!(matches!(
@@ -230,15 +230,15 @@ fn first_decode_step_after_a_long_prompt_needs_no_extra_page() {
         "{e:?}"
     );
 
-    let mut kv = KvCacheGroups::new(&[GroupSpec::window(l, 64)], 8).unwrap();
+    let mut kv = KvCache::hybrid(&[GroupSpec::window(l, 64)], 8).unwrap();
     let mut step = GroupStep::default();
-    kv.admit(SeqId(1), 128, &mut step).unwrap();
-    assert_eq!(kv.pages_needed(SeqId(1), 1, 0).unwrap(), 0);
+    kv.admit_grouped(SeqId(1), 128, &mut step).unwrap();
+    assert_eq!(kv.blocks_needed(SeqId(1), 1, 0).unwrap(), 0);
     for _ in 0..500 {
-        kv.append(SeqId(1), 1, &mut step).unwrap();
+        kv.append_grouped(SeqId(1), 1, &mut step).unwrap();
     }
     kv.check_invariants().unwrap();
-    assert!(kv.stats().used_pages <= 5);
+    assert!(kv.group_stats().used_pages <= 5);
 }
 
 // ---- model-based property test with byte checks -------------------------------------
@@ -310,7 +310,7 @@ fn value(g: usize, id: u64, pos: usize) -> f32 {
 }
 
 struct Model {
-    kv: KvCacheGroups,
+    kv: KvCache,
     store: HostStorage,
     step: GroupStep,
     /// Per live sequence: its id and, per position, the writer id whose value is
@@ -395,7 +395,7 @@ impl Model {
             Action::Admit(n) => {
                 let id = SeqId(self.next);
                 self.next += 1;
-                let r = self.kv.admit(id, n, &mut self.step);
+                let r = self.kv.admit_grouped(id, n, &mut self.step);
                 if r.is_ok() {
                     self.write(id, 0);
                     self.seqs.push((id, vec![id.0; n]));
@@ -408,7 +408,9 @@ impl Model {
                 let tokens = vec![f as u32; n];
                 let opts = AdmitOptions::default();
                 let looked = self.kv.cached_prefix_len(&tokens, &opts).unwrap();
-                let r = self.kv.admit_tokens(id, &tokens, &opts, &mut self.step);
+                let r = self
+                    .kv
+                    .admit_tokens_grouped(id, &tokens, &opts, &mut self.step);
                 match r {
                     Ok(a) => {
                         assert_eq!(a.cached_tokens, looked);
@@ -434,13 +436,13 @@ impl Model {
                 let Some(i) = pick(s, &self.seqs) else { return };
                 let id = self.seqs[i].0;
                 let first = self.seqs[i].1.len();
-                let needed = self.kv.pages_needed(id, n, 0).unwrap_or(usize::MAX);
-                let used = self.kv.stats().used_pages;
-                let r = self.kv.append(id, n, &mut self.step);
+                let needed = self.kv.blocks_needed(id, n, 0).unwrap_or(usize::MAX);
+                let used = self.kv.group_stats().used_pages;
+                let r = self.kv.append_grouped(id, n, &mut self.step);
                 if r.is_ok() {
                     // What the call said it takes is what it took (a call that gives
                     // back more window pages than it takes says 0).
-                    let now = self.kv.stats().used_pages;
+                    let now = self.kv.group_stats().used_pages;
                     if needed > 0 {
                         assert_eq!(now, used + needed);
                     } else {
@@ -455,7 +457,7 @@ impl Model {
                 let Some(i) = pick(s, &self.seqs) else { return };
                 let id = self.seqs[i].0;
                 let first = self.seqs[i].1.len();
-                let r = self.kv.reserve(id, n, la, &mut self.step);
+                let r = self.kv.reserve_grouped(id, n, la, &mut self.step);
                 if r.is_ok() {
                     let acc = acc.min(n);
                     self.write_step(id, first, acc);
@@ -476,23 +478,23 @@ impl Model {
                 r
             }
             Action::Defrag => {
-                let pending = self.kv.plan_defragment();
+                let pending = self.kv.plan_defragment_grouped().unwrap();
                 self.store
                     .copy_blocks(&pending.plan().to_copy_plan())
                     .unwrap();
                 pending.commit().unwrap();
-                let st = self.kv.stats();
-                assert_eq!(self.kv.high_water(), st.used_pages + st.cached_pages);
+                let st = self.kv.group_stats();
+                assert_eq!(self.kv.high_water_blocks(), st.used_pages + st.cached_pages);
                 Ok(())
             }
             Action::SwapOut(s, abort) => {
                 let Some(i) = pick(s, &self.seqs) else { return };
                 let id = self.seqs[i].0;
                 if abort {
-                    let r = self.kv.swap_out(id);
+                    let r = self.kv.swap_out_grouped(id);
                     if let Ok(job) = &r {
                         // The sequence stays resident and readable.
-                        self.kv.abort_swap(job).unwrap();
+                        self.kv.abort_swap_grouped(job).unwrap();
                         assert!(!self.kv.is_swapped(id));
                     }
                     r.map(drop)
@@ -505,12 +507,12 @@ impl Model {
                     return;
                 };
                 let id = self.swapped[i].0;
-                let r = self.kv.swap_in(id);
+                let r = self.kv.swap_in_grouped(id);
                 if let Ok(job) = &r {
                     for plan in &job.plans {
                         self.store.swap(plan).unwrap();
                     }
-                    self.kv.complete_swap(job).unwrap();
+                    self.kv.complete_swap_grouped(job).unwrap();
                     self.swaps += usize::from(job.plans.iter().any(|p| !p.is_empty()));
                     let w = self.swapped.swap_remove(i);
                     self.seqs.push(w);
@@ -569,7 +571,11 @@ impl Model {
                     self.kv.free(id).unwrap();
                     let again = SeqId(self.next);
                     self.next += 1;
-                    if self.kv.admit(again, w.len(), &mut self.step).is_ok() {
+                    if self
+                        .kv
+                        .admit_grouped(again, w.len(), &mut self.step)
+                        .is_ok()
+                    {
                         self.write(again, 0);
                         self.seqs.push((again, vec![again.0; w.len()]));
                     }
@@ -585,11 +591,11 @@ impl Model {
     /// Swaps out `seqs[i]`: runs every group's plan on the shared storage, completes.
     fn swap_out(&mut self, i: usize) -> Result<(), Error> {
         let id = self.seqs[i].0;
-        let job = self.kv.swap_out(id)?;
+        let job = self.kv.swap_out_grouped(id)?;
         for plan in &job.plans {
             self.store.swap(plan).unwrap();
         }
-        self.kv.complete_swap(&job).unwrap();
+        self.kv.complete_swap_grouped(&job).unwrap();
         self.swaps += usize::from(job.plans.iter().any(|p| !p.is_empty()));
         assert!(self.kv.is_swapped(id));
         let w = self.seqs.swap_remove(i);
@@ -600,7 +606,7 @@ impl Model {
 
 fn model(specs: &[GroupSpec]) -> Model {
     Model {
-        kv: KvCacheGroups::with_host_tier(specs, PAGES, HOST_BLOCKS).unwrap(),
+        kv: KvCache::hybrid_with_host_tier(specs, PAGES, HOST_BLOCKS).unwrap(),
         // One storage for every group: a page (and a host block) belongs to one group
         // at a time.
         store: HostStorage::with_host_tier(specs[0].layout, PAGES, HOST_BLOCKS).unwrap(),
@@ -629,23 +635,23 @@ fn compaction_moves_pages_across_groups_and_keeps_every_byte() {
     }
     let id0 = m.seqs[0].0;
     m.apply(&Action::Free(0)); // holes low in the arena
-    let used = m.kv.stats().used_pages;
-    assert!(m.kv.high_water() > used);
-    let pending = m.kv.plan_defragment();
+    let used = m.kv.group_stats().used_pages;
+    assert!(m.kv.high_water_blocks() > used);
+    let pending = m.kv.plan_defragment_grouped().unwrap();
     let plan = pending.plan().clone();
     assert!(!plan.is_empty());
     // Compute what the plan moves: its pages come from both groups.
     let owners: Vec<usize> = (0..2).map(|g| pending.group_plan(g).len()).collect();
     m.store.copy_blocks(&plan.to_copy_plan()).unwrap();
     pending.commit().unwrap();
-    assert_eq!(m.kv.high_water(), used);
+    assert_eq!(m.kv.high_water_blocks(), used);
     assert_eq!(owners.iter().sum::<usize>(), plan.len());
     assert!(owners.iter().all(|&n| n > 0), "{owners:?}");
     m.check();
     assert!(!m.kv.contains(id0));
     // A dropped plan changes nothing.
     let before = snapshot(&m.kv);
-    drop(m.kv.plan_defragment());
+    drop(m.kv.plan_defragment_grouped().unwrap());
     assert_eq!(snapshot(&m.kv), before);
 }
 
@@ -764,7 +770,7 @@ fn run_and_free_all(specs: &[GroupSpec], actions: &[Action]) -> Model {
         m.kv.free(id).unwrap();
     }
     m.kv.check_invariants().unwrap();
-    assert_eq!(m.kv.stats().used_pages, 0);
+    assert_eq!(m.kv.group_stats().used_pages, 0);
     assert_eq!(m.kv.num_free_host_blocks(), HOST_BLOCKS);
     m
 }
@@ -775,7 +781,7 @@ fn prefix_hits_are_served_and_counted_in_every_group() {
     let mut m = model(&[GroupSpec::full(l), GroupSpec::full(l)]);
     m.apply(&Action::AdmitTokens(1, 22)); // 5 full blocks registered per group
     m.apply(&Action::Free(0)); // they stay cached
-    assert_eq!(m.kv.stats().used_pages, 0);
+    assert_eq!(m.kv.group_stats().used_pages, 0);
     m.apply(&Action::AdmitTokens(1, 30));
     assert_eq!(m.hits, 20, "5 blocks of 4 tokens, in both groups");
     m.apply(&Action::AdmitTokens(1, 21)); // shares live blocks this time
@@ -813,28 +819,31 @@ fn rejected_drafts_never_pass_for_the_tokens_committed_after_them() {
 #[test]
 fn appended_token_ids_register_so_the_next_turn_hits() {
     let l = layout(4, 1);
-    let mut kv = KvCacheGroups::new(&[GroupSpec::full(l), GroupSpec::full(l)], 40).unwrap();
+    let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::full(l)], 40).unwrap();
     let mut step = GroupStep::default();
     let opts = AdmitOptions::default();
     let turn1: Vec<u32> = (0..10).collect();
-    kv.admit_tokens(SeqId(1), &turn1, &opts, &mut step).unwrap();
+    kv.admit_tokens_grouped(SeqId(1), &turn1, &opts, &mut step)
+        .unwrap();
     // The answer: 7 tokens with ids, then one without (its block never registers).
-    kv.append_tokens(SeqId(1), &[50, 51, 52], &mut step)
+    kv.append_tokens_grouped(SeqId(1), &[50, 51, 52], &mut step)
         .unwrap();
     assert_eq!((step.slots[0].len(), step.slots[1].len()), (3, 3));
-    kv.append_tokens(SeqId(1), &[53, 54, 55, 56], &mut step)
+    kv.append_tokens_grouped(SeqId(1), &[53, 54, 55, 56], &mut step)
         .unwrap();
-    kv.append(SeqId(1), 1, &mut step).unwrap();
+    kv.append_grouped(SeqId(1), 1, &mut step).unwrap();
     kv.free(SeqId(1)).unwrap();
     let mut turn2 = turn1.clone();
     turn2.extend([50, 51, 52, 53, 54, 55, 56, 57, 60, 61]);
     // 17 known ids of 18 tokens: 4 full blocks registered (16 tokens) in each group.
-    let r = kv.admit_tokens(SeqId(2), &turn2, &opts, &mut step).unwrap();
+    let r = kv
+        .admit_tokens_grouped(SeqId(2), &turn2, &opts, &mut step)
+        .unwrap();
     assert_eq!(r.cached_tokens, 16);
     kv.check_invariants().unwrap();
     let before = snapshot(&kv);
     assert!(matches!(
-        kv.append_tokens(SeqId(9), &[1], &mut step),
+        kv.append_tokens_grouped(SeqId(9), &[1], &mut step),
         Err(Error::UnknownSequence(_))
     ));
     assert_eq!(snapshot(&kv), before);
@@ -881,15 +890,15 @@ fn a_window_group_serves_a_hit_whose_window_blocks_a_live_sequence_holds() {
 fn hits_agree_across_block_sizes_and_window_groups_need_a_live_holder() {
     // Pages of equal bytes: 2 layers of 4 tokens, 1 layer of 8 tokens.
     let (a, b) = (layout(4, 2), layout(8, 1));
-    let mut kv = KvCacheGroups::new(&[GroupSpec::full(a), GroupSpec::full(b)], 40).unwrap();
+    let mut kv = KvCache::hybrid(&[GroupSpec::full(a), GroupSpec::full(b)], 40).unwrap();
     let mut step = GroupStep::default();
     let opts = AdmitOptions::default();
     let prompt: Vec<u32> = (0..30).collect();
-    kv.admit_tokens(SeqId(1), &prompt[..14], &opts, &mut step)
+    kv.admit_tokens_grouped(SeqId(1), &prompt[..14], &opts, &mut step)
         .unwrap();
     // Group 0 registered 3 blocks (12 tokens), group 1 one block (8 tokens).
     let r = kv
-        .admit_tokens(SeqId(2), &prompt, &opts, &mut step)
+        .admit_tokens_grouped(SeqId(2), &prompt, &opts, &mut step)
         .unwrap();
     assert_eq!(r.cached_tokens, 8);
     assert_eq!((r.cached_blocks, r.new_blocks), (2 + 1, 6 + 3));
@@ -905,15 +914,15 @@ fn hits_agree_across_block_sizes_and_window_groups_need_a_live_holder() {
     kv.check_invariants().unwrap();
 
     let l = layout(4, 1);
-    let mut kv = KvCacheGroups::new(&[GroupSpec::full(l), GroupSpec::window(l, 8)], 40).unwrap();
-    kv.admit_tokens(SeqId(1), &prompt, &opts, &mut step)
+    let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::window(l, 8)], 40).unwrap();
+    kv.admit_tokens_grouped(SeqId(1), &prompt, &opts, &mut step)
         .unwrap();
     kv.free(SeqId(1)).unwrap();
     // Group 0 holds the prompt's 7 full blocks cached; no live sequence holds the
     // window group's blocks, so no hit.
     assert_eq!(kv.cached_prefix_len(&prompt, &opts).unwrap(), 0);
     let r = kv
-        .admit_tokens(SeqId(2), &prompt, &opts, &mut step)
+        .admit_tokens_grouped(SeqId(2), &prompt, &opts, &mut step)
         .unwrap();
     assert_eq!(r.cached_tokens, 0);
     kv.check_invariants().unwrap();
@@ -922,19 +931,22 @@ fn hits_agree_across_block_sizes_and_window_groups_need_a_live_holder() {
 #[test]
 fn cached_pages_go_to_the_group_that_needs_them_and_failures_change_nothing() {
     let l = layout(4, 1);
-    let mut kv = KvCacheGroups::new(&[GroupSpec::full(l), GroupSpec::full(l)], 20).unwrap();
+    let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::full(l)], 20).unwrap();
     let mut step = GroupStep::default();
     let opts = AdmitOptions::default();
     let prompt: Vec<u32> = (0..40).collect();
     // 10 pages in each group: the whole arena, then cached in both.
-    kv.admit_tokens(SeqId(1), &prompt, &opts, &mut step)
+    kv.admit_tokens_grouped(SeqId(1), &prompt, &opts, &mut step)
         .unwrap();
     kv.free(SeqId(1)).unwrap();
-    assert_eq!((kv.stats().used_pages, kv.num_free_pages()), (0, 20));
+    assert_eq!(
+        (kv.group_stats().used_pages, kv.num_available_blocks()),
+        (0, 20)
+    );
     let before = snapshot(&kv);
     for bad in [
-        kv.admit_tokens(SeqId(2), &[7; 44], &opts, &mut step), // 22 pages of 20
-        kv.admit_tokens(SeqId(2), &[7; 81], &opts, &mut step), // longer than the arena
+        kv.admit_tokens_grouped(SeqId(2), &[7; 44], &opts, &mut step), // 22 pages of 20
+        kv.admit_tokens_grouped(SeqId(2), &[7; 81], &opts, &mut step), // longer than the arena
     ] {
         assert!(
             matches!(bad, Err(Error::OutOfBlocks { .. } | Error::TooLong { .. })),
@@ -945,16 +957,16 @@ fn cached_pages_go_to_the_group_that_needs_them_and_failures_change_nothing() {
     // A hit of 9 blocks in each group and 1 new page each: fits.
     assert_eq!(kv.cached_prefix_len(&prompt, &opts).unwrap(), 36);
     // Another prompt takes 20 pages: every cached page is evicted, by its own group.
-    kv.admit_tokens(SeqId(3), &[5; 40], &opts, &mut step)
+    kv.admit_tokens_grouped(SeqId(3), &[5; 40], &opts, &mut step)
         .unwrap();
     assert_eq!(kv.cached_prefix_len(&prompt, &opts).unwrap(), 0);
     let before = snapshot(&kv);
     assert!(matches!(
-        kv.admit_tokens(SeqId(3), &prompt, &opts, &mut step),
+        kv.admit_tokens_grouped(SeqId(3), &prompt, &opts, &mut step),
         Err(Error::DuplicateSequence(_))
     ));
     assert!(matches!(
-        kv.admit_tokens(SeqId(4), &prompt, &opts, &mut step),
+        kv.admit_tokens_grouped(SeqId(4), &prompt, &opts, &mut step),
         Err(Error::OutOfBlocks {
             needed: 20,
             free: 0
@@ -964,7 +976,7 @@ fn cached_pages_go_to_the_group_that_needs_them_and_failures_change_nothing() {
     kv.free(SeqId(3)).unwrap();
     // Now a hit of the [5; 40] prompt, and the rest of the arena taken from the cache.
     let r = kv
-        .admit_tokens(SeqId(4), &[5; 40], &opts, &mut step)
+        .admit_tokens_grouped(SeqId(4), &[5; 40], &opts, &mut step)
         .unwrap();
     assert_eq!(r.cached_tokens, 36);
     kv.check_invariants().unwrap();
@@ -974,13 +986,13 @@ fn cached_pages_go_to_the_group_that_needs_them_and_failures_change_nothing() {
 fn swap_moves_host_blocks_between_groups_and_failures_change_nothing() {
     let l = layout(4, 1);
     let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
-    let mut kv = KvCacheGroups::with_host_tier(&specs, 20, 6).unwrap();
+    let mut kv = KvCache::hybrid_with_host_tier(&specs, 20, 6).unwrap();
     let mut step = GroupStep::default();
-    kv.admit(SeqId(1), 20, &mut step).unwrap(); // 5 + 5 pages
-    kv.admit(SeqId(2), 8, &mut step).unwrap(); // 2 + 2 pages
+    kv.admit_grouped(SeqId(1), 20, &mut step).unwrap(); // 5 + 5 pages
+    kv.admit_grouped(SeqId(2), 8, &mut step).unwrap(); // 2 + 2 pages
     let before = snapshot(&kv);
     assert!(matches!(
-        kv.swap_out(SeqId(1)),
+        kv.swap_out_grouped(SeqId(1)),
         Err(Error::TierFull {
             needed: 10,
             free: 6,
@@ -989,44 +1001,44 @@ fn swap_moves_host_blocks_between_groups_and_failures_change_nothing() {
     ));
     assert_eq!(snapshot(&kv), before);
     // Every host block starts in group 0; the window group's two move to it.
-    let job = kv.swap_out(SeqId(2)).unwrap();
+    let job = kv.swap_out_grouped(SeqId(2)).unwrap();
     assert_eq!((job.plans[0].len(), job.plans[1].len()), (2, 2));
     let before = snapshot(&kv);
     assert!(matches!(
-        kv.swap_out(SeqId(2)),
+        kv.swap_out_grouped(SeqId(2)),
         Err(Error::SequenceState { .. })
     ));
     assert!(matches!(
-        kv.swap_in(SeqId(2)),
+        kv.swap_in_grouped(SeqId(2)),
         Err(Error::SequenceState { .. })
     ));
     assert!(matches!(
-        kv.append(SeqId(2), 1, &mut step),
+        kv.append_grouped(SeqId(2), 1, &mut step),
         Err(Error::SequenceState { .. })
     ));
     assert_eq!(snapshot(&kv), before);
-    kv.complete_swap(&job).unwrap();
+    kv.complete_swap_grouped(&job).unwrap();
     assert!(kv.is_swapped(SeqId(2)));
-    assert_eq!(kv.stats().used_pages, 10);
+    assert_eq!(kv.group_stats().used_pages, 10);
     kv.check_invariants().unwrap();
     let before = snapshot(&kv);
     assert!(matches!(
-        kv.complete_swap(&job),
+        kv.complete_swap_grouped(&job),
         Err(Error::UnknownTicket(_))
     ));
     assert_eq!(snapshot(&kv), before);
     // Fill the arena: the swap-in needs 4 pages and finds 0, and changes nothing.
-    kv.admit(SeqId(3), 20, &mut step).unwrap();
+    kv.admit_grouped(SeqId(3), 20, &mut step).unwrap();
     let before = snapshot(&kv);
     assert!(matches!(
-        kv.swap_in(SeqId(2)),
+        kv.swap_in_grouped(SeqId(2)),
         Err(Error::OutOfBlocks { needed: 4, free: 0 })
     ));
     assert_eq!(snapshot(&kv), before);
     kv.free(SeqId(3)).unwrap();
-    let job = kv.swap_in(SeqId(2)).unwrap();
-    kv.complete_swap(&job).unwrap();
-    kv.append(SeqId(2), 1, &mut step).unwrap();
+    let job = kv.swap_in_grouped(SeqId(2)).unwrap();
+    kv.complete_swap_grouped(&job).unwrap();
+    kv.append_grouped(SeqId(2), 1, &mut step).unwrap();
     assert_eq!(kv.num_free_host_blocks(), 6);
     kv.check_invariants().unwrap();
 }
@@ -1038,20 +1050,20 @@ fn gemma3_like_swap_moves_only_the_window_blocks_held() {
     let l = layout(16, 1);
     let mut specs = vec![GroupSpec::full(l)];
     specs.extend(std::iter::repeat_n(GroupSpec::window(l, 1024), 5));
-    let mut kv = KvCacheGroups::with_host_tier(&specs, 2000, 2000).unwrap();
+    let mut kv = KvCache::hybrid_with_host_tier(&specs, 2000, 2000).unwrap();
     let mut step = GroupStep::default();
-    kv.admit(SeqId(1), 4000, &mut step).unwrap();
-    kv.append(SeqId(1), 1, &mut step).unwrap();
+    kv.admit_grouped(SeqId(1), 4000, &mut step).unwrap();
+    kv.append_grouped(SeqId(1), 1, &mut step).unwrap();
     // 4,001 tokens: 251 blocks; the query at 4,000 reads from 2,977, block 186.
-    let job = kv.swap_out(SeqId(1)).unwrap();
+    let job = kv.swap_out_grouped(SeqId(1)).unwrap();
     let moved: Vec<usize> = job.plans.iter().map(|p| p.len()).collect();
     assert_eq!(moved, [251, 65, 65, 65, 65, 65]);
     assert_eq!(moved.iter().sum::<usize>(), 576); // every layer full: 6 x 251 = 1,506
-    kv.complete_swap(&job).unwrap();
-    assert_eq!(kv.stats().used_pages, 0);
-    let job = kv.swap_in(SeqId(1)).unwrap();
-    kv.complete_swap(&job).unwrap();
-    kv.append(SeqId(1), 1, &mut step).unwrap();
+    kv.complete_swap_grouped(&job).unwrap();
+    assert_eq!(kv.group_stats().used_pages, 0);
+    let job = kv.swap_in_grouped(SeqId(1)).unwrap();
+    kv.complete_swap_grouped(&job).unwrap();
+    kv.append_grouped(SeqId(1), 1, &mut step).unwrap();
     kv.check_invariants().unwrap();
 }
 
@@ -1086,7 +1098,7 @@ fn write_step(store: &mut HostStorage, step: &GroupStep, first: usize, layers: u
 /// Checks that `seq` holds, in every group, its own values for every token it still
 /// holds, and returns each group's hole blocks.
 fn check_sequence_bytes(
-    kv: &KvCacheGroups,
+    kv: &KvCache,
     store: &HostStorage,
     seq: SeqId,
     layers: usize,
@@ -1143,13 +1155,13 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
     const PAGES: usize = 32;
     let l = layout(4, LAYERS);
     let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
-    let mut sender = KvCacheGroups::new(&specs, PAGES).unwrap();
+    let mut sender = KvCache::hybrid(&specs, PAGES).unwrap();
     let mut sender_kv = HostStorage::new(l, PAGES).unwrap();
     let mut step = GroupStep::default();
-    sender.admit(SeqId(1), 10, &mut step).unwrap();
+    sender.admit_grouped(SeqId(1), 10, &mut step).unwrap();
     write_step(&mut sender_kv, &step, 0, LAYERS);
     for pos in 10..30 {
-        sender.append(SeqId(1), 1, &mut step).unwrap();
+        sender.append_grouped(SeqId(1), 1, &mut step).unwrap();
         write_step(&mut sender_kv, &step, pos, LAYERS);
     }
     let sent_holes = check_sequence_bytes(&sender, &sender_kv, SeqId(1), LAYERS);
@@ -1176,9 +1188,9 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
     assert_eq!(held, vec![30, 30 - 4 * sent_holes[1]]);
 
     // The receiver holds another sequence first, so the pages differ.
-    let mut receiver = KvCacheGroups::new(&specs, PAGES).unwrap();
+    let mut receiver = KvCache::hybrid(&specs, PAGES).unwrap();
     let mut receiver_kv = HostStorage::new(l, PAGES).unwrap();
-    receiver.admit(SeqId(9), 7, &mut step).unwrap();
+    receiver.admit_grouped(SeqId(9), 7, &mut step).unwrap();
     write_step(&mut receiver_kv, &step, 0, LAYERS);
 
     // Every bad buffer or mismatch is refused with nothing changed, bytes included.
@@ -1186,7 +1198,7 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
         snapshot(&receiver),
         storage_bytes(&receiver_kv, PAGES, 4, LAYERS),
     );
-    let unchanged = |kv: &KvCacheGroups, st: &HostStorage| {
+    let unchanged = |kv: &KvCache, st: &HostStorage| {
         assert_eq!(snapshot(kv), before.0);
         assert_eq!(storage_bytes(st, PAGES, 4, LAYERS), before.1);
         assert!(!kv.contains(SeqId(5)));
@@ -1233,7 +1245,7 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
             GroupSpec::window(l, 8),
         ],
     ] {
-        let mut kv = KvCacheGroups::new(&other, PAGES).unwrap();
+        let mut kv = KvCache::hybrid(&other, PAGES).unwrap();
         let mut st = HostStorage::new(l, PAGES).unwrap();
         let snap = snapshot(&kv);
         let e = import_group_sequence(&mut kv, &mut st, SeqId(5), &wire);
@@ -1241,7 +1253,7 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
         assert_eq!(snapshot(&kv), snap);
     }
     // Out of pages: 8 full + 3 window pages needed, 10 in the arena.
-    let mut small = KvCacheGroups::new(&specs, 10).unwrap();
+    let mut small = KvCache::hybrid(&specs, 10).unwrap();
     let mut small_kv = HostStorage::new(l, 10).unwrap();
     let snap = snapshot(&small);
     let e = import_group_sequence(&mut small, &mut small_kv, SeqId(5), &wire);
@@ -1258,11 +1270,11 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
     );
     check_sequence_bytes(&receiver, &receiver_kv, SeqId(9), LAYERS);
     // Pages taken: only the held blocks.
-    let st = receiver.stats();
+    let st = receiver.group_stats();
     assert_eq!(st.used_per_group, vec![2 + 8, 2 + 8 - sent_holes[1]]);
     // The imported sequence decodes on: the window group keeps giving blocks back.
     for pos in 30..40 {
-        receiver.append(SeqId(5), 1, &mut step).unwrap();
+        receiver.append_grouped(SeqId(5), 1, &mut step).unwrap();
         write_step(&mut receiver_kv, &step, pos, LAYERS);
     }
     receiver.check_invariants().unwrap();
@@ -1276,7 +1288,7 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
     receiver.free(SeqId(5)).unwrap();
     receiver.free(SeqId(9)).unwrap();
     receiver.check_invariants().unwrap();
-    assert_eq!(receiver.stats().used_pages, 0);
+    assert_eq!(receiver.group_stats().used_pages, 0);
 }
 
 #[test]
@@ -1297,7 +1309,7 @@ fn latent_groups_export_and_import_with_window_holes() {
             store.write_slots(0, slots, &k, &[]).unwrap();
         }
     };
-    let held = |kv: &KvCacheGroups, store: &HostStorage, seq: SeqId| -> Vec<(usize, Vec<u8>)> {
+    let held = |kv: &KvCache, store: &HostStorage, seq: SeqId| -> Vec<(usize, Vec<u8>)> {
         (0..kv.num_groups())
             .map(|g| {
                 let (table, n) = kv.group(g).readable_blocks(seq).unwrap();
@@ -1315,13 +1327,13 @@ fn latent_groups_export_and_import_with_window_holes() {
             })
             .collect()
     };
-    let mut sender = KvCacheGroups::new(&specs, 16).unwrap();
+    let mut sender = KvCache::hybrid(&specs, 16).unwrap();
     let mut sender_kv = HostStorage::new(l, 16).unwrap();
     let mut step = GroupStep::default();
-    sender.admit(SeqId(1), 6, &mut step).unwrap();
+    sender.admit_grouped(SeqId(1), 6, &mut step).unwrap();
     write(&mut sender_kv, &step, 0);
     for pos in 6..21 {
-        sender.append(SeqId(1), 1, &mut step).unwrap();
+        sender.append_grouped(SeqId(1), 1, &mut step).unwrap();
         write(&mut sender_kv, &step, pos);
     }
     let sent = held(&sender, &sender_kv, SeqId(1));
@@ -1329,7 +1341,7 @@ fn latent_groups_export_and_import_with_window_holes() {
     let mut wire = vec![0u8; exported_group_len(&sender, &sender_kv, SeqId(1), false).unwrap()];
     export_group_sequence(&sender, &sender_kv, SeqId(1), None, &mut wire).unwrap();
 
-    let mut receiver = KvCacheGroups::new(&specs, 16).unwrap();
+    let mut receiver = KvCache::hybrid(&specs, 16).unwrap();
     let mut receiver_kv = HostStorage::new(l, 16).unwrap();
     import_group_sequence(&mut receiver, &mut receiver_kv, SeqId(3), &wire).unwrap();
     receiver.check_invariants().unwrap();
@@ -1337,7 +1349,7 @@ fn latent_groups_export_and_import_with_window_holes() {
     // A K/V receiver of the same page bytes refuses it, unchanged.
     let std = layout(4, 2);
     let mut kv_groups =
-        KvCacheGroups::new(&[GroupSpec::full(std), GroupSpec::window(std, 8)], 16).unwrap();
+        KvCache::hybrid(&[GroupSpec::full(std), GroupSpec::window(std, 8)], 16).unwrap();
     let mut kv_store = HostStorage::new(std, 16).unwrap();
     let snap = snapshot(&kv_groups);
     let e = import_group_sequence(&mut kv_groups, &mut kv_store, SeqId(3), &wire);
@@ -1350,26 +1362,26 @@ fn a_storage_fault_during_a_group_import_frees_the_sequence_in_every_group() {
     use pagedkv::{export_group_sequence, exported_group_len, import_group_sequence};
     let l = layout(4, 2);
     let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
-    let mut sender = KvCacheGroups::new(&specs, 16).unwrap();
+    let mut sender = KvCache::hybrid(&specs, 16).unwrap();
     let mut sender_kv = HostStorage::new(l, 16).unwrap();
     let mut step = GroupStep::default();
-    sender.admit(SeqId(1), 21, &mut step).unwrap();
+    sender.admit_grouped(SeqId(1), 21, &mut step).unwrap();
     write_step(&mut sender_kv, &step, 0, 2);
     let ids: Vec<u32> = (0..21).collect();
     let mut wire = vec![0u8; exported_group_len(&sender, &sender_kv, SeqId(1), true).unwrap()];
     export_group_sequence(&sender, &sender_kv, SeqId(1), Some(&ids), &mut wire).unwrap();
     // Admitted in both groups, then group 0's layer 1 fails to write.
-    let mut receiver = KvCacheGroups::new(&specs, 16).unwrap();
+    let mut receiver = KvCache::hybrid(&specs, 16).unwrap();
     let mut faulty = FaultyStorage {
         inner: HostStorage::new(l, 16).unwrap(),
         failing_layer: 1,
     };
-    let before = receiver.stats();
+    let before = receiver.group_stats();
     let e = import_group_sequence(&mut receiver, &mut faulty, SeqId(2), &wire).unwrap_err();
     assert_eq!(e, Error::Cuda("simulated fault".into()));
     assert!(!receiver.contains(SeqId(2)));
     receiver.check_invariants().unwrap();
-    let now = receiver.stats();
+    let now = receiver.group_stats();
     assert_eq!((now.used_pages, now.num_sequences), (before.used_pages, 0));
     // Through the prefix caches: the blocks registered by the failed import are
     // evicted, so no later prompt hits bytes that were never written.
@@ -1379,7 +1391,7 @@ fn a_storage_fault_during_a_group_import_frees_the_sequence_in_every_group() {
         .import_into_cache(&mut receiver, &mut faulty, SeqId(2), &opts);
     assert_eq!(e.unwrap_err(), Error::Cuda("simulated fault".into()));
     assert!(!receiver.contains(SeqId(2)));
-    assert_eq!(receiver.stats().cached_pages, 0);
+    assert_eq!(receiver.group_stats().cached_pages, 0);
     assert_eq!(receiver.cached_prefix_len(&ids, &opts).unwrap(), 0);
     receiver.check_invariants().unwrap();
     // With a working storage the same buffer imports.
@@ -1394,13 +1406,13 @@ fn a_group_export_re_pages_to_another_block_size_when_the_holes_are_whole_blocks
     let (small, big) = (layout(4, 2), layout(8, 2));
     let sent = |tokens: usize| {
         let specs = [GroupSpec::full(small), GroupSpec::window(small, 8)];
-        let mut kv = KvCacheGroups::new(&specs, 32).unwrap();
+        let mut kv = KvCache::hybrid(&specs, 32).unwrap();
         let mut st = HostStorage::new(small, 32).unwrap();
         let mut step = GroupStep::default();
-        kv.admit(SeqId(1), 1, &mut step).unwrap();
+        kv.admit_grouped(SeqId(1), 1, &mut step).unwrap();
         write_step(&mut st, &step, 0, 2);
         for pos in 1..tokens {
-            kv.append(SeqId(1), 1, &mut step).unwrap();
+            kv.append_grouped(SeqId(1), 1, &mut step).unwrap();
             write_step(&mut st, &step, pos, 2);
         }
         let holes = check_sequence_bytes(&kv, &st, SeqId(1), 2);
@@ -1411,7 +1423,7 @@ fn a_group_export_re_pages_to_another_block_size_when_the_holes_are_whole_blocks
     let receiver = || {
         let specs = [GroupSpec::full(big), GroupSpec::window(big, 8)];
         (
-            KvCacheGroups::new(&specs, 16).unwrap(),
+            KvCache::hybrid(&specs, 16).unwrap(),
             HostStorage::new(big, 16).unwrap(),
         )
     };
@@ -1448,14 +1460,14 @@ fn a_group_export_with_token_ids_imports_through_the_prefix_caches() {
     let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
     let opts = AdmitOptions::default();
     let tokens: Vec<u32> = (100..123).collect();
-    let mut sender = KvCacheGroups::new(&specs, 32).unwrap();
+    let mut sender = KvCache::hybrid(&specs, 32).unwrap();
     let mut sender_kv = HostStorage::new(l, 32).unwrap();
     let mut step = GroupStep::default();
     sender
-        .admit_tokens(SeqId(1), &tokens, &opts, &mut step)
+        .admit_tokens_grouped(SeqId(1), &tokens, &opts, &mut step)
         .unwrap();
     write_step(&mut sender_kv, &step, 0, 2);
-    let export = |kv: &KvCacheGroups, st: &HostStorage, ids: Option<&[u32]>| {
+    let export = |kv: &KvCache, st: &HostStorage, ids: Option<&[u32]>| {
         let mut wire = vec![0u8; exported_group_len(kv, st, SeqId(1), ids.is_some()).unwrap()];
         export_group_sequence(kv, st, SeqId(1), ids, &mut wire).map(|_| wire)
     };
@@ -1476,7 +1488,7 @@ fn a_group_export_with_token_ids_imports_through_the_prefix_caches() {
         Err(Error::ExportFormat { .. })
     ));
 
-    let mut rx = KvCacheGroups::new(&specs, 32).unwrap();
+    let mut rx = KvCache::hybrid(&specs, 32).unwrap();
     let mut rx_kv = HostStorage::new(l, 32).unwrap();
     let a = view
         .import_into_cache(&mut rx, &mut rx_kv, SeqId(10), &opts)
@@ -1487,12 +1499,12 @@ fn a_group_export_with_token_ids_imports_through_the_prefix_caches() {
     // window group's from the live sequence 10), only the rest is written.
     let looked = rx.cached_prefix_len(&tokens, &opts).unwrap();
     assert_eq!(looked, 20);
-    let used = rx.stats().used_pages;
+    let used = rx.group_stats().used_pages;
     let b = view
         .import_into_cache(&mut rx, &mut rx_kv, SeqId(11), &opts)
         .unwrap();
     assert_eq!(b.cached_tokens, 20);
-    assert_eq!(rx.stats().used_pages, used + 2);
+    assert_eq!(rx.group_stats().used_pages, used + 2);
     check_sequence_bytes(&rx, &rx_kv, SeqId(11), 2);
     rx.check_invariants().unwrap();
 
@@ -1509,7 +1521,7 @@ fn a_group_export_with_token_ids_imports_through_the_prefix_caches() {
     let mut ids = tokens.clone();
     for t in 0..10 {
         sender
-            .append_tokens(SeqId(1), &[200 + t], &mut step)
+            .append_tokens_grouped(SeqId(1), &[200 + t], &mut step)
             .unwrap();
         write_step(&mut sender_kv, &step, 23 + t as usize, 2);
         ids.push(200 + t);

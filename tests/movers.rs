@@ -14,8 +14,8 @@ use pagedkv::broker::{Broker, BrokerConfig, ModelLimits, SleepOptions};
 use pagedkv::executor::{defragment_with, shrink_to};
 use pagedkv::{
     AdmitOptions, CopyPlan, CostModel, DType, DefragOptions, Error, GroupSpec, GroupStep,
-    HostStorage, KvCache, KvCacheGroups, KvLayout, ModelShape, PreemptAction, PreemptMode,
-    PreemptPolicy, SeqId, Slot, Storage, TierConfig,
+    HostStorage, KvCache, KvLayout, ModelShape, PreemptAction, PreemptMode, PreemptPolicy, SeqId,
+    Slot, Storage, TierConfig,
 };
 
 const BS: usize = 4;
@@ -266,19 +266,19 @@ fn group_defragmentation_leaves_a_reserved_sequence_in_place() {
         kv_dtype: DType::F16,
     };
     let l = KvLayout::new(shape, BS).unwrap();
-    let mut kv = KvCacheGroups::new(&[GroupSpec::full(l), GroupSpec::full(l)], 8)
+    let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::full(l)], 8)
         .unwrap()
-        .with_watermark(0)
+        .with_watermark_blocks(0)
         .unwrap();
     let mut step = GroupStep::default();
-    kv.admit(SeqId(1), 4, &mut step).unwrap();
-    kv.admit(SeqId(2), 3, &mut step).unwrap();
+    kv.admit_grouped(SeqId(1), 4, &mut step).unwrap();
+    kv.admit_grouped(SeqId(2), 3, &mut step).unwrap();
     kv.free(SeqId(1)).unwrap();
-    kv.reserve(SeqId(2), 1, 0, &mut step).unwrap();
+    kv.reserve_grouped(SeqId(2), 1, 0, &mut step).unwrap();
     let tables: Vec<_> = (0..2)
         .map(|g| kv.group(g).block_table(SeqId(2)).unwrap().to_vec())
         .collect();
-    let pending = kv.plan_defragment();
+    let pending = kv.plan_defragment_grouped().unwrap();
     assert!(pending.plan().is_empty(), "{:?}", pending.plan());
     pending.commit().unwrap();
     for (g, t) in tables.iter().enumerate() {
@@ -286,7 +286,7 @@ fn group_defragmentation_leaves_a_reserved_sequence_in_place() {
     }
     kv.commit(SeqId(2), 1).unwrap();
     kv.check_invariants().unwrap();
-    let pending = kv.plan_defragment();
+    let pending = kv.plan_defragment_grouped().unwrap();
     assert!(!pending.plan().is_empty());
     pending.commit().unwrap();
     kv.check_invariants().unwrap();

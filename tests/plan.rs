@@ -1007,7 +1007,7 @@ fn planner_splits_hybrid_models_into_kv_cache_groups_of_equal_pages() {
     let page = groups[0].layout.block_bytes();
     assert_eq!(page, 2 * 12 * 8 * 64 * 2 * 16);
     assert_eq!(page * 2, i.plan().unwrap().block_bytes as usize);
-    let kv = pagedkv::KvCacheGroups::new(&groups, 64).unwrap();
+    let kv = pagedkv::KvCache::hybrid(&groups, 64).unwrap();
     assert_eq!(kv.num_groups(), 2);
 
     // Gemma-2-9B: 42 layers, 21 local: two groups of 21.

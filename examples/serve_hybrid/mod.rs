@@ -3,7 +3,7 @@
 //! seeded long-context trace and the same continuous-batching scheduler:
 //!
 //! * **all full**: the same model with every layer full attention (one manager);
-//! * **groups**: `KvCacheGroups`, one arena of pages shared by a full group and five
+//! * **groups**: `KvCache::hybrid`, one arena of pages shared by a full group and five
 //!   window groups of 8 layers each (vLLM's layout; window pages are given back as
 //!   sequences advance and memory moves freely between groups);
 //! * **split**: two managers (the 8 global layers, the 40 window layers) on the budget
@@ -26,9 +26,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use pagedkv::attention::model::SplitMix64;
-use pagedkv::{
-    CopyPlan, DType, GroupSpec, GroupStep, KvCache, KvCacheGroups, KvLayout, ModelShape, SeqId,
-};
+use pagedkv::{CopyPlan, DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape, SeqId};
 
 /// Layers of the model, one global per `GLOBAL_EVERY`.
 pub const LAYERS: usize = 48;
@@ -146,7 +144,7 @@ impl Alloc for AllFull {
 /// The hybrid model as KV-cache groups over one arena of pages.
 pub struct Groups {
     /// The groups.
-    pub kv: KvCacheGroups,
+    pub kv: KvCache,
     step: GroupStep,
 }
 
@@ -159,7 +157,7 @@ impl Groups {
         let mut specs = vec![GroupSpec::full(l)];
         specs.extend((1..GLOBAL_EVERY).map(|_| GroupSpec::window(l, WINDOW)));
         let pages = (budget / l.block_bytes() as u64) as usize;
-        let kv = KvCacheGroups::new(&specs, pages)?.with_watermark(pages / 100)?;
+        let kv = KvCache::hybrid(&specs, pages)?.with_watermark_blocks(pages / 100)?;
         Ok(Groups {
             kv,
             step: GroupStep::default(),
@@ -172,16 +170,16 @@ impl Alloc for Groups {
         self.kv.can_admit(tokens)
     }
     fn admit(&mut self, id: SeqId, tokens: usize) -> pagedkv::Result<()> {
-        self.kv.admit(id, tokens, &mut self.step)
+        self.kv.admit_grouped(id, tokens, &mut self.step)
     }
     fn append(&mut self, id: SeqId) -> pagedkv::Result<()> {
-        self.kv.append(id, 1, &mut self.step)
+        self.kv.append_grouped(id, 1, &mut self.step)
     }
     fn free(&mut self, id: SeqId) -> pagedkv::Result<()> {
         self.kv.free(id)
     }
     fn used_bytes(&self) -> u64 {
-        (self.kv.stats().used_pages * self.kv.page_bytes()) as u64
+        (self.kv.stats().used_blocks * self.kv.block_bytes()) as u64
     }
 }
 
@@ -404,7 +402,7 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut groups = Groups::new(budget)?;
     let g = serve(&mut groups, &trace)?;
     groups.kv.check_invariants()?;
-    let moves = groups.kv.stats().page_moves;
+    let moves = groups.kv.group_stats().page_moves;
     runs.push(("groups", g));
     runs.push(("split", serve(&mut Split::new(budget, share)?, &trace)?));
     let mib = |b: f64| b / (1u64 << 20) as f64;

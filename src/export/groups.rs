@@ -1,23 +1,24 @@
-//! Export and import of one sequence of a [`KvCacheGroups`] (a hybrid model): one
+//! Export and import of one sequence of a [`KvCache`] of any number of groups (a hybrid
+//! model, or one group): one
 //! buffer carries every group's part, and the import admits the sequence in every
 //! group at once.
 //!
 //! ```
 //! use pagedkv::{export_group_sequence, exported_group_len, import_group_sequence, BlockId, DType,
-//!               GroupSpec, GroupStep, HostStorage, KvCacheGroups, KvLayout, ModelShape,
+//!               GroupSpec, GroupStep, HostStorage, KvCache, KvLayout, ModelShape,
 //!               SeqId, Storage};
 //!
 //! let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 4,
 //!                          kv_dtype: DType::F32 };
 //! let l = KvLayout::new(shape, 4)?;
 //! let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
-//! let (mut prefill, mut prefill_kv) = (KvCacheGroups::new(&specs, 16)?, HostStorage::new(l, 16)?);
+//! let (mut prefill, mut prefill_kv) = (KvCache::hybrid(&specs, 16)?, HostStorage::new(l, 16)?);
 //! let mut step = GroupStep::default();
-//! prefill.admit(SeqId(1), 20, &mut step)?;
+//! prefill.admit_grouped(SeqId(1), 20, &mut step)?;
 //! for slots in &step.slots {                   // each group's K/V of the 20 tokens
 //!     prefill_kv.write_slots(0, slots, &[7; 20 * 16], &[8; 20 * 16])?;
 //! }
-//! prefill.append(SeqId(1), 1, &mut step)?;     // the window group gives 3 blocks back
+//! prefill.append_grouped(SeqId(1), 1, &mut step)?;     // the window group gives 3 blocks back
 //! for slots in &step.slots {
 //!     prefill_kv.write_slots(0, slots, &[7; 16], &[8; 16])?;
 //! }
@@ -25,7 +26,7 @@
 //! let mut wire = vec![0; exported_group_len(&prefill, &prefill_kv, SeqId(1), false)?];
 //! export_group_sequence(&prefill, &prefill_kv, SeqId(1), None, &mut wire)?;
 //!
-//! let (mut decode, mut decode_kv) = (KvCacheGroups::new(&specs, 16)?, HostStorage::new(l, 16)?);
+//! let (mut decode, mut decode_kv) = (KvCache::hybrid(&specs, 16)?, HostStorage::new(l, 16)?);
 //! import_group_sequence(&mut decode, &mut decode_kv, SeqId(5), &wire)?;
 //! assert_eq!(decode.num_computed_tokens(SeqId(5))?, 21);
 //! let window_table = decode.group(1).block_table(SeqId(5))?;
@@ -75,7 +76,8 @@
 use crate::error::{Error, Result};
 use crate::executor::storage::Storage;
 use crate::ids::{BlockId, SeqId};
-use crate::manager::groups::{GroupStep, KvCacheGroups};
+use crate::manager::groups::GroupStep;
+use crate::manager::KvCache;
 use crate::pool::prefix::{Admission, AdmitOptions};
 
 use super::{
@@ -108,7 +110,7 @@ struct Part<'a> {
 }
 
 fn parts<'a, S: Storage + ?Sized>(
-    groups: &'a KvCacheGroups,
+    groups: &'a KvCache,
     storage: &S,
     seq: SeqId,
     with_token_ids: bool,
@@ -153,7 +155,7 @@ fn total_len(parts: &[Part<'_>]) -> Result<usize> {
 /// # Errors
 /// As [`export_group_sequence`], except for the buffer.
 pub fn exported_group_len<S: Storage + ?Sized>(
-    groups: &KvCacheGroups,
+    groups: &KvCache,
     storage: &S,
     seq: SeqId,
     with_token_ids: bool,
@@ -174,7 +176,7 @@ pub fn exported_group_len<S: Storage + ?Sized>(
 /// short or `token_ids` is not one per computed token; as [`export_blocks`]. Nothing changes; `out` holds unspecified bytes after
 /// an error.
 pub fn export_group_sequence<S: Storage + ?Sized>(
-    groups: &KvCacheGroups,
+    groups: &KvCache,
     storage: &S,
     seq: SeqId,
     token_ids: Option<&[u32]>,
@@ -206,7 +208,7 @@ pub fn export_group_sequence<S: Storage + ?Sized>(
     head.fill(0);
     head[..8].copy_from_slice(&GROUP_EXPORT_MAGIC);
     head[8..12].copy_from_slice(&GROUP_EXPORT_VERSION.to_le_bytes());
-    // `KvCacheGroups::new` allows at most 255 groups.
+    // `KvCache::hybrid` allows at most 255 groups.
     head[12..16].copy_from_slice(&(parts.len() as u32).to_le_bytes());
     head[24..32].copy_from_slice(&(num_tokens as u64).to_le_bytes());
     for (p, dst) in parts.iter().zip(head[FIXED..].chunks_exact_mut(PER_GROUP)) {
@@ -401,18 +403,18 @@ impl<'a> GroupExportView<'a> {
     /// again before the error returns.
     pub fn import_into<S: Storage + ?Sized>(
         &self,
-        groups: &mut KvCacheGroups,
+        groups: &mut KvCache,
         storage: &mut S,
         seq: SeqId,
     ) -> Result<()> {
         let holes = self.receiver_holes(groups, storage)?;
         let mut step = GroupStep::default();
-        groups.admit_with_holes(seq, self.num_tokens, &holes, &mut step)?;
+        groups.admit_with_holes_grouped(seq, self.num_tokens, &holes, &mut step)?;
         self.write(groups, storage, seq, &step, 0)
     }
 
     /// [`Self::import_into`] through the receiver's prefix caches
-    /// ([`KvCacheGroups::admit_tokens`] with the exported token ids): a prefix every
+    /// ([`KvCache::admit_tokens_grouped`] with the exported token ids): a prefix every
     /// group already serves is shared instead of written, and the imported full blocks
     /// are registered in the full and latent groups. Only the uncached tokens' K/V is
     /// written. Returns what the admission did.
@@ -421,13 +423,13 @@ impl<'a> GroupExportView<'a> {
     /// [`Error::ExportFormat`] when the export carries no token ids;
     /// [`Error::Unsupported`] when a window group's part has holes (the prefix caches
     /// admit whole prompts: export right after the prefill, before the window moves);
-    /// otherwise as [`Self::import_into`] and [`KvCacheGroups::admit_tokens`], all
+    /// otherwise as [`Self::import_into`] and [`KvCache::admit_tokens_grouped`], all
     /// before anything changes. If the storage fails a write, the sequence is freed
     /// and every evictable cached page evicted, so a page registered by this call but
     /// never written cannot be hit later.
     pub fn import_into_cache<S: Storage + ?Sized>(
         &self,
-        groups: &mut KvCacheGroups,
+        groups: &mut KvCache,
         storage: &mut S,
         seq: SeqId,
         opts: &AdmitOptions<'_>,
@@ -453,7 +455,7 @@ impl<'a> GroupExportView<'a> {
         self.receiver_holes(groups, storage)?;
         let tokens: Vec<u32> = first.view.token_ids().collect();
         let mut step = GroupStep::default();
-        let admission = groups.admit_tokens(seq, &tokens, opts, &mut step)?;
+        let admission = groups.admit_tokens_grouped(seq, &tokens, opts, &mut step)?;
         if let Err(e) = self.write(groups, storage, seq, &step, admission.cached_tokens) {
             groups.evict_cached(usize::MAX);
             return Err(e);
@@ -465,7 +467,7 @@ impl<'a> GroupExportView<'a> {
     /// holes in the receiver's blocks.
     fn receiver_holes<S: Storage + ?Sized>(
         &self,
-        groups: &KvCacheGroups,
+        groups: &KvCache,
         storage: &S,
     ) -> Result<Vec<usize>> {
         if self.records.len() != groups.num_groups() {
@@ -505,7 +507,7 @@ impl<'a> GroupExportView<'a> {
     /// the slots of `step`; frees `seq` when a write fails.
     fn write<S: Storage + ?Sized>(
         &self,
-        groups: &mut KvCacheGroups,
+        groups: &mut KvCache,
         storage: &mut S,
         seq: SeqId,
         step: &GroupStep,
@@ -542,7 +544,7 @@ impl<'a> GroupExportView<'a> {
 /// # Errors
 /// As [`GroupExportView::parse`] and [`GroupExportView::import_into`].
 pub fn import_group_sequence<S: Storage + ?Sized>(
-    groups: &mut KvCacheGroups,
+    groups: &mut KvCache,
     storage: &mut S,
     seq: SeqId,
     buf: &[u8],

@@ -249,6 +249,9 @@ impl KvCache {
     /// tables: O(blocks + table entries), so a monitoring call rather than a per-token
     /// one on large arenas.
     pub fn fragmentation(&self) -> FragStats {
+        if let Some(g0) = self.first_group() {
+            return g0.fragmentation();
+        }
         let states = self.pool.states();
         let (mut resident, mut high_water, mut largest_run, mut run) = (0, 0, 0, 0);
         for (i, st) in states.iter().enumerate() {
@@ -315,6 +318,7 @@ impl KvCache {
     /// # Errors
     /// [`Error::InvalidConfig`] for options out of range; nothing changed.
     pub fn plan_defragment(&mut self, opts: DefragOptions) -> Result<PendingDefrag<'_>> {
+        self.one_group("plan_defragment")?;
         self.check_no_transfers()?;
         opts.validate()?;
         let occupancy = self.occupancy();
@@ -337,12 +341,18 @@ impl KvCache {
 
     /// Cumulative defragmentation counters (for metrics).
     pub fn defrag_counters(&self) -> DefragCounters {
+        if let Some(g0) = self.first_group() {
+            return g0.defrag_counters();
+        }
         self.defrag_counters
     }
 
     /// Adds `elapsed` to [`DefragCounters::time_us`]: the executor that ran a plan
     /// reports how long it took.
     pub fn record_defrag_time(&mut self, elapsed: std::time::Duration) {
+        if let Some(h) = &mut self.hybrid {
+            return h.group_mut(0).record_defrag_time(elapsed);
+        }
         self.defrag_counters.time_us += elapsed.as_micros() as u64;
     }
 
@@ -362,6 +372,7 @@ impl KvCache {
     /// reservation holds a block at or above `num_blocks` (the step is writing into
     /// it: commit first). Nothing changed.
     pub fn plan_shrink(&mut self, num_blocks: usize) -> Result<PendingResize<'_>> {
+        self.one_group("plan_shrink")?;
         self.check_no_transfers()?;
         let old = self.num_blocks();
         if num_blocks > old {
@@ -403,6 +414,7 @@ impl KvCache {
     /// space); [`Error::InvalidConfig`] when `num_blocks` is below the arena. Nothing
     /// changed.
     pub fn plan_grow(&mut self, num_blocks: usize) -> Result<PendingResize<'_>> {
+        self.one_group("plan_grow")?;
         let old = self.num_blocks();
         if num_blocks < old {
             return Err(Error::config(
@@ -443,6 +455,9 @@ impl KvCache {
 
     /// The largest arena [`Self::plan_grow`] accepts.
     pub fn max_num_blocks(&self) -> usize {
+        if let Some(g0) = self.first_group() {
+            return g0.max_num_blocks();
+        }
         // The pool needs ids strictly below u32::MAX.
         let id_space = u32::MAX as usize - 1;
         match self.config.max_num_blocks {

@@ -7,7 +7,7 @@
 //! group owns are held, in that group's pool, by a hidden *lender* sequence (one
 //! reference each, no token of its own), so the group's own allocator, window
 //! freeing, copy-on-write and invariants run unchanged. When a group needs more free
-//! pages than it owns, [`KvCacheGroups`] moves free pages to it from the others (O(1)
+//! pages than it owns, hybrid [`KvCache`] moves free pages to it from the others (O(1)
 //! a page: one pool `allocate` in the giver, one swap-remove in the taker's lender
 //! table). Memory therefore moves freely between groups, and a hybrid model's
 //! concurrency is bounded by the whole arena, not by a fixed split.
@@ -24,7 +24,7 @@
 //! the call may give back first) before anything changes, so a failure in any group
 //! leaves every group as it was.
 //!
-//! Prefix caching ([`KvCacheGroups::admit_tokens`]): every full or latent group
+//! Prefix caching ([`KvCache::admit_tokens_grouped`]): every full or latent group
 //! registers its prompt blocks in its own manager's prefix cache, and a hit is served
 //! only as far as every group holds it. A sliding-window group serves a hit only from
 //! a live sequence that still holds the window blocks at the hit's end (window blocks
@@ -32,7 +32,7 @@
 //! group that needs a page takes it from another group's cache, evicted by that
 //! group's policy.
 //!
-//! Swap ([`KvCacheGroups::swap_out`], [`KvCacheGroups::swap_in`]): one plan per
+//! Swap ([`KvCache::swap_out_grouped`], [`KvCache::swap_in_grouped`]): one plan per
 //! group, over one host tier shared the way the arena is (each group's host pool
 //! spans the whole tier; a hidden swapped sequence holds the host blocks other groups
 //! own, and free host blocks move to the group that needs them). A window group moves
@@ -57,7 +57,7 @@ const LENDER: SeqId = SeqId(u64::MAX);
 /// groups own.
 const HOST_LENDER: SeqId = SeqId(u64::MAX - 1);
 
-fn is_hidden(seq: SeqId) -> bool {
+pub(super) fn is_hidden(seq: SeqId) -> bool {
     seq == LENDER || seq == HOST_LENDER
 }
 
@@ -104,6 +104,12 @@ pub struct GroupStep {
 }
 
 impl GroupStep {
+    /// The buffers of a one-group cache, emptied.
+    pub(crate) fn one_group(&mut self) -> (&mut Vec<Slot>, &mut CopyPlan) {
+        self.reset(1);
+        (&mut self.slots[0], &mut self.copies[0])
+    }
+
     fn reset(&mut self, groups: usize) {
         self.slots.resize_with(groups, Vec::new);
         self.copies.resize_with(groups, CopyPlan::new);
@@ -112,7 +118,7 @@ impl GroupStep {
     }
 }
 
-/// Counters of a [`KvCacheGroups`] now.
+/// Counters of a hybrid [`KvCache`] now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupStats {
     /// Pages in the arena.
@@ -137,30 +143,10 @@ pub struct GroupStats {
 }
 
 /// A hybrid model's KV cache: several KV-cache groups, each with its own block tables,
-/// drawing pages from one arena. See the [module docs](self).
-///
-/// ```
-/// use pagedkv::manager::groups::{GroupSpec, GroupStep, KvCacheGroups};
-/// use pagedkv::{DType, KvLayout, ModelShape, SeqId};
-///
-/// // One global and one local (window 32) group of 2 layers each: equal pages.
-/// let shape = ModelShape { num_layers: 2, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
-///                          kv_dtype: DType::BF16 };
-/// let layout = KvLayout::new(shape, 16)?;
-/// let mut kv = KvCacheGroups::new(&[GroupSpec::full(layout), GroupSpec::window(layout, 32)], 64)?;
-/// let mut step = GroupStep::default();
-/// kv.admit(SeqId(1), 100, &mut step)?;            // 7 pages in each group
-/// assert_eq!(step.slots[0].len(), 100);
-/// for _ in 0..100 {
-///     kv.append(SeqId(1), 1, &mut step)?;        // the window group gives pages back
-/// }
-/// let st = kv.stats();
-/// assert_eq!(st.used_per_group, vec![13, 3]);
-/// assert_eq!(kv.group(1).block_table(SeqId(1))?.len(), 13); // holes before the window
-/// # Ok::<(), pagedkv::Error>(())
-/// ```
+/// drawing pages from one arena; the state behind a hybrid [`KvCache`]. See the
+/// [module docs](self).
 #[derive(Debug, Clone)]
-pub struct KvCacheGroups {
+pub(crate) struct Groups {
     groups: Vec<KvCache>,
     /// `lent_pos[g][page]`: the page's index in group `g`'s lender table, or
     /// `NOT_LENT` when group `g` owns the page.
@@ -178,17 +164,7 @@ pub struct KvCacheGroups {
     host_lent_pos: Vec<Vec<u32>>,
 }
 
-impl KvCacheGroups {
-    /// Groups `specs` over one arena of `num_pages` pages; every page starts owned by
-    /// the first group.
-    ///
-    /// # Errors
-    /// [`Error::InvalidConfig`] when there is no group, more than 255, no page, or the
-    /// groups' page bytes (`layout.block_bytes()`) differ; a window of 0 tokens.
-    pub fn new(specs: &[GroupSpec], num_pages: usize) -> Result<Self> {
-        Self::with_host_tier(specs, num_pages, 0)
-    }
-
+impl Groups {
     /// Groups `specs` over one arena of `num_pages` pages and one host tier of
     /// `num_host_blocks` blocks (the storage's host tier, shared by every group as the
     /// arena is: a host block belongs to one group at a time and moves to the group
@@ -286,7 +262,7 @@ impl KvCacheGroups {
         let lent = (0..groups.len())
             .map(|g| if g == 0 { 0 } else { num_pages })
             .collect();
-        Ok(KvCacheGroups {
+        Ok(Groups {
             needs: vec![0; groups.len()],
             lent,
             groups,
@@ -323,11 +299,6 @@ impl KvCacheGroups {
     /// Pages in the arena.
     pub fn num_pages(&self) -> usize {
         self.num_pages
-    }
-
-    /// Bytes of one page (every group's block).
-    pub fn page_bytes(&self) -> usize {
-        self.groups[0].layout.block_bytes()
     }
 
     /// Group `g`, read-only: its block tables, batch views (`fill_padded`, `fill_csr`),
@@ -736,14 +707,14 @@ impl KvCacheGroups {
     /// # Errors
     /// [`Error::UnknownSequence`], [`Error::SequenceState`],
     /// [`Error::CommitPastReservation`]. Nothing changed on error.
-    pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<()> {
+    pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<usize> {
         self.check_id(seq)?;
         // Group 0 checks; the others hold the same sequence state.
-        self.groups[0].commit(seq, n)?;
+        let mut registered = self.groups[0].commit(seq, n)?;
         for kv in &mut self.groups[1..] {
-            kv.commit(seq, n)?;
+            registered += kv.commit(seq, n)?;
         }
-        Ok(())
+        Ok(registered)
     }
 
     /// Forks `parent` into `child` in every group: all pages shared, copy-on-write on
@@ -900,6 +871,61 @@ impl KvCacheGroups {
             page_moves: self.page_moves,
             num_sequences: self.groups[0].seqs.len() - 1,
         }
+    }
+
+    /// [`KvCache::stats`] of the whole arena: every group's own pages (not those it
+    /// lends) and the tokens in them.
+    pub fn cache_stats(&self) -> super::CacheStats {
+        let st = self.stats();
+        let mut live = 0;
+        let mut slots = 0;
+        for (g, kv) in self.groups.iter().enumerate() {
+            live += kv.live_token_slots;
+            slots += self.own_used(g) * kv.block_size();
+        }
+        super::CacheStats {
+            num_blocks: st.num_pages,
+            used_blocks: st.used_pages,
+            free_blocks: st.free_pages - st.cached_pages,
+            cached_blocks: st.cached_pages,
+            peak_used_blocks: st.peak_used_pages,
+            num_sequences: st.num_sequences,
+            live_token_slots: live,
+            internal_waste_slots: slots - live,
+        }
+    }
+
+    /// The highest used pages since the last call (or since creation), and starts a
+    /// new period at the pages used now.
+    pub fn take_peak_used_pages(&mut self) -> usize {
+        let used = self.stats().used_pages;
+        let peak = self.peak_used_pages.max(used);
+        self.peak_used_pages = used;
+        peak
+    }
+
+    /// Every group's prefix events, group after group.
+    pub fn drain_prefix_events(&mut self, out: &mut Vec<crate::pool::prefix::PrefixEvent>) {
+        for kv in &mut self.groups {
+            kv.drain_prefix_events(out);
+        }
+    }
+
+    /// [`KvCache::tier_stats`] of the shared host tier: group 0's counters (every
+    /// group swaps together), the tier's use summed over the groups.
+    pub fn tier_stats(&self) -> super::TierStats {
+        let kv0 = &self.groups[0];
+        let st = kv0.tier_stats();
+        super::TierStats {
+            host_used_blocks: st.host_blocks - self.num_free_host_blocks(),
+            swapped_sequences: kv0.tiers.swapped.keys().filter(|&&s| !is_hidden(s)).count(),
+            ..st
+        }
+    }
+
+    /// Group `g`, to change what only it holds (its counters, its events).
+    pub(crate) fn group_mut(&mut self, g: usize) -> &mut KvCache {
+        &mut self.groups[g]
     }
 
     /// Checks every group's invariants and the page ownership: every page is owned by
@@ -1351,7 +1377,7 @@ impl KvCache {
     /// Admits `seq` with `num_tokens` computed tokens whose first `holes` blocks are
     /// holes (checked by the caller: at most those before the window), allocating the
     /// rest and writing their tokens' slots into `slots`.
-    fn admit_holed(
+    pub(super) fn admit_holed(
         &mut self,
         seq: SeqId,
         num_tokens: usize,
@@ -1441,9 +1467,9 @@ impl KvCache {
     }
 }
 
-/// A swap of one sequence in every group, planned by [`KvCacheGroups::swap_out`] or
-/// [`KvCacheGroups::swap_in`]: execute `plans` (any order), then
-/// [`KvCacheGroups::complete_swap`] or [`KvCacheGroups::abort_swap`].
+/// A swap of one sequence in every group, planned by [`KvCache::swap_out_grouped`] or
+/// [`KvCache::swap_in_grouped`]: execute `plans` (any order), then
+/// [`KvCache::complete_swap_grouped`] or [`KvCache::abort_swap_grouped`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupSwapJob {
     /// The sequence.
@@ -1454,12 +1480,35 @@ pub struct GroupSwapJob {
     pub plans: Vec<SwapPlan>,
 }
 
-/// A compaction of a [`KvCacheGroups`] arena planned but not yet committed. It holds
+impl GroupSwapJob {
+    /// The job of a one-group cache's swap.
+    pub(crate) fn one(seq: SeqId, job: super::SwapJob) -> Self {
+        GroupSwapJob {
+            seq,
+            tickets: vec![job.ticket],
+            plans: vec![job.plan],
+        }
+    }
+
+    /// The ticket of a one-group cache's job.
+    pub(crate) fn only_ticket(job: &GroupSwapJob) -> Result<SwapTicket> {
+        match job.tickets[..] {
+            [t] => Ok(t),
+            _ => Err(Error::ShapeMismatch {
+                what: "tickets of the group swap job",
+                expected: 1,
+                got: job.tickets.len(),
+            }),
+        }
+    }
+}
+
+/// A compaction of a hybrid [`KvCache`] arena planned but not yet committed. It holds
 /// the groups' `&mut` borrow; dropping it aborts with nothing changed.
 #[derive(Debug)]
 #[must_use = "dropping a pending compaction aborts it"]
 pub struct PendingGroupDefrag<'a> {
-    groups: &'a mut KvCacheGroups,
+    groups: &'a mut Groups,
     plan: MovePlan,
     per_group: Vec<MovePlan>,
 }

@@ -6,6 +6,7 @@
 mod builder;
 mod defrag;
 pub mod groups;
+mod hybrid;
 mod in_flight;
 pub mod preempt;
 mod prefix;
@@ -283,6 +284,10 @@ pub struct KvCache {
     /// rewrite their rows then (see `manager/step.rs`). Drawn from one process-wide
     /// counter, so no two managers (nor a clone that diverged) share a value.
     pub(crate) table_epoch: u64,
+    /// The KV-cache groups of a hybrid model ([`KvCache::hybrid`]); `None` for one
+    /// group, the common case. A hybrid cache keeps no tables of its own: every call
+    /// goes to its groups, each a one-group `KvCache` (see `manager/groups.rs`).
+    pub(crate) hybrid: Option<Box<groups::Groups>>,
 }
 
 /// The next value of [`KvCache::table_epoch`].
@@ -345,37 +350,76 @@ impl KvCache {
             defrag_counters: defrag::DefragCounters::default(),
             window: None,
             table_epoch: next_table_epoch(),
+            hybrid: None,
         })
+    }
+
+    /// `Err(`[`Error::NotOnHybrid`]`)` on a hybrid cache: the guard of every call
+    /// that serves one group only so far. One branch on a `None` for one group.
+    #[inline]
+    pub(crate) fn one_group(&self, operation: &'static str) -> Result<()> {
+        match &self.hybrid {
+            None => Ok(()),
+            Some(h) => Err(Error::NotOnHybrid {
+                operation,
+                groups: h.num_groups(),
+            }),
+        }
+    }
+
+    /// Group 0 of a hybrid cache (`None` for one group): the calls that read one
+    /// group's state answer from it.
+    #[inline]
+    pub(crate) fn first_group(&self) -> Option<&KvCache> {
+        self.hybrid.as_deref().map(|h| h.group(0))
     }
 
     /// The arena layout.
     pub fn layout(&self) -> &KvLayout {
+        if let Some(g0) = self.first_group() {
+            return g0.layout();
+        }
         &self.layout
     }
 
     /// The configuration.
     pub fn config(&self) -> &CacheConfig {
+        if let Some(g0) = self.first_group() {
+            return g0.config();
+        }
         &self.config
     }
 
     /// Tokens per block.
     pub fn block_size(&self) -> usize {
+        if let Some(g0) = self.first_group() {
+            return g0.block_size();
+        }
         self.layout.block_size()
     }
 
     /// Blocks in the arena.
     pub fn num_blocks(&self) -> usize {
+        if let Some(h) = &self.hybrid {
+            return h.num_pages();
+        }
         self.pool.num_blocks()
     }
 
     /// Blocks an allocation can obtain now: free plus evictable (cached and not pinned).
     pub fn num_available_blocks(&self) -> usize {
+        if let Some(h) = &self.hybrid {
+            return h.num_free_pages();
+        }
         self.pool.num_free() + self.pool.num_cached() - self.prefix.pinned_cached()
     }
 
     /// Longest sequence the manager accepts: `max_seq_len_tokens`, and without a
     /// sliding window at most the arena (a window manager holds only the window).
     pub fn max_seq_len(&self) -> usize {
+        if let Some(g0) = self.first_group() {
+            return g0.max_seq_len();
+        }
         let arena = match self.window {
             Some(_) => usize::MAX,
             None => self.num_blocks() * self.block_size(),
@@ -399,6 +443,7 @@ impl KvCache {
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is swapped out.
     #[inline]
     pub fn handle(&self, seq: SeqId) -> Result<SeqHandle> {
+        self.one_group("handle")?;
         self.seqs.handle(&seq).ok_or_else(|| self.absent_error(seq))
     }
 
@@ -439,6 +484,7 @@ impl KvCache {
         slots: &mut Vec<Slot>,
         copies: &mut CopyPlan,
     ) -> Result<()> {
+        self.one_group("append_batch")?;
         self.append_batch_inner(seqs, None, slots, copies)
     }
 
@@ -456,6 +502,7 @@ impl KvCache {
         slots: &mut Vec<Slot>,
         copies: &mut CopyPlan,
     ) -> Result<()> {
+        self.one_group("append_tokens_batch")?;
         if tokens.len() != seqs.len() {
             return Err(Error::ShapeMismatch {
                 what: "token ids of the batch (one per sequence)",
@@ -518,6 +565,9 @@ impl KvCache {
 
     /// Whether a new sequence of `num_tokens` tokens fits while keeping the watermark.
     pub fn can_admit(&self, num_tokens: usize) -> bool {
+        if let Some(h) = &self.hybrid {
+            return h.can_admit(num_tokens);
+        }
         num_tokens <= self.max_seq_len()
             && self.layout.blocks_for_tokens(num_tokens) + self.config.watermark_blocks
                 <= self.num_available_blocks()
@@ -526,6 +576,11 @@ impl KvCache {
     /// Whether `n` more tokens fit on `seq` without preemption (the watermark is not
     /// applied: running sequences may dip into it). See [`Self::blocks_needed`].
     pub fn can_append(&self, seq: SeqId, n: usize) -> bool {
+        if let Some(h) = &self.hybrid {
+            return h
+                .pages_needed(seq, n, 0)
+                .is_ok_and(|p| p <= h.num_free_pages());
+        }
         self.blocks_needed(seq, n, 0)
             .is_ok_and(|needed| needed <= self.num_available_blocks())
     }
@@ -537,6 +592,7 @@ impl KvCache {
     /// [`Error::DuplicateSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`]; on error
     /// nothing changed (`slots` may have been cleared).
     pub fn admit(&mut self, seq: SeqId, num_tokens: usize, slots: &mut Vec<Slot>) -> Result<()> {
+        self.one_group("admit")?;
         slots.clear();
         if self.contains(seq) {
             return Err(Error::DuplicateSequence(seq));
@@ -587,6 +643,7 @@ impl KvCache {
         slots: &mut Vec<Slot>,
         copies: &mut CopyPlan,
     ) -> Result<()> {
+        self.one_group("append")?;
         self.reserve_inner(seq, n, 0, true, None, slots, copies)
             .map(|_| ())
     }
@@ -634,6 +691,7 @@ impl KvCache {
         slots: &mut Vec<Slot>,
         copies: &mut CopyPlan,
     ) -> Result<()> {
+        self.one_group("reserve")?;
         self.reserve_inner(seq, n, lookahead, false, None, slots, copies)
             .map(|_| ())
     }
@@ -649,6 +707,9 @@ impl KvCache {
     /// or has a swap in flight; [`Error::CommitPastReservation`] when `n` is more than
     /// the reservation. Nothing changed on error.
     pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<usize> {
+        if let Some(h) = &mut self.hybrid {
+            return h.commit(seq, n);
+        }
         let h = self.handle(seq)?;
         self.commit_at(h, n)
     }
@@ -689,6 +750,9 @@ impl KvCache {
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped out or
     /// has a swap in flight; [`Error::TooLong`] past the longest sequence.
     pub fn blocks_needed(&self, seq: SeqId, n: usize, lookahead: usize) -> Result<usize> {
+        if let Some(h) = &self.hybrid {
+            return h.pages_needed(seq, n, lookahead);
+        }
         let s = self.resident(seq)?;
         let target = self.reserve_target(s, n, lookahead)?;
         Ok(self.reserve_cost(s, target).0)
@@ -775,6 +839,9 @@ impl KvCache {
     /// # Errors
     /// [`Error::UnknownSequence`].
     pub fn num_computed_tokens(&self, seq: SeqId) -> Result<usize> {
+        if let Some(h) = &self.hybrid {
+            return h.num_computed_tokens(seq);
+        }
         match self.tiers.swapped.get(&seq) {
             Some(swapped) => Ok(swapped.computed),
             None => Ok(self.seq(seq)?.computed),
@@ -788,6 +855,9 @@ impl KvCache {
     /// # Errors
     /// [`Error::UnknownSequence`].
     pub fn context_len(&self, seq: SeqId) -> Result<usize> {
+        if let Some(h) = &self.hybrid {
+            return h.context_len(seq);
+        }
         let s = self.seq(seq)?;
         Ok(s.computed + s.scheduled)
     }
@@ -1102,6 +1172,9 @@ impl KvCache {
     /// The sliding window, in tokens (`None`: every layer attends to the whole
     /// context and nothing is given back).
     pub fn sliding_window(&self) -> Option<usize> {
+        if let Some(g0) = self.first_group() {
+            return g0.sliding_window();
+        }
         self.window
     }
 
@@ -1231,6 +1304,7 @@ impl KvCache {
     /// the sequence; [`Error::SequenceState`] when it is swapped out, has a swap in
     /// flight or holds an uncommitted reservation. Nothing changed on error.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
+        self.one_group("truncate")?;
         let s = self.idle(seq)?;
         if new_len > s.num_tokens {
             return Err(Error::PastEnd {
@@ -1280,6 +1354,7 @@ impl KvCache {
     /// [`Error::UnknownSequence`] for either; [`Error::SequenceState`] when `seq` is
     /// swapped out or has a swap in flight. Nothing changed on error.
     pub fn join_fork_group(&mut self, seq: SeqId, with: SeqId) -> Result<()> {
+        self.one_group("join_fork_group")?;
         let admission = match self.seqs.get(&with) {
             Some(s) => s.admission,
             None => self
@@ -1304,6 +1379,9 @@ impl KvCache {
     /// child, [`Error::SequenceState`] when the parent is swapped out, has a swap in
     /// flight or holds an uncommitted reservation. Nothing changed on error.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
+        if let Some(h) = &mut self.hybrid {
+            return h.fork(parent, child);
+        }
         let p = self.idle(parent)?;
         if self.contains(child) {
             return Err(Error::DuplicateSequence(child));
@@ -1331,6 +1409,9 @@ impl KvCache {
     /// flight (complete or abort it first). A refcount error here means the manager's
     /// own state was corrupt; it is reported after every block was processed.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        if let Some(h) = &mut self.hybrid {
+            return h.free(seq);
+        }
         // Two lookups of the id (its handle, then its removal), not three.
         let Some(h) = self.seqs.handle(&seq) else {
             return self.free_swapped(seq);
@@ -1349,6 +1430,9 @@ impl KvCache {
     /// # Errors
     /// [`Error::UnknownSequence`].
     pub fn block_table(&self, seq: SeqId) -> Result<&[BlockId]> {
+        if let Some(g0) = self.first_group() {
+            return g0.block_table(seq);
+        }
         Ok(&self.seq(seq)?.table)
     }
 
@@ -1363,6 +1447,9 @@ impl KvCache {
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is swapped out or
     /// has a swap in flight.
     pub fn readable_blocks(&self, seq: SeqId) -> Result<(&[BlockId], usize)> {
+        if let Some(g0) = self.first_group() {
+            return g0.readable_blocks(seq);
+        }
         let s = self.resident(seq)?;
         let blocks = self.layout.blocks_for_tokens(s.computed);
         Ok((&s.table[..blocks], s.computed))
@@ -1374,6 +1461,9 @@ impl KvCache {
     /// # Errors
     /// [`Error::UnknownSequence`].
     pub fn num_tokens(&self, seq: SeqId) -> Result<usize> {
+        if let Some(g0) = self.first_group() {
+            return g0.num_tokens(seq);
+        }
         match self.tiers.swapped.get(&seq) {
             Some(swapped) => Ok(swapped.num_tokens),
             None => Ok(self.seq(seq)?.num_tokens),
@@ -1382,13 +1472,21 @@ impl KvCache {
 
     /// Whether `seq` is known (on the device or swapped out).
     pub fn contains(&self, seq: SeqId) -> bool {
+        if let Some(h) = &self.hybrid {
+            return h.contains(seq);
+        }
         self.seqs.contains_key(&seq) || self.tiers.swapped.contains_key(&seq)
     }
 
     /// Ids of the sequences that have a device block table (resident, or with a swap
     /// in flight), in no particular order.
     pub fn sequence_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
-        self.seqs.keys().copied()
+        let hybrid = self.hybrid.is_some();
+        let kv = self.first_group().unwrap_or(self);
+        kv.seqs
+            .keys()
+            .copied()
+            .filter(move |&s| !(hybrid && groups::is_hidden(s)))
     }
 
     /// The slots of tokens `range` of `seq`, written into `slots` (cleared first).
@@ -1402,6 +1500,7 @@ impl KvCache {
         range: std::ops::Range<usize>,
         slots: &mut Vec<Slot>,
     ) -> Result<()> {
+        self.one_group("slots")?;
         slots.clear();
         let s = self.seq(seq)?;
         if range.end > s.num_tokens {
@@ -1427,6 +1526,9 @@ impl KvCache {
 
     /// Counters now.
     pub fn stats(&self) -> CacheStats {
+        if let Some(h) = &self.hybrid {
+            return h.cache_stats();
+        }
         let used = self.pool.num_live();
         CacheStats {
             num_blocks: self.num_blocks(),
@@ -1442,6 +1544,9 @@ impl KvCache {
 
     /// Returns the peak of used blocks since the last call and restarts the window.
     pub fn take_peak_used_blocks(&mut self) -> usize {
+        if let Some(h) = &mut self.hybrid {
+            return h.take_peak_used_pages();
+        }
         let peak = self.peak_used_blocks.max(self.pool.num_live());
         self.peak_used_blocks = self.pool.num_live();
         peak
@@ -1449,6 +1554,9 @@ impl KvCache {
 
     /// The block pool (read-only).
     pub fn pool(&self) -> &BlockPool {
+        if let Some(g0) = self.first_group() {
+            return g0.pool();
+        }
         &self.pool
     }
 
@@ -1560,6 +1668,9 @@ impl KvCache {
     /// # Errors
     /// A message describing the first violation.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        if let Some(h) = &self.hybrid {
+            return h.check_invariants();
+        }
         self.pool.check_invariants()?;
         self.seqs.check()?;
         self.fill_dirty

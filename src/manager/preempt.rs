@@ -334,6 +334,7 @@ impl KvCache {
         needed_blocks: usize,
         policy: &PreemptPolicy,
     ) -> Result<Vec<Preemption>> {
+        self.one_group("preempt_for")?;
         let mut have = self.num_available_blocks() + self.tiers.pending_device_release();
         if needed_blocks <= have {
             return Ok(Vec::new());
@@ -426,6 +427,9 @@ impl KvCache {
     /// The preemptions recorded since the last call, oldest first (at most
     /// [`MAX_PREEMPT_EVENTS`]; older ones are dropped).
     pub fn take_preempt_events(&mut self) -> Vec<PreemptEvent> {
+        if let Some(h) = &mut self.hybrid {
+            return h.group_mut(0).take_preempt_events();
+        }
         self.tiers.events.drain(..).collect()
     }
 }

@@ -381,6 +381,9 @@ impl KvCache {
 
     /// The prefix-cache configuration.
     pub fn prefix_config(&self) -> &PrefixConfig {
+        if let Some(g0) = self.first_group() {
+            return g0.prefix_config();
+        }
         self.prefix.config()
     }
 
@@ -397,6 +400,7 @@ impl KvCache {
         opts: &AdmitOptions<'_>,
         hit: &mut PrefixHit,
     ) -> Result<usize> {
+        self.one_group("lookup_prefix")?;
         hit.blocks.clear();
         hit.hashes.clear();
         hit.ns = None;
@@ -432,6 +436,9 @@ impl KvCache {
     /// now while keeping the watermark: cached hits are not counted as needed, and a hit
     /// that would revive an evictable block is counted once (it stops being available).
     pub fn can_admit_hit(&self, hit: &PrefixHit) -> bool {
+        if self.hybrid.is_some() {
+            return false;
+        }
         hit.prompt_len <= self.max_seq_len()
             && self.layout.blocks_for_tokens(hit.prompt_len) - hit.blocks.len()
                 + self.count_evictable(&hit.blocks)
@@ -464,6 +471,9 @@ impl KvCache {
     /// # Ok::<(), pagedkv::Error>(())
     /// ```
     pub fn can_admit_chunk(&self, hit: &PrefixHit, first_chunk: usize) -> bool {
+        if self.hybrid.is_some() {
+            return false;
+        }
         let held = hit
             .cached_tokens()
             .saturating_add(first_chunk)
@@ -519,6 +529,7 @@ impl KvCache {
         tokens: &[u32],
         hit: &PrefixHit,
     ) -> Result<Admission> {
+        self.one_group("admit_prompt")?;
         self.admit_prompt_inner(seq, tokens, hit, true)
     }
 
@@ -665,6 +676,7 @@ impl KvCache {
         opts: &AdmitOptions<'_>,
         slots: &mut Vec<Slot>,
     ) -> Result<Admission> {
+        self.one_group("admit_tokens")?;
         slots.clear();
         if self.contains(seq) {
             return Err(Error::DuplicateSequence(seq));
@@ -714,6 +726,7 @@ impl KvCache {
         slots: &mut Vec<Slot>,
         copies: &mut CopyPlan,
     ) -> Result<()> {
+        self.one_group("append_tokens")?;
         self.reserve_inner(seq, tokens.len(), 0, true, Some(tokens), slots, copies)
             .map(|_| ())
     }
@@ -727,6 +740,9 @@ impl KvCache {
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is swapped out.
     pub fn is_registering(&self, seq: SeqId) -> Result<bool> {
+        if let Some(g0) = self.first_group() {
+            return g0.is_registering(seq);
+        }
         Ok(self.seq(seq)?.prefix.is_some())
     }
 
@@ -748,6 +764,7 @@ impl KvCache {
     /// (the ids in between are missing; never on a sliding-window manager);
     /// [`Error::TooLong`] past the longest sequence. Nothing changed on error.
     pub fn add_token_ids(&mut self, seq: SeqId, first: usize, ids: &[u32]) -> Result<usize> {
+        self.one_group("add_token_ids")?;
         let bs = self.block_size();
         let s = self.resident(seq)?;
         let (known_start, known_end) = s
@@ -792,12 +809,18 @@ impl KvCache {
     /// # Errors
     /// [`Error::PrefixKeyTooLong`].
     pub fn cached_prefix_len(&self, tokens: &[u32], opts: &AdmitOptions<'_>) -> Result<usize> {
+        if let Some(h) = &self.hybrid {
+            return h.cached_prefix_len(tokens, opts);
+        }
         self.lookup_prefix(tokens, opts, &mut PrefixHit::default())
     }
 
     /// Whether [`Self::admit_tokens`] of `tokens` would succeed now while keeping the
     /// watermark ([`Self::lookup_prefix`] then [`Self::can_admit_hit`]).
     pub fn can_admit_tokens(&self, tokens: &[u32], opts: &AdmitOptions<'_>) -> bool {
+        if let Some(h) = &self.hybrid {
+            return h.can_admit(tokens.len());
+        }
         let mut hit = PrefixHit::default();
         self.lookup_prefix(tokens, opts, &mut hit).is_ok() && self.can_admit_hit(&hit)
     }
@@ -811,6 +834,7 @@ impl KvCache {
     /// block of `tokens` is cached (or there is none); [`Error::PinLimit`] past
     /// [`PrefixConfig::max_pinned_blocks`]. Nothing changed on error.
     pub fn pin_prefix(&mut self, tokens: &[u32], opts: &AdmitOptions<'_>) -> Result<PinnedPrefix> {
+        self.one_group("pin_prefix")?;
         let ns = self.prefix.namespace(opts)?;
         let keys = self.prefix.block_keys(opts.block_keys)?;
         let bs = self.block_size();
@@ -840,6 +864,7 @@ impl KvCache {
     /// # Errors
     /// [`Error::UnknownPin`] for a pin never taken or already released; nothing changed.
     pub fn unpin_prefix(&mut self, pin: PinId) -> Result<()> {
+        self.one_group("unpin_prefix")?;
         self.prefix.unpin(pin).map(|_| ())
     }
 
@@ -847,6 +872,9 @@ impl KvCache {
     /// order) and returns how many went. Before shrinking the arena, or to drop a
     /// tenant's cache.
     pub fn evict_cached(&mut self, max_blocks: usize) -> usize {
+        if let Some(h) = &mut self.hybrid {
+            return h.evict_cached(max_blocks);
+        }
         let mut n = 0;
         while n < max_blocks && self.evict_one().is_ok() {
             n += 1;
@@ -887,6 +915,7 @@ impl KvCache {
     /// Only when the manager's state was already corrupt (the pool refuses to evict a
     /// block the index offered); the blocks evicted before it stay evicted.
     pub fn reset_prefix_cache(&mut self) -> Result<PrefixReset> {
+        self.one_group("reset_prefix_cache")?;
         let mut evicted_blocks = 0;
         let mut result = Ok(());
         while let Some(b) = self.prefix.pop_victim_quietly() {
@@ -906,6 +935,9 @@ impl KvCache {
 
     /// Prefix-cache counters now.
     pub fn prefix_stats(&self) -> PrefixStats {
+        if let Some(g0) = self.first_group() {
+            return g0.prefix_stats();
+        }
         self.prefix.stats(self.pool.num_cached())
     }
 
@@ -914,12 +946,18 @@ impl KvCache {
     /// ([`crate::pool::prefix::PrefixHasher::chains_digests`], as vLLM's `sha256_cbor`
     /// does); `None` for other hashers or a hash not registered now.
     pub fn prefix_digest(&self, hash: BlockHash) -> Option<BlockDigest> {
+        if let Some(g0) = self.first_group() {
+            return g0.prefix_digest(hash);
+        }
         self.prefix.digest_of(self.prefix.block_of(hash)?)
     }
 
     /// Moves the [`PrefixEvent`]s recorded since the last call into `out` (recorded
     /// only with [`PrefixConfig::record_events`]).
     pub fn drain_prefix_events(&mut self, out: &mut Vec<PrefixEvent>) {
+        if let Some(h) = &mut self.hybrid {
+            return h.drain_prefix_events(out);
+        }
         self.prefix.drain_events(out);
     }
 

@@ -197,6 +197,7 @@ impl KvCache {
     /// None today; a `Result` so that a later tier check can refuse without an API
     /// change.
     pub fn plan_prefix_spill(&mut self) -> Result<PendingPrefixSpill<'_>> {
+        self.one_group("plan_prefix_spill")?;
         let closure = self.prefix.evictable_closure();
         let n = closure.len().min(self.tiers.host_pool().num_free());
         let hosts = pick_free_run(self.tiers.host_pool(), n, 0);
@@ -226,6 +227,7 @@ impl KvCache {
     /// # Errors
     /// None today; a `Result` so that a later check can refuse without an API change.
     pub fn plan_prefix_restore(&mut self) -> Result<PendingPrefixRestore<'_>> {
+        self.one_group("plan_prefix_restore")?;
         let spilled = &self.tiers.spilled;
         let mut order: Vec<usize> = (0..spilled.len()).collect();
         order.sort_unstable_by_key(|&i| {
@@ -273,6 +275,9 @@ impl KvCache {
 
     /// Prefix-cache blocks spilled to the host tier and not yet restored.
     pub fn spilled_prefix_blocks(&self) -> usize {
+        if let Some(g0) = self.first_group() {
+            return g0.spilled_prefix_blocks();
+        }
         self.tiers.spilled.len()
     }
 
@@ -283,6 +288,7 @@ impl KvCache {
     /// [`Error::DoubleFree`] only when the host tier's refcounts were already corrupt;
     /// the blocks before it are released.
     pub fn drop_spilled_prefixes(&mut self) -> Result<usize> {
+        self.one_group("drop_spilled_prefixes")?;
         let spilled = std::mem::take(&mut self.tiers.spilled);
         let n = spilled.len();
         for s in spilled {

@@ -251,6 +251,7 @@ impl KvCache {
     /// [`Error::OutOfBlocks`] when the step's whole need (as
     /// [`Self::blocks_needed_batch`] counts it) is not available.
     pub fn reserve_step(&mut self, entries: &[StepEntry], out: &mut StepBuffers) -> Result<()> {
+        self.one_group("reserve_step")?;
         self.reserve_step_inner(entries, None, out)
     }
 
@@ -293,6 +294,7 @@ impl KvCache {
         ids: &[u32],
         out: &mut StepBuffers,
     ) -> Result<()> {
+        self.one_group("reserve_step_tokens")?;
         self.reserve_step_inner(entries, Some(ids), out)
     }
 
@@ -448,6 +450,7 @@ impl KvCache {
     /// errors of [`Self::commit`]. Every entry is checked first: on error nothing
     /// changed.
     pub fn commit_step(&mut self, accepted: &[(SeqHandle, usize)]) -> Result<usize> {
+        self.one_group("commit_step")?;
         self.seqs.begin_batch();
         for &(h, n) in accepted {
             let (seq, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;

@@ -467,12 +467,21 @@ impl KvCache {
 
     /// Whether `seq` is swapped out (no device blocks, no transfer in flight).
     pub fn is_swapped(&self, seq: SeqId) -> bool {
+        if let Some(h) = &self.hybrid {
+            return h.is_swapped(seq);
+        }
         self.tiers.swapped.contains_key(&seq)
     }
 
     /// Ids of swapped-out sequences, in no particular order.
     pub fn swapped_sequence_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
-        self.tiers.swapped.keys().copied()
+        let hybrid = self.hybrid.is_some();
+        let kv = self.first_group().unwrap_or(self);
+        kv.tiers
+            .swapped
+            .keys()
+            .copied()
+            .filter(move |&s| !(hybrid && super::groups::is_hidden(s)))
     }
 
     /// Where each block of swapped-out `seq` lives: the blocks it held, after the
@@ -481,11 +490,17 @@ impl KvCache {
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is on the device.
     pub fn swapped_table(&self, seq: SeqId) -> Result<&[TierBlock]> {
+        if let Some(g0) = self.first_group() {
+            return g0.swapped_table(seq);
+        }
         Ok(&self.swapped(seq)?.table)
     }
 
     /// The ticket of the swap in flight for `seq`, if any.
     pub fn swap_in_flight(&self, seq: SeqId) -> Option<SwapTicket> {
+        if let Some(g0) = self.first_group() {
+            return g0.swap_in_flight(seq);
+        }
         self.seqs.get(&seq)?.in_flight.map(|f| f.ticket)
     }
 
@@ -495,6 +510,7 @@ impl KvCache {
     /// # Errors
     /// [`Error::UnknownSequence`].
     pub fn set_preempt_priority(&mut self, seq: SeqId, priority: i32) -> Result<()> {
+        self.one_group("set_preempt_priority")?;
         if let Some(s) = self.seqs.get_mut(&seq) {
             s.preempt_priority = priority;
         } else if let Some(s) = self.tiers.swapped.get_mut(&seq) {
@@ -507,6 +523,9 @@ impl KvCache {
 
     /// Counters of the tiers now.
     pub fn tier_stats(&self) -> TierStats {
+        if let Some(h) = &self.hybrid {
+            return h.tier_stats();
+        }
         TierStats {
             host_blocks: self.tiers.host.num_blocks(),
             host_used_blocks: self.tiers.host.num_live(),
@@ -524,6 +543,7 @@ impl KvCache {
     /// # Errors
     /// As [`Self::swap_out_group`].
     pub fn swap_out(&mut self, seq: SeqId) -> Result<SwapJob> {
+        self.one_group("swap_out")?;
         self.swap_out_group(&[seq])
     }
 
@@ -539,6 +559,7 @@ impl KvCache {
     /// repeated id; [`Error::TierFull`] when the host tier lacks room. Nothing changed
     /// on error: the sequences stay resident.
     pub fn swap_out_group(&mut self, seqs: &[SeqId]) -> Result<SwapJob> {
+        self.one_group("swap_out_group")?;
         check_group(seqs)?;
         let mut tables = Vec::with_capacity(seqs.len());
         for &id in seqs {
@@ -606,6 +627,7 @@ impl KvCache {
     /// # Errors
     /// As [`Self::swap_in_group`].
     pub fn swap_in(&mut self, seq: SeqId) -> Result<SwapJob> {
+        self.one_group("swap_in")?;
         self.swap_in_group(&[seq])
     }
 
@@ -621,6 +643,7 @@ impl KvCache {
     /// [`Error::InvalidConfig`] for an empty group or a repeated id;
     /// [`Error::OutOfBlocks`] when the arena lacks room. Nothing changed on error.
     pub fn swap_in_group(&mut self, seqs: &[SeqId]) -> Result<SwapJob> {
+        self.one_group("swap_in_group")?;
         check_group(seqs)?;
         let mut hosts_in_order = Vec::new();
         for &id in seqs {
@@ -749,6 +772,7 @@ impl KvCache {
     /// refcount error means the manager's own state was corrupt and is reported after
     /// every block was processed.
     pub fn complete_swap(&mut self, ticket: SwapTicket) -> Result<()> {
+        self.one_group("complete_swap")?;
         let pending = self
             .tiers
             .pending
@@ -809,6 +833,7 @@ impl KvCache {
     /// # Errors
     /// As [`Self::complete_swap`].
     pub fn abort_swap(&mut self, ticket: SwapTicket) -> Result<()> {
+        self.one_group("abort_swap")?;
         let pending = self
             .tiers
             .pending
@@ -872,6 +897,7 @@ impl KvCache {
     /// [`Error::TierFull`] (`"disk"`) when the disk tier lacks slots;
     /// [`Error::InvalidConfig`] for an empty or repeated group. Nothing changed.
     pub fn plan_spill(&mut self, seqs: &[SeqId]) -> Result<PendingTierMove<'_>> {
+        self.one_group("plan_spill")?;
         check_group(seqs)?;
         let mut hosts = Vec::new();
         for &id in seqs {
@@ -914,6 +940,7 @@ impl KvCache {
     /// [`Error::TierFull`] (`"host"`) when the host tier lacks room;
     /// [`Error::InvalidConfig`] for an empty or repeated group. Nothing changed.
     pub fn plan_restore(&mut self, seqs: &[SeqId]) -> Result<PendingTierMove<'_>> {
+        self.one_group("plan_restore")?;
         check_group(seqs)?;
         let mut on_disk = Vec::new();
         for &id in seqs {
@@ -948,6 +975,9 @@ impl KvCache {
     /// Slots of the disk tier the manager was configured with
     /// ([`TierConfig::num_disk_slots`]).
     pub fn num_disk_slots(&self) -> usize {
+        if let Some(g0) = self.first_group() {
+            return g0.num_disk_slots();
+        }
         self.tiers.disk.num_blocks()
     }
 
@@ -1122,8 +1152,11 @@ impl KvCache {
         );
     }
 
-    /// Free host-tier blocks of this manager.
-    pub(crate) fn num_free_host_blocks(&self) -> usize {
+    /// Free host-tier blocks (of the whole shared tier, for a hybrid cache).
+    pub fn num_free_host_blocks(&self) -> usize {
+        if let Some(h) = &self.hybrid {
+            return h.num_free_host_blocks();
+        }
         self.tiers.host_free()
     }
 

@@ -54,6 +54,8 @@ impl KvCache {
     /// [`crate::Error::UnknownSequence`], [`crate::Error::SequenceState`] for a sequence swapped out or
     /// with a swap in flight (its blocks are not readable); `out` is untouched on error.
     pub fn fill_padded(&self, seqs: &[SeqId], out: &mut PaddedTables) -> Result<()> {
+        // A hybrid cache's tables are its groups': `kv.group(g).fill_padded(..)`.
+        self.one_group("fill_padded")?;
         let max_blocks = self.check_batch(seqs)?;
         self.fill_padded_shape(seqs, seqs.len(), max_blocks, out)
     }
@@ -73,6 +75,8 @@ impl KvCache {
         max_blocks: usize,
         out: &mut PaddedTables,
     ) -> Result<()> {
+        // A hybrid cache's tables are its groups': `kv.group(g).fill_padded_fixed(..)`.
+        self.one_group("fill_padded_fixed")?;
         if seqs.len() > max_batch {
             return Err(Error::ShapeMismatch {
                 what: "sequences in a fixed-shape batch (max_batch)",
@@ -122,6 +126,8 @@ impl KvCache {
     /// [`crate::Error::UnknownSequence`], [`crate::Error::SequenceState`] for a sequence swapped out or
     /// with a swap in flight (its blocks are not readable); `out` is untouched on error.
     pub fn fill_csr(&self, seqs: &[SeqId], out: &mut CsrTables) -> Result<()> {
+        // A hybrid cache's tables are its groups': `kv.group(g).fill_csr(..)`.
+        self.one_group("fill_csr")?;
         self.check_batch(seqs)?;
         out.indptr.clear();
         out.indices.clear();
@@ -151,6 +157,8 @@ impl KvCache {
     /// row does not cover, an entry outside the arena), and [`Error::CorruptBlockTable`]
     /// for an entry naming a block that is not live.
     pub fn check_padded(&self, tables: &PaddedTables) -> Result<()> {
+        // A hybrid cache's tables are its groups': `kv.group(g).check_padded(..)`.
+        self.one_group("check_padded")?;
         // Shapes, coverage and arena bounds: the checks that guard kernel launches.
         // Under the manager's window, holes before a decode query's window pass.
         validate_tables_window(&self.layout, self.num_blocks(), tables, self.window, None)?;
@@ -172,6 +180,8 @@ impl KvCache {
     /// As [`validate_csr`], and [`Error::CorruptBlockTable`] for an
     /// index naming a block that is not live.
     pub fn check_csr(&self, tables: &CsrTables) -> Result<()> {
+        // A hybrid cache's tables are its groups': `kv.group(g).check_csr(..)`.
+        self.one_group("check_csr")?;
         validate_csr(&self.layout, self.num_blocks(), tables)?;
         for &b in &tables.indices {
             self.check_live(crate::ids::BlockId(b))?;

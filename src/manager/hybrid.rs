@@ -1,0 +1,384 @@
+//! The hybrid side of the one front door: a [`KvCache`] over several KV-cache groups
+//! (full attention, sliding window, latent), built by [`KvCache::hybrid`], and the
+//! `_grouped` calls that hand out every group's slots. Those calls serve a one-group
+//! cache too (one entry per group buffer), so an engine written against them runs
+//! every model.
+//!
+//! A hybrid cache keeps no tables of its own: its calls go to its groups (each a
+//! one-group `KvCache`, see `manager/groups.rs` for the page lending between them).
+//! The calls of the one-group API that are not yet carried across groups refuse with
+//! [`Error::NotOnHybrid`], naming the call; none of them answers for one group alone
+//! where the answer would be the whole cache's.
+
+use crate::error::{Error, Result};
+use crate::ids::SeqId;
+use crate::pool::prefix::{Admission, AdmitOptions};
+
+use super::groups::{GroupSpec, GroupStats, GroupStep, GroupSwapJob, Groups, PendingGroupDefrag};
+use super::{CacheConfig, KvCache};
+
+impl KvCache {
+    /// A hybrid model's cache: one group per spec, each with its own block tables,
+    /// drawing pages from one arena of `num_pages` pages (every group's block is one
+    /// page; see the [hybrid guide](crate::guide::hybrid)). Every page starts owned by
+    /// group 0 and moves to the group that needs it.
+    ///
+    /// ```
+    /// use pagedkv::{DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape, SeqId};
+    ///
+    /// // One global and one local (window 32) group of 2 layers each: equal pages.
+    /// let shape = ModelShape { num_layers: 2, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::BF16 };
+    /// let layout = KvLayout::new(shape, 16)?;
+    /// let mut kv = KvCache::hybrid(&[GroupSpec::full(layout), GroupSpec::window(layout, 32)], 64)?;
+    /// let mut step = GroupStep::default();
+    /// kv.admit_grouped(SeqId(1), 100, &mut step)?;     // 7 pages in each group
+    /// assert_eq!(step.slots[0].len(), 100);
+    /// for _ in 0..100 {
+    ///     kv.append_grouped(SeqId(1), 1, &mut step)?;  // the window group gives pages back
+    /// }
+    /// let st = kv.group_stats();
+    /// assert_eq!(st.used_per_group, vec![13, 3]);
+    /// assert_eq!(kv.group(1).block_table(SeqId(1))?.len(), 13); // holes before the window
+    /// kv.fork(SeqId(1), SeqId(2))?;                     // lifecycle calls serve every cache
+    /// kv.free(SeqId(1))?;
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when there is no group, more than 255, no page, or the
+    /// groups' page bytes (`layout.block_bytes()`) differ; a window of 0 tokens.
+    pub fn hybrid(specs: &[GroupSpec], num_pages: usize) -> Result<Self> {
+        Self::hybrid_with_host_tier(specs, num_pages, 0)
+    }
+
+    /// [`Self::hybrid`] with a host tier of `num_host_blocks` blocks, shared by every
+    /// group as the arena is (a host block belongs to one group at a time and moves to
+    /// the group that needs it), for [`Self::swap_out_grouped`] and
+    /// [`Self::swap_in_grouped`].
+    ///
+    /// # Errors
+    /// As [`Self::hybrid`]; [`Error::InvalidConfig`] when the host tier does not fit
+    /// `u32` ids.
+    pub fn hybrid_with_host_tier(
+        specs: &[GroupSpec],
+        num_pages: usize,
+        num_host_blocks: usize,
+    ) -> Result<Self> {
+        let groups = Groups::with_host_tier(specs, num_pages, num_host_blocks)?;
+        let first = specs[0].layout;
+        // The shell's own tables stay empty: one block, never handed out.
+        let mut kv = KvCache::new(
+            first,
+            CacheConfig {
+                watermark_blocks: 0,
+                ..CacheConfig::new(1)
+            },
+        )?;
+        kv.hybrid = Some(Box::new(groups));
+        Ok(kv)
+    }
+
+    /// Keeps `blocks` free at admission ([`Self::can_admit`]), so running sequences can
+    /// grow without an immediate preemption (for one group, `watermark_blocks` of the
+    /// config).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when `blocks` is not below the arena.
+    pub fn with_watermark_blocks(mut self, blocks: usize) -> Result<Self> {
+        match self.hybrid.take() {
+            Some(h) => {
+                self.hybrid = Some(Box::new(h.with_watermark(blocks)?));
+            }
+            None => {
+                if blocks >= self.num_blocks() {
+                    return Err(Error::config(
+                        "watermark_blocks",
+                        format!("{blocks} must be below num_blocks {}", self.num_blocks()),
+                    ));
+                }
+                self.config.watermark_blocks = blocks;
+            }
+        }
+        Ok(self)
+    }
+
+    /// KV-cache groups: 1 unless built by [`Self::hybrid`].
+    pub fn num_groups(&self) -> usize {
+        self.hybrid.as_ref().map_or(1, |h| h.num_groups())
+    }
+
+    /// Whether the cache has several groups ([`Self::hybrid`]).
+    pub fn is_hybrid(&self) -> bool {
+        self.hybrid.is_some()
+    }
+
+    /// Group `g`, read-only: its block tables, batch views (`fill_padded`, `fill_csr`),
+    /// `readable_blocks`. A one-group cache is its own group 0. A hybrid group's own
+    /// `stats` and `sequence_ids` count the hidden sequence that holds the pages other
+    /// groups own; use [`Self::group_stats`] instead.
+    ///
+    /// # Panics
+    /// When `g >= num_groups()`.
+    pub fn group(&self, g: usize) -> &KvCache {
+        match &self.hybrid {
+            Some(h) => h.group(g),
+            None => {
+                assert!(g == 0, "group {g} of a one-group cache");
+                self
+            }
+        }
+    }
+
+    /// Bytes of one block (a page: every group's block has this size).
+    pub fn block_bytes(&self) -> usize {
+        self.group(0).layout.block_bytes()
+    }
+
+    /// Blocks admitting a prompt of `num_tokens` takes, all groups together.
+    pub fn admission_blocks(&self, num_tokens: usize) -> usize {
+        match &self.hybrid {
+            Some(h) => h.admit_pages(num_tokens),
+            None => self.layout.blocks_for_tokens(num_tokens),
+        }
+    }
+
+    /// One past the highest block any group holds (used or cached): equal to the held
+    /// blocks in a compact arena. O(blocks), a monitoring call.
+    pub fn high_water_blocks(&self) -> usize {
+        match &self.hybrid {
+            Some(h) => h.high_water(),
+            None => self.fragmentation().high_water_blocks,
+        }
+    }
+
+    /// Admits `seq` with a prompt of `num_tokens` tokens in every group; `step.slots[g]`
+    /// gets the slots of every prompt token in group `g` (see [`Self::admit`]).
+    ///
+    /// # Errors
+    /// [`Error::DuplicateSequence`], [`Error::TooLong`], [`Error::OutOfBlocks`] (with the
+    /// blocks all groups need and the arena's free blocks). Nothing changed on error.
+    pub fn admit_grouped(
+        &mut self,
+        seq: SeqId,
+        num_tokens: usize,
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        match &mut self.hybrid {
+            Some(h) => h.admit(seq, num_tokens, step),
+            None => {
+                let (slots, _) = step.one_group();
+                self.admit(seq, num_tokens, slots)
+            }
+        }
+    }
+
+    /// Admits `seq` with prompt `tokens` in every group, sharing the cached prefix every
+    /// group holds, and schedules the whole uncached rest in this step (see
+    /// [`Self::admit_tokens`]; for a hybrid cache, [`crate::guide::hybrid`] says which
+    /// group serves which hit): `step.slots[g]` gets the slots of
+    /// `tokens[cached_tokens..]` in group `g`. `cached_tokens` is common to all groups;
+    /// `cached_blocks`, `new_blocks` and `registered_blocks` are summed over them.
+    ///
+    /// # Errors
+    /// [`Error::DuplicateSequence`], [`Error::TooLong`], [`Error::PrefixKeyTooLong`],
+    /// [`Error::OutOfBlocks`]. Nothing changed on error.
+    pub fn admit_tokens_grouped(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        opts: &AdmitOptions<'_>,
+        step: &mut GroupStep,
+    ) -> Result<Admission> {
+        match &mut self.hybrid {
+            Some(h) => h.admit_tokens(seq, tokens, opts, step),
+            None => {
+                let (slots, _) = step.one_group();
+                self.admit_tokens(seq, tokens, opts, slots)
+            }
+        }
+    }
+
+    /// Admits `seq` with `num_tokens` tokens, all computed, whose first `holes[g]`
+    /// blocks in group `g` are holes (blocks a window group gave back): `step.slots[g]`
+    /// gets the slots of the tokens after the holes, which the caller writes. For an
+    /// import ([`crate::export::groups`]); registers nothing in a prefix cache.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `holes` does not have one entry per group, or a
+    /// group has holes it could not have; as [`Self::admit_grouped`]. Nothing changed
+    /// on error.
+    pub(crate) fn admit_with_holes_grouped(
+        &mut self,
+        seq: SeqId,
+        num_tokens: usize,
+        holes: &[usize],
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        if let Some(h) = &mut self.hybrid {
+            return h.admit_with_holes(seq, num_tokens, holes, step);
+        }
+        let most = self.first_block_in_window(num_tokens);
+        let (slots, _) = step.one_group();
+        match *holes {
+            [h] if h <= most => self.admit_holed(seq, num_tokens, h, slots),
+            [h] => Err(Error::ShapeMismatch {
+                what: "hole blocks of a group (at most those before its window)",
+                expected: most,
+                got: h,
+            }),
+            _ => Err(Error::ShapeMismatch {
+                what: "hole counts (one per group)",
+                expected: 1,
+                got: holes.len(),
+            }),
+        }
+    }
+
+    /// Appends and commits `n` tokens of `seq` in every group (see [`Self::append`]).
+    ///
+    /// # Errors
+    /// As [`Self::reserve_grouped`]. Nothing changed on error.
+    pub fn append_grouped(&mut self, seq: SeqId, n: usize, step: &mut GroupStep) -> Result<()> {
+        match &mut self.hybrid {
+            Some(h) => h.append(seq, n, step),
+            None => {
+                let (slots, copies) = step.one_group();
+                self.append(seq, n, slots, copies)
+            }
+        }
+    }
+
+    /// Appends and commits `tokens` to `seq` in every group and records their ids, so
+    /// that every full computed block is registered in the prefix caches of the full
+    /// and latent groups (see [`Self::append_tokens`]).
+    ///
+    /// # Errors
+    /// As [`Self::append_grouped`]. Nothing changed on error.
+    pub fn append_tokens_grouped(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        match &mut self.hybrid {
+            Some(h) => h.append_tokens(seq, tokens, step),
+            None => {
+                let (slots, copies) = step.one_group();
+                self.append_tokens(seq, tokens, slots, copies)
+            }
+        }
+    }
+
+    /// Reserves slots for the next `n` tokens of `seq` plus `lookahead` in every group
+    /// (see [`Self::reserve`]); [`Self::commit`] marks the computed ones.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`], [`Error::SequenceState`] (swapped out, or holding
+    /// an uncommitted reservation), [`Error::TooLong`], [`Error::OutOfBlocks`] with the
+    /// blocks all groups need. Nothing changed on error.
+    pub fn reserve_grouped(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        lookahead: usize,
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        match &mut self.hybrid {
+            Some(h) => h.reserve(seq, n, lookahead, step),
+            None => {
+                let (slots, copies) = step.one_group();
+                self.reserve(seq, n, lookahead, slots, copies)
+            }
+        }
+    }
+
+    /// Plans the swap-out of `seq` in every group at once: each group's plan copies the
+    /// blocks the sequence holds there (a window group's holes stay holes) to blocks of
+    /// the shared host tier. Execute every plan of the job, then
+    /// [`Self::complete_swap_grouped`], or [`Self::abort_swap_grouped`] when a transfer
+    /// failed (see [`Self::swap_out`]).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped, has
+    /// a swap in flight or holds an uncommitted reservation; [`Error::TierFull`] when
+    /// the host tier lacks room for every group's blocks. Nothing changed on error.
+    pub fn swap_out_grouped(&mut self, seq: SeqId) -> Result<GroupSwapJob> {
+        match &mut self.hybrid {
+            Some(h) => h.swap_out(seq),
+            None => self.swap_out(seq).map(|j| GroupSwapJob::one(seq, j)),
+        }
+    }
+
+    /// Plans the swap-in of swapped-out `seq` in every group at once; execute every
+    /// plan, then [`Self::complete_swap_grouped`] or [`Self::abort_swap_grouped`].
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is not swapped
+    /// out; [`Error::OutOfBlocks`] with the blocks all groups need. Nothing changed on
+    /// error.
+    pub fn swap_in_grouped(&mut self, seq: SeqId) -> Result<GroupSwapJob> {
+        match &mut self.hybrid {
+            Some(h) => h.swap_in(seq),
+            None => self.swap_in(seq).map(|j| GroupSwapJob::one(seq, j)),
+        }
+    }
+
+    /// Finishes both directions of a swap in every group (see [`Self::complete_swap`]).
+    ///
+    /// # Errors
+    /// [`Error::UnknownTicket`] when the job is not in flight;
+    /// [`Error::ShapeMismatch`] when it has not one ticket per group (nothing changed).
+    pub fn complete_swap_grouped(&mut self, job: &GroupSwapJob) -> Result<()> {
+        match &mut self.hybrid {
+            Some(h) => h.complete_swap(job),
+            None => self.complete_swap(GroupSwapJob::only_ticket(job)?),
+        }
+    }
+
+    /// Undoes a swap in every group (see [`Self::abort_swap`]).
+    ///
+    /// # Errors
+    /// As [`Self::complete_swap_grouped`].
+    pub fn abort_swap_grouped(&mut self, job: &GroupSwapJob) -> Result<()> {
+        match &mut self.hybrid {
+            Some(h) => h.abort_swap(job),
+            None => self.abort_swap(GroupSwapJob::only_ticket(job)?),
+        }
+    }
+
+    /// Counters of every group now (for one group, [`Self::stats`] in group terms).
+    pub fn group_stats(&self) -> GroupStats {
+        match &self.hybrid {
+            Some(h) => h.stats(),
+            None => {
+                let st = self.stats();
+                GroupStats {
+                    num_pages: st.num_blocks,
+                    used_pages: st.used_blocks,
+                    free_pages: self.num_available_blocks(),
+                    cached_pages: st.cached_blocks,
+                    peak_used_pages: st.peak_used_blocks,
+                    used_per_group: vec![st.used_blocks],
+                    owned_per_group: vec![st.num_blocks],
+                    page_moves: 0,
+                    num_sequences: st.num_sequences,
+                }
+            }
+        }
+    }
+
+    /// Plans a compaction of a hybrid cache's whole arena (see
+    /// [`PendingGroupDefrag`]); for one group, [`Self::plan_defragment`].
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] on a one-group cache.
+    pub fn plan_defragment_grouped(&mut self) -> Result<PendingGroupDefrag<'_>> {
+        match &mut self.hybrid {
+            Some(h) => Ok(h.plan_defragment()),
+            None => Err(Error::Unsupported(
+                "plan_defragment_grouped on a one-group cache: use plan_defragment".into(),
+            )),
+        }
+    }
+}
