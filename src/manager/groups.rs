@@ -717,6 +717,41 @@ impl Groups {
         Ok(registered)
     }
 
+    /// Truncates `seq` to `new_len` tokens in every group (see [`KvCache::truncate`]);
+    /// every group checks first (a window group refuses a length whose window starts
+    /// in blocks it gave back), so a refusal changes no group. The blocks released
+    /// stay with the group that held them.
+    ///
+    /// # Errors
+    /// As [`KvCache::truncate`]. Nothing changed on error.
+    pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
+        self.check_id(seq)?;
+        for kv in &self.groups {
+            kv.check_truncate(seq, new_len)?;
+        }
+        for kv in &mut self.groups {
+            kv.truncate_checked(seq, new_len)?;
+        }
+        self.note_usage();
+        Ok(())
+    }
+
+    /// Puts `seq` in the fork group of `with` in every group (see
+    /// [`KvCache::join_fork_group`]).
+    ///
+    /// # Errors
+    /// As [`KvCache::join_fork_group`]. Nothing changed on error.
+    pub fn join_fork_group(&mut self, seq: SeqId, with: SeqId) -> Result<()> {
+        self.check_id(seq)?;
+        self.check_id(with)?;
+        // Group 0 checks; the others hold the same sequences in the same states.
+        self.groups[0].join_fork_group(seq, with)?;
+        for kv in &mut self.groups[1..] {
+            kv.join_fork_group(seq, with)?;
+        }
+        Ok(())
+    }
+
     /// Forks `parent` into `child` in every group: all pages shared, copy-on-write on
     /// the next write.
     ///

@@ -1304,7 +1304,15 @@ impl KvCache {
     /// the sequence; [`Error::SequenceState`] when it is swapped out, has a swap in
     /// flight or holds an uncommitted reservation. Nothing changed on error.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
-        self.one_group("truncate")?;
+        if let Some(h) = &mut self.hybrid {
+            return h.truncate(seq, new_len);
+        }
+        self.check_truncate(seq, new_len)?;
+        self.truncate_checked(seq, new_len)
+    }
+
+    /// The refusals of [`Self::truncate`], changing nothing.
+    pub(crate) fn check_truncate(&self, seq: SeqId, new_len: usize) -> Result<()> {
         let s = self.idle(seq)?;
         if new_len > s.num_tokens {
             return Err(Error::PastEnd {
@@ -1313,8 +1321,16 @@ impl KvCache {
                 len: s.num_tokens,
             });
         }
-        self.check_truncate_window(seq, s, new_len)?;
-        let h = self.handle(seq)?;
+        self.check_truncate_window(seq, s, new_len)
+    }
+
+    /// [`Self::truncate`] once [`Self::check_truncate`] passed: an error here is the
+    /// manager's own corruption.
+    pub(crate) fn truncate_checked(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
+        let h = self
+            .seqs
+            .handle(&seq)
+            .ok_or_else(|| self.absent_error(seq))?;
         self.tables_changed();
         // Out of its slot while blocks are released (see `replace_protected`).
         let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
@@ -1354,7 +1370,9 @@ impl KvCache {
     /// [`Error::UnknownSequence`] for either; [`Error::SequenceState`] when `seq` is
     /// swapped out or has a swap in flight. Nothing changed on error.
     pub fn join_fork_group(&mut self, seq: SeqId, with: SeqId) -> Result<()> {
-        self.one_group("join_fork_group")?;
+        if let Some(h) = &mut self.hybrid {
+            return h.join_fork_group(seq, with);
+        }
         let admission = match self.seqs.get(&with) {
             Some(s) => s.admission,
             None => self
