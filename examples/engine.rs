@@ -688,6 +688,15 @@ impl<'a> Engine<'a> {
                 self.stats.swap_outs += 1;
                 self.swapped.push_back(victims);
             }
+            PreemptAction::SwapGroups(job) => {
+                // A hybrid cache's swap: one plan per KV-cache group.
+                for plan in &job.plans {
+                    self.store.swap(plan)?;
+                }
+                self.kv.complete_swap_grouped(&job)?;
+                self.stats.swap_outs += 1;
+                self.swapped.push_back(victims);
+            }
             PreemptAction::Recompute { tokens } => {
                 self.stats.recomputes += 1;
                 self.stats.recomputed_tokens += tokens.iter().map(|t| t.1).sum::<usize>();

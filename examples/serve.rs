@@ -872,6 +872,18 @@ impl<'a> Sim<'a> {
                     o.simulated_seconds_lost += p.swap_seconds;
                     self.swapped.push_back(group);
                 }
+                PreemptAction::SwapGroups(job) => {
+                    // A hybrid cache's swap: one plan per KV-cache group.
+                    for plan in &job.plans {
+                        self.store.swap(plan)?;
+                    }
+                    if let Backend::Paged { kv, .. } = &mut self.backend {
+                        kv.complete_swap_grouped(&job)?;
+                    }
+                    o.swaps += 1;
+                    o.simulated_seconds_lost += p.swap_seconds;
+                    self.swapped.push_back(group);
+                }
                 PreemptAction::Recompute { tokens } => {
                     // The manager freed the group; the request starts over.
                     o.recomputes += 1;

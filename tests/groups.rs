@@ -23,8 +23,9 @@
 //!   (`TierFull`, `OutOfBlocks`, state, unknown ticket) change nothing.
 
 use pagedkv::{
-    AdmitOptions, BlockId, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage, KvCache,
-    KvKind, KvLayout, ModelShape, SeqId, Storage,
+    AdmitOptions, BlockId, CopyPlan, CostModel, DType, Error, GroupSpec, GroupStep, HostStorage,
+    KvCache, KvKind, KvLayout, ModelShape, PreemptAction, PreemptMode, PreemptPolicy, SeqId,
+    Storage,
 };
 use proptest::prelude::*;
 
@@ -343,6 +344,12 @@ struct Model {
     /// Truncations that cut tokens, and those a window group refused.
     truncations: usize,
     refused_truncations: usize,
+    /// Preempt through `preempt_for` (alternating swap and recompute policies)
+    /// instead of the model's own choice of the longest sequence.
+    by_policy: bool,
+    /// Preemptions `preempt_for` carried out, by swap and by recompute.
+    policy_swaps: usize,
+    policy_recomputes: usize,
 }
 
 impl Model {
@@ -596,6 +603,10 @@ impl Model {
         };
         match result {
             Ok(()) => {}
+            Err(Error::OutOfBlocks { needed, .. }) if self.by_policy => {
+                assert_eq!(snapshot(&self.kv), before, "failed {a:?} changed state");
+                self.preempt_by_policy(needed);
+            }
             Err(Error::OutOfBlocks { .. } | Error::TooLong { .. } | Error::TierFull { .. }) => {
                 assert_eq!(snapshot(&self.kv), before, "failed {a:?} changed state");
                 // Preemption of the longest: by swap when the host tier takes it, else
@@ -627,6 +638,77 @@ impl Model {
 }
 
 impl Model {
+    /// `preempt_for(needed)` with a swap policy and a recompute policy in turn: the
+    /// pages it says it frees are free afterwards (a swap's once completed), swapped
+    /// sequences keep their bytes for the swap-in, recomputed ones are admitted
+    /// again. A refusal (too little to preempt) changes nothing.
+    fn preempt_by_policy(&mut self, needed: usize) {
+        let mode = if (self.policy_swaps + self.policy_recomputes).is_multiple_of(2) {
+            PreemptMode::AlwaysSwap
+        } else {
+            PreemptMode::AlwaysRecompute
+        };
+        let policy = PreemptPolicy {
+            mode,
+            ..PreemptPolicy::cost_based(CostModel::new(1e9, 1e4).unwrap())
+        };
+        let before = snapshot(&self.kv);
+        let preempted = match self.kv.preempt_for(needed, &policy) {
+            Ok(p) => p,
+            Err(Error::OutOfBlocks { .. }) => {
+                assert_eq!(
+                    snapshot(&self.kv),
+                    before,
+                    "refused preempt_for changed state"
+                );
+                return;
+            }
+            Err(e) => panic!("preempt_for({needed}): {e}"),
+        };
+        let mut readmit = Vec::new();
+        for p in preempted {
+            match p.action {
+                PreemptAction::SwapGroups(job) => {
+                    assert_eq!(p.seqs, vec![job.seq]);
+                    for plan in &job.plans {
+                        self.store.swap(plan).unwrap();
+                    }
+                    self.kv.complete_swap_grouped(&job).unwrap();
+                    self.swaps += usize::from(job.plans.iter().any(|p| !p.is_empty()));
+                    let i = self.seqs.iter().position(|s| s.0 == job.seq).unwrap();
+                    let w = self.seqs.swap_remove(i);
+                    self.swapped.push(w);
+                    self.policy_swaps += 1;
+                }
+                PreemptAction::Recompute { tokens } => {
+                    for (id, n) in tokens {
+                        assert!(!self.kv.contains(id));
+                        let i = self.seqs.iter().position(|s| s.0 == id).unwrap();
+                        let (_, w) = self.seqs.swap_remove(i);
+                        assert_eq!(w.len(), n);
+                        readmit.push(n);
+                    }
+                    self.policy_recomputes += 1;
+                }
+                PreemptAction::Swap(_) => panic!("a hybrid cache swaps with a GroupSwapJob"),
+            }
+        }
+        let st = self.kv.group_stats();
+        assert!(
+            st.free_pages >= needed,
+            "{st:?} after preempt_for({needed})"
+        );
+        self.check();
+        for n in readmit {
+            let again = SeqId(self.next);
+            self.next += 1;
+            if self.kv.admit_grouped(again, n, &mut self.step).is_ok() {
+                self.write(again, 0);
+                self.seqs.push((again, vec![again.0; n]));
+            }
+        }
+    }
+
     /// Swaps out `seqs[i]`: runs every group's plan on the shared storage, completes.
     fn swap_out(&mut self, i: usize) -> Result<(), Error> {
         let id = self.seqs[i].0;
@@ -659,6 +741,9 @@ fn model(specs: &[GroupSpec]) -> Model {
         swaps: 0,
         truncations: 0,
         refused_truncations: 0,
+        by_policy: false,
+        policy_swaps: 0,
+        policy_recomputes: 0,
     }
 }
 
@@ -1633,4 +1718,62 @@ fn twins_of_cached_blocks_keep_their_parents_live_across_group_page_moves() {
         Admit(1),
     ];
     run_and_free_all(&specs, &actions);
+}
+
+/// Preemption by `preempt_for` on a hybrid cache (full + window groups): the model
+/// preempts through the policy, alternating swap and recompute, with the byte shadow
+/// checked after each; a refusal changes nothing. Priorities order the victims.
+#[test]
+fn preempt_for_frees_pages_in_every_group() {
+    let l = layout(BS, 1);
+    let specs = [GroupSpec::full(l), GroupSpec::window(l, WINDOW)];
+    let config = ProptestConfig {
+        cases: 48,
+        source_file: Some(file!()),
+        ..ProptestConfig::default()
+    };
+    let mut runner = proptest::test_runner::TestRunner::new(config);
+    let seen = std::sync::Mutex::new((0, 0));
+    runner
+        .run(&proptest::collection::vec(action(), 1..80), |actions| {
+            let mut m = model(&specs);
+            m.by_policy = true;
+            for a in &actions {
+                m.apply(a);
+            }
+            let mut s = seen.lock().unwrap();
+            s.0 += usize::from(m.policy_swaps > 0);
+            s.1 += usize::from(m.policy_recomputes > 0);
+            Ok(())
+        })
+        .unwrap();
+    let (swaps, recomputes) = seen.into_inner().unwrap();
+    assert!(
+        swaps >= 10 && recomputes >= 10,
+        "{swaps} / {recomputes} of 48 cases"
+    );
+
+    // Priorities: the lower-priority sequence goes first, though it is the older.
+    let mut kv = KvCache::hybrid_with_host_tier(&specs, 8, 8).unwrap();
+    let mut step = GroupStep::default();
+    kv.admit_grouped(SeqId(1), 8, &mut step).unwrap(); // 2 pages in each group
+    kv.admit_grouped(SeqId(2), 8, &mut step).unwrap();
+    kv.set_preempt_priority(SeqId(1), -1).unwrap();
+    let policy = PreemptPolicy {
+        mode: PreemptMode::AlwaysRecompute,
+        ..PreemptPolicy::cost_based(CostModel::new(1e9, 1e4).unwrap())
+    };
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.preempt_for(9, &policy),
+        Err(Error::OutOfBlocks { needed: 9, free: 8 })
+    ));
+    assert_eq!(snapshot(&kv), before);
+    let p = kv.preempt_for(4, &policy).unwrap();
+    assert_eq!(p.len(), 1);
+    assert_eq!((p[0].seqs.clone(), p[0].blocks_freed), (vec![SeqId(1)], 4));
+    assert!(!kv.contains(SeqId(1)) && kv.contains(SeqId(2)));
+    assert_eq!(kv.tier_stats().preempt_recomputes, 1);
+    assert_eq!(kv.take_preempt_events().len(), 1);
+    kv.check_invariants().unwrap();
 }

@@ -945,6 +945,9 @@ impl Model {
                             }
                             match p.action {
                                 PreemptAction::Swap(job) => self.finish_swap(&job, &p.seqs, true),
+                                PreemptAction::SwapGroups(_) => {
+                                    panic!("a one-group cache swaps with a SwapJob")
+                                }
                                 PreemptAction::Recompute { .. } => {
                                     for id in &p.seqs {
                                         self.seqs.remove(id);

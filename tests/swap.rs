@@ -1202,6 +1202,9 @@ mod properties {
                     for p in self.r.kv.preempt_for(needed, &policy)? {
                         match p.action {
                             PreemptAction::Swap(job) => self.finish(job, false),
+                            PreemptAction::SwapGroups(_) => {
+                                panic!("a one-group cache swaps with a SwapJob")
+                            }
                             PreemptAction::Recompute { tokens } => {
                                 for (id, _) in tokens {
                                     self.r.values.remove(&id);

@@ -159,6 +159,9 @@ pub enum PreemptReason {
     HostTierFull,
     /// The policy forces this action.
     Forced,
+    /// Swapping was preferred but this cache cannot swap the group as one: a hybrid
+    /// cache swaps one sequence at a time, so a fork group of several is recomputed.
+    SwapUnavailable,
 }
 
 /// What happened to one preempted group.
@@ -168,6 +171,10 @@ pub enum PreemptAction {
     /// [`KvCache::complete_swap`] frees the device blocks; later
     /// [`KvCache::swap_in_group`] brings the group back.
     Swap(SwapJob),
+    /// Swapped out in every group of a hybrid cache: execute every plan of the job,
+    /// then [`KvCache::complete_swap_grouped`]; later [`KvCache::swap_in_grouped`]
+    /// brings it back.
+    SwapGroups(super::groups::GroupSwapJob),
     /// Freed now: the engine re-admits each sequence with its tokens (prompt and
     /// generated) when there is room, and prefills them again.
     Recompute {
@@ -238,6 +245,10 @@ impl KvCache {
         // Keyed by admission; a sequence without a stamp (0) is a group of its own.
         let mut groups: std::collections::HashMap<(u64, SeqId), Vec<SeqId>> = Default::default();
         for (&id, s) in &self.seqs {
+            // A hybrid group's hidden lenders hold pages, not tokens.
+            if super::groups::is_hidden(id) {
+                continue;
+            }
             let key = match s.admission {
                 0 => (0, id),
                 a => (a, SeqId(0)),
@@ -256,34 +267,25 @@ impl KvCache {
                 .copied()
                 .filter(|id| self.idle(*id).is_err())
                 .collect();
-            let mut refs: std::collections::HashMap<BlockId, u32> = Default::default();
             let mut tokens = 0;
             let mut priority = i32::MAX;
             for id in &seqs {
                 let s = self.resident(*id)?;
                 tokens += s.computed;
                 priority = priority.min(s.preempt_priority);
-                for &b in &s.table[s.released..] {
-                    *refs.entry(b).or_default() += 1;
-                }
             }
             // So is one in this step's batch (the batch may be writing into its
             // blocks), unless the policy may unschedule it.
             if !reserved.is_empty() && unschedule_below.is_none_or(|p| priority >= p) {
                 continue;
             }
-            let mut blocks_freed = 0;
-            for (&b, &r) in &refs {
-                if self.pool.refcount(b)? == r {
-                    blocks_freed += 1;
-                }
-            }
+            let (blocks, blocks_freed) = self.held_by(&seqs)?;
             out.push(Candidate {
                 priority,
                 admission,
                 seqs,
                 reserved,
-                blocks: refs.len(),
+                blocks,
                 blocks_freed,
                 tokens,
             });
@@ -295,6 +297,25 @@ impl KvCache {
                 .then(b.admission.cmp(&a.admission))
         });
         Ok(out)
+    }
+
+    /// The distinct blocks the resident sequences `seqs` hold, and how many of them
+    /// no other sequence holds (those a preemption frees).
+    pub(super) fn held_by(&self, seqs: &[SeqId]) -> Result<(usize, usize)> {
+        let mut refs: std::collections::HashMap<BlockId, u32> = Default::default();
+        for id in seqs {
+            let s = self.resident(*id)?;
+            for &b in &s.table[s.released..] {
+                *refs.entry(b).or_default() += 1;
+            }
+        }
+        let mut freed = 0;
+        for (&b, &r) in &refs {
+            if self.pool.refcount(b)? == r {
+                freed += 1;
+            }
+        }
+        Ok((refs.len(), freed))
     }
 
     /// Makes `needed_blocks` blocks available by preempting fork groups (see the
@@ -334,94 +355,92 @@ impl KvCache {
         needed_blocks: usize,
         policy: &PreemptPolicy,
     ) -> Result<Vec<Preemption>> {
-        self.one_group("preempt_for")?;
-        let mut have = self.num_available_blocks() + self.tiers.pending_device_release();
+        if let Some(h) = &mut self.hybrid {
+            return h.preempt_for(needed_blocks, policy);
+        }
+        let have = self.num_available_blocks() + self.tiers.pending_device_release();
         if needed_blocks <= have {
             return Ok(Vec::new());
         }
-        let block_bytes = self.layout.block_bytes();
-        let mut host_free = self.tiers.host_free();
-        let mut chosen = Vec::new();
-        for c in self.preemption_candidates(policy.unschedule_below)? {
-            if have >= needed_blocks {
-                break;
-            }
-            let swap_seconds = policy.cost.swap_seconds(c.blocks * block_bytes);
-            let recompute_seconds = policy.cost.recompute_seconds(c.tokens);
-            let (swap, reason) = match policy.mode {
-                PreemptMode::AlwaysSwap => (true, PreemptReason::Forced),
-                PreemptMode::AlwaysRecompute => (false, PreemptReason::Forced),
-                PreemptMode::CostBased if swap_seconds <= recompute_seconds => {
-                    (true, PreemptReason::SwapCheaper)
-                }
-                PreemptMode::CostBased => (false, PreemptReason::RecomputeCheaper),
-            };
-            // A swap the host tier cannot take becomes a recompute.
-            let (swap, reason) = if swap && c.blocks > host_free {
-                (false, PreemptReason::HostTierFull)
-            } else {
-                (swap, reason)
-            };
-            if swap {
-                host_free -= c.blocks;
-            }
-            have += c.blocks_freed;
-            chosen.push((c, swap, reason, swap_seconds, recompute_seconds));
-        }
-        if have < needed_blocks {
-            return Err(Error::OutOfBlocks {
-                needed: needed_blocks,
-                free: have,
-            });
-        }
+        let candidates = self.preemption_candidates(policy.unschedule_below)?;
+        let chosen = choose_victims(
+            candidates,
+            policy,
+            needed_blocks,
+            have,
+            self.tiers.host_free(),
+            self.layout.block_bytes(),
+            |_| true,
+        )?;
         // Decisions made on a consistent state; applying them cannot fail short of
         // a corrupt manager.
         let mut out = Vec::with_capacity(chosen.len());
-        for (c, swap, reason, swap_seconds, recompute_seconds) in chosen {
-            for &id in &c.reserved {
+        for v in chosen {
+            for &id in &v.c.reserved {
                 self.commit(id, 0)?; // cancels the reservation
             }
-            let action = if swap {
-                PreemptAction::Swap(self.swap_out_group(&c.seqs)?)
+            let action = if v.swap {
+                PreemptAction::Swap(self.swap_out_group(&v.c.seqs)?)
             } else {
-                let mut tokens = Vec::with_capacity(c.seqs.len());
-                for &id in &c.seqs {
-                    tokens.push((id, self.num_computed_tokens(id)?));
-                    self.free(id)?;
+                PreemptAction::Recompute {
+                    tokens: self.free_for_recompute(&v.c.seqs)?,
                 }
-                PreemptAction::Recompute { tokens }
             };
-            let stats = &mut self.tiers.stats;
-            stats.preemptions += 1;
-            if swap {
-                stats.preempt_swaps += 1;
-            } else {
-                stats.preempt_recomputes += 1;
-            }
-            if self.tiers.events.len() == MAX_PREEMPT_EVENTS {
-                self.tiers.events.pop_front();
-            }
-            self.tiers.events.push_back(PreemptEvent {
-                seqs: c.seqs.clone(),
-                swapped: swap,
-                reason,
-                blocks_freed: c.blocks_freed,
-                swap_seconds,
-                recompute_seconds,
-            });
-            out.push(Preemption {
-                seqs: c.seqs,
-                unscheduled: c.reserved,
-                action,
-                reason,
-                blocks_freed: c.blocks_freed,
-                blocks: c.blocks,
-                tokens: c.tokens,
-                swap_seconds,
-                recompute_seconds,
-            });
+            out.push(self.record_preemption(v, action));
         }
         Ok(out)
+    }
+
+    /// Frees `seqs` for a recompute preemption; returns each with its computed tokens.
+    fn free_for_recompute(&mut self, seqs: &[SeqId]) -> Result<Vec<(SeqId, usize)>> {
+        let mut tokens = Vec::with_capacity(seqs.len());
+        for &id in seqs {
+            tokens.push((id, self.num_computed_tokens(id)?));
+            self.free(id)?;
+        }
+        Ok(tokens)
+    }
+
+    /// Counts and records a preemption carried out (a hybrid cache records in its
+    /// group 0, whose counters [`Self::tier_stats`] and [`Self::take_preempt_events`]
+    /// read).
+    fn record_preemption(&mut self, v: Victim, action: PreemptAction) -> Preemption {
+        let Victim {
+            c,
+            swap,
+            reason,
+            swap_seconds,
+            recompute_seconds,
+        } = v;
+        let stats = &mut self.tiers.stats;
+        stats.preemptions += 1;
+        if swap {
+            stats.preempt_swaps += 1;
+        } else {
+            stats.preempt_recomputes += 1;
+        }
+        if self.tiers.events.len() == MAX_PREEMPT_EVENTS {
+            self.tiers.events.pop_front();
+        }
+        self.tiers.events.push_back(PreemptEvent {
+            seqs: c.seqs.clone(),
+            swapped: swap,
+            reason,
+            blocks_freed: c.blocks_freed,
+            swap_seconds,
+            recompute_seconds,
+        });
+        Preemption {
+            seqs: c.seqs,
+            unscheduled: c.reserved,
+            action,
+            reason,
+            blocks_freed: c.blocks_freed,
+            blocks: c.blocks,
+            tokens: c.tokens,
+            swap_seconds,
+            recompute_seconds,
+        }
     }
 
     /// The preemptions recorded since the last call, oldest first (at most
@@ -431,5 +450,127 @@ impl KvCache {
             return h.group_mut(0).take_preempt_events();
         }
         self.tiers.events.drain(..).collect()
+    }
+}
+
+/// A candidate chosen, with the decision taken for it.
+struct Victim {
+    c: Candidate,
+    swap: bool,
+    reason: PreemptReason,
+    swap_seconds: f64,
+    recompute_seconds: f64,
+}
+
+/// Takes `candidates` in order until `have` reaches `needed`, deciding swap or
+/// recompute for each (`may_swap` false forces a recompute); refuses with nothing
+/// chosen when every candidate together frees too little.
+fn choose_victims(
+    candidates: Vec<Candidate>,
+    policy: &PreemptPolicy,
+    needed: usize,
+    mut have: usize,
+    mut host_free: usize,
+    block_bytes: usize,
+    may_swap: impl Fn(&Candidate) -> bool,
+) -> Result<Vec<Victim>> {
+    let mut chosen = Vec::new();
+    for c in candidates {
+        if have >= needed {
+            break;
+        }
+        let swap_seconds = policy.cost.swap_seconds(c.blocks * block_bytes);
+        let recompute_seconds = policy.cost.recompute_seconds(c.tokens);
+        let (swap, reason) = match policy.mode {
+            PreemptMode::AlwaysSwap => (true, PreemptReason::Forced),
+            PreemptMode::AlwaysRecompute => (false, PreemptReason::Forced),
+            PreemptMode::CostBased if swap_seconds <= recompute_seconds => {
+                (true, PreemptReason::SwapCheaper)
+            }
+            PreemptMode::CostBased => (false, PreemptReason::RecomputeCheaper),
+        };
+        // A swap the host tier cannot take becomes a recompute.
+        let (swap, reason) = if swap && c.blocks > host_free {
+            (false, PreemptReason::HostTierFull)
+        } else if swap && !may_swap(&c) {
+            (false, PreemptReason::SwapUnavailable)
+        } else {
+            (swap, reason)
+        };
+        if swap {
+            host_free -= c.blocks;
+        }
+        have += c.blocks_freed;
+        chosen.push(Victim {
+            c,
+            swap,
+            reason,
+            swap_seconds,
+            recompute_seconds,
+        });
+    }
+    if have < needed {
+        return Err(Error::OutOfBlocks { needed, free: have });
+    }
+    Ok(chosen)
+}
+
+impl super::groups::Groups {
+    /// [`KvCache::preempt_for`] of a hybrid cache: `needed_pages` of the whole arena.
+    /// Victims and their order come from group 0 (every group holds the same
+    /// sequences); the pages a victim holds and frees are summed over the groups. A
+    /// swap moves one sequence in every group ([`PreemptAction::SwapGroups`]), so a
+    /// fork group of several sequences is recomputed rather than swapped (its shared
+    /// pages would move once per member).
+    pub(crate) fn preempt_for(
+        &mut self,
+        needed_pages: usize,
+        policy: &PreemptPolicy,
+    ) -> Result<Vec<Preemption>> {
+        let pending: usize = (0..self.num_groups())
+            .map(|g| self.group(g).tiers.pending_device_release())
+            .sum();
+        let have = self.num_free_pages() + pending;
+        if needed_pages <= have {
+            return Ok(Vec::new());
+        }
+        let mut candidates = self
+            .group(0)
+            .preemption_candidates(policy.unschedule_below)?;
+        for c in &mut candidates {
+            (c.blocks, c.blocks_freed) = (0, 0);
+            for g in 0..self.num_groups() {
+                let (blocks, freed) = self.group(g).held_by(&c.seqs)?;
+                c.blocks += blocks;
+                c.blocks_freed += freed;
+            }
+        }
+        let chosen = choose_victims(
+            candidates,
+            policy,
+            needed_pages,
+            have,
+            self.num_free_host_blocks(),
+            self.group(0).layout.block_bytes(),
+            |c| c.seqs.len() == 1,
+        )?;
+        let mut out = Vec::with_capacity(chosen.len());
+        for v in chosen {
+            for &id in &v.c.reserved {
+                self.commit(id, 0)?; // cancels the reservation
+            }
+            let action = if v.swap {
+                PreemptAction::SwapGroups(self.swap_out(v.c.seqs[0])?)
+            } else {
+                let mut tokens = Vec::with_capacity(v.c.seqs.len());
+                for &id in &v.c.seqs {
+                    tokens.push((id, self.num_computed_tokens(id)?));
+                    self.free(id)?;
+                }
+                PreemptAction::Recompute { tokens }
+            };
+            out.push(self.group_mut(0).record_preemption(v, action));
+        }
+        Ok(out)
     }
 }

@@ -510,7 +510,13 @@ impl KvCache {
     /// # Errors
     /// [`Error::UnknownSequence`].
     pub fn set_preempt_priority(&mut self, seq: SeqId, priority: i32) -> Result<()> {
-        self.one_group("set_preempt_priority")?;
+        if let Some(h) = &mut self.hybrid {
+            // Every group holds the sequence; group 0 answers for an unknown one.
+            for g in 0..h.num_groups() {
+                h.group_mut(g).set_preempt_priority(seq, priority)?;
+            }
+            return Ok(());
+        }
         if let Some(s) = self.seqs.get_mut(&seq) {
             s.preempt_priority = priority;
         } else if let Some(s) = self.tiers.swapped.get_mut(&seq) {
