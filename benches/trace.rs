@@ -20,6 +20,11 @@
 //! criterion runs, a summary table (median of interleaved replays) prints ns per
 //! appended token and the ratio to the bare list (`TRACE_SUMMARY=0` skips it).
 //!
+//! The one cache type over KV-cache groups runs the same trace through its `_grouped`
+//! per-sequence calls on the same bytes: one group (a plain cache of 16-layer pages)
+//! beside two groups (a full and a 1,024-token window group of 16 layers each, as
+//! `KvCache::hybrid` builds a Gemma-like model), prefix caching off and on.
+//!
 //! `cargo bench --bench trace -- --warm-up-time 1 --measurement-time 3`
 
 use std::hint::black_box;
@@ -28,7 +33,8 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use pagedkv::{
     AdmitOptions, BlockId, BlockPool, CacheAllocator, CacheConfig, ContiguousCache, CopyPlan,
-    DType, KvCache, KvLayout, ModelShape, SeqHandle, SeqId, Slot, StepBuffers, StepEntry,
+    DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape, SeqHandle, SeqId, Slot,
+    StepBuffers, StepEntry,
 };
 
 const SEED: u64 = 18;
@@ -230,6 +236,18 @@ fn layout() -> KvLayout {
     KvLayout::new(s, BLOCK_SIZE).unwrap()
 }
 
+/// Half the model's layers: the page of a group of 16 layers (two to a block's bytes).
+fn half_layout() -> KvLayout {
+    let s = ModelShape {
+        num_layers: 16,
+        ..*layout().shape()
+    };
+    KvLayout::new(s, BLOCK_SIZE).unwrap()
+}
+
+/// The window of [`Grouped`]'s window group, in tokens.
+const WINDOW: usize = 1_024;
+
 fn manager() -> KvCache {
     let cfg = CacheConfig {
         num_blocks: NUM_BLOCKS,
@@ -365,6 +383,74 @@ impl Replay for Paged {
     }
 }
 
+/// The one cache type through its `_grouped` calls, one call per sequence: one group
+/// of 16-layer pages, or a full and a window group of 16 layers each over one arena
+/// of the same bytes.
+struct Grouped {
+    kv: KvCache,
+    prefix: bool,
+    step: GroupStep,
+}
+
+impl Grouped {
+    fn new(groups: usize, prefix: bool) -> Self {
+        let l = half_layout();
+        let pages = 2 * NUM_BLOCKS;
+        let kv = if groups == 1 {
+            let cfg = CacheConfig {
+                num_blocks: pages,
+                watermark_blocks: 0,
+                max_seq_len_tokens: PROMPT_MAX + DECODE_MAX,
+                ..CacheConfig::new(0)
+            };
+            KvCache::new(l, cfg).unwrap()
+        } else {
+            KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::window(l, WINDOW)], pages)
+                .unwrap()
+                .with_watermark_blocks(0)
+                .unwrap()
+        };
+        Grouped {
+            kv,
+            prefix,
+            step: GroupStep::default(),
+        }
+    }
+}
+
+impl Replay for Grouped {
+    fn admit(&mut self, trace: &Trace, i: usize) {
+        let id = SeqId(i as u64);
+        if self.prefix {
+            let opts = AdmitOptions::default();
+            self.kv
+                .admit_tokens_grouped(id, trace.prompt(i), &opts, &mut self.step)
+                .unwrap();
+        } else {
+            self.kv
+                .admit_grouped(id, trace.seqs[i].prompt, &mut self.step)
+                .unwrap();
+        }
+    }
+    fn step(&mut self, _: &Trace, step: &Step<'_>, slots: &mut Vec<Slot>) {
+        for (&i, &t) in step.running.iter().zip(step.sampled) {
+            let id = SeqId(i as u64);
+            if self.prefix {
+                self.kv
+                    .append_tokens_grouped(id, &[t], &mut self.step)
+                    .unwrap();
+            } else {
+                self.kv.append_grouped(id, 1, &mut self.step).unwrap();
+            }
+            // The full group's slot: the one a whole-model slot mapping would hold.
+            slots.extend_from_slice(&self.step.slots[0]);
+        }
+    }
+    fn free(&mut self, i: usize) {
+        self.kv.free(SeqId(i as u64)).unwrap();
+    }
+}
+
 /// Contiguous `max_len` reservations (each sequence reserves prompt + decode maximum).
 struct Contiguous {
     cc: ContiguousCache,
@@ -461,6 +547,15 @@ impl ReplayBox for Paged {
         self.prefix.then(|| self.kv.prefix_stats().hit_rate())
     }
 }
+impl ReplayBox for Grouped {
+    fn run(&mut self, trace: &Trace) -> Duration {
+        replay(trace, self)
+    }
+    fn hit_rate(&self) -> Option<f64> {
+        self.prefix
+            .then(|| self.kv.group(0).prefix_stats().hit_rate())
+    }
+}
 impl ReplayBox for Contiguous {
     fn run(&mut self, trace: &Trace) -> Duration {
         replay(trace, self)
@@ -492,6 +587,14 @@ fn variants() -> Vec<(&'static str, Factory)> {
         }),
         ("paged_prefix_on_step", |_| {
             Box::new(Paged::new(true, Path::Step))
+        }),
+        ("groups_1_prefix_off", |_| Box::new(Grouped::new(1, false))),
+        ("groups_2_full_window_prefix_off", |_| {
+            Box::new(Grouped::new(2, false))
+        }),
+        ("groups_1_prefix_on", |_| Box::new(Grouped::new(1, true))),
+        ("groups_2_full_window_prefix_on", |_| {
+            Box::new(Grouped::new(2, true))
         }),
         ("contiguous", |_| {
             Box::new(Contiguous {
