@@ -273,6 +273,19 @@ enum Action {
     /// with nothing changed, where a window group gave back the blocks of the new
     /// length's window.
     Truncate(usize, usize),
+    /// Chunked prefill of a prompt of family `f` (as `AdmitTokens`): admit the
+    /// prefix every group serves, then reserve, write and commit chunks of `chunk`
+    /// tokens; a chunk that does not fit frees the sequence (recompute later).
+    AdmitChunked(usize, usize, usize),
+}
+
+/// [`action`] with chunked prefills among the actions (a separate strategy, as
+/// [`action_with_export`]).
+fn action_with_chunks() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        5 => action(),
+        2 => (0usize..3, 0usize..30, 1usize..9).prop_map(|(f, n, c)| Action::AdmitChunked(f, n, c)),
+    ]
 }
 
 /// [`action`] with truncation among the actions (a separate strategy, as
@@ -341,6 +354,8 @@ struct Model {
     cow_copies: usize,
     /// Swap-outs and swap-ins completed that moved blocks.
     swaps: usize,
+    /// Chunked admissions made.
+    chunked: usize,
     /// Truncations that cut tokens, and those a window group refused.
     truncations: usize,
     refused_truncations: usize,
@@ -576,6 +591,49 @@ impl Model {
                     r
                 }
             }
+            Action::AdmitChunked(f, n, chunk) => {
+                let id = SeqId(self.next);
+                self.next += 1;
+                let tokens = vec![f as u32; n];
+                let opts = AdmitOptions::default();
+                let looked = self.kv.cached_prefix_len(&tokens, &opts).unwrap();
+                match self.kv.admit_prompt_grouped(id, &tokens, &opts) {
+                    Ok(a) => {
+                        assert_eq!(a.cached_tokens, looked);
+                        assert_eq!(self.kv.num_computed_tokens(id).unwrap(), a.cached_tokens);
+                        self.hits += a.cached_tokens;
+                        self.chunked += 1;
+                        let writer = family_writer(f);
+                        self.seqs.push((id, vec![writer; a.cached_tokens]));
+                        let mut done = a.cached_tokens;
+                        while done < n {
+                            let c = chunk.min(n - done);
+                            let before = snapshot(&self.kv);
+                            match self.kv.reserve_grouped(id, c, 0, &mut self.step) {
+                                Ok(()) => {
+                                    self.write(SeqId(writer), done);
+                                    self.kv.commit(id, c).unwrap();
+                                    self.seqs
+                                        .last_mut()
+                                        .unwrap()
+                                        .1
+                                        .extend(std::iter::repeat_n(writer, c));
+                                    done += c;
+                                }
+                                Err(Error::OutOfBlocks { .. }) => {
+                                    assert_eq!(snapshot(&self.kv), before);
+                                    self.seqs.pop();
+                                    self.kv.free(id).unwrap();
+                                    break;
+                                }
+                                Err(e) => panic!("{a:?}: chunk at {done}: {e}"),
+                            }
+                        }
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
+            }
             Action::Truncate(s, keep) => {
                 let Some(i) = pick(s, &self.seqs) else { return };
                 let id = self.seqs[i].0;
@@ -739,6 +797,7 @@ fn model(specs: &[GroupSpec]) -> Model {
         hits_with_window: 0,
         cow_copies: 0,
         swaps: 0,
+        chunked: 0,
         truncations: 0,
         refused_truncations: 0,
         by_policy: false,
@@ -867,6 +926,26 @@ fn prefix_hits_hold_their_bytes_in_every_group() {
     c.floor("a copy-on-write", c.cow, 25);
     c.floor("a swap", c.swaps, 50);
     c.floor("a prefix hit", c.hits, 25);
+}
+
+/// Chunked prefills among the other actions (two full groups and a window group):
+/// the prefix every group serves is admitted computed, each chunk's commit registers
+/// what it completes, and later prompts of the family hit those blocks with their
+/// bytes in every group.
+#[test]
+fn chunked_prefills_share_their_prefix_in_every_group() {
+    let l = layout(BS, 1);
+    for specs in [
+        vec![GroupSpec::full(l), GroupSpec::full(l)],
+        vec![GroupSpec::full(l), GroupSpec::window(l, WINDOW)],
+    ] {
+        let c = run_property(
+            proptest::collection::vec(action_with_chunks(), 1..80),
+            &specs,
+            48,
+        );
+        c.floor("a prefix hit", c.hits, 25);
+    }
 }
 
 /// Truncation among the other actions, on a full and a window group: every group

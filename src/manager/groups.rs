@@ -42,7 +42,7 @@
 //! [`crate::export::groups`].
 
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, SeqId, SwapTicket};
+use crate::ids::{BlockId, SeqHandle, SeqId, SwapTicket};
 use crate::layout::plans::{CopyPlan, MovePlan, SwapPlan};
 use crate::layout::{KvLayout, Slot};
 use crate::pool::prefix::{Admission, AdmitOptions};
@@ -513,6 +513,59 @@ impl Groups {
         step: &mut GroupStep,
     ) -> Result<Admission> {
         step.reset(self.groups.len());
+        let mut sum = self.admit_hit(seq, tokens, opts, true)?;
+        let cached = sum.cached_tokens;
+        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
+            *need = kv.layout.blocks_for_tokens(tokens.len()) - cached / kv.block_size();
+        }
+        sum.new_blocks = self.needs.iter().sum();
+        let rest = tokens.len() - cached;
+        let done = self.give_and_reserve(seq, rest, 0, true, None, step);
+        if let Ok(registered) = done {
+            sum.registered_blocks = registered;
+        }
+        if let Err(e) = done {
+            // Unreachable after the check of `admit_hit`; undo all the same.
+            for kv in &mut self.groups {
+                let _ = kv.free(seq);
+            }
+            return Err(e);
+        }
+        self.note_usage();
+        Ok(sum)
+    }
+
+    /// The chunked-prefill admission (see [`KvCache::admit_prompt`]): admits `seq`
+    /// with the prefix of `tokens` every group serves, computed, and the prompt's ids
+    /// recorded, reserving nothing for the rest: the engine reserves the rest chunk by
+    /// chunk ([`Self::reserve`]), and each commit registers the full blocks it
+    /// completes in the full and latent groups. Only the cached hit pages it revives
+    /// are checked against the arena.
+    ///
+    /// # Errors
+    /// As [`Self::admit_tokens`]. Nothing changed on error.
+    pub fn admit_prompt(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        opts: &AdmitOptions<'_>,
+    ) -> Result<Admission> {
+        let a = self.admit_hit(seq, tokens, opts, false)?;
+        self.note_usage();
+        Ok(a)
+    }
+
+    /// Admits `seq` in every group with the hit every group serves (looked up here),
+    /// checking first that the arena holds the pages it revives and, with
+    /// `whole_prompt`, the pages of the rest of the prompt too (left in `needs`).
+    /// Returns the admission with `cached_tokens` and `cached_blocks` set.
+    fn admit_hit(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        opts: &AdmitOptions<'_>,
+        whole_prompt: bool,
+    ) -> Result<Admission> {
         if is_hidden(seq) || self.groups[0].contains(seq) {
             return Err(Error::DuplicateSequence(seq));
         }
@@ -529,12 +582,12 @@ impl Groups {
         // arena's free and evictable pages, before anything changes. A window group's
         // hit blocks are held by `source` already; its holes need no page.
         for ((need, kv), hit) in self.needs.iter_mut().zip(&self.groups).zip(&hits) {
-            *need = match (kv.window, source) {
-                (Some(_), Some(_)) => {
-                    kv.layout.blocks_for_tokens(tokens.len()) - cached / kv.block_size()
-                }
-                _ => kv.hit_admission_blocks(hit),
+            let rest = kv.layout.blocks_for_tokens(tokens.len()) - cached / kv.block_size();
+            let revived = match (kv.window, source) {
+                (Some(_), Some(_)) => 0,
+                _ => kv.hit_admission_blocks(hit) - rest,
             };
+            *need = revived + if whole_prompt { rest } else { 0 };
         }
         self.check_needs()?;
         // Revive the hits first: a page moved to another group below must not be one
@@ -565,24 +618,7 @@ impl Groups {
                 }
             }
         }
-        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
-            *need = kv.layout.blocks_for_tokens(tokens.len()) - cached / kv.block_size();
-        }
-        sum.new_blocks = self.needs.iter().sum();
         sum.cached_tokens = cached;
-        let rest = tokens.len() - cached;
-        let done = self.give_and_reserve(seq, rest, 0, true, None, step);
-        if let Ok(registered) = done {
-            sum.registered_blocks = registered;
-        }
-        if let Err(e) = done {
-            // Unreachable after the check above; undo all the same.
-            for kv in &mut self.groups {
-                let _ = kv.free(seq);
-            }
-            return Err(e);
-        }
-        self.note_usage();
         Ok(sum)
     }
 
@@ -639,6 +675,9 @@ impl Groups {
     ) -> Result<()> {
         step.reset(self.groups.len());
         self.check_id(seq)?;
+        if commit_now && lookahead == 0 && self.append_in_last_blocks(seq, n, tokens, step)? {
+            return Ok(());
+        }
         let kv0 = &self.groups[0];
         if kv0.context_len(seq)? != kv0.num_computed_tokens(seq)? {
             return Err(Error::SequenceState {
@@ -671,6 +710,45 @@ impl Groups {
         self.give_and_reserve(seq, n, lookahead, commit_now, tokens, step)?;
         self.note_usage();
         Ok(())
+    }
+
+    /// The decode step's common case in every group at once: when each group's own
+    /// last block takes the `n` tokens in place (see `KvCache::in_last_block`: no
+    /// page taken, copied or released, no window moving), appends and commits them
+    /// there and returns true; otherwise returns false having changed nothing (every
+    /// group is asked before any appends).
+    fn append_in_last_blocks(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        tokens: Option<&[u32]>,
+        step: &mut GroupStep,
+    ) -> Result<bool> {
+        let mut handles: smallvec::SmallVec<[SeqHandle; 8]> = smallvec::SmallVec::new();
+        let Some(h0) = self.groups[0].seqs.handle(&seq) else {
+            return Ok(false);
+        };
+        for kv in &self.groups {
+            // The groups admit and free the same sequences in the same order, so
+            // group 0's handle names the sequence in the others too; checked (the
+            // slot's id), with a lookup of the id where it does not.
+            let h = match kv.seqs.at(h0) {
+                Some((id, _)) if id == seq => Some(h0),
+                _ => kv.seqs.handle(&seq),
+            };
+            match h {
+                Some(h) if kv.fits_in_last_block(h, n) => handles.push(h),
+                _ => return Ok(false),
+            }
+        }
+        for ((kv, h), slots) in self.groups.iter_mut().zip(handles).zip(&mut step.slots) {
+            if kv.append_in_last_block(h, n, tokens, slots).is_none() {
+                return Err(Error::CorruptBlockTable(format!(
+                    "{seq}: a group's last block refused the step it said it takes"
+                )));
+            }
+        }
+        Ok(true)
     }
 
     /// Moves pages to the groups by `needs`, then reserves in every group (the checks

@@ -199,6 +199,52 @@ impl KvCache {
         }
     }
 
+    /// The chunked-prefill admission of every cache: admits `seq` with the prefix of
+    /// prompt `tokens` that every group serves from its prefix cache, computed, and
+    /// the prompt's ids recorded; nothing is reserved for the rest. The engine then
+    /// reserves the rest chunk by chunk ([`Self::reserve_grouped`]) and commits each
+    /// ([`Self::commit`]), which registers the full blocks it completes (see
+    /// [`Self::admit_prompt`]; for one group, [`Self::lookup_prefix`] then
+    /// [`Self::admit_prompt`]). Only the cached pages the hit revives are checked
+    /// against the arena: check the first chunk with [`Self::blocks_needed`].
+    ///
+    /// ```
+    /// use pagedkv::{AdmitOptions, DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape,
+    ///               SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 8,
+    ///                          kv_dtype: DType::BF16 };
+    /// let l = KvLayout::new(shape, 16)?;
+    /// let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::full(l)], 64)?;
+    /// let (prompt, opts, mut step) = ((0..100).collect::<Vec<u32>>(), AdmitOptions::default(),
+    ///                                 GroupStep::default());
+    /// kv.admit_prompt_grouped(SeqId(1), &prompt, &opts)?;
+    /// kv.reserve_grouped(SeqId(1), 40, 0, &mut step)?;  // the first chunk, in every group
+    /// assert_eq!(kv.commit(SeqId(1), 40)?, 2 * 2);       // 2 full blocks in each group
+    /// let a = kv.admit_prompt_grouped(SeqId(2), &prompt, &opts)?;
+    /// assert_eq!(a.cached_tokens, 32);                   // computed blocks only
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::DuplicateSequence`], [`Error::TooLong`], [`Error::PrefixKeyTooLong`],
+    /// [`Error::OutOfBlocks`] (for the revived pages). Nothing changed on error.
+    pub fn admit_prompt_grouped(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        opts: &AdmitOptions<'_>,
+    ) -> Result<Admission> {
+        match &mut self.hybrid {
+            Some(h) => h.admit_prompt(seq, tokens, opts),
+            None => {
+                let mut hit = super::PrefixHit::default();
+                self.lookup_prefix(tokens, opts, &mut hit)?;
+                self.admit_prompt(seq, tokens, &hit)
+            }
+        }
+    }
+
     /// Admits `seq` with `num_tokens` tokens, all computed, whose first `holes[g]`
     /// blocks in group `g` are holes (blocks a window group gave back): `step.slots[g]`
     /// gets the slots of the tokens after the holes, which the caller writes. For an

@@ -290,6 +290,49 @@ pub struct KvCache {
     pub(crate) hybrid: Option<Box<groups::Groups>>,
 }
 
+/// The sequence-side conditions of [`KvCache::in_last_block`]: `n` committed-next
+/// tokens land in the sequence's last block, which already holds computed tokens;
+/// nothing is reserved, swapping, pending as a twin, past `max_len`, or (with a
+/// window) due to leave the window at this step's first position. Returns the offset
+/// in the block, the end position and the block. The block's own conditions (private,
+/// not registered) are the caller's.
+#[inline(always)]
+fn in_last_block_span(
+    layout: &KvLayout,
+    window: Option<usize>,
+    max_len: usize,
+    s: &Sequence,
+    n: usize,
+) -> Option<(usize, usize, BlockId)> {
+    let bs = layout.block_size();
+    let off = layout.block_offset(s.computed);
+    // `off + n <= bs` also keeps `s.computed + n` from overflowing.
+    if off == 0
+        || n == 0
+        || n > bs - off
+        || s.computed != s.num_tokens
+        || s.scheduled != 0
+        || s.in_flight.is_some()
+        || s.twin_pending
+    {
+        return None;
+    }
+    let end = s.computed + n;
+    if end > max_len {
+        return None;
+    }
+    if let Some(w) = window {
+        // What `release_out_of_window` gives back at the step's first position: a
+        // step that releases takes the general path.
+        let keep_from = ((s.computed + 1).saturating_sub(w) / bs).min(s.table.len());
+        if keep_from > s.released {
+            return None;
+        }
+    }
+    let &last = s.table.last()?;
+    Some((off, end, last))
+}
+
 /// The next value of [`KvCache::table_epoch`].
 fn next_table_epoch() -> u64 {
     static EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -1007,9 +1050,6 @@ impl KvCache {
         tokens: Option<&[u32]>,
         commit: bool,
     ) -> Option<(u64, usize)> {
-        if self.window.is_some() {
-            return None;
-        }
         let max_len = self.max_seq_len();
         let KvCache {
             layout,
@@ -1017,27 +1057,12 @@ impl KvCache {
             prefix,
             seqs,
             live_token_slots,
+            window,
             ..
         } = self;
         let bs = layout.block_size();
         let s = seqs.at_mut(h)?;
-        let off = layout.block_offset(s.computed);
-        // `off + n <= bs` also keeps `s.computed + n` from overflowing.
-        if off == 0
-            || n == 0
-            || n > bs - off
-            || s.computed != s.num_tokens
-            || s.scheduled != 0
-            || s.in_flight.is_some()
-            || s.twin_pending
-        {
-            return None;
-        }
-        let end = s.computed + n;
-        if end > max_len {
-            return None;
-        }
-        let &last = s.table.last()?;
+        let (off, end, last) = in_last_block_span(layout, *window, max_len, s, n)?;
         // Private (refcount 1) and its fill come from one record of the pool.
         let fill = pool.private_fill_mut(last)?;
         if prefix.is_registered(last) {
@@ -1069,6 +1094,21 @@ impl KvCache {
             0
         };
         Some((first, registered))
+    }
+
+    /// Whether [`Self::in_last_block`] serves `n` tokens of sequence `h` now (the same
+    /// conditions, changing nothing): a hybrid cache asks every group before any
+    /// group appends.
+    #[inline]
+    pub(crate) fn fits_in_last_block(&self, h: SeqHandle, n: usize) -> bool {
+        let Some((_, s)) = self.seqs.at(h) else {
+            return false;
+        };
+        in_last_block_span(&self.layout, self.window, self.max_seq_len(), s, n).is_some_and(
+            |(_, _, last)| {
+                self.pool.refcount(last).is_ok_and(|r| r == 1) && !self.prefix.is_registered(last)
+            },
+        )
     }
 
     /// The one slot-handing path: reserve `n + lookahead` slots after the computed

@@ -764,13 +764,49 @@ impl KvCache {
     /// (the ids in between are missing; never on a sliding-window manager);
     /// [`Error::TooLong`] past the longest sequence. Nothing changed on error.
     pub fn add_token_ids(&mut self, seq: SeqId, first: usize, ids: &[u32]) -> Result<usize> {
-        self.one_group("add_token_ids")?;
+        if let Some(h) = &mut self.hybrid {
+            // Every group checks first, so a refusal changes no group.
+            for g in 0..h.num_groups() {
+                h.group(g).check_token_ids(seq, first, ids)?;
+            }
+            let mut registered = 0;
+            for g in 0..h.num_groups() {
+                registered += h.group_mut(g).add_token_ids(seq, first, ids)?;
+            }
+            return Ok(registered);
+        }
+        self.check_token_ids(seq, first, ids)?;
         let bs = self.block_size();
         let s = self.resident(seq)?;
-        let (known_start, known_end) = s
+        let (known_start, _) = s
             .prefix
             .as_deref()
             .map_or((0, 0), |p| (p.chain * bs, p.chain * bs + p.ids.len()));
+        let windowed = self.window.is_some();
+        let untracked = s.prefix.is_none();
+        if untracked && !starts_tracking(windowed, first, ids) {
+            return Ok(0);
+        }
+        let default_ns = self.prefix.default_namespace();
+        let h = self.handle(seq)?;
+        let s = self.seqs.at_mut(h).ok_or(Error::StaleHandle(h))?;
+        let p = s
+            .prefix
+            .get_or_insert_with(|| Box::new(SeqPrefix::starting(default_ns)));
+        let skip = known_start.saturating_sub(first).min(ids.len());
+        p.ids.truncate(first.max(known_start) - known_start);
+        p.ids.extend_from_slice(&ids[skip..]);
+        Ok(extend_chain_in(&mut self.prefix, bs, s))
+    }
+
+    /// The refusals of [`Self::add_token_ids`], changing nothing.
+    fn check_token_ids(&self, seq: SeqId, first: usize, ids: &[u32]) -> Result<()> {
+        let bs = self.block_size();
+        let s = self.resident(seq)?;
+        let known_end = s
+            .prefix
+            .as_deref()
+            .map_or(0, |p| p.chain * bs + p.ids.len());
         let windowed = self.window.is_some();
         let untracked = s.prefix.is_none();
         if first > known_end && !(untracked && windowed) {
@@ -787,19 +823,7 @@ impl KvCache {
                 limit: self.max_seq_len(),
             });
         }
-        if untracked && !starts_tracking(windowed, first, ids) {
-            return Ok(0);
-        }
-        let default_ns = self.prefix.default_namespace();
-        let h = self.handle(seq)?;
-        let s = self.seqs.at_mut(h).ok_or(Error::StaleHandle(h))?;
-        let p = s
-            .prefix
-            .get_or_insert_with(|| Box::new(SeqPrefix::starting(default_ns)));
-        let skip = known_start.saturating_sub(first).min(ids.len());
-        p.ids.truncate(first.max(known_start) - known_start);
-        p.ids.extend_from_slice(&ids[skip..]);
-        Ok(extend_chain_in(&mut self.prefix, bs, s))
+        Ok(())
     }
 
     /// Leading tokens of `tokens` that [`Self::admit_tokens`] would serve from the cache
