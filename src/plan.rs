@@ -624,7 +624,8 @@ impl ModelSpec {
         };
         let (mlp, experts, active_experts, router) = match &a.moe {
             None if hybrid.is_some() => {
-                let hy = hybrid.map(|hy| (hy.ffn_layers, hy.ffn_matrices, hy.ffn_intermediate_size));
+                let hy =
+                    hybrid.map(|hy| (hy.ffn_layers, hy.ffn_matrices, hy.ffn_intermediate_size));
                 let (layers, matrices, width) = hy.unwrap_or_default();
                 (
                     product(
@@ -756,8 +757,14 @@ impl ModelSpec {
                 let n = hy.count(LayerKind::Recurrent) as u64;
                 let (linear, small) = recurrent_layer_params(hy, h)?;
                 (
-                    product("recurrent layers", &[("recurrent layers", n), ("per layer", linear)])?,
-                    product("recurrent small tensors", &[("recurrent layers", n), ("per layer", small)])?,
+                    product(
+                        "recurrent layers",
+                        &[("recurrent layers", n), ("per layer", linear)],
+                    )?,
+                    product(
+                        "recurrent small tensors",
+                        &[("recurrent layers", n), ("per layer", small)],
+                    )?,
                 )
             }
             None => (0, 0),
@@ -809,8 +816,14 @@ fn recurrent_layer_params(hy: &HybridConfig, h: u64) -> Result<(u64, u64)> {
             head_v_dim,
             conv_kernel,
         } => {
-            let key = product("key width", &[("heads", num_k_heads as u64), ("dim", head_k_dim as u64)])?;
-            let value = product("value width", &[("heads", num_v_heads as u64), ("dim", head_v_dim as u64)])?;
+            let key = product(
+                "key width",
+                &[("heads", num_k_heads as u64), ("dim", head_k_dim as u64)],
+            )?;
+            let value = product(
+                "value width",
+                &[("heads", num_v_heads as u64), ("dim", head_v_dim as u64)],
+            )?;
             let nv = num_v_heads as u64;
             let qkvz = sum("q, k, v, z", &[key, key, value, value])?;
             let linear = sum(
@@ -825,8 +838,14 @@ fn recurrent_layer_params(hy: &HybridConfig, h: u64) -> Result<(u64, u64)> {
             let small = sum(
                 "gated DeltaNet small tensors",
                 &[
-                    product("conv1d", &[("channels", conv_dim), ("kernel", conv_kernel as u64 + conv_bias)])?,
-                    2 * nv, // dt_bias, A_log
+                    product(
+                        "conv1d",
+                        &[
+                            ("channels", conv_dim),
+                            ("kernel", conv_kernel as u64 + conv_bias),
+                        ],
+                    )?,
+                    2 * nv,            // dt_bias, A_log
                     head_v_dim as u64, // gated RMSNorm
                 ],
             )?;
@@ -841,7 +860,14 @@ fn recurrent_layer_params(hy: &HybridConfig, h: u64) -> Result<(u64, u64)> {
             ..
         } => {
             let d = d_inner as u64;
-            let bc = product("B and C", &[("2", 2), ("n_groups", n_groups as u64), ("d_state", d_state as u64)])?;
+            let bc = product(
+                "B and C",
+                &[
+                    ("2", 2),
+                    ("n_groups", n_groups as u64),
+                    ("d_state", d_state as u64),
+                ],
+            )?;
             let in_width = sum("in_proj width", &[d, d, bc, num_heads as u64])?;
             let linear = sum(
                 "Mamba-2 projections",
@@ -855,7 +881,13 @@ fn recurrent_layer_params(hy: &HybridConfig, h: u64) -> Result<(u64, u64)> {
             let small = sum(
                 "Mamba-2 small tensors",
                 &[
-                    product("conv1d", &[("channels", conv_dim), ("kernel", conv_kernel as u64 + conv_bias)])?,
+                    product(
+                        "conv1d",
+                        &[
+                            ("channels", conv_dim),
+                            ("kernel", conv_kernel as u64 + conv_bias),
+                        ],
+                    )?,
                     3 * num_heads as u64, // dt_bias, A_log, D
                     d,                    // gated RMSNorm
                 ],
@@ -873,7 +905,10 @@ fn recurrent_layer_params(hy: &HybridConfig, h: u64) -> Result<(u64, u64)> {
                 "Mamba projections",
                 &[
                     product("in_proj", &[hp, ("x and z", 2 * d)])?,
-                    product("x_proj", &[("d_inner", d), ("dt_rank + 2 d_state", r + 2 * n)])?,
+                    product(
+                        "x_proj",
+                        &[("d_inner", d), ("dt_rank + 2 d_state", r + 2 * n)],
+                    )?,
                     product("dt_proj", &[("dt_rank", r), ("d_inner", d)])?,
                     product("out_proj", &[("d_inner", d), hp])?,
                     proj_bias * sum("projection biases", &[2 * d, h])?,
@@ -882,11 +917,14 @@ fn recurrent_layer_params(hy: &HybridConfig, h: u64) -> Result<(u64, u64)> {
             let small = sum(
                 "Mamba small tensors",
                 &[
-                    product("conv1d", &[("channels", d), ("kernel", conv_kernel as u64 + conv_bias)])?,
-                    d,                                      // dt_proj bias
+                    product(
+                        "conv1d",
+                        &[("channels", d), ("kernel", conv_kernel as u64 + conv_bias)],
+                    )?,
+                    d, // dt_proj bias
                     product("A_log", &[("d_inner", d), ("d_state", n)])?,
-                    d,                                      // D
-                    r + 2 * n,                              // Jamba's dt, B, C norms
+                    d,         // D
+                    r + 2 * n, // Jamba's dt, B, C norms
                 ],
             )?;
             Ok((linear, small))
@@ -1290,12 +1328,23 @@ impl PlanInput {
                 n_groups,
                 conv_kernel,
             } => {
-                let groups = if n_groups % tp == 0 { n_groups } else { tp.max(n_groups) };
+                let groups = if n_groups % tp == 0 {
+                    n_groups
+                } else {
+                    tp.max(n_groups)
+                };
                 let bc = product(
                     "B and C channels",
-                    &[("2", 2), ("groups", groups as u64), ("d_state", d_state as u64)],
+                    &[
+                        ("2", 2),
+                        ("groups", groups as u64),
+                        ("d_state", d_state as u64),
+                    ],
                 )?;
-                let channels = split("mamba conv channels", sum("conv channels", &[d_inner as u64, bc])?)?;
+                let channels = split(
+                    "mamba conv channels",
+                    sum("conv channels", &[d_inner as u64, bc])?,
+                )?;
                 (
                     conv_kernel as u64 - 1,
                     channels,
@@ -1316,17 +1365,28 @@ impl PlanInput {
                 head_v_dim,
                 conv_kernel,
             } => {
-                let key = product("key width", &[("heads", num_k_heads as u64), ("dim", head_k_dim as u64)])?;
-                let value =
-                    product("value width", &[("heads", num_v_heads as u64), ("dim", head_v_dim as u64)])?;
-                let channels = split("q, k, v conv channels", sum("conv channels", &[key, key, value])?)?;
+                let key = product(
+                    "key width",
+                    &[("heads", num_k_heads as u64), ("dim", head_k_dim as u64)],
+                )?;
+                let value = product(
+                    "value width",
+                    &[("heads", num_v_heads as u64), ("dim", head_v_dim as u64)],
+                )?;
+                let channels = split(
+                    "q, k, v conv channels",
+                    sum("conv channels", &[key, key, value])?,
+                )?;
                 (
                     conv_kernel as u64 - 1,
                     channels,
                     product(
                         "recurrent state",
                         &[
-                            ("value heads", split("linear_num_value_heads", num_v_heads as u64)?),
+                            (
+                                "value heads",
+                                split("linear_num_value_heads", num_v_heads as u64)?,
+                            ),
                             ("head_k_dim", head_k_dim as u64),
                             ("head_v_dim", head_v_dim as u64),
                         ],
@@ -1344,7 +1404,10 @@ impl PlanInput {
         )?;
         let ssm = product(
             "SSM state",
-            &[("elements", ssm_elems), ("dtype bytes", self.ssm_state_dtype.size_bytes() as u64)],
+            &[
+                ("elements", ssm_elems),
+                ("dtype bytes", self.ssm_state_dtype.size_bytes() as u64),
+            ],
         )?;
         Ok(Some((conv, ssm)))
     }
@@ -1744,7 +1807,8 @@ impl PlanInput {
             }
             // A request's state pages come off its share first.
             let state_pages = plan.pages_per_request - plan.blocks_per_request;
-            let blocks_each = (plan.num_blocks / self.concurrency as u64).saturating_sub(state_pages);
+            let blocks_each =
+                (plan.num_blocks / self.concurrency as u64).saturating_sub(state_pages);
             if blocks_each > 0 {
                 out.push(Suggestion::Context {
                     max_context_tokens: blocks_each * self.block_size as u64,

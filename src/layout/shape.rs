@@ -647,7 +647,10 @@ fn read_hybrid(
     consumed: &mut Vec<&'static str>,
 ) -> Result<Option<HybridConfig>> {
     use serde_json::Value;
-    if !matches!(mt, "qwen3_next" | "nemotron_h" | "jamba" | "granitemoehybrid") {
+    if !matches!(
+        mt,
+        "qwen3_next" | "nemotron_h" | "jamba" | "granitemoehybrid"
+    ) {
         return Ok(None);
     }
     let uint = |key: &str| -> Result<Option<usize>> {
@@ -677,9 +680,9 @@ fn read_hybrid(
             .into_iter()
             .find(|k| obj.contains_key(*k));
         let Some(key) = key else { return Ok(None) };
-        let list = obj[key].as_array().ok_or_else(|| {
-            Error::ModelConfig(format!("{key} must be a list of layer names"))
-        })?;
+        let list = obj[key]
+            .as_array()
+            .ok_or_else(|| Error::ModelConfig(format!("{key} must be a list of layer names")))?;
         list.iter()
             .enumerate()
             .map(|(i, v)| {
@@ -850,7 +853,11 @@ fn read_hybrid(
         }
     };
     // Keys of these families that match a size pattern and change nothing here.
-    consumed.extend(["full_attention_interval", "use_conv_bias", "mamba_ssm_dtype"]);
+    consumed.extend([
+        "full_attention_interval",
+        "use_conv_bias",
+        "mamba_ssm_dtype",
+    ]);
     if layers.len() != num_layers {
         return Err(Error::ModelConfig(format!(
             "{mt}: {} layer types for num_hidden_layers {num_layers}",
@@ -867,9 +874,10 @@ fn read_hybrid(
         .find_map(|k| obj.get(*k).and_then(Value::as_str))
     {
         None | Some("auto") => None,
-        Some(name) => Some(DType::parse(name).map_err(|_| {
-            Error::ModelConfig(format!("unknown SSM state dtype {name:?}"))
-        })?),
+        Some(name) => Some(
+            DType::parse(name)
+                .map_err(|_| Error::ModelConfig(format!("unknown SSM state dtype {name:?}")))?,
+        ),
     };
     let nemotron = mt == "nemotron_h";
     let ffn_layers = if nemotron {
@@ -1156,8 +1164,7 @@ impl ModelArch {
                         num_shared_experts: usize::from(
                             uint("shared_intermediate_size")?.unwrap_or(0) > 0,
                         ),
-                        shared_intermediate_size: uint("shared_intermediate_size")?
-                            .unwrap_or(0),
+                        shared_intermediate_size: uint("shared_intermediate_size")?.unwrap_or(0),
                         shared_expert_gate: false,
                         router_bias: false,
                         router_score_bias: false,
@@ -1326,7 +1333,6 @@ fn unknown_layer_type(model_type: &str, layer: usize, layer_type: &str) -> Error
         layer_type: layer_type.into(),
     }
 }
-
 
 fn need_moe(v: Option<usize>, key: &str) -> Result<usize> {
     match v {
