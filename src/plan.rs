@@ -66,6 +66,27 @@
 //!                                                            (MLA, on every GPU)
 //! ```
 //!
+//! Hybrid models (Qwen3-Next, Nemotron-H, Jamba, Granite 4.0-H; read into
+//! [`crate::layout::shape::HybridConfig`]): `L` above counts only the attention layers
+//! in the attention and KV formulas, and each recurrent layer adds its projections
+//! (`d` = `d_inner`, `G` groups, `N` state, `H` heads, `R` = `dt_rank`; gated DeltaNet
+//! with key width `k = Hk Dk` and value width `v = Hv Dv`):
+//!
+//! ```text
+//! Mamba-2     h*(2d + 2GN + H) + d*h             in_proj (z, x, B, C, dt), out_proj
+//! Mamba       h*2d + d*(R + 2N) + R*d + d*h      in, x, dt and out projections
+//! DeltaNet    h*(2k + 2v) + h*2Hv + v*h          in_proj_qkvz, in_proj_ba, out_proj
+//! ```
+//!
+//! and its conv1d, `A_log`, `D`, `dt_bias` and norms, counted with the norms. Each
+//! sequence holds a fixed recurrent state besides its KV blocks
+//! ([`PlanInput::state_bytes_per_layer`]), in whole pages of the same arena:
+//!
+//! ```text
+//! state_pages       = ceil(recurrent layers x (conv + ssm bytes) / block_bytes)
+//! max_concurrency   = num_blocks / (blocks_per_request + state_pages)
+//! ```
+//!
 //! The reserve for activations and workspace, when not given, is estimated as
 //!
 //! ```text
@@ -1259,7 +1280,7 @@ impl PlanInput {
                 ],
             };
             for &(what, count) in dims {
-                if count % tp != 0 {
+                if !count.is_multiple_of(tp) {
                     return Err(Error::UnevenTensorParallel { what, count, tp });
                 }
             }
@@ -1297,7 +1318,7 @@ impl PlanInput {
         };
         let tp = self.tensor_parallel.max(1);
         let split = |what: &'static str, count: u64| -> Result<u64> {
-            if count % tp as u64 != 0 {
+            if !count.is_multiple_of(tp as u64) {
                 return Err(Error::UnevenTensorParallel {
                     what,
                     count: count as usize,
@@ -1328,7 +1349,7 @@ impl PlanInput {
                 n_groups,
                 conv_kernel,
             } => {
-                let groups = if n_groups % tp == 0 {
+                let groups = if n_groups.is_multiple_of(tp) {
                     n_groups
                 } else {
                     tp.max(n_groups)
