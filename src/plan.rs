@@ -823,6 +823,58 @@ impl ModelSpec {
     }
 }
 
+/// Channels of a recurrent layer's depthwise convolution, on one GPU of `tp` (the
+/// conv state's width): `d_inner` (Mamba), `d_inner + 2 groups N` (Mamba-2, with the
+/// caller's group count), `2 Hk Dk + Hv Dv` (gated DeltaNet's q, k and v).
+fn conv_channels(mixer: &StateMixer, mamba2_groups: usize) -> Result<u64> {
+    match *mixer {
+        StateMixer::Mamba1 { d_inner, .. } => Ok(d_inner as u64),
+        StateMixer::Mamba2 {
+            d_inner, d_state, ..
+        } => sum(
+            "conv channels",
+            &[
+                d_inner as u64,
+                product(
+                    "B and C channels",
+                    &[
+                        ("2", 2),
+                        ("groups", mamba2_groups as u64),
+                        ("d_state", d_state as u64),
+                    ],
+                )?,
+            ],
+        ),
+        StateMixer::GatedDeltaNet { .. } => {
+            let (key, value) = deltanet_widths(mixer)?;
+            sum("conv channels", &[key, key, value])
+        }
+    }
+}
+
+/// Gated DeltaNet's key and value widths, `Hk Dk` and `Hv Dv` (0 for Mamba).
+fn deltanet_widths(mixer: &StateMixer) -> Result<(u64, u64)> {
+    match *mixer {
+        StateMixer::GatedDeltaNet {
+            num_k_heads,
+            num_v_heads,
+            head_k_dim,
+            head_v_dim,
+            ..
+        } => Ok((
+            product(
+                "key width",
+                &[("heads", num_k_heads as u64), ("dim", head_k_dim as u64)],
+            )?,
+            product(
+                "value width",
+                &[("heads", num_v_heads as u64), ("dim", head_v_dim as u64)],
+            )?,
+        )),
+        _ => Ok((0, 0)),
+    }
+}
+
 /// Parameters of one recurrent layer of `hy` with hidden size `h`: (projections,
 /// small tensors), as the models' reference implementations build them (module docs).
 fn recurrent_layer_params(hy: &HybridConfig, h: u64) -> Result<(u64, u64)> {
@@ -831,20 +883,12 @@ fn recurrent_layer_params(hy: &HybridConfig, h: u64) -> Result<(u64, u64)> {
     let proj_bias = u64::from(hy.proj_bias);
     match hy.mixer {
         StateMixer::GatedDeltaNet {
-            num_k_heads,
             num_v_heads,
-            head_k_dim,
             head_v_dim,
             conv_kernel,
+            ..
         } => {
-            let key = product(
-                "key width",
-                &[("heads", num_k_heads as u64), ("dim", head_k_dim as u64)],
-            )?;
-            let value = product(
-                "value width",
-                &[("heads", num_v_heads as u64), ("dim", head_v_dim as u64)],
-            )?;
+            let (key, value) = deltanet_widths(&hy.mixer)?;
             let nv = num_v_heads as u64;
             let qkvz = sum("q, k, v, z", &[key, key, value, value])?;
             let linear = sum(
@@ -855,7 +899,7 @@ fn recurrent_layer_params(hy: &HybridConfig, h: u64) -> Result<(u64, u64)> {
                     product("out_proj", &[("value width", value), hp])?,
                 ],
             )?;
-            let conv_dim = sum("conv channels", &[key, key, value])?;
+            let conv_dim = conv_channels(&hy.mixer, 0)?;
             let small = sum(
                 "gated DeltaNet small tensors",
                 &[
@@ -898,7 +942,7 @@ fn recurrent_layer_params(hy: &HybridConfig, h: u64) -> Result<(u64, u64)> {
                     proj_bias * sum("projection biases", &[in_width, h])?,
                 ],
             )?;
-            let conv_dim = sum("conv channels", &[d, bc])?;
+            let conv_dim = conv_channels(&hy.mixer, n_groups)?;
             let small = sum(
                 "Mamba-2 small tensors",
                 &[
@@ -1342,30 +1386,19 @@ impl PlanInput {
                 )
             }
             StateMixer::Mamba2 {
-                d_inner,
                 num_heads,
                 head_dim,
                 d_state,
                 n_groups,
                 conv_kernel,
+                ..
             } => {
                 let groups = if n_groups.is_multiple_of(tp) {
                     n_groups
                 } else {
                     tp.max(n_groups)
                 };
-                let bc = product(
-                    "B and C channels",
-                    &[
-                        ("2", 2),
-                        ("groups", groups as u64),
-                        ("d_state", d_state as u64),
-                    ],
-                )?;
-                let channels = split(
-                    "mamba conv channels",
-                    sum("conv channels", &[d_inner as u64, bc])?,
-                )?;
+                let channels = split("mamba conv channels", conv_channels(&h.mixer, groups)?)?;
                 (
                     conv_kernel as u64 - 1,
                     channels,
@@ -1380,24 +1413,13 @@ impl PlanInput {
                 )
             }
             StateMixer::GatedDeltaNet {
-                num_k_heads,
                 num_v_heads,
                 head_k_dim,
                 head_v_dim,
                 conv_kernel,
+                ..
             } => {
-                let key = product(
-                    "key width",
-                    &[("heads", num_k_heads as u64), ("dim", head_k_dim as u64)],
-                )?;
-                let value = product(
-                    "value width",
-                    &[("heads", num_v_heads as u64), ("dim", head_v_dim as u64)],
-                )?;
-                let channels = split(
-                    "q, k, v conv channels",
-                    sum("conv channels", &[key, key, value])?,
-                )?;
+                let channels = split("q, k, v conv channels", conv_channels(&h.mixer, 0)?)?;
                 (
                     conv_kernel as u64 - 1,
                     channels,
