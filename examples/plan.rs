@@ -6,6 +6,7 @@
 //! cargo run --release --example plan -- --model path/to/config.json --weights int4 --tp 2 --json
 //! cargo run --release --example plan -- --model qwen2.5-7b --context 32768 --sweep
 //! cargo run --release --example plan -- --model tests/data/mixtral-8x7b.json --tp 2
+//! cargo run --release --example plan -- --model tests/data/jamba-1.5-mini.json --context 32768 --ssm-state-dtype bf16
 //! ```
 //!
 //! Exits with status 0 when the target fits (every line fits, for a sweep), 1 when it
@@ -36,6 +37,13 @@ struct Args {
     /// KV-cache dtype: f32, f16, bf16, fp8.
     #[arg(long, default_value = "bf16")]
     kv_dtype: String,
+    /// Hybrid models: dtype of the recurrent layers' SSM state (default: the config's
+    /// mamba_ssm_cache_dtype, else f32).
+    #[arg(long)]
+    ssm_state_dtype: Option<String>,
+    /// Hybrid models: dtype of the recurrent layers' conv state (default: the model's).
+    #[arg(long)]
+    conv_state_dtype: Option<String>,
     /// Memory of one GPU, GiB.
     #[arg(long, default_value_t = 80.0)]
     gpu_gib: f64,
@@ -78,6 +86,12 @@ fn input(args: &Args) -> pagedkv::Result<PlanInput> {
     }
     input.assume_dense = args.assume_dense;
     input.kv_dtype = DType::parse(&args.kv_dtype)?;
+    if let Some(d) = &args.ssm_state_dtype {
+        input.ssm_state_dtype = DType::parse(d)?;
+    }
+    if let Some(d) = &args.conv_state_dtype {
+        input.conv_state_dtype = DType::parse(d)?;
+    }
     input.gpu_memory_utilization = args.util;
     if let Some(gib) = args.reserve_gib {
         if !(gib.is_finite() && gib >= 0.0) {

@@ -70,6 +70,18 @@ pub enum Error {
     /// A model `config.json` could not be read into a shape.
     #[error("model config: {0}")]
     ModelConfig(String),
+    /// A model `config.json` names a layer type the planner does not know for its
+    /// `model_type`: its cache (KV, recurrent state, nothing) cannot be sized, so the
+    /// config is refused rather than guessed.
+    #[error("model config: layer {layer} of model_type {model_type} is {layer_type:?}, a layer type the planner does not know; refusing to guess its cache")]
+    UnknownLayerType {
+        /// The config's `model_type` (`"absent"` when it has none).
+        model_type: String,
+        /// Index of the first layer of that type.
+        layer: usize,
+        /// The type as the config spells it.
+        layer_type: String,
+    },
     /// A block id is outside the arena.
     #[error("block {block} is outside the arena of {num_blocks} blocks")]
     BlockOutOfRange {

@@ -66,6 +66,27 @@
 //!                                                            (MLA, on every GPU)
 //! ```
 //!
+//! Hybrid models (Qwen3-Next, Nemotron-H, Jamba, Granite 4.0-H; read into
+//! [`crate::layout::shape::HybridConfig`]): `L` above counts only the attention layers
+//! in the attention and KV formulas, and each recurrent layer adds its projections
+//! (`d` = `d_inner`, `G` groups, `N` state, `H` heads, `R` = `dt_rank`; gated DeltaNet
+//! with key width `k = Hk Dk` and value width `v = Hv Dv`):
+//!
+//! ```text
+//! Mamba-2     h*(2d + 2GN + H) + d*h             in_proj (z, x, B, C, dt), out_proj
+//! Mamba       h*2d + d*(R + 2N) + R*d + d*h      in, x, dt and out projections
+//! DeltaNet    h*(2k + 2v) + h*2Hv + v*h          in_proj_qkvz, in_proj_ba, out_proj
+//! ```
+//!
+//! and its conv1d, `A_log`, `D`, `dt_bias` and norms, counted with the norms. Each
+//! sequence holds a fixed recurrent state besides its KV blocks
+//! ([`PlanInput::state_bytes_per_layer`]), in whole pages of the same arena:
+//!
+//! ```text
+//! state_pages       = ceil(recurrent layers x (conv + ssm bytes) / block_bytes)
+//! max_concurrency   = num_blocks / (blocks_per_request + state_pages)
+//! ```
+//!
 //! The reserve for activations and workspace, when not given, is estimated as
 //!
 //! ```text
@@ -101,7 +122,10 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
-use crate::layout::shape::{builtin, DType, KvKind, ModelConfig, QuantScheme, Quantization};
+use crate::layout::shape::{
+    builtin, DType, HybridConfig, KvKind, LayerKind, ModelConfig, QuantScheme, Quantization,
+    StateMixer,
+};
 use crate::layout::KvLayout;
 use crate::manager::groups::GroupSpec;
 
@@ -494,6 +518,12 @@ impl ModelSpec {
         )?;
         let hp = ("hidden_size", h);
         let lp = ("num_hidden_layers", l);
+        // A hybrid model has attention in some layers only (module docs).
+        let hybrid = a.hybrid.as_ref();
+        let alp = (
+            "attention layers",
+            hybrid.map_or(l, |hy| hy.count(LayerKind::Attention) as u64),
+        );
 
         // Attention projections of one layer, and the norms inside attention.
         let (attn_layer, attn_norms_layer, qk_width) = match &a.mla {
@@ -574,6 +604,12 @@ impl ModelSpec {
                         product("q_proj", &[hp, ("q width", q)])?,
                         product("k_proj + v_proj", &[hp, ("kv width", kv), ("k and v", 2)])?,
                         product("o_proj", &[("q width", q), hp])?,
+                        // Qwen3-Next's q_proj also outputs a gate as wide as the queries.
+                        if hybrid.is_some_and(|h| h.attention_output_gate) {
+                            product("output gate", &[hp, ("q width", q)])?
+                        } else {
+                            0
+                        },
                     ],
                 )?;
                 (
@@ -590,7 +626,7 @@ impl ModelSpec {
                 )
             }
         };
-        let attention = product("attention", &[lp, ("per layer", attn_layer)])?;
+        let attention = product("attention", &[alp, ("per layer", attn_layer)])?;
         let mut bias_layer = 0u64;
         if self.attention_bias {
             bias_layer = sum("q/k/v biases", &[q, kv, kv])?;
@@ -601,13 +637,32 @@ impl ModelSpec {
         if a.attention_sinks {
             bias_layer = sum("attention sinks", &[bias_layer, heads])?;
         }
-        let attention_bias = product("attention biases", &[lp, ("per layer", bias_layer)])?;
+        let attention_bias = product("attention biases", &[alp, ("per layer", bias_layer)])?;
 
         // Feed-forward: dense layers, shared experts, routed experts, routers.
         let ffn = |what: &str, width: u64| {
             product(what, &[("gate, up, down", 3), hp, ("intermediate", width)])
         };
         let (mlp, experts, active_experts, router) = match &a.moe {
+            None if hybrid.is_some() => {
+                let hy =
+                    hybrid.map(|hy| (hy.ffn_layers, hy.ffn_matrices, hy.ffn_intermediate_size));
+                let (layers, matrices, width) = hy.unwrap_or_default();
+                (
+                    product(
+                        "mlp",
+                        &[
+                            ("feed-forward layers", layers as u64),
+                            ("matrices", matrices as u64),
+                            hp,
+                            ("intermediate", width as u64),
+                        ],
+                    )?,
+                    0,
+                    0,
+                    0,
+                )
+            }
             None => (
                 product(
                     "mlp",
@@ -709,7 +764,7 @@ impl ModelSpec {
                 product(
                     "attention norms",
                     &[
-                        lp,
+                        alp,
                         (
                             "per layer",
                             sum("attention norms", &[attn_norms_layer, qk_width])?,
@@ -718,8 +773,27 @@ impl ModelSpec {
                 )?,
             ],
         )?;
+        let (recurrent, recurrent_small) = match hybrid {
+            Some(hy) => {
+                let n = hy.count(LayerKind::Recurrent) as u64;
+                let (linear, small) = recurrent_layer_params(hy, h)?;
+                (
+                    product(
+                        "recurrent layers",
+                        &[("recurrent layers", n), ("per layer", linear)],
+                    )?,
+                    product(
+                        "recurrent small tensors",
+                        &[("recurrent layers", n), ("per layer", small)],
+                    )?,
+                )
+            }
+            None => (0, 0),
+        };
+        let norms = sum("norms", &[norms, recurrent_small])?;
         let embedding = product("embedding", &[("vocab_size", v), hp])?;
         let counts = ParamCounts {
+            recurrent,
             embedding,
             attention,
             attention_bias,
@@ -742,9 +816,184 @@ impl ModelSpec {
                 counts.lm_head,
                 counts.experts,
                 counts.router,
+                counts.recurrent,
             ],
         )?;
         Ok(counts)
+    }
+}
+
+/// Channels of a recurrent layer's depthwise convolution, on one GPU of `tp` (the
+/// conv state's width): `d_inner` (Mamba), `d_inner + 2 groups N` (Mamba-2, with the
+/// caller's group count), `2 Hk Dk + Hv Dv` (gated DeltaNet's q, k and v).
+fn conv_channels(mixer: &StateMixer, mamba2_groups: usize) -> Result<u64> {
+    match *mixer {
+        StateMixer::Mamba1 { d_inner, .. } => Ok(d_inner as u64),
+        StateMixer::Mamba2 {
+            d_inner, d_state, ..
+        } => sum(
+            "conv channels",
+            &[
+                d_inner as u64,
+                product(
+                    "B and C channels",
+                    &[
+                        ("2", 2),
+                        ("groups", mamba2_groups as u64),
+                        ("d_state", d_state as u64),
+                    ],
+                )?,
+            ],
+        ),
+        StateMixer::GatedDeltaNet { .. } => {
+            let (key, value) = deltanet_widths(mixer)?;
+            sum("conv channels", &[key, key, value])
+        }
+    }
+}
+
+/// Gated DeltaNet's key and value widths, `Hk Dk` and `Hv Dv` (0 for Mamba).
+fn deltanet_widths(mixer: &StateMixer) -> Result<(u64, u64)> {
+    match *mixer {
+        StateMixer::GatedDeltaNet {
+            num_k_heads,
+            num_v_heads,
+            head_k_dim,
+            head_v_dim,
+            ..
+        } => Ok((
+            product(
+                "key width",
+                &[("heads", num_k_heads as u64), ("dim", head_k_dim as u64)],
+            )?,
+            product(
+                "value width",
+                &[("heads", num_v_heads as u64), ("dim", head_v_dim as u64)],
+            )?,
+        )),
+        _ => Ok((0, 0)),
+    }
+}
+
+/// Parameters of one recurrent layer of `hy` with hidden size `h`: (projections,
+/// small tensors), as the models' reference implementations build them (module docs).
+fn recurrent_layer_params(hy: &HybridConfig, h: u64) -> Result<(u64, u64)> {
+    let hp = ("hidden_size", h);
+    let conv_bias = u64::from(hy.conv_bias);
+    let proj_bias = u64::from(hy.proj_bias);
+    match hy.mixer {
+        StateMixer::GatedDeltaNet {
+            num_v_heads,
+            head_v_dim,
+            conv_kernel,
+            ..
+        } => {
+            let (key, value) = deltanet_widths(&hy.mixer)?;
+            let nv = num_v_heads as u64;
+            let qkvz = sum("q, k, v, z", &[key, key, value, value])?;
+            let linear = sum(
+                "gated DeltaNet projections",
+                &[
+                    product("in_proj_qkvz", &[hp, ("2 key + 2 value", qkvz)])?,
+                    product("in_proj_ba", &[hp, ("2 value heads", 2 * nv)])?,
+                    product("out_proj", &[("value width", value), hp])?,
+                ],
+            )?;
+            let conv_dim = conv_channels(&hy.mixer, 0)?;
+            let small = sum(
+                "gated DeltaNet small tensors",
+                &[
+                    product(
+                        "conv1d",
+                        &[
+                            ("channels", conv_dim),
+                            ("kernel", conv_kernel as u64 + conv_bias),
+                        ],
+                    )?,
+                    2 * nv,            // dt_bias, A_log
+                    head_v_dim as u64, // gated RMSNorm
+                ],
+            )?;
+            Ok((linear, small))
+        }
+        StateMixer::Mamba2 {
+            d_inner,
+            num_heads,
+            d_state,
+            n_groups,
+            conv_kernel,
+            ..
+        } => {
+            let d = d_inner as u64;
+            let bc = product(
+                "B and C",
+                &[
+                    ("2", 2),
+                    ("n_groups", n_groups as u64),
+                    ("d_state", d_state as u64),
+                ],
+            )?;
+            let in_width = sum("in_proj width", &[d, d, bc, num_heads as u64])?;
+            let linear = sum(
+                "Mamba-2 projections",
+                &[
+                    product("in_proj", &[hp, ("z, x, B, C, dt", in_width)])?,
+                    product("out_proj", &[("d_inner", d), hp])?,
+                    proj_bias * sum("projection biases", &[in_width, h])?,
+                ],
+            )?;
+            let conv_dim = conv_channels(&hy.mixer, n_groups)?;
+            let small = sum(
+                "Mamba-2 small tensors",
+                &[
+                    product(
+                        "conv1d",
+                        &[
+                            ("channels", conv_dim),
+                            ("kernel", conv_kernel as u64 + conv_bias),
+                        ],
+                    )?,
+                    3 * num_heads as u64, // dt_bias, A_log, D
+                    d,                    // gated RMSNorm
+                ],
+            )?;
+            Ok((linear, small))
+        }
+        StateMixer::Mamba1 {
+            d_inner,
+            d_state,
+            conv_kernel,
+            dt_rank,
+        } => {
+            let (d, n, r) = (d_inner as u64, d_state as u64, dt_rank as u64);
+            let linear = sum(
+                "Mamba projections",
+                &[
+                    product("in_proj", &[hp, ("x and z", 2 * d)])?,
+                    product(
+                        "x_proj",
+                        &[("d_inner", d), ("dt_rank + 2 d_state", r + 2 * n)],
+                    )?,
+                    product("dt_proj", &[("dt_rank", r), ("d_inner", d)])?,
+                    product("out_proj", &[("d_inner", d), hp])?,
+                    proj_bias * sum("projection biases", &[2 * d, h])?,
+                ],
+            )?;
+            let small = sum(
+                "Mamba small tensors",
+                &[
+                    product(
+                        "conv1d",
+                        &[("channels", d), ("kernel", conv_kernel as u64 + conv_bias)],
+                    )?,
+                    d, // dt_proj bias
+                    product("A_log", &[("d_inner", d), ("d_state", n)])?,
+                    d,         // D
+                    r + 2 * n, // Jamba's dt, B, C norms
+                ],
+            )?;
+            Ok((linear, small))
+        }
     }
 }
 
@@ -759,7 +1008,8 @@ pub struct ParamCounts {
     pub attention_bias: u64,
     /// Dense feed-forward layers (gate, up, down) and shared experts.
     pub mlp: u64,
-    /// Norm weights.
+    /// Norm weights, and the small per-channel tensors of recurrent layers (conv1d
+    /// weights and biases, `A_log`, `D`, `dt_bias`), kept in 16 bits and replicated.
     pub norms: u64,
     /// Output projection (0 when tied to the embedding).
     pub lm_head: u64,
@@ -769,6 +1019,10 @@ pub struct ParamCounts {
     pub active_experts: u64,
     /// Routers (and shared-expert gates, score-correction biases), kept in 16 bits.
     pub router: u64,
+    /// The projections of a hybrid model's recurrent (Mamba, gated-DeltaNet) layers,
+    /// stored like the other linear layers; their convolutions, decay and skip vectors
+    /// and norms count with [`Self::norms`].
+    pub recurrent: u64,
 }
 
 impl ParamCounts {
@@ -783,6 +1037,7 @@ impl ParamCounts {
             .saturating_add(self.lm_head)
             .saturating_add(self.experts)
             .saturating_add(self.router)
+            .saturating_add(self.recurrent)
     }
 
     /// Parameters one token uses: everything but the routed experts it is not sent to.
@@ -833,6 +1088,7 @@ impl ParamCounts {
                     self.attention
                         .checked_add(self.mlp)
                         .and_then(|n| n.checked_add(self.experts))
+                        .and_then(|n| n.checked_add(self.recurrent))
                         .ok_or_else(overflow)?
                         .div_ceil(tp),
                 )?,
@@ -843,6 +1099,7 @@ impl ParamCounts {
                 linear.linear_bytes(
                     self.mlp
                         .checked_add(self.experts)
+                        .and_then(|n| n.checked_add(self.recurrent))
                         .ok_or_else(overflow)?
                         .div_ceil(tp),
                 )?,
@@ -909,6 +1166,17 @@ pub struct PlanInput {
     /// dense model its other fields describe, instead of refusing. The plan's notes say
     /// what was assumed.
     pub assume_dense: bool,
+    /// Element type of the recurrent layers' conv state (hybrid models). Default: the
+    /// model's own dtype (`torch_dtype`), as vLLM's `mamba_cache_dtype="auto"` keeps it.
+    pub conv_state_dtype: DType,
+    /// Element type of the recurrent layers' SSM / DeltaNet state (hybrid models).
+    /// Default: what the config asks for (`mamba_ssm_cache_dtype`), else f32. The
+    /// state is a running sum over the whole context, which the reference kernels
+    /// (`mamba_ssm`, flash-linear-attention) accumulate in f32 and SGLang keeps in f32
+    /// by default; vLLM's `"auto"` stores the model dtype instead, half the bytes. f32
+    /// is the larger of the two, so a plan made with it is never short of memory; set
+    /// bf16 to match an engine that stores it so.
+    pub ssm_state_dtype: DType,
 }
 
 impl PlanInput {
@@ -922,6 +1190,14 @@ impl PlanInput {
             n => n,
         };
         let weight_precision = model.config_precision().unwrap_or(WeightPrecision::F16);
+        let conv_state_dtype = model.config.shape.kv_dtype;
+        let ssm_state_dtype = model
+            .config
+            .arch
+            .hybrid
+            .as_ref()
+            .and_then(|h| h.ssm_dtype)
+            .unwrap_or(DType::F32);
         let attention_precision = model
             .config
             .arch
@@ -933,6 +1209,8 @@ impl PlanInput {
             weight_precision,
             attention_precision,
             assume_dense: false,
+            conv_state_dtype,
+            ssm_state_dtype,
             kv_dtype: DType::BF16,
             gpu_memory_bytes,
             gpu_memory_utilization: 0.9,
@@ -1032,10 +1310,149 @@ impl PlanInput {
                 return Err(Error::UnevenTensorParallel { what, count, tp });
             }
         }
+        if let Some(h) = &self.model.config.arch.hybrid {
+            let dims: &[(&'static str, usize)] = match h.mixer {
+                StateMixer::Mamba1 { d_inner, .. } => &[("mamba d_inner", d_inner)],
+                StateMixer::Mamba2 { num_heads, .. } => &[("mamba heads", num_heads)],
+                StateMixer::GatedDeltaNet {
+                    num_k_heads,
+                    num_v_heads,
+                    ..
+                } => &[
+                    ("linear_num_key_heads", num_k_heads),
+                    ("linear_num_value_heads", num_v_heads),
+                ],
+            };
+            for &(what, count) in dims {
+                if !count.is_multiple_of(tp) {
+                    return Err(Error::UnevenTensorParallel { what, count, tp });
+                }
+            }
+        }
         if !self.assume_dense {
             self.model.refuse_unrecognized()?;
         }
         self.layout().map(|_| ())
+    }
+
+    /// Bytes of one sequence's recurrent state in one recurrent layer on one GPU, as
+    /// (conv state, SSM state); `None` for a model without recurrent layers. The
+    /// shapes are those of vLLM's `MambaStateShapeCalculator`
+    /// (`vllm/model_executor/layers/mamba/mamba_utils.py`: `mamba1_state_shape`,
+    /// `mamba2_state_shape`, `gated_delta_net_state_shape`, without speculative
+    /// slots), which match the caches of the models' transformers implementations:
+    ///
+    /// ```text
+    /// Mamba-1       conv (K-1) x d_inner/tp                        ssm d_inner/tp x N
+    /// Mamba-2       conv (K-1) x (d_inner + 2 G' N)/tp             ssm H/tp x P x N
+    ///               G' = G, or tp when G does not divide by tp (the groups are
+    ///               replicated so each GPU's heads keep theirs)
+    /// DeltaNet      conv (K-1) x (2 Hk Dk + Hv Dv)/tp              ssm Hv/tp x Dk x Dv
+    /// ```
+    ///
+    /// with the conv state in [`Self::conv_state_dtype`] and the SSM state in
+    /// [`Self::ssm_state_dtype`].
+    ///
+    /// # Errors
+    /// [`Error::UnevenTensorParallel`] when `tp` does not divide the conv channels;
+    /// [`Error::ModelConfig`] when a size overflows 64 bits.
+    pub fn state_bytes_per_layer(&self) -> Result<Option<(u64, u64)>> {
+        let Some(h) = &self.model.config.arch.hybrid else {
+            return Ok(None);
+        };
+        let tp = self.tensor_parallel.max(1);
+        let split = |what: &'static str, count: u64| -> Result<u64> {
+            if !count.is_multiple_of(tp as u64) {
+                return Err(Error::UnevenTensorParallel {
+                    what,
+                    count: count as usize,
+                    tp,
+                });
+            }
+            Ok(count / tp as u64)
+        };
+        let (window, conv_channels, ssm_elems) = match h.mixer {
+            StateMixer::Mamba1 {
+                d_inner,
+                d_state,
+                conv_kernel,
+                ..
+            } => {
+                let d = split("mamba d_inner", d_inner as u64)?;
+                (
+                    conv_kernel as u64 - 1,
+                    d,
+                    product("SSM state", &[("d_inner", d), ("d_state", d_state as u64)])?,
+                )
+            }
+            StateMixer::Mamba2 {
+                num_heads,
+                head_dim,
+                d_state,
+                n_groups,
+                conv_kernel,
+                ..
+            } => {
+                let groups = if n_groups.is_multiple_of(tp) {
+                    n_groups
+                } else {
+                    tp.max(n_groups)
+                };
+                let channels = split("mamba conv channels", conv_channels(&h.mixer, groups)?)?;
+                (
+                    conv_kernel as u64 - 1,
+                    channels,
+                    product(
+                        "SSM state",
+                        &[
+                            ("heads", split("mamba heads", num_heads as u64)?),
+                            ("head_dim", head_dim as u64),
+                            ("d_state", d_state as u64),
+                        ],
+                    )?,
+                )
+            }
+            StateMixer::GatedDeltaNet {
+                num_v_heads,
+                head_k_dim,
+                head_v_dim,
+                conv_kernel,
+                ..
+            } => {
+                let channels = split("q, k, v conv channels", conv_channels(&h.mixer, 0)?)?;
+                (
+                    conv_kernel as u64 - 1,
+                    channels,
+                    product(
+                        "recurrent state",
+                        &[
+                            (
+                                "value heads",
+                                split("linear_num_value_heads", num_v_heads as u64)?,
+                            ),
+                            ("head_k_dim", head_k_dim as u64),
+                            ("head_v_dim", head_v_dim as u64),
+                        ],
+                    )?,
+                )
+            }
+        };
+        let conv = product(
+            "conv state",
+            &[
+                ("kernel - 1", window),
+                ("channels", conv_channels),
+                ("dtype bytes", self.conv_state_dtype.size_bytes() as u64),
+            ],
+        )?;
+        let ssm = product(
+            "SSM state",
+            &[
+                ("elements", ssm_elems),
+                ("dtype bytes", self.ssm_state_dtype.size_bytes() as u64),
+            ],
+        )?;
+        Ok(Some((conv, ssm)))
     }
 
     /// The KV layout of one GPU: the model's shape with `num_kv_heads / tp` heads, or
@@ -1046,7 +1463,8 @@ impl PlanInput {
         let config = &self.model.config;
         match config.kv_kind() {
             KvKind::Standard => {
-                let mut shape = config.shape.with_dtype(self.kv_dtype);
+                // cache_shape: the attention layers only, for a hybrid model.
+                let mut shape = config.cache_shape()?.with_dtype(self.kv_dtype);
                 shape.num_kv_heads /= tp;
                 shape.num_q_heads /= tp;
                 KvLayout::new(shape, self.block_size)
@@ -1188,8 +1606,13 @@ impl PlanInput {
         let block_bytes = layout.block_bytes() as u64;
         let num_blocks = kv_budget / block_bytes;
         let blocks_per_request = self.blocks_per_request(&layout);
-        let max_concurrency = num_blocks / blocks_per_request;
-        let needed_blocks = blocks_per_request
+        let state = self.state_plan(&layout, num_blocks, blocks_per_request)?;
+        // Each request holds its context's KV blocks and, in a hybrid model, its
+        // state's pages, all from the one arena.
+        let pages_per_request =
+            blocks_per_request + state.as_ref().map_or(0, |s| s.pages_per_sequence);
+        let max_concurrency = num_blocks / pages_per_request;
+        let needed_blocks = pages_per_request
             .checked_mul(self.concurrency as u64)
             .ok_or(Error::OutOfRange {
                 field: "concurrency",
@@ -1247,9 +1670,55 @@ impl PlanInput {
             num_blocks,
             capacity_tokens,
             blocks_per_request,
+            pages_per_request,
+            state,
             max_concurrency,
             verdict,
         })
+    }
+
+    /// The recurrent state of a hybrid model in pages of the KV arena (`None` for a
+    /// model without recurrent layers): each sequence's state, every recurrent layer's
+    /// conv and SSM tensors together, takes `ceil(state bytes / block_bytes)` pages of
+    /// the attention layers' block size, so the arena needs no second page size and no
+    /// raised block size (vLLM's hybrid allocator instead grows the attention block
+    /// until one page holds a layer's state); the padding of the last page is the waste.
+    fn state_plan(
+        &self,
+        layout: &KvLayout,
+        num_blocks: u64,
+        blocks_per_request: u64,
+    ) -> Result<Option<StatePlan>> {
+        let Some((conv, ssm)) = self.state_bytes_per_layer()? else {
+            return Ok(None);
+        };
+        let Some(h) = &self.model.config.arch.hybrid else {
+            return Ok(None);
+        };
+        let layers = h.count(LayerKind::Recurrent);
+        let bytes = product(
+            "state per sequence",
+            &[
+                ("recurrent layers", layers as u64),
+                ("conv + ssm bytes", sum("state per layer", &[conv, ssm])?),
+            ],
+        )?;
+        let page = layout.block_bytes() as u64;
+        let pages = bytes.div_ceil(page).max(1);
+        Ok(Some(StatePlan {
+            mixer: h.mixer.name(),
+            recurrent_layers: layers,
+            attention_layers: h.count(LayerKind::Attention),
+            conv_state_dtype: self.conv_state_dtype,
+            ssm_state_dtype: self.ssm_state_dtype,
+            conv_bytes_per_layer: conv,
+            ssm_bytes_per_layer: ssm,
+            bytes_per_sequence: bytes,
+            pages_per_sequence: pages,
+            waste_bytes_per_sequence: pages * page - bytes,
+            kv_limited_concurrency: num_blocks / blocks_per_request.max(1),
+            state_limited_concurrency: num_blocks / pages,
+        }))
     }
 
     /// Whole-model blocks one request of `context_tokens` holds. Full-attention layers
@@ -1319,6 +1788,28 @@ impl PlanInput {
                 "sliding window of {w} tokens on {windowed} of {total} layers: those layers sized for at most ceil({w} / block) + 1 blocks per request (a manager with sliding_window frees the rest)"
             ));
         }
+        if let Some(h) = &arch.hybrid {
+            let total = spec.config.shape.num_layers;
+            let source = if h.ssm_dtype == Some(self.ssm_state_dtype) {
+                "as the config's mamba_ssm_cache_dtype says"
+            } else if h.ssm_dtype.is_none() && self.ssm_state_dtype == DType::F32 {
+                "f32 by default: the kernels accumulate it in f32"
+            } else {
+                "as asked"
+            };
+            notes.push(format!(
+                "hybrid: {} of {total} layers are attention and hold KV; {} {} layers hold a fixed state per sequence (conv state in {}, SSM state in {}, {source}){}",
+                h.count(LayerKind::Attention),
+                h.count(LayerKind::Recurrent),
+                h.mixer.name(),
+                self.conv_state_dtype,
+                self.ssm_state_dtype,
+                match h.count(LayerKind::Mlp) {
+                    0 => String::new(),
+                    n => format!("; {n} MLP-only layers hold nothing"),
+                }
+            ));
+        }
         if arch.mtp_layers > 0 {
             notes.push(format!(
                 "{} multi-token-prediction layer(s) not counted (loaded only for speculative decoding)",
@@ -1357,7 +1848,10 @@ impl PlanInput {
                     }
                 }
             }
-            let blocks_each = plan.num_blocks / self.concurrency as u64;
+            // A request's state pages come off its share first.
+            let state_pages = plan.pages_per_request - plan.blocks_per_request;
+            let blocks_each =
+                (plan.num_blocks / self.concurrency as u64).saturating_sub(state_pages);
             if blocks_each > 0 {
                 out.push(Suggestion::Context {
                     max_context_tokens: blocks_each * self.block_size as u64,
@@ -1401,7 +1895,7 @@ impl PlanInput {
         // A GPU size only when the bytes needed fit in 64 bits and a GPU of that size
         // is checked to fit.
         let needed = plan
-            .blocks_per_request
+            .pages_per_request
             .checked_mul(self.concurrency as u64)
             .and_then(|b| b.checked_mul(plan.block_bytes))
             .and_then(|kv| kv.checked_add(plan.weight_bytes))
@@ -1457,7 +1951,7 @@ pub enum Shortfall {
     },
     /// The cache holds fewer blocks than the target concurrency at the context needs.
     Blocks {
-        /// `concurrency * blocks_per_request`.
+        /// `concurrency * pages_per_request` (KV blocks and recurrent-state pages).
         needed_blocks: u64,
         /// Blocks that fit.
         num_blocks: u64,
@@ -1645,12 +2139,69 @@ pub struct Plan {
     pub num_blocks: u64,
     /// Tokens the cache holds: `num_blocks * block_size`.
     pub capacity_tokens: u64,
-    /// Blocks one request of `context_tokens` needs.
+    /// KV blocks one request of `context_tokens` needs.
     pub blocks_per_request: u64,
-    /// Requests of `context_tokens` tokens that fit at once.
+    /// Pages one request holds: its KV blocks plus, for a hybrid model, its recurrent
+    /// state's pages ([`StatePlan::pages_per_sequence`]); `blocks_per_request` otherwise.
+    pub pages_per_request: u64,
+    /// The recurrent state of a hybrid model (Mamba, gated DeltaNet layers); `None`
+    /// when every layer is attention.
+    pub state: Option<StatePlan>,
+    /// Requests of `context_tokens` tokens that fit at once: `num_blocks /
+    /// pages_per_request`, both limits together.
     pub max_concurrency: u64,
     /// Whether the target fits, and what to change if not.
     pub verdict: Verdict,
+}
+
+/// The recurrent state of a hybrid model on one GPU, per sequence: fixed, whatever the
+/// context length ([`PlanInput::state_bytes_per_layer`] gives the shapes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatePlan {
+    /// The recurrent layers' kind: `mamba`, `mamba2` or `gated_deltanet`.
+    pub mixer: &'static str,
+    /// Layers that hold a state.
+    pub recurrent_layers: usize,
+    /// Layers that hold K and V (the KV figures count these only).
+    pub attention_layers: usize,
+    /// Element type of the conv state.
+    pub conv_state_dtype: DType,
+    /// Element type of the SSM / DeltaNet state.
+    pub ssm_state_dtype: DType,
+    /// Conv-state bytes of one sequence in one recurrent layer.
+    pub conv_bytes_per_layer: u64,
+    /// SSM-state bytes of one sequence in one recurrent layer.
+    pub ssm_bytes_per_layer: u64,
+    /// `recurrent_layers x (conv + ssm)`.
+    pub bytes_per_sequence: u64,
+    /// Pages of the arena one sequence's state takes: `ceil(bytes / block_bytes)`.
+    pub pages_per_sequence: u64,
+    /// Padding in the last of those pages.
+    pub waste_bytes_per_sequence: u64,
+    /// Requests the arena would hold for their KV alone: `num_blocks /
+    /// blocks_per_request`.
+    pub kv_limited_concurrency: u64,
+    /// Sequences whose states alone fill the arena: `num_blocks / pages_per_sequence`.
+    pub state_limited_concurrency: u64,
+}
+
+impl StatePlan {
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "mixer": self.mixer,
+            "recurrent_layers": self.recurrent_layers,
+            "attention_layers": self.attention_layers,
+            "conv_state_dtype": self.conv_state_dtype.name(),
+            "ssm_state_dtype": self.ssm_state_dtype.name(),
+            "conv_bytes_per_layer": self.conv_bytes_per_layer,
+            "ssm_bytes_per_layer": self.ssm_bytes_per_layer,
+            "bytes_per_sequence": self.bytes_per_sequence,
+            "pages_per_sequence": self.pages_per_sequence,
+            "waste_bytes_per_sequence": self.waste_bytes_per_sequence,
+            "kv_limited_concurrency": self.kv_limited_concurrency,
+            "state_limited_concurrency": self.state_limited_concurrency,
+        })
+    }
 }
 
 fn gib(bytes: u64) -> String {
@@ -1706,6 +2257,8 @@ impl Plan {
             "num_blocks": self.num_blocks,
             "capacity_tokens": self.capacity_tokens,
             "blocks_per_request": self.blocks_per_request,
+            "pages_per_request": self.pages_per_request,
+            "state": self.state.as_ref().map(StatePlan::to_json),
             "max_concurrency": self.max_concurrency,
             "fits": self.verdict.fits(),
             "shortfall": shortfall,
@@ -1802,6 +2355,32 @@ impl fmt::Display for Plan {
             "tokens the cache holds",
             self.capacity_tokens.to_string(),
         )?;
+        if let Some(st) = &self.state {
+            row(
+                f,
+                "recurrent state / sequence",
+                format!(
+                    "{} B: {} {} layers x (conv {} B {} + ssm {} B {}), {} pages ({} B padding)",
+                    st.bytes_per_sequence,
+                    st.recurrent_layers,
+                    st.mixer,
+                    st.conv_bytes_per_layer,
+                    st.conv_state_dtype,
+                    st.ssm_bytes_per_layer,
+                    st.ssm_state_dtype,
+                    st.pages_per_sequence,
+                    st.waste_bytes_per_sequence
+                ),
+            )?;
+            row(
+                f,
+                "limits",
+                format!(
+                    "KV alone {} requests, state alone {} sequences",
+                    st.kv_limited_concurrency, st.state_limited_concurrency
+                ),
+            )?;
+        }
         row(
             f,
             "max concurrent requests",

@@ -867,7 +867,6 @@ fn unknown_memory_fields_are_refused_unless_assumed_dense() {
     for extra in [
         r#""quantization_config": {"quant_method": "hqq"},"#,
         r#""quantization_config": {"quant_method": "gptq", "bits": 3},"#,
-        r#""layer_types": ["linear_attention", "full_attention"],"#,
         r#""linear_num_key_heads": 16,"#,
     ] {
         let text = base.replacen('{', &format!("{{{extra}"), 1);
@@ -1058,4 +1057,241 @@ fn planner_splits_hybrid_models_into_kv_cache_groups_of_equal_pages() {
         .unwrap();
     assert_eq!((g.len(), g[0].layout.shape().num_layers), (1, 61));
     assert!(matches!(g[0].layout.kind(), pagedkv::KvKind::Latent { .. }));
+}
+
+/// A hybrid config's sizes, written out by hand from its `config.json` (the files in
+/// `tests/data/` name their sources) with vLLM's `MambaStateShapeCalculator` shapes:
+/// none of these numbers comes from the planner.
+struct HybridHand {
+    file: &'static str,
+    /// Attention layers of `num_hidden_layers`.
+    attention_layers: u64,
+    recurrent_layers: u64,
+    /// 2 (K, V) x attention layers x KV heads x head_dim x 2 B (bf16).
+    kv_bytes_per_token: u64,
+    /// Conv state of one layer in bf16, SSM state of one layer in f32.
+    conv_bytes: u64,
+    ssm_bytes: u64,
+    /// Total parameters as published, and half a unit of its last digit.
+    published: (f64, f64),
+}
+
+fn hybrid_hands() -> [HybridHand; 4] {
+    [
+        // Qwen3-Next-80B-A3B: every 4th of 48 layers is full attention (12), with 2 KV
+        // heads of 256. Gated DeltaNet: 16 key heads and 32 value heads of 128, kernel
+        // 4: conv over q, k, v = 3 x (2x16x128 + 32x128) = 3 x 8192; state 32 x 128 x 128.
+        HybridHand {
+            file: "qwen3-next-80b-a3b.json",
+            attention_layers: 12,
+            recurrent_layers: 36,
+            kv_bytes_per_token: 2 * 12 * 2 * 256 * 2,
+            conv_bytes: 3 * 8192 * 2,
+            ssm_bytes: 32 * 128 * 128 * 4,
+            published: (80e9, 0.5e9),
+        },
+        // Nemotron-H-8B: pattern of 24 M, 4 *, 24 -. Attention 8 KV heads of 128.
+        // Mamba-2: 128 heads of 64 (d_inner 8192), state 128, 8 groups, kernel 4: conv
+        // 3 x (8192 + 2x8x128); state 128 x 64 x 128.
+        HybridHand {
+            file: "nemotron-h-8b.json",
+            attention_layers: 4,
+            recurrent_layers: 24,
+            kv_bytes_per_token: 2 * 4 * 8 * 128 * 2,
+            conv_bytes: 3 * (8192 + 2 * 8 * 128) * 2,
+            ssm_bytes: 128 * 64 * 128 * 4,
+            published: (8e9, 0.5e9),
+        },
+        // Jamba-1.5-Mini: attention where layer % 8 == 4 (4 of 32), 8 KV heads of
+        // 4096/32 = 128. Mamba(-1): d_inner 2 x 4096, state 16, kernel 4: conv 3 x 8192;
+        // state 8192 x 16. Published: 52 B total, 12 B active.
+        HybridHand {
+            file: "jamba-1.5-mini.json",
+            attention_layers: 4,
+            recurrent_layers: 28,
+            kv_bytes_per_token: 2 * 4 * 8 * 128 * 2,
+            conv_bytes: 3 * 8192 * 2,
+            ssm_bytes: 8192 * 16 * 4,
+            published: (52e9, 0.5e9),
+        },
+        // Granite-4.0-H-Tiny: 4 attention layers of 40 with 4 KV heads of 1536/12 = 128.
+        // Mamba-2: 48 heads of 64 (d_inner 3072), state 128, 1 group, kernel 4: conv
+        // 3 x (3072 + 2x1x128); state 48 x 64 x 128. Published: 7 B total.
+        HybridHand {
+            file: "granite-4.0-h-tiny.json",
+            attention_layers: 4,
+            recurrent_layers: 36,
+            kv_bytes_per_token: 2 * 4 * 4 * 128 * 2,
+            conv_bytes: 3 * (3072 + 2 * 128) * 2,
+            ssm_bytes: 48 * 64 * 128 * 4,
+            published: (7e9, 0.5e9),
+        },
+    ]
+}
+
+#[test]
+fn hybrid_kv_and_state_bytes_match_the_hand_computation() {
+    for hand in hybrid_hands() {
+        let mut i = PlanInput::new(data(hand.file), 141 * GIB);
+        i.context_tokens = 8192;
+        i.concurrency = 4;
+        // The defaults: conv state in the model's bf16, SSM state in f32.
+        assert_eq!(i.conv_state_dtype, DType::BF16, "{}", hand.file);
+        assert_eq!(i.ssm_state_dtype, DType::F32, "{}", hand.file);
+        let plan = i.plan().unwrap();
+        assert_eq!(
+            plan.kv_bytes_per_token, hand.kv_bytes_per_token,
+            "{}",
+            hand.file
+        );
+        assert_eq!(
+            plan.block_bytes,
+            16 * hand.kv_bytes_per_token,
+            "{}",
+            hand.file
+        );
+        let st = plan
+            .state
+            .as_ref()
+            .expect("a hybrid plan reports its state");
+        assert_eq!(
+            (st.attention_layers as u64, st.recurrent_layers as u64),
+            (hand.attention_layers, hand.recurrent_layers),
+            "{}",
+            hand.file
+        );
+        assert_eq!(st.conv_bytes_per_layer, hand.conv_bytes, "{}", hand.file);
+        assert_eq!(st.ssm_bytes_per_layer, hand.ssm_bytes, "{}", hand.file);
+        let per_seq = hand.recurrent_layers * (hand.conv_bytes + hand.ssm_bytes);
+        assert_eq!(st.bytes_per_sequence, per_seq, "{}", hand.file);
+        // The state takes whole pages of the attention block; both limits together.
+        let pages = per_seq.div_ceil(plan.block_bytes);
+        assert_eq!(st.pages_per_sequence, pages, "{}", hand.file);
+        assert_eq!(
+            st.waste_bytes_per_sequence,
+            pages * plan.block_bytes - per_seq
+        );
+        assert_eq!(plan.blocks_per_request, 8192 / 16, "{}", hand.file);
+        assert_eq!(plan.pages_per_request, 512 + pages, "{}", hand.file);
+        assert_eq!(plan.max_concurrency, plan.num_blocks / (512 + pages));
+        assert_eq!(st.kv_limited_concurrency, plan.num_blocks / 512);
+        assert_eq!(st.state_limited_concurrency, plan.num_blocks / pages);
+        assert!(
+            plan.max_concurrency < st.kv_limited_concurrency.min(st.state_limited_concurrency) + 1
+        );
+        let json = plan.to_json();
+        assert_eq!(json["state"]["bytes_per_sequence"], per_seq);
+        assert!(
+            plan.to_string().contains("recurrent state / sequence"),
+            "{plan}"
+        );
+
+        // The state dtype is a parameter: bf16 halves the SSM state.
+        i.ssm_state_dtype = DType::BF16;
+        let st = i.plan().unwrap().state.unwrap();
+        assert_eq!(st.ssm_bytes_per_layer, hand.ssm_bytes / 2, "{}", hand.file);
+    }
+    // Written out once: Jamba-1.5-Mini holds 28 x (49,152 + 524,288) = 16,056,320 B of
+    // state per sequence, the same as a 980-token context of its KV (16 KiB a token).
+    assert_eq!(28 * (3 * 8192 * 2 + 8192 * 16 * 4), 16_056_320);
+}
+
+#[test]
+fn hybrid_state_splits_under_tensor_parallelism() {
+    // Nemotron-H-8B on 2 GPUs: 4 KV heads each; 64 Mamba heads; 8 groups divide by 2,
+    // so conv = 3 x (8192 + 2x8x128) / 2.
+    let mut i = PlanInput::new(data("nemotron-h-8b.json"), 80 * GIB);
+    i.context_tokens = 8192;
+    i.tensor_parallel = 2;
+    let plan = i.plan().unwrap();
+    assert_eq!(plan.kv_bytes_per_token, 2 * 4 * 4 * 128 * 2);
+    let st = plan.state.unwrap();
+    assert_eq!(st.conv_bytes_per_layer, 3 * (8192 + 2 * 8 * 128) / 2 * 2);
+    assert_eq!(st.ssm_bytes_per_layer, 64 * 64 * 128 * 4);
+    // Granite-4.0-H-Tiny on 4 GPUs: its one group is replicated on every GPU (vLLM's
+    // extra_groups_for_head_shards: 1 group becomes 4), conv = 3 x (3072 + 2x4x128) / 4.
+    let mut i = PlanInput::new(data("granite-4.0-h-tiny.json"), 80 * GIB);
+    i.context_tokens = 8192;
+    i.tensor_parallel = 4;
+    let st = i.plan().unwrap().state.unwrap();
+    assert_eq!(st.conv_bytes_per_layer, 3 * (3072 + 2 * 4 * 128) / 4 * 2);
+    assert_eq!(st.ssm_bytes_per_layer, 12 * 64 * 128 * 4);
+    // Qwen3-Next on 3 GPUs: 16 key heads do not split three ways.
+    let mut i = PlanInput::new(data("qwen3-next-80b-a3b.json"), 80 * GIB);
+    i.tensor_parallel = 3;
+    assert!(matches!(i.plan(), Err(Error::UnevenTensorParallel { .. })));
+}
+
+#[test]
+fn hybrid_parameter_counts_within_the_published_rounding() {
+    for hand in hybrid_hands() {
+        let total = data(hand.file).param_counts().unwrap().total() as f64;
+        let (published, half_unit) = hand.published;
+        assert!(
+            (total - published).abs() <= half_unit,
+            "{}: {total} vs published {published}",
+            hand.file
+        );
+    }
+}
+
+#[test]
+fn hybrid_kv_cache_groups_hold_attention_layers_only() {
+    // Qwen3-Next: one full-attention group of its 12 attention layers (the state is
+    // reported by the plan, not as a KV group).
+    let g = PlanInput::new(data("qwen3-next-80b-a3b.json"), 80 * GIB)
+        .kv_cache_groups()
+        .unwrap();
+    assert_eq!(
+        (g.len(), g[0].window, g[0].layout.shape().num_layers),
+        (1, None, 12)
+    );
+    assert_eq!(g[0].layout.block_bytes(), 16 * 2 * 12 * 2 * 256 * 2);
+}
+
+#[test]
+fn unknown_layer_types_are_refused_by_name() {
+    let qwen_next = include_str!("data/qwen3-next-80b-a3b.json");
+    // A layer list with a type Qwen3-Next does not have.
+    let mut types = vec!["\"linear_attention\""; 48];
+    types[7] = "\"mamba\"";
+    let text = qwen_next.replacen(
+        '{',
+        &format!("{{\"layer_types\": [{}],", types.join(",")),
+        1,
+    );
+    match ModelSpec::from_json_str(&text) {
+        Err(Error::UnknownLayerType {
+            model_type,
+            layer,
+            layer_type,
+        }) => assert_eq!(
+            (model_type.as_str(), layer, layer_type.as_str()),
+            ("qwen3_next", 7, "mamba")
+        ),
+        other => panic!("expected UnknownLayerType, got {other:?}"),
+    }
+    // Nemotron-H's `E` (a mixture-of-experts layer) is not one the planner sizes.
+    let nemotron = include_str!("data/nemotron-h-8b.json").replacen("M-M-M-M*", "M-M-M-E*", 1);
+    assert!(matches!(
+        ModelSpec::from_json_str(&nemotron),
+        Err(Error::UnknownLayerType { layer: 6, ref layer_type, .. }) if layer_type == "E"
+    ));
+    // A dense model naming a linear-attention layer is refused, not planned as dense,
+    // and assume_dense cannot reach it: the config does not parse.
+    let base = pagedkv::layout::shape::builtin::LLAMA3_8B;
+    let text = base.replacen(
+        '{',
+        r#"{"layer_types": ["full_attention", "linear_attention"],"#,
+        1,
+    );
+    let e = ModelSpec::from_json_str(&text).unwrap_err();
+    assert!(e.to_string().contains("\"linear_attention\""), "{e}");
+    assert!(matches!(e, Error::UnknownLayerType { layer: 1, .. }));
+    // A pattern as long as the model, or refused.
+    let short = include_str!("data/nemotron-h-8b.json").replacen("M-M-M-M*", "M-M*", 1);
+    assert!(matches!(
+        ModelSpec::from_json_str(&short),
+        Err(Error::ModelConfig(_))
+    ));
 }

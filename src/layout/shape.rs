@@ -253,7 +253,8 @@ impl ModelConfig {
         if num_q_heads == 0 {
             return Err(Error::ModelConfig("num_attention_heads is 0".into()));
         }
-        let head_dim = match uint("head_dim")? {
+        // Nemotron-H names the attention head width `attention_head_dim`.
+        let head_dim = match uint("head_dim")?.or(uint("attention_head_dim")?) {
             Some(d) => d,
             None => {
                 if hidden_size % num_q_heads != 0 {
@@ -332,16 +333,24 @@ impl ModelConfig {
         }
     }
 
-    /// The shape of the cache: [`Self::shape`] for standard attention, and for MLA
-    /// [`ModelShape::latent`] (one vector of `kv_lora_rank + qk_rope_head_dim` per
-    /// token and layer; `num_key_value_heads` and `head_dim` do not enter).
+    /// The shape of the paged cache: [`Self::shape`] for standard attention, less the
+    /// recurrent and MLP-only layers of a hybrid model (only its attention layers keep
+    /// K and V: see [`ModelArch::hybrid`]); for MLA [`ModelShape::latent`] (one vector
+    /// of `kv_lora_rank + qk_rope_head_dim` per token and layer; `num_key_value_heads`
+    /// and `head_dim` do not enter).
     ///
     /// # Errors
     /// [`Error::ModelConfig`] when the latent width overflows or is not a valid shape.
     pub fn cache_shape(&self) -> Result<ModelShape> {
         let s = self.shape;
         match self.kv_kind() {
-            KvKind::Standard => Ok(s),
+            KvKind::Standard => Ok(match &self.arch.hybrid {
+                Some(h) => ModelShape {
+                    num_layers: h.count(LayerKind::Attention),
+                    ..s
+                },
+                None => s,
+            }),
             KvKind::Latent {
                 kv_lora_rank,
                 rope_dim,
@@ -388,7 +397,7 @@ impl ModelConfig {
 
 /// Architectures whose weights the reader counts exactly. Anything else is read as a
 /// Llama-style dense decoder, and refused if it carries fields that change memory.
-pub const KNOWN_MODEL_TYPES: [&str; 17] = [
+pub const KNOWN_MODEL_TYPES: [&str; 21] = [
     "llama",
     "mistral",
     "qwen2",
@@ -406,6 +415,10 @@ pub const KNOWN_MODEL_TYPES: [&str; 17] = [
     "llama4_text",
     "phimoe",
     "olmoe",
+    "qwen3_next",
+    "nemotron_h",
+    "jamba",
+    "granitemoehybrid",
 ];
 
 /// Substrings of config keys that can change the size of the weights or of the cache.
@@ -517,6 +530,381 @@ pub struct Quantization {
     pub attention_unquantized: bool,
 }
 
+/// What mixes tokens in one layer of a hybrid model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LayerKind {
+    /// Attention: K and V of every token stay in the paged cache.
+    Attention,
+    /// A recurrent layer (Mamba or gated DeltaNet): one fixed-size state per sequence,
+    /// whatever its length.
+    Recurrent,
+    /// A feed-forward layer with no mixer and no cache (Nemotron-H's `-`).
+    Mlp,
+}
+
+/// The recurrent layers of a hybrid model, with the dimensions that size their state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StateMixer {
+    /// Mamba (Mamba-1, selective scan; Jamba): a conv state of `(conv_kernel - 1) x
+    /// d_inner` and an SSM state of `d_inner x d_state`.
+    Mamba1 {
+        /// `mamba_expand x hidden_size`.
+        d_inner: usize,
+        /// `mamba_d_state`.
+        d_state: usize,
+        /// `mamba_d_conv`.
+        conv_kernel: usize,
+        /// `mamba_dt_rank` (`"auto"`: `ceil(hidden_size / 16)`).
+        dt_rank: usize,
+    },
+    /// Mamba-2 (SSD; Nemotron-H, Granite 4.0-H): a conv state of `(conv_kernel - 1) x
+    /// (d_inner + 2 n_groups d_state)` and an SSM state of `num_heads x head_dim x
+    /// d_state`.
+    Mamba2 {
+        /// `num_heads x head_dim`.
+        d_inner: usize,
+        /// SSM heads (`mamba_num_heads`, `mamba_n_heads`).
+        num_heads: usize,
+        /// Width of one head (`mamba_head_dim`, `mamba_d_head`).
+        head_dim: usize,
+        /// `ssm_state_size`, `mamba_d_state`.
+        d_state: usize,
+        /// Groups sharing B and C (`n_groups`, `mamba_n_groups`).
+        n_groups: usize,
+        /// `conv_kernel`, `mamba_d_conv`.
+        conv_kernel: usize,
+    },
+    /// Gated DeltaNet (Qwen3-Next's linear attention): a conv state over the q, k and
+    /// v channels, `(conv_kernel - 1) x (2 num_k_heads head_k_dim + num_v_heads
+    /// head_v_dim)`, and a recurrent state of `num_v_heads x head_k_dim x head_v_dim`.
+    GatedDeltaNet {
+        /// `linear_num_key_heads`.
+        num_k_heads: usize,
+        /// `linear_num_value_heads`.
+        num_v_heads: usize,
+        /// `linear_key_head_dim`.
+        head_k_dim: usize,
+        /// `linear_value_head_dim`.
+        head_v_dim: usize,
+        /// `linear_conv_kernel_dim`.
+        conv_kernel: usize,
+    },
+}
+
+impl StateMixer {
+    /// Short name: `mamba`, `mamba2` or `gated_deltanet`.
+    pub const fn name(&self) -> &'static str {
+        match self {
+            StateMixer::Mamba1 { .. } => "mamba",
+            StateMixer::Mamba2 { .. } => "mamba2",
+            StateMixer::GatedDeltaNet { .. } => "gated_deltanet",
+        }
+    }
+}
+
+/// The layer mix of a hybrid model, as its `config.json` describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HybridConfig {
+    /// Every layer's kind, in model order (`num_hidden_layers` of them).
+    pub layers: Vec<LayerKind>,
+    /// The recurrent layers' mixer.
+    pub mixer: StateMixer,
+    /// The recurrent layers' depthwise convolution has a bias.
+    pub conv_bias: bool,
+    /// The recurrent layers' input and output projections have biases.
+    pub proj_bias: bool,
+    /// The SSM-state dtype the config asks for (`mamba_ssm_cache_dtype`,
+    /// `mamba_ssm_dtype`), if it says.
+    pub ssm_dtype: Option<DType>,
+    /// Layers with a feed-forward block (every layer but in Nemotron-H, whose
+    /// feed-forward blocks are layers of their own).
+    pub ffn_layers: usize,
+    /// Matrices of one dense feed-forward block: 3 gated (gate, up, down), 2 not
+    /// (Nemotron-H's squared-ReLU up and down).
+    pub ffn_matrices: usize,
+    /// Width of a dense feed-forward block.
+    pub ffn_intermediate_size: usize,
+    /// The attention layers' query projection also produces an output gate as wide as
+    /// the queries (Qwen3-Next's gated attention).
+    pub attention_output_gate: bool,
+}
+
+impl HybridConfig {
+    /// Layers of `kind`.
+    pub fn count(&self, kind: LayerKind) -> usize {
+        self.layers.iter().filter(|k| **k == kind).count()
+    }
+}
+
+/// Reads the layer mix of the hybrid `model_type`s the planner knows (Qwen3-Next,
+/// Nemotron-H, Jamba, Granite 4.0-H); `None` for every other model. A layer type the
+/// reader does not know is [`Error::UnknownLayerType`]; a missing dimension is
+/// [`Error::ModelConfig`].
+fn read_hybrid(
+    obj: &serde_json::Map<String, serde_json::Value>,
+    mt: &str,
+    num_layers: usize,
+    consumed: &mut Vec<&'static str>,
+) -> Result<Option<HybridConfig>> {
+    use serde_json::Value;
+    if !matches!(
+        mt,
+        "qwen3_next" | "nemotron_h" | "jamba" | "granitemoehybrid"
+    ) {
+        return Ok(None);
+    }
+    let uint = |key: &str| -> Result<Option<usize>> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    Error::ModelConfig(format!("{key} must be a non-negative integer, got {x}"))
+                }),
+        }
+    };
+    let need = |key: &str| -> Result<usize> {
+        match uint(key)? {
+            Some(n) if n > 0 => Ok(n),
+            _ => Err(Error::ModelConfig(format!(
+                "{mt}: the recurrent layers need a positive {key}"
+            ))),
+        }
+    };
+    let flag = |key: &str| obj.get(key).and_then(Value::as_bool);
+    // Layer names as each family spells them; anything else is refused.
+    let named = |names: &[(&str, LayerKind)]| -> Result<Option<Vec<LayerKind>>> {
+        let key = ["layer_types", "layers_block_type"]
+            .into_iter()
+            .find(|k| obj.contains_key(*k));
+        let Some(key) = key else { return Ok(None) };
+        let list = obj[key]
+            .as_array()
+            .ok_or_else(|| Error::ModelConfig(format!("{key} must be a list of layer names")))?;
+        list.iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let name = v.as_str().map_or_else(|| v.to_string(), str::to_string);
+                names
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, kind)| *kind)
+                    .ok_or_else(|| unknown_layer_type(mt, i, &name))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    };
+    let hidden = need("hidden_size")?;
+    let (layers, mixer) = match mt {
+        "qwen3_next" => {
+            consumed.extend([
+                "linear_num_key_heads",
+                "linear_num_value_heads",
+                "linear_key_head_dim",
+                "linear_value_head_dim",
+                "linear_conv_kernel_dim",
+            ]);
+            let layers = match named(&[
+                ("full_attention", LayerKind::Attention),
+                ("linear_attention", LayerKind::Recurrent),
+            ])? {
+                Some(l) => l,
+                // transformers' default: every `full_attention_interval`-th layer is
+                // full attention, the others linear.
+                None => {
+                    let every = uint("full_attention_interval")?.unwrap_or(4).max(1);
+                    (0..num_layers)
+                        .map(|i| {
+                            if (i + 1) % every == 0 {
+                                LayerKind::Attention
+                            } else {
+                                LayerKind::Recurrent
+                            }
+                        })
+                        .collect()
+                }
+            };
+            let mixer = StateMixer::GatedDeltaNet {
+                num_k_heads: need("linear_num_key_heads")?,
+                num_v_heads: need("linear_num_value_heads")?,
+                head_k_dim: need("linear_key_head_dim")?,
+                head_v_dim: need("linear_value_head_dim")?,
+                conv_kernel: need("linear_conv_kernel_dim")?,
+            };
+            (layers, mixer)
+        }
+        "nemotron_h" => {
+            consumed.extend([
+                "mamba_num_heads",
+                "mamba_head_dim",
+                "ssm_state_size",
+                "conv_kernel",
+                "mamba_hidden_act",
+                "mamba_proj_bias",
+                "mamba_ssm_cache_dtype",
+            ]);
+            let layers = match obj.get("hybrid_override_pattern").and_then(Value::as_str) {
+                Some(pattern) => pattern
+                    .chars()
+                    .enumerate()
+                    .map(|(i, c)| match c {
+                        'M' => Ok(LayerKind::Recurrent),
+                        '*' => Ok(LayerKind::Attention),
+                        '-' => Ok(LayerKind::Mlp),
+                        other => Err(unknown_layer_type(mt, i, &other.to_string())),
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+                None => named(&[
+                    ("mamba", LayerKind::Recurrent),
+                    ("attention", LayerKind::Attention),
+                    ("mlp", LayerKind::Mlp),
+                ])?
+                .ok_or_else(|| {
+                    Error::ModelConfig(
+                        "nemotron_h needs hybrid_override_pattern or layers_block_type".into(),
+                    )
+                })?,
+            };
+            let (num_heads, head_dim) = (need("mamba_num_heads")?, need("mamba_head_dim")?);
+            let mixer = StateMixer::Mamba2 {
+                d_inner: num_heads * head_dim,
+                num_heads,
+                head_dim,
+                d_state: need("ssm_state_size")?,
+                n_groups: need("n_groups")?,
+                conv_kernel: need("conv_kernel")?,
+            };
+            (layers, mixer)
+        }
+        "jamba" => {
+            consumed.extend([
+                "mamba_d_state",
+                "mamba_d_conv",
+                "mamba_expand",
+                "mamba_dt_rank",
+                "mamba_conv_bias",
+                "mamba_proj_bias",
+                "use_mamba_kernels",
+            ]);
+            let period = need("attn_layer_period")?;
+            let offset = uint("attn_layer_offset")?.unwrap_or(0);
+            let layers = (0..num_layers)
+                .map(|i| {
+                    if i % period == offset % period {
+                        LayerKind::Attention
+                    } else {
+                        LayerKind::Recurrent
+                    }
+                })
+                .collect();
+            let dt_rank = match obj.get("mamba_dt_rank") {
+                None | Some(Value::Null) => hidden.div_ceil(16),
+                Some(Value::String(s)) if s == "auto" => hidden.div_ceil(16),
+                Some(_) => need("mamba_dt_rank")?,
+            };
+            let mixer = StateMixer::Mamba1 {
+                d_inner: need("mamba_expand")?.checked_mul(hidden).ok_or_else(|| {
+                    Error::ModelConfig("mamba_expand x hidden_size overflows".into())
+                })?,
+                d_state: need("mamba_d_state")?,
+                conv_kernel: need("mamba_d_conv")?,
+                dt_rank,
+            };
+            (layers, mixer)
+        }
+        _ => {
+            // granitemoehybrid
+            consumed.extend([
+                "mamba_n_heads",
+                "mamba_d_head",
+                "mamba_d_state",
+                "mamba_n_groups",
+                "mamba_d_conv",
+                "mamba_expand",
+                "mamba_chunk_size",
+                "mamba_conv_bias",
+                "mamba_proj_bias",
+            ]);
+            let layers = named(&[
+                ("mamba", LayerKind::Recurrent),
+                ("attention", LayerKind::Attention),
+            ])?
+            .ok_or_else(|| Error::ModelConfig("granitemoehybrid needs layer_types".into()))?;
+            let (num_heads, head_dim) = (need("mamba_n_heads")?, need("mamba_d_head")?);
+            let d_inner = num_heads * head_dim;
+            if let Some(expand) = uint("mamba_expand")? {
+                if expand * hidden != d_inner {
+                    return Err(Error::ModelConfig(format!(
+                        "mamba_n_heads {num_heads} x mamba_d_head {head_dim} = {d_inner} is not mamba_expand {expand} x hidden_size {hidden}"
+                    )));
+                }
+            }
+            let mixer = StateMixer::Mamba2 {
+                d_inner,
+                num_heads,
+                head_dim,
+                d_state: need("mamba_d_state")?,
+                n_groups: need("mamba_n_groups")?,
+                conv_kernel: need("mamba_d_conv")?,
+            };
+            (layers, mixer)
+        }
+    };
+    // Keys of these families that match a size pattern and change nothing here.
+    consumed.extend([
+        "full_attention_interval",
+        "use_conv_bias",
+        "mamba_ssm_dtype",
+    ]);
+    if layers.len() != num_layers {
+        return Err(Error::ModelConfig(format!(
+            "{mt}: {} layer types for num_hidden_layers {num_layers}",
+            layers.len()
+        )));
+    }
+    if !layers.contains(&LayerKind::Attention) {
+        return Err(Error::ModelConfig(format!(
+            "{mt}: no attention layer; a purely recurrent model has no paged KV cache to plan"
+        )));
+    }
+    let ssm_dtype = match ["mamba_ssm_cache_dtype", "mamba_ssm_dtype"]
+        .iter()
+        .find_map(|k| obj.get(*k).and_then(Value::as_str))
+    {
+        None | Some("auto") => None,
+        Some(name) => Some(
+            DType::parse(name)
+                .map_err(|_| Error::ModelConfig(format!("unknown SSM state dtype {name:?}")))?,
+        ),
+    };
+    let nemotron = mt == "nemotron_h";
+    let ffn_layers = if nemotron {
+        layers.iter().filter(|k| **k == LayerKind::Mlp).count()
+    } else {
+        num_layers
+    };
+    let ffn_intermediate_size = if mt == "granitemoehybrid" {
+        uint("shared_intermediate_size")?.unwrap_or(0)
+    } else {
+        uint("intermediate_size")?.unwrap_or(0)
+    };
+    Ok(Some(HybridConfig {
+        layers,
+        mixer,
+        conv_bias: flag("mamba_conv_bias")
+            .or(flag("use_conv_bias"))
+            .unwrap_or(mt != "qwen3_next"),
+        proj_bias: flag("mamba_proj_bias").unwrap_or(false),
+        ssm_dtype,
+        ffn_layers,
+        ffn_matrices: if nemotron { 2 } else { 3 },
+        ffn_intermediate_size,
+        attention_output_gate: mt == "qwen3_next",
+    }))
+}
+
 /// What a config says about the weights beyond the dense Llama shape.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ModelArch {
@@ -546,6 +934,9 @@ pub struct ModelArch {
     pub sliding_window: Option<usize>,
     /// `layer_types` (`full_attention`, `sliding_attention` per layer).
     pub layer_types: Vec<String>,
+    /// The layer mix of a hybrid model (attention beside Mamba or gated-DeltaNet
+    /// layers), `None` for a model whose every layer is attention.
+    pub hybrid: Option<HybridConfig>,
     /// Multi-token-prediction layers (`num_nextn_predict_layers`), not counted: engines
     /// load them only for speculative decoding.
     pub mtp_layers: usize,
@@ -578,7 +969,7 @@ impl ModelArch {
             .map(str::to_string);
         let mt = model_type.as_deref().unwrap_or("");
         let known = KNOWN_MODEL_TYPES.contains(&mt);
-        let mut consumed: Vec<&str> = vec!["head_dim", "intermediate_size"];
+        let mut consumed: Vec<&str> = vec!["head_dim", "attention_head_dim", "intermediate_size"];
         let qwen2 = mt == "qwen2" || mt == "qwen2_moe";
         let attention_bias = flag("attention_bias").unwrap_or(qwen2);
         // Qwen2 hard-codes biases on q, k, v and none on o; Llama-style models put
@@ -616,7 +1007,7 @@ impl ModelArch {
                     _ => None,
                 }
             }
-            "qwen2_moe" | "qwen3_moe" => {
+            "qwen2_moe" | "qwen3_moe" | "qwen3_next" => {
                 consumed.extend([
                     "num_experts",
                     "num_experts_per_tok",
@@ -714,6 +1105,74 @@ impl ModelArch {
                     _ => None,
                 }
             }
+            "jamba" => {
+                consumed.extend([
+                    "num_experts",
+                    "num_experts_per_tok",
+                    "expert_layer_period",
+                    "expert_layer_offset",
+                ]);
+                let period = uint("expert_layer_period")?.unwrap_or(2);
+                let offset = uint("expert_layer_offset")?.unwrap_or(1);
+                match uint("num_experts")? {
+                    // One expert is Jamba's way of saying dense.
+                    Some(n) if n > 1 && period > 0 => {
+                        let i = need_moe(uint("intermediate_size")?, "intermediate_size")?;
+                        Some(MoeConfig {
+                            num_experts: n,
+                            experts_per_token: need_moe(
+                                uint("num_experts_per_tok")?,
+                                "num_experts_per_tok",
+                            )?,
+                            expert_intermediate_size: i,
+                            num_moe_layers: (0..num_layers)
+                                .filter(|&l| l % period == offset % period)
+                                .count(),
+                            dense_intermediate_size: i,
+                            num_shared_experts: 0,
+                            shared_intermediate_size: 0,
+                            shared_expert_gate: false,
+                            router_bias: false,
+                            router_score_bias: false,
+                            expert_bias: false,
+                        })
+                    }
+                    _ => None,
+                }
+            }
+            "granitemoehybrid" => {
+                consumed.extend([
+                    "num_local_experts",
+                    "num_experts_per_tok",
+                    "shared_intermediate_size",
+                ]);
+                // Every layer's FFN is the routed experts plus one shared expert; with
+                // no experts only the shared one, a dense gated MLP (Granite-4.0-H-Micro).
+                match uint("num_local_experts")? {
+                    Some(n) if n > 0 => Some(MoeConfig {
+                        num_experts: n,
+                        experts_per_token: need_moe(
+                            uint("num_experts_per_tok")?,
+                            "num_experts_per_tok",
+                        )?,
+                        expert_intermediate_size: need_moe(
+                            uint("intermediate_size")?,
+                            "intermediate_size",
+                        )?,
+                        num_moe_layers: num_layers,
+                        dense_intermediate_size: 0,
+                        num_shared_experts: usize::from(
+                            uint("shared_intermediate_size")?.unwrap_or(0) > 0,
+                        ),
+                        shared_intermediate_size: uint("shared_intermediate_size")?.unwrap_or(0),
+                        shared_expert_gate: false,
+                        router_bias: false,
+                        router_score_bias: false,
+                        expert_bias: false,
+                    }),
+                    _ => None,
+                }
+            }
             "llama4_text" => {
                 consumed.extend([
                     "num_local_experts",
@@ -780,6 +1239,8 @@ impl ModelArch {
             None
         };
 
+        let hybrid = read_hybrid(obj, mt, num_layers, &mut consumed)?;
+
         let mut unrecognized: Vec<String> = obj
             .keys()
             .filter(|k| {
@@ -804,11 +1265,16 @@ impl ModelArch {
                     .collect()
             })
             .unwrap_or_default();
-        if let Some(odd) = layer_types
-            .iter()
-            .find(|t| *t != "full_attention" && *t != "sliding_attention")
-        {
-            unrecognized.push(format!("layer_types = {odd:?}"));
+        // A hybrid reader checked its own layer names; any other config may name only
+        // attention layers. Anything else is refused, never guessed.
+        if hybrid.is_none() {
+            if let Some((layer, odd)) = layer_types
+                .iter()
+                .enumerate()
+                .find(|(_, t)| *t != "full_attention" && *t != "sliding_attention")
+            {
+                return Err(unknown_layer_type(mt, layer, odd));
+            }
         }
 
         let quantization = match obj.get("quantization_config") {
@@ -833,21 +1299,38 @@ impl ModelArch {
             attention_bias,
             o_proj_bias,
             attention_sinks: mt == "gpt_oss",
-            qk_norm: matches!(mt, "qwen3" | "qwen3_moe" | "gemma3_text" | "olmoe"),
-            norms_per_layer: if matches!(mt, "gemma2" | "gemma3_text") {
-                4
-            } else {
-                2
+            qk_norm: matches!(
+                mt,
+                "qwen3" | "qwen3_moe" | "qwen3_next" | "gemma3_text" | "olmoe"
+            ),
+            norms_per_layer: match mt {
+                "gemma2" | "gemma3_text" => 4,
+                // One norm before each block's single mixer or MLP.
+                "nemotron_h" => 1,
+                _ => 2,
             },
             moe,
             mla,
             quantization,
             sliding_window,
             layer_types,
+            hybrid,
             mtp_layers,
             unrecognized,
             model_type,
         })
+    }
+}
+
+fn unknown_layer_type(model_type: &str, layer: usize, layer_type: &str) -> Error {
+    Error::UnknownLayerType {
+        model_type: if model_type.is_empty() {
+            "absent".into()
+        } else {
+            model_type.into()
+        },
+        layer,
+        layer_type: layer_type.into(),
     }
 }
 
