@@ -382,8 +382,12 @@ impl CudaStorage {
         ctx.bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;
         let vmm = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)
-            .map_err(driver_err("cuDeviceGetAttribute(virtual memory management)"))?;
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            )
+            .map_err(driver_err(
+                "cuDeviceGetAttribute(virtual memory management)",
+            ))?;
         if vmm == 0 {
             return Err(Error::CudaUnavailable(format!(
                 "device {} ({}) does not support virtual memory management \

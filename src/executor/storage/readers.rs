@@ -96,7 +96,10 @@ impl<E> ReaderLedger<E> {
     /// Calls `wait` (a host synchronisation) for every point; each one waited for is
     /// forgotten, as every read before it has finished. Stops at the first error,
     /// keeping that point and those after it.
-    pub(crate) fn drain<Er>(&mut self, mut wait: impl FnMut(&E) -> Result<(), Er>) -> Result<(), Er> {
+    pub(crate) fn drain<Er>(
+        &mut self,
+        mut wait: impl FnMut(&E) -> Result<(), Er>,
+    ) -> Result<(), Er> {
         while let Some(r) = self.readers.last() {
             wait(&r.event)?;
             self.readers.pop();
