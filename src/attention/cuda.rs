@@ -694,7 +694,14 @@ impl CudaAttention {
         // arena's block count, which is still at least `blocks_needed` (checked
         // above), and each item's token range lies inside its sequence's context;
         // cache offsets use the layout's strides, so reads stay inside the region.
-        unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel(paged_attention_decode)"))?;
+        let launched = unsafe { b.launch(cfg) };
+        if let Err(e) = launched {
+            // The counters are only reset by the merging CTAs of a launch that ran to
+            // the end; after a failed launch their state is unknown, so the next call
+            // allocates them zeroed again.
+            self.counters = None;
+            return Err(driver_err("cuLaunchKernel(paged_attention_decode)")(e));
+        }
         storage.record_read_on(stream)?;
         Ok(plan)
     }
