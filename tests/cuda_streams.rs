@@ -216,24 +216,36 @@ fn device_kv(s: &Setup, seed: u64) -> (CudaSlice<u64>, CudaSlice<u8>, CudaSlice<
     out
 }
 
-#[test]
-fn a_decode_on_another_stream_waits_for_a_gated_write() {
-    let test = "a_decode_on_another_stream_waits_for_a_gated_write";
-    let Some(mut s) = setup(
+/// The common case: 60 tokens in blocks 3, 9, 5, 12 of a 64-block arena.
+fn small(test: &str, leave_zero: bool) -> Option<Setup> {
+    setup(
         test,
         CudaStorageConfig::blocks(64),
         &[3, 9, 5, 12],
         60,
-        true,
-    ) else {
-        return;
-    };
-    let (slots, k, v) = device_kv(&s, 11);
+        leave_zero,
+    )
+}
+
+/// Holds the compute stream behind a gate and queues new K/V for the sequence's slots
+/// behind it (one kernel launch; the data went up before the gate).
+fn gated_write(s: &mut Setup, seed: u64) -> Gate {
+    let (slots, k, v) = device_kv(s, seed);
     let gate = Gate::hold(s.storage.compute_stream());
     let n = s.slots.len();
     s.storage
         .reshape_and_cache_device(LAYER, &slots, &k, &v, n, DType::F32, 1.0, 1.0)
         .unwrap();
+    gate
+}
+
+#[test]
+fn a_decode_on_another_stream_waits_for_a_gated_write() {
+    let test = "a_decode_on_another_stream_waits_for_a_gated_write";
+    let Some(mut s) = small(test, true) else {
+        return;
+    };
+    let gate = gated_write(&mut s, 11);
     // Enqueued while the write still waits behind the gate: without an event wait on
     // the compute stream it would read the zeroed arena.
     let out = decode_on_reader(&mut s);
@@ -251,13 +263,7 @@ fn a_decode_on_another_stream_waits_for_a_gated_write() {
 #[test]
 fn a_graph_step_replay_waits_for_a_gated_write() {
     let test = "a_graph_step_replay_waits_for_a_gated_write";
-    let Some(mut s) = setup(
-        test,
-        CudaStorageConfig::blocks(64),
-        &[3, 9, 5, 12],
-        60,
-        true,
-    ) else {
+    let Some(mut s) = small(test, true) else {
         return;
     };
     let cap = StepCapacity {
@@ -272,12 +278,7 @@ fn a_graph_step_replay_waits_for_a_gated_write() {
     step.stage(&s.storage, &s.padded).unwrap();
     step.stage_queries(&s.q).unwrap();
     step.capture(&s.storage, &[LAYER], true).unwrap();
-    let (slots, k, v) = device_kv(&s, 12);
-    let gate = Gate::hold(s.storage.compute_stream());
-    let n = s.slots.len();
-    s.storage
-        .reshape_and_cache_device(LAYER, &slots, &k, &v, n, DType::F32, 1.0, 1.0)
-        .unwrap();
+    let gate = gated_write(&mut s, 12);
     step.replay(&s.storage).unwrap();
     let opener = gate.open_after();
     let got = read_back(&s.reader, step.outputs().0);
@@ -343,13 +344,7 @@ fn a_swap_in_waits_for_a_decode_still_reading_on_another_stream() {
 #[test]
 fn a_write_into_a_reused_block_waits_for_a_decode_still_reading_it() {
     let test = "a_write_into_a_reused_block_waits_for_a_decode_still_reading_it";
-    let Some(mut s) = setup(
-        test,
-        CudaStorageConfig::blocks(64),
-        &[3, 9, 5, 12],
-        60,
-        false,
-    ) else {
+    let Some(mut s) = small(test, false) else {
         return;
     };
     let want = decode_now(&mut s);
