@@ -530,13 +530,17 @@ impl CudaAttention {
     }
 
     /// [`Self::decode_io`] enqueued on the caller's `stream` (of the storage's
-    /// context) instead of the storage's compute stream. The stream first waits, on
-    /// the GPU, for the last swap that touched `layer`
-    /// ([`CudaStorage::layer_fence`]); ordering against the buffers' other streams is
-    /// cudarc's event tracking.
+    /// context) instead of the storage's compute stream. Ordered by events, with no
+    /// host synchronisation: the stream first waits, on the GPU, for the writes queued
+    /// on the compute stream so far and for the last swap that touched `layer`
+    /// ([`CudaStorage::order_read_on`]); after the launch the stream's point goes into
+    /// the storage's ledger of foreign readers ([`CudaStorage::record_read_on`]), so
+    /// the storage's later writes, swaps, shrinks and drop wait for this read. Ordering
+    /// against the buffers' other streams is cudarc's event tracking.
     ///
     /// # Errors
-    /// As [`Self::decode`].
+    /// As [`Self::decode`]; an [`Error::Cuda`] from recording the read comes after the
+    /// launch was enqueued.
     #[allow(clippy::too_many_arguments)]
     pub fn decode_io_on(
         &mut self,
@@ -627,7 +631,7 @@ impl CudaAttention {
         stream
             .memcpy_htod(&words, wd)
             .map_err(driver_err("cuMemcpyHtoDAsync(work list)"))?;
-        storage.wait_fence_on(&storage.layer_fence(layer)?, stream)?;
+        storage.order_read_on(stream, layer)?;
         let s = layout.strides();
         let (sb, skv, sh, st) = (s.block as u64, s.kv as u64, s.head as u64, s.token as u64);
         let null = 0u64;
@@ -690,7 +694,15 @@ impl CudaAttention {
         // arena's block count, which is still at least `blocks_needed` (checked
         // above), and each item's token range lies inside its sequence's context;
         // cache offsets use the layout's strides, so reads stay inside the region.
-        unsafe { b.launch(cfg) }.map_err(driver_err("cuLaunchKernel(paged_attention_decode)"))?;
+        let launched = unsafe { b.launch(cfg) };
+        if let Err(e) = launched {
+            // The counters are only reset by the merging CTAs of a launch that ran to
+            // the end; after a failed launch their state is unknown, so the next call
+            // allocates them zeroed again.
+            self.counters = None;
+            return Err(driver_err("cuLaunchKernel(paged_attention_decode)")(e));
+        }
+        storage.record_read_on(stream)?;
         Ok(plan)
     }
 
@@ -773,14 +785,27 @@ struct StepPtrs {
 /// [`Self::enqueue_decode`], or the whole step as a graph: [`Self::capture`],
 /// [`Self::replay`]) enqueues `cuMemcpyHtoDAsync` from that pinned memory and the
 /// decode and merge kernels on the step's stream: no allocation, no pageable upload, no
-/// host synchronisation, no event.
+/// host synchronisation.
+///
+/// Ordering with the storage is by events, outside the graph: [`Self::replay`], and
+/// [`Self::enqueue_decode`] on a stream that is not capturing, make the step's stream
+/// wait for the compute stream's writes and the layers' last swaps before the step
+/// ([`CudaStorage::order_read_on`]) and record the step's reads in the storage's ledger
+/// of foreign readers after it ([`CudaStorage::record_read_on`]), so later writes,
+/// swaps and shrinks wait for the step. Inside an engine's own capture (a stream that is
+/// capturing) [`Self::enqueue_decode`] can do neither (an event recorded outside a
+/// capture cannot be waited on inside it): the engine calls [`Self::order_reads`]
+/// before launching its graph and [`Self::record_reads`] after.
 ///
 /// Contract (the caller's, not checked): stage a new step only after the previous
 /// step's upload has run on the stream (a decode loop's wait for its sampled tokens
-/// orders this), and order swaps of the captured layers before the step (it does not
-/// wait on [`CudaStorage::layer_fence`], which would be an event wait inside the
-/// capture). Breaking it gives wrong results, not out-of-bounds reads: every word ever
-/// staged is in bounds (see [`super::stage_decode_step`]).
+/// orders this). Breaking it gives wrong results, not out-of-bounds reads: every word
+/// ever staged is in bounds (see [`super::stage_decode_step`]).
+///
+/// Dropping the step synchronises its stream first: its copies read the pinned staging
+/// through raw pointers, which no cudarc event guards. A failure of that wait cannot be
+/// returned from `drop`; it is recorded in the context ([`cudarc::driver::CudaContext::check_err`]
+/// returns it, and the next cudarc call on the context fails with it).
 pub struct DecodeGraphStep {
     /// Dropped first: the graph names the buffers below.
     graph: Option<(cudarc::driver::CudaGraph, Vec<(usize, u64)>)>,
@@ -1092,16 +1117,54 @@ impl DecodeGraphStep {
     /// Enqueues decode attention for `layer` over the staged step: the decode kernel on
     /// the fixed grid, then the merge (always, so that the launch does not depend on
     /// the split count; with one split it copies the row exactly). Reads the device
-    /// staging and queries, writes [`Self::outputs`]. Capturable.
+    /// staging and queries, writes [`Self::outputs`]. On a stream that is not
+    /// capturing, ordered after the storage's writes and swaps and recorded as a
+    /// foreign read; capturable, and then the engine orders the graph's launches
+    /// ([`Self::order_reads`], [`Self::record_reads`]).
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] for a bad layer; [`Error::BlockOutOfRange`] when the
     /// arena shrank below the staged tables; [`Error::InvalidConfig`] for another
-    /// layout's storage; [`Error::Cuda`]. Nothing is enqueued on error.
+    /// layout's storage; [`Error::Cuda`]. No kernel is enqueued on a validation error.
     pub fn enqueue_decode(&self, storage: &CudaStorage, layer: usize) -> Result<()> {
         self.check_storage(storage)?;
         let region = storage.region_ptr(layer)?;
-        self.launch(region)
+        let capturing = self
+            .stream
+            .capture_status()
+            .map_err(driver_err("cuStreamIsCapturing"))?
+            != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        if capturing {
+            return self.launch(region);
+        }
+        storage.order_read_on(&self.stream, layer)?;
+        self.launch(region)?;
+        storage.record_read_on(&self.stream)
+    }
+
+    /// Makes the step's stream wait, on the GPU, for the writes queued on `storage`'s
+    /// compute stream so far and for the last swaps of `layers`
+    /// ([`CudaStorage::order_read_on`]). [`Self::replay`] does this itself; an engine
+    /// that captures [`Self::enqueue_decode`] into its own graph calls it before each
+    /// launch of that graph.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for a bad layer; [`Error::Cuda`].
+    pub fn order_reads(&self, storage: &CudaStorage, layers: &[usize]) -> Result<()> {
+        layers
+            .iter()
+            .try_for_each(|&l| storage.order_read_on(&self.stream, l))
+    }
+
+    /// Records the reads enqueued on the step's stream so far in `storage`'s ledger of
+    /// foreign readers ([`CudaStorage::record_read_on`]), so its later writes, swaps and
+    /// shrinks wait for them. [`Self::replay`] does this itself; see
+    /// [`Self::order_reads`].
+    ///
+    /// # Errors
+    /// [`Error::Cuda`].
+    pub fn record_reads(&self, storage: &CudaStorage) -> Result<()> {
+        storage.record_read_on(&self.stream)
     }
 
     fn launch(&self, region: u64) -> Result<()> {
@@ -1230,7 +1293,8 @@ impl DecodeGraphStep {
     }
 
     /// Launches the captured graph on the step's stream: what [`Self::capture`]
-    /// recorded, over whatever is staged now.
+    /// recorded, over whatever is staged now, ordered after the storage's writes and
+    /// the captured layers' swaps and recorded as a foreign read (see the type's docs).
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] without a capture, or when a captured layer's region
@@ -1249,6 +1313,20 @@ impl DecodeGraphStep {
                 ));
             }
         }
-        graph.launch().map_err(driver_err("cuGraphLaunch"))
+        let layers: Vec<usize> = regions.iter().map(|&(l, _)| l).collect();
+        self.order_reads(storage, &layers)?;
+        graph.launch().map_err(driver_err("cuGraphLaunch"))?;
+        self.record_reads(storage)
+    }
+}
+
+impl Drop for DecodeGraphStep {
+    fn drop(&mut self) {
+        // The staging copies read `staging`/`q_staging` by raw address and the kernels
+        // use the buffers through raw pointers: no cudarc event guards them, so wait
+        // for the stream before the fields are freed. Never panic here: a failure is
+        // recorded in the context, whose next checked call returns it.
+        let synced = self.stream.synchronize();
+        self.stream.context().record_err(synced);
     }
 }

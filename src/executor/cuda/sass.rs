@@ -49,8 +49,26 @@
 //! really share one pipe, and the prologue and epilogue (long contexts amortise them).
 //! It is a ceiling, not a prediction: a kernel below it is certainly slower than
 //! 4.3 TB/s on the H200; one at it may still be latency-bound.
+//!
+//! 6. **Predicted range** ([`predicted_range`]), a prediction to check on the first
+//!    GPU, not a bound: Little's law over the KV bytes each SM keeps in flight (its
+//!    resident CTAs times what one CTA has requested at a time: the `cp.async` pipeline
+//!    of the tensor-core path, else one iteration's loads of every warp), divided by a
+//!    loaded HBM latency of [`H200_LOADED_LATENCY_S`] (both ends), capped by the
+//!    ceiling, less the share [`MERGE_AND_TAIL_FRACTION`] (both ends) of the fused
+//!    merge, the epilogue and the last partial wave: the low end pairs the long
+//!    latency with the large share, the high end the short with the small.
 
 use std::collections::BTreeMap;
+
+/// The loaded HBM latency [`predicted_range`] assumes, in seconds: (short, long).
+/// A lead (Hopper microbenchmarks put an idle DRAM access near 0.5 µs; under a full
+/// read load it grows), not measured here.
+pub const H200_LOADED_LATENCY_S: (f64, f64) = (0.6e-6, 1.0e-6);
+/// Share of a decode launch's time [`predicted_range`] gives to the fused merge, the
+/// epilogue and the last partial wave of CTAs: (small, large). The small end is issue
+/// 35's reading of the merge alone (about 3 %); the large one a guess with the tail.
+pub const MERGE_AND_TAIL_FRACTION: (f64, f64) = (0.03, 0.10);
 
 /// Streaming multiprocessors of an H200 SXM.
 pub const H200_SMS: u32 = 132;
@@ -451,6 +469,24 @@ impl SpeedModel {
     }
 }
 
+/// The predicted bandwidth range `(low, high)` in bytes per second of a loop with
+/// `model`'s ceiling when each resident CTA keeps `in_flight_bytes_per_cta` KV bytes
+/// requested at a time (module docs, step 6).
+pub fn predicted_range(
+    model: &SpeedModel,
+    occ: &Occupancy,
+    in_flight_bytes_per_cta: f64,
+) -> (f64, f64) {
+    let in_flight = H200_SMS as f64 * occ.ctas_per_sm as f64 * in_flight_bytes_per_cta;
+    let at = |latency: f64, share: f64| {
+        (in_flight / latency).min(model.ceiling_bytes_per_s) * (1.0 - share)
+    };
+    (
+        at(H200_LOADED_LATENCY_S.1, MERGE_AND_TAIL_FRACTION.1),
+        at(H200_LOADED_LATENCY_S.0, MERGE_AND_TAIL_FRACTION.0),
+    )
+}
+
 /// The model of the module docs for an H200.
 pub fn speed_model(profile: &LoopProfile, occ: &Occupancy) -> SpeedModel {
     let schedulers = occ.warps_per_sm.min(SCHEDULERS_PER_SM) as f64;
@@ -590,6 +626,31 @@ mod tests {
         };
         let m1 = speed_model(&p, &one);
         assert!((m1.issue_bytes_per_s - 132.0 * 1.98e9 * 1024.0 / 100.0).abs() < 1.0);
+    }
+
+    #[test]
+    fn the_predicted_range_is_littles_law_under_the_ceiling_less_the_merge() {
+        let p = LoopProfile {
+            counts: BTreeMap::new(),
+            instructions: 100,
+            kv_bytes_per_warp: 1024,
+            spill_instructions: 0,
+        };
+        let occ = occupancy(128, 9 * 1024, 128);
+        let m = speed_model(&p, &occ);
+        let (keep_lo, keep_hi) = (
+            1.0 - MERGE_AND_TAIL_FRACTION.1,
+            1.0 - MERGE_AND_TAIL_FRACTION.0,
+        );
+        // 2 KiB in flight per CTA: latency-bound, below the ceiling at both ends.
+        let (lo, hi) = predicted_range(&m, &occ, 2048.0);
+        let flight = 132.0 * occ.ctas_per_sm as f64 * 2048.0;
+        assert!((lo / (flight / 1.0e-6 * keep_lo) - 1.0).abs() < 1e-12);
+        assert!((hi / (flight / 0.6e-6 * keep_hi) - 1.0).abs() < 1e-12);
+        assert!(lo < hi && hi < m.ceiling_bytes_per_s);
+        // Plenty in flight: both ends at the ceiling, less the merge and tail.
+        let (lo, hi) = predicted_range(&m, &occ, 1e9);
+        assert_eq!((lo, hi), (4.3e12 * keep_lo, 4.3e12 * keep_hi));
     }
 
     #[test]

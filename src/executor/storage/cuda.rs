@@ -23,6 +23,18 @@
 //!   [`SwapFence`] ([`Storage::swap_fence`], [`CudaStorage::layer_fence`]); the rules of
 //!   which fence covers what are pure code in [`super::fence`], unit-tested on the CPU.
 //!   A caller's own stream waits on one with [`CudaStorage::wait_fence_on`].
+//! - **Foreign readers.** A kernel that reads the arena on a stream other than the
+//!   compute stream (an engine's decode, [`crate::attention::cuda::DecodeGraphStep`]) is
+//!   ordered by events both ways, never by a device synchronisation:
+//!   [`CudaStorage::order_read_on`] makes the reading stream wait for the compute
+//!   stream's writes queued so far and for the layer's last swap;
+//!   [`CudaStorage::record_read_on`] records the stream's point after its reads in one
+//!   ledger ([`super::readers`]: an event per foreign stream), and everything of the
+//!   storage's own that overwrites or unmaps blocks waits for that ledger first: K/V
+//!   writes and block copies on the compute stream, swaps on the transfer stream (on
+//!   the device), a shrink and the storage's drop (on the host). A block the manager
+//!   frees is only overwritten by one of those, so freeing needs no call of its own.
+//!   The decode methods of [`crate::attention::cuda`] do both calls themselves.
 //! - **Host tier and batched transfers.** One page-locked region per layer
 //!   (`cuMemHostAlloc`); a swap copies merged runs ([`SwapPlan::runs`]) with the copy
 //!   engines: one `cuMemcpyBatchAsync` per layer for several runs on a 13.0+ driver,
@@ -38,6 +50,7 @@
 
 use super::copy::{for_each_token_run, table_places};
 use super::fence::{FenceEvent, FenceLedger, SwapFence};
+use super::readers::{OwnStream, ReaderLedger};
 use super::vmm_plan::{
     issue_mode, layer_copy_runs, plan_growth, plan_shrink, IssueMode, MAX_CHUNK_BYTES,
 };
@@ -52,7 +65,7 @@ use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig,
     PinnedHostSlice, PushKernelArg,
 };
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 /// How big the arena is at start.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -294,8 +307,14 @@ pub struct CudaStorage {
     /// One fence (a fresh CUDA event) per enqueued swap layer, and which layers each
     /// covers: see [`super::fence`] for the rules.
     fences: FenceLedger<SwapFence>,
-    /// Recorded on the compute stream before a swap, which waits on it.
+    /// Recorded on the compute stream before work on another stream that must follow
+    /// it (a swap, a foreign read), which waits on it.
     compute_mark: CudaEvent,
+    /// Foreign streams that read the arena, each with its last recorded event (see
+    /// the module docs and [`super::readers`]). A mutex because reads are recorded
+    /// through `&self`; every method leaves the ledger consistent, so a poisoned lock
+    /// is taken over as it is.
+    readers: Mutex<ReaderLedger<CudaEvent>>,
     /// `cuDriverGetVersion`, which decides whether swaps use `cuMemcpyBatchAsync`.
     driver_version: i32,
 }
@@ -337,6 +356,7 @@ impl Drop for CudaStorage {
         // the fields' own drops release; wait for both streams first. Errors cannot
         // be reported from Drop, and a failed wait leaves nothing better to do.
         let _ = self.ctx.bind_to_thread();
+        let _ = self.sync_readers();
         let _ = self.compute.synchronize();
         let _ = self.transfer.synchronize();
     }
@@ -352,7 +372,8 @@ impl CudaStorage {
     /// written once (zero) so first-touch costs are paid here, not in the first step.
     ///
     /// # Errors
-    /// [`Error::CudaUnavailable`] without a driver or device (fall back to
+    /// [`Error::CudaUnavailable`] without a driver or device, or on a device without
+    /// virtual memory management (`cuMemMap`; some virtualised GPUs) (fall back to
     /// [`crate::HostStorage`], e.g. with [`crate::executor::storage::auto`]); [`Error::InvalidConfig`]
     /// for an impossible size; [`Error::Cuda`] for driver or NVRTC failures. Everything
     /// allocated so far is released.
@@ -360,6 +381,21 @@ impl CudaStorage {
         let (ctx, info) = open_device(config.device)?;
         ctx.bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;
+        let vmm = ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            )
+            .map_err(driver_err(
+                "cuDeviceGetAttribute(virtual memory management)",
+            ))?;
+        if vmm == 0 {
+            return Err(Error::CudaUnavailable(format!(
+                "device {} ({}) does not support virtual memory management \
+                 (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0), which \
+                 CudaStorage maps its arena with",
+                config.device, info.name
+            )));
+        }
         let bpl = layout.block_bytes_per_layer();
         let layers = layout.num_layers();
         let (alloc_prop, access) = vmm_props(config.device);
@@ -500,6 +536,7 @@ impl CudaStorage {
             kernels,
             fences: FenceLedger::new(layers),
             compute_mark,
+            readers: Mutex::default(),
             driver_version,
         };
         // Warm-up: touch the whole arena once.
@@ -617,6 +654,98 @@ impl CudaStorage {
             Some(f) => self.wait_fence_on(f, &self.compute),
             None => Ok(()),
         }
+    }
+
+    /// Orders a read of `layer` that is about to be enqueued on `stream` after the
+    /// writes before it: `stream` waits, on the GPU, for everything queued on the
+    /// compute stream so far (K/V writes, block copies) and for the last swap that
+    /// touched `layer`. On the compute stream itself only the swap needs a wait. Pair it
+    /// with [`Self::record_read_on`] after the read; the decode methods of
+    /// [`crate::attention::cuda`] call both.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for a bad layer; [`Error::Cuda`].
+    pub fn order_read_on(&self, stream: &CudaStream, layer: usize) -> Result<()> {
+        self.check_layer(layer)?;
+        if !self.is_compute(stream) {
+            self.compute_mark
+                .record(&self.compute)
+                .map_err(driver_err("cuEventRecord"))?;
+            stream
+                .wait(&self.compute_mark)
+                .map_err(driver_err("cuStreamWaitEvent"))?;
+        }
+        self.wait_fence_on(&self.layer_fence(layer)?, stream)
+    }
+
+    /// Records that reads of the arena were enqueued on `stream`: an event recorded on
+    /// it now goes into the storage's ledger of foreign readers (one per stream,
+    /// re-recorded on each call), and every later write on the compute stream, swap,
+    /// shrink and the storage's drop waits for it. Nothing to do for the compute stream
+    /// (its own order covers it). Reads of the arena on a foreign stream that are not
+    /// recorded here are not ordered with the storage's later writes.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`]; the stream's earlier point stays in the ledger then.
+    pub fn record_read_on(&self, stream: &CudaStream) -> Result<()> {
+        if self.is_compute(stream) {
+            return Ok(());
+        }
+        let key = stream.cu_stream() as usize;
+        let mut readers = self.readers();
+        let event = match readers.take_event(key) {
+            Some(e) => e,
+            None => self
+                .ctx
+                .new_event(None)
+                .map_err(driver_err("cuEventCreate"))?,
+        };
+        // Points that passed order nothing: keep the ledger to reads in flight.
+        readers.forget_completed(|e| e.try_is_complete().unwrap_or(false));
+        // A failed record leaves the event at its earlier point, which stays covered.
+        let recorded = event.record(stream).map_err(driver_err("cuEventRecord"));
+        readers.recorded(key, event);
+        recorded
+    }
+
+    /// Foreign streams whose recorded reads may still be in flight (the ledger's size,
+    /// for tests and diagnostics).
+    pub fn foreign_readers(&self) -> usize {
+        self.readers().len()
+    }
+
+    /// Blocks the host until every foreign read recorded with [`Self::record_read_on`]
+    /// so far has finished, and empties the ledger.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`]; the reads not yet waited for stay in the ledger.
+    pub fn sync_readers(&self) -> Result<()> {
+        self.readers().drain(|e| {
+            e.synchronize()
+                .map_err(driver_err("cuEventSynchronize(foreign reader)"))
+        })
+    }
+
+    /// Makes one of the storage's own streams wait, on the device, for every foreign
+    /// read recorded so far that it has not waited for yet.
+    fn wait_readers(&self, who: OwnStream) -> Result<()> {
+        let stream = match who {
+            OwnStream::Compute => &self.compute,
+            OwnStream::Transfer => &self.transfer,
+        };
+        self.readers().for_unwaited(who, |e| {
+            stream
+                .wait(e)
+                .map_err(driver_err("cuStreamWaitEvent(foreign reader)"))
+        })
+    }
+
+    fn readers(&self) -> MutexGuard<'_, ReaderLedger<CudaEvent>> {
+        self.readers.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn is_compute(&self, stream: &CudaStream) -> bool {
+        stream.cu_stream() == self.compute.cu_stream()
     }
 
     /// Bytes of physical memory mapped behind `layer`'s region, and in how many
@@ -817,6 +946,9 @@ impl CudaStorage {
             });
         }
         self.wait_layer(layer)?;
+        // A slot written here may belong to a block that a foreign read still reads
+        // (freed by the manager and handed out again).
+        self.wait_readers(OwnStream::Compute)?;
         let shape = self.layout.shape();
         let s = self.layout.strides();
         let base = self.regions[layer].base;
@@ -939,6 +1071,9 @@ impl CudaStorage {
         self.transfer
             .wait(&self.compute_mark)
             .map_err(driver_err("cuStreamWaitEvent"))?;
+        // ... and every foreign read of the arena recorded so far (a swap-in overwrites
+        // device blocks such a read may still be reading).
+        self.wait_readers(OwnStream::Transfer)?;
         let bpl = self.layout.block_bytes_per_layer();
         let runs = layer_copy_runs(&plan.runs(), bpl)
             .ok_or_else(|| Error::config("swap plan", "byte offsets overflow"))?;
@@ -1214,6 +1349,8 @@ impl CudaStorage {
         for layer in 0..self.layout.num_layers() {
             self.wait_layer(layer)?;
         }
+        // Destinations may be blocks a foreign read still reads.
+        self.wait_readers(OwnStream::Compute)?;
         let block_bytes = self.layout.block_bytes_per_layer() as u64;
         let cfg = LaunchConfig {
             grid_dim: (plan.copies as u32, self.layout.num_layers() as u32, 1),
@@ -1390,7 +1527,9 @@ impl Storage for CudaStorage {
         let (old_bytes, new_bytes) = (self.num_blocks * bpl, num_blocks * bpl);
         self.bind()?;
         // Queued work may still touch the tail being unmapped, or the bytes being
-        // zeroed; wait for both streams (not the whole device).
+        // zeroed; wait for both streams and for every foreign read (not the whole
+        // device).
+        self.sync_readers()?;
         self.sync_compute()?;
         self.sync_transfers()?;
         if num_blocks > self.num_blocks {

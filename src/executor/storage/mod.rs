@@ -11,6 +11,7 @@ mod copy;
 mod cuda;
 pub mod fence;
 mod host;
+pub(crate) mod readers;
 pub(crate) mod vmm_plan;
 
 #[cfg(feature = "cuda")]
