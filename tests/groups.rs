@@ -25,7 +25,7 @@
 use pagedkv::{
     AdmitOptions, BlockId, CopyPlan, CostModel, DType, Error, GroupSpec, GroupStep, HostStorage,
     KvCache, KvKind, KvLayout, ModelShape, PreemptAction, PreemptMode, PreemptPolicy, SeqId,
-    Storage,
+    StepBuffers, StepEntry, Storage,
 };
 use proptest::prelude::*;
 
@@ -277,6 +277,20 @@ enum Action {
     /// prefix every group serves, then reserve, write and commit chunks of `chunk`
     /// tokens; a chunk that does not fit frees the sequence (recompute later).
     AdmitChunked(usize, usize, usize),
+    /// One step of up to `k` sequences (from the `s`-th) through the step path
+    /// (`reserve_step_grouped` into one `StepBuffers` per group, then `commit_step`):
+    /// each computes `n` query tokens plus `la` lookahead slots and accepts `acc`.
+    BatchStep(usize, usize, usize, usize, usize),
+}
+
+/// [`action`] with batch steps among the actions (a separate strategy, as
+/// [`action_with_export`]).
+fn action_with_batch_steps() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        4 => action(),
+        3 => (0usize..8, 1usize..5, 1usize..5, 0usize..3, 0usize..6)
+            .prop_map(|(s, k, n, la, acc)| Action::BatchStep(s, k, n, la, acc)),
+    ]
 }
 
 /// [`action`] with chunked prefills among the actions (a separate strategy, as
@@ -356,6 +370,9 @@ struct Model {
     swaps: usize,
     /// Chunked admissions made.
     chunked: usize,
+    /// One step buffer per group, and the batch steps reserved through them.
+    bufs: Vec<StepBuffers>,
+    batch_steps: usize,
     /// Truncations that cut tokens, and those a window group refused.
     truncations: usize,
     refused_truncations: usize,
@@ -634,6 +651,62 @@ impl Model {
                     Err(e) => Err(e),
                 }
             }
+            Action::BatchStep(s, k, n, la, acc) => {
+                if self.seqs.is_empty() {
+                    return;
+                }
+                let picked: Vec<usize> = (0..k.min(self.seqs.len()))
+                    .map(|j| (s + j) % self.seqs.len())
+                    .collect();
+                let entries: Vec<StepEntry> = picked
+                    .iter()
+                    .map(|&i| StepEntry {
+                        seq: self.kv.handle(self.seqs[i].0).unwrap(),
+                        new_tokens: n,
+                        lookahead: la,
+                    })
+                    .collect();
+                let r = self.kv.reserve_step_grouped(&entries, &mut self.bufs);
+                if r.is_ok() {
+                    let acc = acc.min(n);
+                    for g in 0..self.kv.num_groups() {
+                        let b = &self.bufs[g];
+                        self.cow_copies += b.copies().copies().len();
+                        self.store.copy_blocks(b.copies()).unwrap();
+                        for (row, &i) in picked.iter().enumerate() {
+                            let (id, first) = (self.seqs[i].0, self.seqs[i].1.len());
+                            let q = b.query_start_loc();
+                            let (lo, hi) = (q[row] as usize, q[row + 1] as usize);
+                            assert_eq!(hi - lo, n);
+                            assert_eq!(b.positions()[lo], first as i64);
+                            assert_eq!(b.tables().context_lens[row] as usize, first + n);
+                            let slots: Vec<pagedkv::Slot> = b.slot_mapping()[lo..hi]
+                                .iter()
+                                .map(|&x| pagedkv::Slot(x as u64))
+                                .collect();
+                            let mut kk = Vec::new();
+                            let mut vv = Vec::new();
+                            for t in 0..n {
+                                let writer = if t < acc { id.0 } else { DRAFT_WRITER };
+                                let x = value(g, writer, first + t);
+                                for _ in 0..HEAD_DIM {
+                                    kk.extend_from_slice(&x.to_le_bytes());
+                                    vv.extend_from_slice(&(-x).to_le_bytes());
+                                }
+                            }
+                            self.store.write_slots(0, &slots, &kk, &vv).unwrap();
+                        }
+                    }
+                    let accepted: Vec<_> = entries.iter().map(|e| (e.seq, acc)).collect();
+                    self.kv.commit_step(&accepted).unwrap();
+                    for &i in &picked {
+                        let id = self.seqs[i].0;
+                        self.seqs[i].1.extend(std::iter::repeat_n(id.0, acc));
+                    }
+                    self.batch_steps += 1;
+                }
+                r
+            }
             Action::Truncate(s, keep) => {
                 let Some(i) = pick(s, &self.seqs) else { return };
                 let id = self.seqs[i].0;
@@ -798,6 +871,10 @@ fn model(specs: &[GroupSpec]) -> Model {
         cow_copies: 0,
         swaps: 0,
         chunked: 0,
+        bufs: (0..specs.len())
+            .map(|_| StepBuffers::new(8, 64, PAGES))
+            .collect(),
+        batch_steps: 0,
         truncations: 0,
         refused_truncations: 0,
         by_policy: false,
@@ -852,6 +929,7 @@ struct Coverage {
     swaps: usize,
     truncations: usize,
     refused_truncations: usize,
+    batch_steps: usize,
 }
 
 impl Coverage {
@@ -890,6 +968,7 @@ fn run_property(
         c.cow += usize::from(m.cow_copies > 0);
         c.swaps += usize::from(m.swaps > 0);
         c.truncations += usize::from(m.truncations > 0);
+        c.batch_steps += usize::from(m.batch_steps > 0);
         c.refused_truncations += usize::from(m.refused_truncations > 0);
         Ok(())
     });
@@ -926,6 +1005,27 @@ fn prefix_hits_hold_their_bytes_in_every_group() {
     c.floor("a copy-on-write", c.cow, 25);
     c.floor("a swap", c.swaps, 50);
     c.floor("a prefix hit", c.hits, 25);
+}
+
+/// Batch steps through the step path among the other actions (full + window and
+/// full + full): every group's buffers hold the step's slots, positions and context
+/// lengths; drafts written past the accepted tokens never pass for them; a refused
+/// step changes nothing.
+#[test]
+fn batch_steps_fill_every_groups_buffers() {
+    let l = layout(BS, 1);
+    for specs in [
+        vec![GroupSpec::full(l), GroupSpec::window(l, WINDOW)],
+        vec![GroupSpec::full(l), GroupSpec::full(l)],
+    ] {
+        let c = run_property(
+            proptest::collection::vec(action_with_batch_steps(), 1..80),
+            &specs,
+            48,
+        );
+        c.floor("a batch step", c.batch_steps, 50);
+        c.floor("a copy-on-write", c.cow, 25);
+    }
 }
 
 /// Chunked prefills among the other actions (two full groups and a window group):

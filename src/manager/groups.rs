@@ -160,6 +160,10 @@ pub(crate) struct Groups {
     page_moves: u64,
     /// Scratch: each group's need in the call being checked.
     needs: Vec<usize>,
+    /// Scratch of the step path: each group's entries and accepted counts, by that
+    /// group's handles (see `manager/step.rs`).
+    pub(super) step_entries: Vec<Vec<super::StepEntry>>,
+    pub(super) step_accepted: Vec<Vec<(SeqHandle, usize)>>,
     /// `host_lent_pos[g][block]`: as `lent_pos`, for the shared host tier.
     host_lent_pos: Vec<Vec<u32>>,
 }
@@ -264,6 +268,8 @@ impl Groups {
             .collect();
         Ok(Groups {
             needs: vec![0; groups.len()],
+            step_entries: Vec::new(),
+            step_accepted: Vec::new(),
             lent,
             groups,
             lent_pos,
@@ -1377,6 +1383,22 @@ impl Groups {
             }
         }
         Ok(())
+    }
+
+    /// Sets group `g`'s need for [`Self::give_needed_pages`].
+    pub(super) fn set_need(&mut self, g: usize, need: usize) {
+        self.needs[g] = need;
+    }
+
+    /// [`Self::give_pages`] for the needs set by [`Self::set_need`]: fails with
+    /// nothing moved when the arena has too few.
+    pub(super) fn give_needed_pages(&mut self) -> Result<()> {
+        self.give_pages()
+    }
+
+    /// Records the pages in use after a step.
+    pub(super) fn note_step_usage(&mut self) {
+        self.note_usage();
     }
 
     /// Moves one free page of group `from` to group `to`.

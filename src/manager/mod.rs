@@ -477,16 +477,23 @@ impl KvCache {
         self.seqs.get(&seq).ok_or_else(|| self.absent_error(seq))
     }
 
-    /// The handle of `seq` for the per-step batch calls ([`Self::append_batch`],
-    /// [`Self::append_tokens_batch`]): look it up once (at admission, after a swap-in)
-    /// and keep it while the sequence runs. It stays valid until the sequence is freed
-    /// or swapped out; every other call keeps it (truncation, copy-on-write, commit).
+    /// The handle of `seq` for the step path ([`Self::reserve_step`],
+    /// [`Self::reserve_step_grouped`], [`Self::commit_step`]) and the per-step batch
+    /// calls ([`Self::append_batch`], [`Self::append_tokens_batch`]): look it up once
+    /// (at admission, after a swap-in) and keep it while the sequence runs. It stays
+    /// valid until the sequence is freed or swapped out; every other call keeps it
+    /// (truncation, copy-on-write, commit). A hybrid cache hands out group 0's handle.
     ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when it is swapped out.
     #[inline]
     pub fn handle(&self, seq: SeqId) -> Result<SeqHandle> {
-        self.one_group("handle")?;
+        if let Some(h) = &self.hybrid {
+            if groups::is_hidden(seq) {
+                return Err(Error::UnknownSequence(seq));
+            }
+            return h.group(0).handle(seq);
+        }
         self.seqs.handle(&seq).ok_or_else(|| self.absent_error(seq))
     }
 

@@ -13,7 +13,7 @@ use crate::ids::{SeqHandle, SeqId};
 
 /// Aligned to a cache line: the sequence's decode fields are its first line (see
 /// `Sequence`), the generation in the second, an aligned pair.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[repr(C, align(64))]
 struct Slot {
     seq: Option<Sequence>,
@@ -25,12 +25,34 @@ struct Slot {
 
 /// See the module docs. The map-like methods mirror `HashMap`'s so that callers
 /// reading by id need not know the storage.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub(crate) struct Seqs {
     slots: Vec<Slot>,
     vacant: Vec<u32>,
     index: SeqMap<u32>,
     stamp: u64,
+}
+
+// The batch stamps are scratch of the call that set them, not state: a refused batch
+// call that marked its entries shows nothing changed.
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slot")
+            .field("seq", &self.seq)
+            .field("generation", &self.generation)
+            .field("id", &self.id)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for Seqs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Seqs")
+            .field("slots", &self.slots)
+            .field("vacant", &self.vacant)
+            .field("index", &self.index)
+            .finish()
+    }
 }
 
 impl Seqs {

@@ -22,6 +22,7 @@ use crate::ids::{BlockId, SeqHandle};
 use crate::layout::plans::CopyPlan;
 use crate::layout::{PaddedTables, Slot};
 
+use super::groups::Groups;
 use super::{swap, KvCache};
 
 /// One sequence's part of a step: `new_tokens` query tokens after its computed ones
@@ -304,6 +305,19 @@ impl KvCache {
         ids: Option<&[u32]>,
         out: &mut StepBuffers,
     ) -> Result<()> {
+        let bound = self.check_step(entries, ids, out)?;
+        self.fill_step(entries, ids, out, bound)
+    }
+
+    /// Every check of [`Self::reserve_step`] but the blocks' availability, changing
+    /// nothing; returns a bound of the blocks the step takes (each sequence counted
+    /// alone: a block shared by two of the batch counts for both).
+    pub(super) fn check_step(
+        &mut self,
+        entries: &[StepEntry],
+        ids: Option<&[u32]>,
+        out: &StepBuffers,
+    ) -> Result<usize> {
         if entries.len() > out.max_seqs {
             return Err(Error::ShapeMismatch {
                 what: "sequences of a step (StepBuffers max_seqs)",
@@ -331,9 +345,7 @@ impl KvCache {
                 });
             }
         }
-        // Check every entry first, so that a failed call changes nothing. The bound
-        // counts each sequence alone (a block shared by two of the batch counts for
-        // both); only when it does not fit is the exact count taken.
+        // Check every entry first, so that a failed call changes nothing.
         let width = out.tables.max_blocks;
         let mut bound = 0usize;
         self.seqs.begin_batch();
@@ -362,16 +374,36 @@ impl KvCache {
                 return Err(Error::DuplicateInBatch(seq));
             }
         }
+        Ok(bound)
+    }
+
+    /// The blocks the checked step takes, shared blocks counted once.
+    pub(super) fn step_need(&self, entries: &[StepEntry]) -> Result<usize> {
+        let mut let_go = std::collections::HashMap::new();
+        let mut exact = 0;
+        for e in entries {
+            let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
+            let target = self.reserve_target(s, e.new_tokens, e.lookahead)?;
+            exact += self.batch_cost(s, target, &mut let_go);
+        }
+        Ok(exact)
+    }
+
+    /// Reserves the step [`Self::check_step`] passed (its `bound`) and fills `out`:
+    /// fails only when the step's blocks are not available (nothing changed then).
+    pub(super) fn fill_step(
+        &mut self,
+        entries: &[StepEntry],
+        ids: Option<&[u32]>,
+        out: &mut StepBuffers,
+        bound: usize,
+    ) -> Result<()> {
+        // Only when the bound does not fit is the exact count taken.
         if bound > self.num_available_blocks() {
-            let mut let_go = std::collections::HashMap::new();
-            let mut exact = 0;
-            for e in entries {
-                let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
-                let target = self.reserve_target(s, e.new_tokens, e.lookahead)?;
-                exact += self.batch_cost(s, target, &mut let_go);
-            }
+            let exact = self.step_need(entries)?;
             self.ensure_available(exact)?;
         }
+        let width = out.tables.max_blocks;
         // Nothing below fails on a consistent manager: every entry was checked and
         // the step's blocks are available.
         if out.written_for != Some(self.table_epoch) {
@@ -450,7 +482,15 @@ impl KvCache {
     /// errors of [`Self::commit`]. Every entry is checked first: on error nothing
     /// changed.
     pub fn commit_step(&mut self, accepted: &[(SeqHandle, usize)]) -> Result<usize> {
-        self.one_group("commit_step")?;
+        if let Some(h) = &mut self.hybrid {
+            return h.commit_step(accepted);
+        }
+        self.check_commit_step(accepted)?;
+        self.commit_step_checked(accepted)
+    }
+
+    /// The checks of [`Self::commit_step`], changing nothing.
+    pub(super) fn check_commit_step(&mut self, accepted: &[(SeqHandle, usize)]) -> Result<()> {
         self.seqs.begin_batch();
         for &(h, n) in accepted {
             let (seq, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
@@ -466,6 +506,12 @@ impl KvCache {
                 return Err(Error::DuplicateInBatch(seq));
             }
         }
+        Ok(())
+    }
+
+    /// [`Self::commit_step`] once [`Self::check_commit_step`] passed; returns the
+    /// blocks registered. Fails only on a corrupt manager.
+    pub(super) fn commit_step_checked(&mut self, accepted: &[(SeqHandle, usize)]) -> Result<usize> {
         let mut registered = 0;
         for &(h, n) in accepted {
             if !self.commit_plain(h, n) {
@@ -479,3 +525,181 @@ impl KvCache {
 /// Table entries are block ids; `BlockId::RELEASED` (a window's hole) reads as
 /// `u32::MAX`, never inside a query's window.
 const _: () = assert!(BlockId::RELEASED.0 == u32::MAX);
+
+/// The step path of a hybrid cache: the engine holds group 0's handles
+/// ([`KvCache::handle`]) and one [`StepBuffers`] per group.
+impl KvCache {
+    /// [`Self::reserve_step`] in every group of the cache: `out[g]` gets group `g`'s
+    /// slot mapping, tables and copies (positions and query starts are the same in
+    /// every group). The whole step is checked in every group, and the arena's pages
+    /// counted, before anything changes; on error nothing changed. A one-group cache
+    /// takes one buffer, as [`Self::reserve_step`].
+    ///
+    /// ```
+    /// use pagedkv::{DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape, SeqId};
+    /// use pagedkv::{StepBuffers, StepEntry};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 8,
+    ///                          kv_dtype: DType::BF16 };
+    /// let l = KvLayout::new(shape, 16)?;
+    /// let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::window(l, 32)], 64)?;
+    /// kv.admit_grouped(SeqId(1), 40, &mut GroupStep::default())?;
+    /// let mut bufs = [StepBuffers::new(8, 64, 8), StepBuffers::new(8, 64, 8)];
+    /// let h = kv.handle(SeqId(1))?;
+    /// kv.reserve_step_grouped(&[StepEntry { seq: h, new_tokens: 1, lookahead: 0 }], &mut bufs)?;
+    /// assert_eq!(bufs[0].positions(), bufs[1].positions());
+    /// kv.commit_step(&[(h, 1)])?;
+    /// assert_eq!(kv.num_computed_tokens(SeqId(1))?, 41);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `out` has not one buffer per group; otherwise as
+    /// [`Self::reserve_step`], [`Error::OutOfBlocks`] with the pages all groups need.
+    pub fn reserve_step_grouped(
+        &mut self,
+        entries: &[StepEntry],
+        out: &mut [StepBuffers],
+    ) -> Result<()> {
+        match &mut self.hybrid {
+            Some(h) => h.reserve_step(entries, None, out),
+            None => self.reserve_step_inner(entries, None, one_buffer(out)?),
+        }
+    }
+
+    /// [`Self::reserve_step_tokens`] in every group of the cache (see
+    /// [`Self::reserve_step_grouped`]): the full and latent groups register the blocks
+    /// the ids fill once committed.
+    ///
+    /// # Errors
+    /// As [`Self::reserve_step_grouped`] and [`Self::reserve_step_tokens`].
+    pub fn reserve_step_tokens_grouped(
+        &mut self,
+        entries: &[StepEntry],
+        ids: &[u32],
+        out: &mut [StepBuffers],
+    ) -> Result<()> {
+        match &mut self.hybrid {
+            Some(h) => h.reserve_step(entries, Some(ids), out),
+            None => self.reserve_step_inner(entries, Some(ids), one_buffer(out)?),
+        }
+    }
+}
+
+/// The one buffer of a one-group cache's step.
+fn one_buffer(out: &mut [StepBuffers]) -> Result<&mut StepBuffers> {
+    let got = out.len();
+    match out {
+        [b] => Ok(b),
+        _ => Err(Error::ShapeMismatch {
+            what: "step buffers (one per KV-cache group)",
+            expected: 1,
+            got,
+        }),
+    }
+}
+
+impl Groups {
+    /// Group `g`'s handle of the sequence group 0's handle `h0` names: the same
+    /// handle where the groups' slots agree (they admit and free the same sequences
+    /// in the same order), else a lookup of the id.
+    fn group_handle(&self, g: usize, h0: SeqHandle) -> Result<SeqHandle> {
+        let (seq, _) = self.group(0).seqs.at(h0).ok_or(Error::StaleHandle(h0))?;
+        let kv = self.group(g);
+        match kv.seqs.at(h0) {
+            Some((id, _)) if id == seq => Ok(h0),
+            _ => kv.seqs.handle(&seq).ok_or(Error::StaleHandle(h0)),
+        }
+    }
+
+    /// [`KvCache::reserve_step_grouped`] of a hybrid cache.
+    pub(super) fn reserve_step(
+        &mut self,
+        entries: &[StepEntry],
+        ids: Option<&[u32]>,
+        out: &mut [StepBuffers],
+    ) -> Result<()> {
+        let groups = self.num_groups();
+        if out.len() != groups {
+            return Err(Error::ShapeMismatch {
+                what: "step buffers (one per KV-cache group)",
+                expected: groups,
+                got: out.len(),
+            });
+        }
+        // Each group's entries, by its own handles (kept buffers: no allocation once
+        // grown), then every group's checks, before anything changes.
+        let mut scratch = std::mem::take(&mut self.step_entries);
+        scratch.resize_with(groups, Vec::new);
+        let result = self.reserve_step_in_groups(entries, ids, out, &mut scratch);
+        self.step_entries = scratch;
+        result
+    }
+
+    fn reserve_step_in_groups(
+        &mut self,
+        entries: &[StepEntry],
+        ids: Option<&[u32]>,
+        out: &mut [StepBuffers],
+        per_group: &mut [Vec<StepEntry>],
+    ) -> Result<()> {
+        for (g, list) in per_group.iter_mut().enumerate() {
+            list.clear();
+            for e in entries {
+                list.push(StepEntry {
+                    seq: self.group_handle(g, e.seq)?,
+                    ..*e
+                });
+            }
+        }
+        let mut bounds: smallvec::SmallVec<[usize; 8]> = smallvec::SmallVec::new();
+        for (g, list) in per_group.iter().enumerate() {
+            bounds.push(self.group_mut(g).check_step(list, ids, &out[g])?);
+        }
+        // Pages per group: the bound where the arena holds every bound, else each
+        // group's exact need (shared blocks counted once).
+        let free = self.num_free_pages();
+        let exact = bounds.iter().sum::<usize>() > free;
+        for g in 0..per_group.len() {
+            let need = if exact {
+                self.group(g).step_need(&per_group[g])?
+            } else {
+                bounds[g]
+            };
+            self.set_need(g, need);
+        }
+        self.give_needed_pages()?;
+        for (g, list) in per_group.iter().enumerate() {
+            let bound = bounds[g];
+            self.group_mut(g).fill_step(list, ids, &mut out[g], bound)?;
+        }
+        self.note_step_usage();
+        Ok(())
+    }
+
+    /// [`KvCache::commit_step`] of a hybrid cache: every group checks, then every
+    /// group commits.
+    pub(super) fn commit_step(&mut self, accepted: &[(SeqHandle, usize)]) -> Result<usize> {
+        let groups = self.num_groups();
+        let mut scratch = std::mem::take(&mut self.step_accepted);
+        scratch.resize_with(groups, Vec::new);
+        let result = (|| {
+            for (g, list) in scratch.iter_mut().enumerate() {
+                list.clear();
+                for &(h, n) in accepted {
+                    list.push((self.group_handle(g, h)?, n));
+                }
+            }
+            for (g, list) in scratch.iter().enumerate() {
+                self.group_mut(g).check_commit_step(list)?;
+            }
+            let mut registered = 0;
+            for (g, list) in scratch.iter().enumerate() {
+                registered += self.group_mut(g).commit_step_checked(list)?;
+            }
+            Ok(registered)
+        })();
+        self.step_accepted = scratch;
+        result
+    }
+}
