@@ -21,7 +21,8 @@
 //! appended token and the ratio to the bare list (`TRACE_SUMMARY=0` skips it).
 //!
 //! The one cache type over KV-cache groups runs the same trace through its `_grouped`
-//! per-sequence calls on the same bytes: one group (a plain cache of 16-layer pages)
+//! per-sequence calls and through its step path (`reserve_step_grouped`, one
+//! `StepBuffers` per group, then `commit_step`) on the same bytes: one group (a plain cache of 16-layer pages)
 //! beside two groups (a full and a 1,024-token window group of 16 layers each, as
 //! `KvCache::hybrid` builds a Gemma-like model), prefix caching off and on.
 //!
@@ -390,10 +391,17 @@ struct Grouped {
     kv: KvCache,
     prefix: bool,
     step: GroupStep,
+    /// The step path (`reserve_step_grouped` into one `StepBuffers` per group, then
+    /// `commit_step`) instead of one `append_grouped` per sequence.
+    step_path: bool,
+    handles: Vec<Option<SeqHandle>>,
+    entries: Vec<StepEntry>,
+    accepted: Vec<(SeqHandle, usize)>,
+    buffers: Vec<StepBuffers>,
 }
 
 impl Grouped {
-    fn new(groups: usize, prefix: bool) -> Self {
+    fn new(groups: usize, prefix: bool, step_path: bool) -> Self {
         let l = half_layout();
         let pages = 2 * NUM_BLOCKS;
         let kv = if groups == 1 {
@@ -410,10 +418,18 @@ impl Grouped {
                 .with_watermark_blocks(0)
                 .unwrap()
         };
+        let width = (PROMPT_MAX + DECODE_MAX).div_ceil(BLOCK_SIZE);
         Grouped {
             kv,
             prefix,
             step: GroupStep::default(),
+            step_path,
+            handles: vec![None; NUM_SEQS],
+            entries: Vec::with_capacity(MAX_RUNNING),
+            accepted: Vec::with_capacity(MAX_RUNNING),
+            buffers: (0..groups)
+                .map(|_| StepBuffers::new(MAX_RUNNING, MAX_RUNNING, width))
+                .collect(),
         }
     }
 }
@@ -431,8 +447,35 @@ impl Replay for Grouped {
                 .admit_grouped(id, trace.seqs[i].prompt, &mut self.step)
                 .unwrap();
         }
+        if self.step_path {
+            self.handles[i] = Some(self.kv.handle(id).unwrap());
+        }
     }
     fn step(&mut self, _: &Trace, step: &Step<'_>, slots: &mut Vec<Slot>) {
+        if self.step_path {
+            self.entries.clear();
+            self.entries.extend(step.running.iter().map(|&i| StepEntry {
+                seq: self.handles[i].unwrap(),
+                new_tokens: 1,
+                lookahead: 0,
+            }));
+            if self.prefix {
+                self.kv
+                    .reserve_step_tokens_grouped(&self.entries, step.sampled, &mut self.buffers)
+                    .unwrap();
+            } else {
+                self.kv
+                    .reserve_step_grouped(&self.entries, &mut self.buffers)
+                    .unwrap();
+            }
+            self.accepted.clear();
+            self.accepted
+                .extend(self.entries.iter().map(|e| (e.seq, e.new_tokens)));
+            self.kv.commit_step(&self.accepted).unwrap();
+            let mapping = self.buffers[0].slot_mapping();
+            slots.extend(mapping.iter().map(|&s| Slot(s as u64)));
+            return;
+        }
         for (&i, &t) in step.running.iter().zip(step.sampled) {
             let id = SeqId(i as u64);
             if self.prefix {
@@ -588,13 +631,29 @@ fn variants() -> Vec<(&'static str, Factory)> {
         ("paged_prefix_on_step", |_| {
             Box::new(Paged::new(true, Path::Step))
         }),
-        ("groups_1_prefix_off", |_| Box::new(Grouped::new(1, false))),
-        ("groups_2_full_window_prefix_off", |_| {
-            Box::new(Grouped::new(2, false))
+        ("groups_1_prefix_off", |_| {
+            Box::new(Grouped::new(1, false, false))
         }),
-        ("groups_1_prefix_on", |_| Box::new(Grouped::new(1, true))),
+        ("groups_2_full_window_prefix_off", |_| {
+            Box::new(Grouped::new(2, false, false))
+        }),
+        ("groups_1_prefix_off_step", |_| {
+            Box::new(Grouped::new(1, false, true))
+        }),
+        ("groups_2_full_window_prefix_off_step", |_| {
+            Box::new(Grouped::new(2, false, true))
+        }),
+        ("groups_1_prefix_on", |_| {
+            Box::new(Grouped::new(1, true, false))
+        }),
         ("groups_2_full_window_prefix_on", |_| {
-            Box::new(Grouped::new(2, true))
+            Box::new(Grouped::new(2, true, false))
+        }),
+        ("groups_1_prefix_on_step", |_| {
+            Box::new(Grouped::new(1, true, true))
+        }),
+        ("groups_2_full_window_prefix_on_step", |_| {
+            Box::new(Grouped::new(2, true, true))
         }),
         ("contiguous", |_| {
             Box::new(Contiguous {

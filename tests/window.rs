@@ -564,3 +564,37 @@ fn window_manager_decodes_past_its_arena() {
         })
     ));
 }
+
+/// The step path gives a window's blocks back at the commit that moves the window past
+/// them (not later): after each `commit_step` of a decode, the sequence holds exactly
+/// the blocks from the next query's window on, and every earlier entry is a hole.
+#[test]
+fn the_step_path_releases_at_the_commit_that_passes_a_block() {
+    let (bs, w) = (4, 6);
+    let mut kv = window_manager(bs, 32, Some(w));
+    kv.admit(SeqId(1), 5, &mut Vec::new()).unwrap();
+    let h = kv.handle(SeqId(1)).unwrap();
+    let mut step = pagedkv::StepBuffers::new(1, 4, 32);
+    for _ in 0..40 {
+        let entry = pagedkv::StepEntry {
+            seq: h,
+            new_tokens: 1,
+            lookahead: 0,
+        };
+        kv.reserve_step(&[entry], &mut step).unwrap();
+        kv.commit_step(&[(h, 1)]).unwrap();
+        let computed = kv.num_computed_tokens(SeqId(1)).unwrap();
+        let first = (computed + 1).saturating_sub(w) / bs;
+        let table = kv.block_table(SeqId(1)).unwrap();
+        assert!(
+            table[..first].iter().all(|&b| b == BlockId::RELEASED),
+            "{computed}: {table:?}"
+        );
+        assert!(
+            table[first..].iter().all(|&b| b != BlockId::RELEASED),
+            "{computed}: {table:?}"
+        );
+        assert_eq!(kv.stats().used_blocks, table.len() - first);
+        kv.check_invariants().unwrap();
+    }
+}

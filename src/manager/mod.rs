@@ -8,6 +8,8 @@ mod defrag;
 pub mod groups;
 mod hybrid;
 mod in_flight;
+mod invariants;
+mod lifecycle;
 pub mod preempt;
 mod prefix;
 mod prefix_spill;
@@ -15,6 +17,7 @@ mod seqs;
 mod shared;
 mod step;
 mod swap;
+mod window;
 
 pub use builder::CacheBuilder;
 pub use defrag::{DefragCounters, DefragOptions, FragStats, PendingDefrag, PendingResize};
@@ -34,7 +37,7 @@ use crate::layout::plans::CopyPlan;
 use crate::layout::{KvLayout, Slot};
 use crate::pool::prefix::index::PrefixIndex;
 use crate::pool::prefix::PrefixConfig;
-use crate::pool::{BlockPool, BlockState};
+use crate::pool::BlockPool;
 
 /// Tuning of a [`KvCache`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1000,15 +1003,23 @@ impl KvCache {
     }
 
     /// [`Self::commit_at`] of a sequence already checked (resident, `n` at most its
-    /// reservation) that has no twin to settle, no token ids and no window: the
+    /// reservation) that has no twin to settle, no token ids and no window block to give back: the
     /// accepted tokens become computed. `false`, having changed nothing, otherwise.
     #[inline(always)]
     pub(crate) fn commit_plain(&mut self, h: SeqHandle, n: usize) -> bool {
-        if self.window.is_some() {
-            return false;
-        }
+        let (window, bs) = (self.window, self.block_size());
         match self.seqs.at_mut(h) {
-            Some(s) if !s.twin_pending && s.prefix.is_none() && n <= s.scheduled => {
+            Some(s)
+                if !s.twin_pending
+                    && s.prefix.is_none()
+                    && n <= s.scheduled
+                    // A window commit that gives blocks back takes the general path
+                    // (`release_out_of_window` at the new computed count).
+                    && window.is_none_or(|w| {
+                        ((s.computed + n + 1).saturating_sub(w) / bs).min(s.table.len())
+                            <= s.released
+                    }) =>
+            {
                 s.computed += n;
                 s.scheduled = 0;
                 true
@@ -1216,66 +1227,6 @@ impl KvCache {
         Ok(registered)
     }
 
-    /// The sliding window, in tokens (`None`: every layer attends to the whole
-    /// context and nothing is given back).
-    pub fn sliding_window(&self) -> Option<usize> {
-        if let Some(g0) = self.first_group() {
-            return g0.sliding_window();
-        }
-        self.window
-    }
-
-    /// The first table index the query at position `query` reads under the window:
-    /// it reads keys `query + 1 - window ..= query` (see
-    /// [`crate::attention::AttentionParams::window_start`]).
-    fn first_block_in_window(&self, query: usize) -> usize {
-        match self.window {
-            Some(w) => (query + 1).saturating_sub(w) / self.block_size(),
-            None => 0,
-        }
-    }
-
-    /// Gives back the blocks of sequence `h` that lie entirely before the window of
-    /// the query at position `query` (the earliest query still to be computed),
-    /// leaving [`BlockId::RELEASED`] holes. Called whenever `computed` grows: by
-    /// `commit` with the new count, by the one-call paths with the step's first
-    /// position (their step is computed after the call). O(1) amortised per token:
-    /// each block is released once.
-    fn release_out_of_window(&mut self, h: SeqHandle, query: usize) -> Result<()> {
-        let (_, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
-        let keep_from = self.first_block_in_window(query).min(s.table.len());
-        if keep_from <= s.released {
-            return Ok(());
-        }
-        self.tables_changed();
-        // Out of its slot while blocks are released (see `replace_protected`).
-        let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
-        let mut result = Ok(());
-        for i in s.released..keep_from {
-            let b = std::mem::replace(&mut s.table[i], BlockId::RELEASED);
-            if let Err(e) = self.release_block(b) {
-                result = result.and(Err(e));
-            }
-        }
-        s.released = keep_from;
-        self.seqs.put(h, s);
-        result
-    }
-
-    /// Fails when a truncation of `s` to `new_len` would leave its next query with
-    /// keys in blocks the window already gave back.
-    fn check_truncate_window(&self, seq: SeqId, s: &Sequence, new_len: usize) -> Result<()> {
-        let computed = s.computed.min(new_len);
-        if s.released > 0 && self.first_block_in_window(computed) < s.released {
-            return Err(Error::SequenceState {
-                seq,
-                state: "holding no blocks for the window of that length (given back)",
-                needed: "a length whose window starts after the released blocks",
-            });
-        }
-        Ok(())
-    }
-
     /// Copy-on-write before a reservation up to `target`: every block from the first
     /// uncomputed one up to `target` that is shared or registered is replaced by a
     /// fresh block (copied when it holds computed tokens). The caller checked that the
@@ -1335,157 +1286,6 @@ impl KvCache {
             &mut self.pool,
             &mut self.live_token_slots,
         );
-    }
-
-    /// Drops the last slots of `seq` so it holds `new_len` (rejected speculative
-    /// tokens on the one-call path, lookahead slots no longer wanted); blocks no longer
-    /// needed are released and the computed count follows.
-    ///
-    /// A sequence holding an uncommitted reservation is refused: the step is writing
-    /// through the slots it was handed, and the blocks this would release are among
-    /// them (nothing frees a block a step is writing). Commit first; `commit(seq, 0)`
-    /// cancels the reservation, and its slots stay allocated for `truncate` to drop.
-    ///
-    /// # Errors
-    /// [`Error::UnknownSequence`]; [`Error::PastEnd`] when `new_len` is longer than
-    /// the sequence; [`Error::SequenceState`] when it is swapped out, has a swap in
-    /// flight or holds an uncommitted reservation. Nothing changed on error.
-    pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
-        if let Some(h) = &mut self.hybrid {
-            return h.truncate(seq, new_len);
-        }
-        self.check_truncate(seq, new_len)?;
-        self.truncate_checked(seq, new_len)
-    }
-
-    /// The refusals of [`Self::truncate`], changing nothing.
-    pub(crate) fn check_truncate(&self, seq: SeqId, new_len: usize) -> Result<()> {
-        let s = self.idle(seq)?;
-        if new_len > s.num_tokens {
-            return Err(Error::PastEnd {
-                seq,
-                end: new_len,
-                len: s.num_tokens,
-            });
-        }
-        self.check_truncate_window(seq, s, new_len)
-    }
-
-    /// [`Self::truncate`] once [`Self::check_truncate`] passed: an error here is the
-    /// manager's own corruption.
-    pub(crate) fn truncate_checked(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
-        let h = self
-            .seqs
-            .handle(&seq)
-            .ok_or_else(|| self.absent_error(seq))?;
-        self.tables_changed();
-        // Out of its slot while blocks are released (see `replace_protected`).
-        let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
-        let keep = self.layout.blocks_for_tokens(new_len);
-        let result = self.release_table(s.table.get(keep..).unwrap_or(&[]));
-        s.table.truncate(keep);
-        let tail = new_len % self.block_size();
-        if let Some(&last) = s.table.last() {
-            if tail != 0 {
-                // A shared block keeps what its other holders hold (`s` is out of the
-                // map, so the scan sees only them).
-                let want = if self.pool.refcount(last)? == 1 {
-                    tail
-                } else {
-                    self.fill_dirty.insert(last);
-                    self.holders_fill(last).max(tail)
-                };
-                self.set_fill(last, want);
-            }
-        }
-        s.num_tokens = new_len;
-        // No reservation (`idle` above): only the computed count follows.
-        s.computed = s.computed.min(new_len);
-        self.prefix_after_truncate(&mut s, new_len);
-        self.seqs.put(h, s);
-        result
-    }
-
-    /// Puts `seq` in the fork group of `with` (see [`crate::manager::preempt`]: a
-    /// group is preempted as a whole, and its age is its admission's). Siblings that a
-    /// recompute preemption sent back are re-admitted one by one, each starting a
-    /// group of its own; joining them again keeps preemption from splitting a request
-    /// whose samples must all finish. `with` may be swapped out. Blocks are not
-    /// shared by this (a re-admission shares its prompt through the prefix cache).
-    ///
-    /// # Errors
-    /// [`Error::UnknownSequence`] for either; [`Error::SequenceState`] when `seq` is
-    /// swapped out or has a swap in flight. Nothing changed on error.
-    pub fn join_fork_group(&mut self, seq: SeqId, with: SeqId) -> Result<()> {
-        if let Some(h) = &mut self.hybrid {
-            return h.join_fork_group(seq, with);
-        }
-        let admission = match self.seqs.get(&with) {
-            Some(s) => s.admission,
-            None => self
-                .tiers
-                .swapped
-                .get(&with)
-                .map(|s| s.admission)
-                .ok_or(Error::UnknownSequence(with))?,
-        };
-        self.resident(seq)?;
-        if let Some(s) = self.seqs.get_mut(&seq) {
-            s.admission = admission;
-        }
-        Ok(())
-    }
-
-    /// Forks `parent` into a new sequence `child` that shares every block
-    /// (parallel sampling, beam search). Copy-on-write happens on the next append.
-    ///
-    /// # Errors
-    /// [`Error::UnknownSequence`] for the parent, [`Error::DuplicateSequence`] for the
-    /// child, [`Error::SequenceState`] when the parent is swapped out, has a swap in
-    /// flight or holds an uncommitted reservation. Nothing changed on error.
-    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
-        if let Some(h) = &mut self.hybrid {
-            return h.fork(parent, child);
-        }
-        let p = self.idle(parent)?;
-        if self.contains(child) {
-            return Err(Error::DuplicateSequence(child));
-        }
-        let mut c = p.clone();
-        let room = self.config.table_capacity_blocks.max(c.table.len() + 1);
-        c.table.reserve_exact(room - c.table.len());
-        self.seqs.reserve_room(1)?;
-        self.pool.incref_all(&c.table[c.released..])?;
-        self.seqs.insert(child, c)?;
-        Ok(())
-    }
-
-    /// An empty block table with room for `blocks` entries, one more, and
-    /// [`CacheConfig::table_capacity_blocks`].
-    pub(crate) fn new_table(&self, blocks: usize) -> Vec<BlockId> {
-        Vec::with_capacity(self.config.table_capacity_blocks.max(blocks + 1))
-    }
-
-    /// Frees `seq`; blocks nobody else references are released (host and disk blocks
-    /// too when it is swapped out).
-    ///
-    /// # Errors
-    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] while a swap of `seq` is in
-    /// flight (complete or abort it first). A refcount error here means the manager's
-    /// own state was corrupt; it is reported after every block was processed.
-    pub fn free(&mut self, seq: SeqId) -> Result<()> {
-        if let Some(h) = &mut self.hybrid {
-            return h.free(seq);
-        }
-        // Two lookups of the id (its handle, then its removal), not three.
-        let Some(h) = self.seqs.handle(&seq) else {
-            return self.free_swapped(seq);
-        };
-        if let Some((_, s)) = self.seqs.at(h) {
-            swap::check_resident(seq, s)?;
-        }
-        let s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence(seq))?;
-        self.release_table(&s.table[s.released..])
     }
 
     /// The block table of `seq`: bookkeeping (it is there, in flight or not, while the
@@ -1721,96 +1521,6 @@ impl KvCache {
 
     fn note_usage(&mut self) {
         self.peak_used_blocks = self.peak_used_blocks.max(self.pool.num_live());
-    }
-
-    /// Checks every invariant between tables and pool: refcounts equal table
-    /// references, no table points at a free block, tables cover exactly their tokens,
-    /// the live-slot counter matches the blocks' fills, and the prefix cache is
-    /// consistent: every cached block is in the index exactly once, the index names only
-    /// live or cached blocks with matching hashes, chains are linked parent to child
-    /// (no live block under a cached parent), pins and eviction candidates match.
-    ///
-    /// # Errors
-    /// A message describing the first violation.
-    pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        if let Some(h) = &self.hybrid {
-            return h.check_invariants();
-        }
-        self.pool.check_invariants()?;
-        self.seqs.check()?;
-        self.fill_dirty
-            .check()
-            .map_err(|e| format!("fill recount flags: {e}"))?;
-        let mut refs = vec![0u32; self.num_blocks()];
-        let mut fills = vec![0u16; self.num_blocks()];
-        let bs = self.block_size();
-        for (id, s) in &self.seqs {
-            if s.computed + s.scheduled > s.num_tokens {
-                return Err(format!(
-                    "sequence {id}: {} computed + {} reserved tokens but {} slots",
-                    s.computed, s.scheduled, s.num_tokens
-                ));
-            }
-            if s.table.len() != self.layout.blocks_for_tokens(s.num_tokens) {
-                return Err(format!(
-                    "sequence {id}: {} tokens but {} blocks",
-                    s.num_tokens,
-                    s.table.len()
-                ));
-            }
-            if s.released > s.table.len()
-                || s.released > self.first_block_in_window(s.computed)
-                || s.table[..s.released]
-                    .iter()
-                    .any(|&b| b != BlockId::RELEASED)
-            {
-                return Err(format!(
-                    "sequence {id}: {} released blocks of {} with {} computed tokens \
-                     (window {:?})",
-                    s.released,
-                    s.table.len(),
-                    s.computed,
-                    self.window
-                ));
-            }
-            for (i, &b) in s.table.iter().enumerate().skip(s.released) {
-                match refs.get_mut(b.index()) {
-                    Some(r) => *r += 1,
-                    None => return Err(format!("sequence {id} points outside the arena at {b}")),
-                }
-                let held = s.num_tokens.saturating_sub(i * bs).min(bs) as u16;
-                fills[b.index()] = fills[b.index()].max(held);
-            }
-        }
-        let mut live_slots = 0;
-        for (i, &r) in refs.iter().enumerate() {
-            let b = BlockId(i as u32);
-            let rc = self.pool.refcount(b).map_err(|e| e.to_string())?;
-            if rc != r {
-                return Err(format!("block {b}: refcount {rc} but {r} table references"));
-            }
-            if r > 0 {
-                if self.pool.state(b).map_err(|e| e.to_string())? != BlockState::Live {
-                    return Err(format!("block {b} is referenced but not live"));
-                }
-                let fill = self.pool.fill(b);
-                if fill != fills[i] {
-                    return Err(format!(
-                        "block {b}: fill {fill} but its holders hold {}",
-                        fills[i]
-                    ));
-                }
-                live_slots += usize::from(fill);
-            }
-        }
-        if live_slots != self.live_token_slots {
-            return Err(format!(
-                "live slots {} but blocks hold {live_slots}",
-                self.live_token_slots
-            ));
-        }
-        self.check_prefix_invariants()?;
-        self.check_tier_invariants()
     }
 }
 

@@ -604,6 +604,9 @@ impl Groups {
     /// handle where the groups' slots agree (they admit and free the same sequences
     /// in the same order), else a lookup of the id.
     fn group_handle(&self, g: usize, h0: SeqHandle) -> Result<SeqHandle> {
+        if g == 0 {
+            return Ok(h0);
+        }
         let (seq, _) = self.group(0).seqs.at(h0).ok_or(Error::StaleHandle(h0))?;
         let kv = self.group(g);
         match kv.seqs.at(h0) {
