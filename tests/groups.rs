@@ -680,6 +680,17 @@ impl Model {
                             assert_eq!(hi - lo, n);
                             assert_eq!(b.positions()[lo], first as i64);
                             assert_eq!(b.tables().context_lens[row] as usize, first + n);
+                            // The row is the group's table, holes included (rows are
+                            // written only where they changed).
+                            let table = self.kv.group(g).block_table(id).unwrap();
+                            let width = b.tables().max_blocks;
+                            let blocks = (first + n).div_ceil(BS);
+                            let row_ids: Vec<u32> = table[..blocks].iter().map(|x| x.0).collect();
+                            assert_eq!(
+                                &b.tables().tables[row * width..row * width + blocks],
+                                &row_ids[..],
+                                "group {g} row {row}"
+                            );
                             let slots: Vec<pagedkv::Slot> = b.slot_mapping()[lo..hi]
                                 .iter()
                                 .map(|&x| pagedkv::Slot(x as u64))

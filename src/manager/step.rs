@@ -12,10 +12,11 @@
 //! accepted tokens, also checked as a whole first.
 //!
 //! A table row is written only where it changed: the buffers remember which sequence
-//! each row held and how much of its table they wrote, and the manager counts every
-//! change to an entry already handed out (a copy-on-write, a shared cached copy, a
-//! window's release, a truncation, a defragmentation). While that count stands, a
-//! sequence in the same row as last step gets only its new entries written.
+//! each row held, how much of its table they wrote and how many leading entries are
+//! holes, and the manager counts every other change to an entry already handed out (a
+//! copy-on-write, a shared cached copy, a truncation, a defragmentation). While that
+//! count stands, a sequence in the same row as last step gets only its new entries
+//! written, and the holes a window's release made since.
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqHandle};
@@ -52,6 +53,8 @@ pub struct StepBuffers {
     /// written (entries past that are 0).
     row_seq: Vec<Option<SeqHandle>>,
     row_len: Vec<usize>,
+    /// Per row: the leading entries written as holes (a window's given-back blocks).
+    row_released: Vec<usize>,
     /// The manager's table epoch the rows were written against.
     written_for: Option<u64>,
     copies: CopyPlan,
@@ -82,6 +85,7 @@ impl StepBuffers {
             tables,
             row_seq: vec![None; max_seqs],
             row_len: vec![0; max_seqs],
+            row_released: vec![0; max_seqs],
             written_for: None,
             copies: CopyPlan::new(),
             scratch: Vec::with_capacity(max_tokens),
@@ -187,27 +191,36 @@ impl StepBuffers {
         for row in rows..now {
             self.row_seq[row] = None;
             self.row_len[row] = 0;
+            self.row_released[row] = 0;
         }
         self.tables.tables.resize(rows * width, 0);
         self.tables.batch = rows;
     }
 
-    /// Row `row` will hold `seq`'s table of `len` entries: how many of its entries
-    /// are already written for it (0 unless it held the same sequence). Zeroes what
-    /// the row held past `len`.
-    fn take_row(&mut self, row: usize, seq: SeqHandle, len: usize) -> usize {
+    /// Row `row` will hold `seq`'s table of `len` entries whose first `released` are
+    /// holes: how many of its entries are already written for it (0 unless it held
+    /// the same sequence). A window's blocks given back since the row was written
+    /// become holes here (only the entries that changed are written), and what the
+    /// row held past `len` is zeroed.
+    fn take_row(&mut self, row: usize, seq: SeqHandle, len: usize, released: usize) -> usize {
         let width = self.tables.max_blocks;
         let kept = if self.row_seq[row] == Some(seq) {
             self.row_len[row].min(len)
         } else {
             0
         };
+        let holes = self.row_released[row].min(kept)..released.min(kept);
+        if !holes.is_empty() {
+            self.tables.tables[row * width + holes.start..row * width + holes.end]
+                .fill(BlockId::RELEASED.0);
+        }
         let old = self.row_len[row];
         if old > len {
             self.tables.tables[row * width + len..row * width + old].fill(0);
         }
         self.row_seq[row] = Some(seq);
         self.row_len[row] = len;
+        self.row_released[row] = released;
         kept
     }
 }
@@ -459,7 +472,7 @@ impl KvCache {
             let context = s.computed + s.scheduled;
             out.tables.context_lens.push(context as u32);
             let table = &s.table[..self.layout.blocks_for_tokens(context)];
-            let kept = out.take_row(row, e.seq, table.len());
+            let kept = out.take_row(row, e.seq, table.len(), s.released.min(table.len()));
             let dst = &mut out.tables.tables[row * width..row * width + table.len()];
             for (d, b) in dst[kept..].iter_mut().zip(&table[kept..]) {
                 *d = b.0;

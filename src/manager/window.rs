@@ -38,7 +38,9 @@ impl KvCache {
         if keep_from <= s.released {
             return Ok(());
         }
-        self.tables_changed();
+        // No table epoch bump: the entries that change are the sequence's leading
+        // ones, which `StepBuffers` rows track by the released count (see
+        // `manager/step.rs`), so other rows stay current.
         // Out of its slot while blocks are released (see `replace_protected`).
         let mut s = self.seqs.take(h).ok_or(Error::StaleHandle(h))?;
         let mut result = Ok(());
