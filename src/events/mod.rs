@@ -35,8 +35,8 @@
 //! sends a request's new blocks; consecutive `BlockRemoved` of one tier become one. The
 //! tier names are vLLM's: `"GPU"` for [`Medium::Device`], `"CPU"` for [`Medium::Host`].
 //!
-//! With feature `kv-events`, [`ZmqEventPublisher`] sends the batches on vLLM's ZMQ wire
-//! (a PUB socket and a replay ROUTER socket, see [`zmq`]), so a router subscribes to a
+//! With feature `kv-events`, `ZmqEventPublisher` sends the batches on vLLM's ZMQ wire
+//! (a PUB socket and a replay ROUTER socket, module `zmq`), so a router subscribes to a
 //! pagedkv engine as to vLLM.
 //!
 //! Unfinished: events carry no LoRA id or name (`nil`: the crate's events do not say
