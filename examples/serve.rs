@@ -11,6 +11,7 @@
 //! cargo run --release --example serve -- --svg kv.svg  # the timeline to another path (--no-svg: none)
 //! cargo run --release --example serve -- --backend cuda  # the same runs on CudaStorage + CUDA kernels, checked against the host
 //! cargo run --release --example serve -- --hybrid      # Gemma-3-like hybrid: KV-cache groups
+//! cargo run --release --example serve -- --kv-events tcp://127.0.0.1:5557  # the prefix run's events on vLLM's ZMQ wire
 //! cargo run --release --example serve -- --help
 //! ```
 
@@ -25,8 +26,9 @@ use gpu::{ModelCache, StorageKind};
 use indicatif::{ProgressBar, ProgressStyle};
 use pagedkv::attention::model::{SplitMix64, TinyModel};
 use pagedkv::chart::{EventKind, MemoryChart, Timeline};
+use pagedkv::events::{ZmqEventPublisher, ZmqPublisherConfig};
 use pagedkv::manager::FragStats;
-use pagedkv::pool::prefix::AdmitOptions;
+use pagedkv::pool::prefix::{AdmitOptions, PrefixConfig};
 use pagedkv::{
     CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, HostStorage, KvCache, KvLayout,
     ModelConfig, PaddedTables, SeqId, Slot, Storage, SwapPlan,
@@ -114,6 +116,16 @@ struct Args {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+    /// Publish the prefix-cache run's KV events on vLLM's ZMQ wire: the PUB socket
+    /// binds this `tcp://HOST:PORT` (a router's SUB socket connects to it).
+    #[arg(long)]
+    kv_events: Option<String>,
+    /// The replay ROUTER socket's `tcp://HOST:PORT` (with `--kv-events`).
+    #[arg(long, requires = "kv_events")]
+    kv_events_replay: Option<String>,
+    /// The topic frame of every event message (with `--kv-events`).
+    #[arg(long, default_value = "", requires = "kv_events")]
+    kv_events_topic: String,
 }
 
 /// The crate's seeded generator, so the trace is the same on every machine.
@@ -533,6 +545,8 @@ struct Sim<'a> {
     sum: Summary,
     timeline: Timeline,
     step: u64,
+    /// Where each step's prefix events go (`--kv-events`).
+    events: Option<&'a mut ZmqEventPublisher>,
 }
 
 impl<'a> Sim<'a> {
@@ -563,6 +577,7 @@ impl<'a> Sim<'a> {
             sum: Summary::default(),
             timeline: Timeline::new(name),
             step: 0,
+            events: None,
         }
     }
 
@@ -629,6 +644,9 @@ impl<'a> Sim<'a> {
                 h = mix(h ^ r.seq.0);
             }
             self.sum.schedule_hash = h;
+            if let (Some(events), Some(kv)) = (self.events.as_deref_mut(), self.backend.paged()) {
+                events.publish_drained(kv)?;
+            }
             self.step += 1;
         }
         if let Some(m) = &self.store.model {
@@ -1113,14 +1131,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return hybrid::main(); // its own trace and flags: see examples/serve_hybrid/mod.rs
     }
     let args = Args::parse();
+    let mut events = match &args.kv_events {
+        Some(endpoint) => {
+            let mut config = ZmqPublisherConfig::new(endpoint).topic(&args.kv_events_topic);
+            config.replay_endpoint = args.kv_events_replay.clone();
+            Some(ZmqEventPublisher::bind(config)?)
+        }
+        None => None,
+    };
     let checks = gpu::SharedChecks::default();
     checks.borrow_mut().tolerance = gpu::tolerance(args.max_len);
     // The GPU runs first (a missing GPU fails at once), then the host runs they must
     // agree with.
     let out = match args.backend {
-        StorageKind::Host => simulate(&args, StorageKind::Host, &checks, None)?,
+        StorageKind::Host => simulate(&args, StorageKind::Host, &checks, None, events.as_mut())?,
         StorageKind::Cuda => {
-            let dev = match simulate(&args, StorageKind::Cuda, &checks, None) {
+            let dev = match simulate(&args, StorageKind::Cuda, &checks, None, events.as_mut()) {
                 Ok(dev) => dev,
                 Err(e) => {
                     eprintln!(
@@ -1129,7 +1155,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     std::process::exit(1);
                 }
             };
-            let host = simulate(&args, StorageKind::Host, &checks, dev.overload_policy)?;
+            let host = simulate(&args, StorageKind::Host, &checks, dev.overload_policy, None)?;
             let figures = |o: &Outcome| -> Vec<(String, serde_json::Value)> {
                 o.runs
                     .iter()
@@ -1150,6 +1176,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             dev
         }
     };
+    if let Some(p) = events {
+        // Dropping the publisher sends what is queued (1 s at most).
+        eprintln!("KV events: {:?}", p.stats());
+    }
     let Outcome {
         config,
         layout,
@@ -1236,6 +1266,7 @@ fn simulate(
     kind: StorageKind,
     checks: &gpu::SharedChecks,
     reuse_policy: Option<PreemptPolicy>,
+    mut events: Option<&mut ZmqEventPublisher>,
 ) -> Result<Outcome, Box<dyn std::error::Error>> {
     let config = match pagedkv::layout::shape::builtin::by_name(&args.model) {
         Some(text) => ModelConfig::from_json_str(text)?,
@@ -1308,14 +1339,31 @@ fn simulate(
         })
     };
     for &(name, prefix_cache) in paged_runs {
-        let mut kv = KvCache::new(layout, cfg)?;
+        // `--kv-events`: the prefix-cache run records its events and publishes them.
+        let events = events.take().filter(|_| prefix_cache);
+        let mut kv = if events.is_some() {
+            let mut prefix = PrefixConfig::for_arena(num_blocks);
+            prefix.record_events = true;
+            KvCache::with_prefix_config(layout, cfg, prefix)?
+        } else {
+            KvCache::new(layout, cfg)?
+        };
         let mut store = mirror(num_blocks, 0)?;
         bar.set_prefix(name);
         let backend = Backend::Paged {
             kv: &mut kv,
             prefix_cache,
         };
-        let sim = Sim::new(backend, &mut store, model.as_ref(), &trace, "paged");
+        let mut sim = Sim::new(backend, &mut store, model.as_ref(), &trace, "paged");
+        if let Some(p) = events {
+            eprintln!(
+                "{name}: KV events on tcp://{}{}",
+                p.local_addr(),
+                p.replay_addr()
+                    .map_or(String::new(), |a| format!(", replay on tcp://{a}"))
+            );
+            sim.events = Some(p);
+        }
         let (sum, tl) = sim.run(&bar, elastic)?;
         runs.push((name, sum, tl));
     }

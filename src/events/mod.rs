@@ -35,11 +35,18 @@
 //! sends a request's new blocks; consecutive `BlockRemoved` of one tier become one. The
 //! tier names are vLLM's: `"GPU"` for [`Medium::Device`], `"CPU"` for [`Medium::Host`].
 //!
-//! Unfinished: the ZMQ transport (vLLM's three frames: topic, an 8-byte big-endian
-//! sequence number, this payload; and the replay socket) is not here: an engine sends
-//! these bytes on its own socket. Events carry no LoRA id or name (`nil`: the crate's
-//! events do not say which namespace a block belongs to) and no `extra_keys`; hashes
-//! are never sent as 32-byte strings (vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
+//! With feature `kv-events`, `ZmqEventPublisher` sends the batches on vLLM's ZMQ wire
+//! (a PUB socket and a replay ROUTER socket, module `zmq`), so a router subscribes to a
+//! pagedkv engine as to vLLM.
+//!
+//! Unfinished: events carry no LoRA id or name (`nil`: the crate's events do not say
+//! which namespace a block belongs to) and no `extra_keys`; hashes are never sent as
+//! 32-byte strings (vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
+
+#[cfg(feature = "kv-events")]
+pub mod zmq;
+#[cfg(feature = "kv-events")]
+pub use zmq::{ZmqEventPublisher, ZmqPublisherConfig, ZmqPublisherStats};
 
 use crate::error::{Error, Result};
 use crate::manager::KvCache;

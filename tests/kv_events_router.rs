@@ -1,0 +1,157 @@
+//! The published stream read by a real consumer: NVIDIA Dynamo's KV router
+//! (`dynamo-kv-router` 1.6.1, default features), through its vLLM ZMQ-wire parser
+//! (`zmq_wire::decode_event_batch`, `ZmqEventNormalizer`) into its radix-tree indexer.
+//! After every step of a cache's life (prompts sharing prefixes, frees, evictions,
+//! resets) the overlap the router reports for a set of requests must equal the cache's
+//! own `cached_prefix_len`. Feature `router-check` (CI turns it on):
+//! `cargo test --features router-check --test kv_events_router`.
+#![cfg(feature = "router-check")]
+
+mod kv_events_common;
+
+use dynamo_kv_router::protocols::{compute_block_hash_for_seq, BlockHashOptions, WorkerWithDpRank};
+use dynamo_kv_router::zmq_wire::{decode_event_batch, RawKvEvent, ZmqEventNormalizer};
+use dynamo_kv_router::RadixTree;
+use kv_events_common::{admit, cache, prompt, wait_subscribers, Zmtp, BLOCK};
+use pagedkv::events::{ZmqEventPublisher, ZmqPublisherConfig};
+use pagedkv::{AdmitOptions, KvCache, SeqId};
+
+const WORKER: u64 = 7;
+
+/// The router's side: a subscriber, the parser and the indexer.
+struct Router {
+    sub: Zmtp,
+    normalizer: ZmqEventNormalizer,
+    tree: RadixTree,
+    next_seq: u64,
+    events: u64,
+    removals: u64,
+}
+
+impl Router {
+    /// Reads batch `seq` off the socket and indexes its events.
+    fn take(&mut self, seq: u64) {
+        let m = self.sub.recv();
+        assert_eq!(m[1], seq.to_be_bytes());
+        assert_eq!(seq, self.next_seq, "no gap");
+        self.next_seq += 1;
+        let batch = decode_event_batch(&m[2]).expect("Dynamo decodes the batch");
+        assert_eq!(batch.data_parallel_rank, Some(0));
+        let worker = WorkerWithDpRank::new(WORKER, 0);
+        for raw in batch.events {
+            self.removals += u64::from(matches!(raw, RawKvEvent::BlockRemoved { .. }));
+            let placed = self
+                .normalizer
+                .normalize(raw, self.events, worker)
+                .expect("Dynamo keeps every event");
+            self.events += 1;
+            let event = placed.into_router_event().expect("a local worker's event");
+            self.tree
+                .apply_event(event)
+                .expect("the indexer applies it");
+        }
+    }
+
+    /// Full blocks of `tokens` the router says the worker holds.
+    fn overlap(&self, tokens: &[u32]) -> usize {
+        let hashes = compute_block_hash_for_seq(tokens, BLOCK as u32, BlockHashOptions::default());
+        let scores = self.tree.find_matches(hashes, false).scores;
+        scores
+            .get(&WorkerWithDpRank::new(WORKER, 0))
+            .map_or(0, |&n| n as usize)
+    }
+}
+
+/// Seeded SplitMix64, so the walk is the same everywhere.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) % n as u64) as usize
+    }
+}
+
+fn publish(p: &mut ZmqEventPublisher, kv: &mut KvCache, router: &mut Router) {
+    if let Some(seq) = p.publish_drained(kv).unwrap() {
+        router.take(seq);
+    }
+}
+
+#[test]
+fn dynamos_router_reports_the_caches_own_prefix_hits() {
+    let mut p = ZmqEventPublisher::bind(ZmqPublisherConfig::new("tcp://127.0.0.1:0")).unwrap();
+    let mut sub = Zmtp::connect(p.local_addr(), "SUB", 1);
+    sub.subscribe(b"", true);
+    wait_subscribers(&p, 1);
+    let mut router = Router {
+        sub,
+        normalizer: ZmqEventNormalizer::new(BLOCK as u32),
+        tree: RadixTree::new(),
+        next_seq: 0,
+        events: 0,
+        removals: 0,
+    };
+    let mut kv = cache(48);
+    let mut rng = Rng(37);
+    let mut live: Vec<u64> = Vec::new();
+    let mut prompts: Vec<Vec<u32>> = Vec::new();
+    let (mut hits, mut resets, mut frees) = (0, 0, 0);
+    for step in 0..400u64 {
+        match rng.below(10) {
+            0..=5 => {
+                // Three system prompts of 2, 3 and 5 blocks; any tail.
+                let family = rng.below(3) as u32;
+                let shared = [2, 3, 5][family as usize] * BLOCK;
+                let mut tokens = prompt(family, shared + rng.below(3 * BLOCK), shared);
+                tokens
+                    .iter_mut()
+                    .skip(shared)
+                    .for_each(|t| *t += step as u32);
+                if kv.can_admit(tokens.len()) {
+                    admit(&mut kv, step, &tokens);
+                    live.push(step);
+                    prompts.push(tokens);
+                }
+            }
+            6..=8 if !live.is_empty() => {
+                let seq = live.swap_remove(rng.below(live.len()));
+                kv.free(SeqId(seq)).unwrap();
+                frees += 1;
+            }
+            9 if step % 7 == 0 => {
+                kv.reset_prefix_cache().unwrap();
+                resets += 1;
+            }
+            _ => {}
+        }
+        publish(&mut p, &mut kv, &mut router);
+        for (i, tokens) in prompts.iter().enumerate().rev().take(24) {
+            // One token more than the prompt, so a fully cached prompt is all hit.
+            let mut query = tokens.clone();
+            query.push(u32::MAX - i as u32);
+            let own = kv
+                .cached_prefix_len(&query, &AdmitOptions::default())
+                .unwrap();
+            assert_eq!(own % BLOCK, 0);
+            assert_eq!(
+                router.overlap(&query),
+                own / BLOCK,
+                "step {step}, prompt {i} of {} tokens",
+                tokens.len()
+            );
+            hits += usize::from(own > 0);
+        }
+    }
+    // The walk went where it should: hits, frees, evictions and resets all happened.
+    println!(
+        "{} batches, {} router events ({} removals), {hits} queries with a hit, {frees} frees, \
+         {resets} resets",
+        router.next_seq, router.events, router.removals
+    );
+    assert!(hits > 100 && frees > 20 && resets > 0 && router.removals > 10);
+    assert!(p.stats().batches_dropped_slow_peer == 0);
+}
