@@ -201,3 +201,61 @@ fn the_step_path_allocates_nothing_once_admitted() {
     assert!(refused >= 10);
     assert!(kv.num_computed_tokens(SeqId(0)).unwrap() > 17 + 400);
 }
+
+/// The same of a hybrid cache (a full and a window group over one arena,
+/// `reserve_step_grouped` into one `StepBuffers` per group, `commit_step`): 300 steps
+/// that cross block boundaries, release window blocks and move pages between the
+/// groups allocate nothing once the sequences are admitted.
+#[test]
+fn the_hybrid_step_path_allocates_nothing_once_admitted() {
+    use pagedkv::{GroupSpec, GroupStep, KvCache, SeqId, StepBuffers, StepEntry};
+    let shape = ModelShape {
+        num_layers: 1,
+        num_q_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 64,
+        kv_dtype: DType::F16,
+    };
+    let layout = KvLayout::new(shape, 16).unwrap();
+    let width = 1_024 / 16;
+    let specs = [GroupSpec::full(layout), GroupSpec::window(layout, 64)];
+    let mut kv = KvCache::hybrid(&specs, 2 * 32 * width)
+        .unwrap()
+        .with_watermark_blocks(0)
+        .unwrap()
+        .with_table_capacity_blocks(width);
+    let mut group_step = GroupStep::default();
+    let mut handles = Vec::new();
+    for i in 0..32u64 {
+        kv.admit_grouped(SeqId(i), 17 + 9 * i as usize, &mut group_step)
+            .unwrap();
+        handles.push(kv.handle(SeqId(i)).unwrap());
+    }
+    let mut bufs = [
+        StepBuffers::new(32, 128, width),
+        StepBuffers::new(32, 128, width),
+    ];
+    let mut entries = Vec::with_capacity(32);
+    let mut accepted = Vec::with_capacity(32);
+    let mut before = allocs();
+    for t in 0..300usize {
+        if t == 1 {
+            before = allocs();
+        }
+        entries.clear();
+        entries.extend(handles.iter().enumerate().map(|(i, &seq)| StepEntry {
+            seq,
+            new_tokens: if i % 5 == 0 { 3 } else { 1 },
+            lookahead: 0,
+        }));
+        kv.reserve_step_grouped(&entries, &mut bufs).unwrap();
+        accepted.clear();
+        accepted.extend(entries.iter().map(|e| (e.seq, 1 + (t % e.new_tokens))));
+        kv.commit_step(&accepted).unwrap();
+    }
+    let counted = allocs() - before;
+    assert_eq!(counted, 0, "299 hybrid steps allocated {counted} times");
+    kv.check_invariants().unwrap();
+    assert!(kv.group_stats().page_moves > 0);
+    assert!(kv.num_computed_tokens(SeqId(0)).unwrap() > 17 + 300);
+}

@@ -103,6 +103,22 @@ impl KvCache {
         Ok(self)
     }
 
+    /// Room each block table makes at once, in every group
+    /// ([`super::CacheConfig::table_capacity_blocks`]; for one group, the config's):
+    /// with the longest sequence's blocks, the step path allocates nothing once the
+    /// sequences are admitted.
+    pub fn with_table_capacity_blocks(mut self, blocks: usize) -> Self {
+        match &mut self.hybrid {
+            Some(h) => {
+                for g in 0..h.num_groups() {
+                    h.group_mut(g).config.table_capacity_blocks = blocks;
+                }
+            }
+            None => self.config.table_capacity_blocks = blocks,
+        }
+        self
+    }
+
     /// KV-cache groups: 1 unless built by [`Self::hybrid`].
     pub fn num_groups(&self) -> usize {
         self.hybrid.as_ref().map_or(1, |h| h.num_groups())
