@@ -1035,7 +1035,8 @@ fn batch_steps_fill_every_groups_buffers() {
             48,
         );
         c.floor("a batch step", c.batch_steps, 50);
-        c.floor("a copy-on-write", c.cow, 25);
+        // 13-30 of 57 cases in eight runs.
+        c.floor("a copy-on-write", c.cow, 5);
     }
 }
 
@@ -1071,7 +1072,8 @@ fn truncation_cuts_every_group_or_none() {
         &specs,
         64,
     );
-    c.floor("a truncation", c.truncations, 50);
+    // 43-58 of 73 cases in five runs.
+    c.floor("a truncation", c.truncations, 30);
     c.floor("a refused truncation", c.refused_truncations, 10);
 }
 
@@ -1938,6 +1940,7 @@ fn preempt_for_frees_pages_in_every_group() {
         })
         .unwrap();
     let (swaps, recomputes) = seen.into_inner().unwrap();
+    eprintln!("preempt_for: swaps in {swaps}, recomputes in {recomputes} of 48 cases");
     assert!(
         swaps >= 10 && recomputes >= 10,
         "{swaps} / {recomputes} of 48 cases"
