@@ -1895,3 +1895,201 @@ fn a_window_manager_tracks_ids_from_no_call() {
     assert_eq!(by_add.prefix_stats(), by_append.prefix_stats());
     by_add.check_invariants().unwrap();
 }
+
+/// A case `colliding_hashers_never_share_wrong_content` found (kept as proptest
+/// printed it): a sequence admitted in a cache-salted namespace whose chain broke on a
+/// hash collision (tracking ends), truncated to 0 and given ids from position 0 again,
+/// started a new chain in the *default* namespace, so its block (salted content) was
+/// later shared with a default-namespace prompt of the same ids. Tracking that ended
+/// on a broken chain now never restarts.
+#[test]
+fn a_chain_broken_by_a_collision_never_restarts_in_the_default_namespace() {
+    let bases: Vec<Vec<u32>> = vec![
+        vec![0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        vec![0, 0, 1, 2, 0, 0, 0, 0, 0],
+    ];
+    let actions: Vec<Action> = vec![
+        Action::Admit {
+            base: 0,
+            cut: 2117287430990478704,
+            ext: vec![],
+            ns: 0,
+            priority: 0,
+            span: None,
+        },
+        Action::Append(32445147564729, vec![2, 2, 0, 0]),
+        Action::AdmitPlain(3),
+        Action::Append(9966603899350939480, vec![2, 2, 2, 1, 0]),
+        Action::Fork(9117285766367771878),
+        Action::Admit {
+            base: 3996713453305752118,
+            cut: 2752433230255461778,
+            ext: vec![2, 2, 1, 2],
+            ns: 0,
+            priority: 0,
+            span: None,
+        },
+        Action::Fork(7312194040587682723),
+        Action::Admit {
+            base: 6347926359971119903,
+            cut: 8466269377852314934,
+            ext: vec![2, 0, 0, 1],
+            ns: 0,
+            priority: 1,
+            span: None,
+        },
+        Action::Fork(11653224029853948987),
+        Action::Admit {
+            base: 17698666323222281085,
+            cut: 9355833899565705063,
+            ext: vec![2],
+            ns: 3,
+            priority: 0,
+            span: None,
+        },
+        Action::Admit {
+            base: 11341561465758441816,
+            cut: 6428680188159529647,
+            ext: vec![0, 0, 2, 2],
+            ns: 1,
+            priority: 0,
+            span: None,
+        },
+        Action::Free(900465787489357539),
+        Action::AppendPlain(11553065170518851652, 1),
+        Action::Free(17197361469976665614),
+        Action::Free(16861268467180930547),
+        Action::Admit {
+            base: 15824410296192865479,
+            cut: 7900548723266382942,
+            ext: vec![0, 1, 1, 2, 0],
+            ns: 0,
+            priority: 1,
+            span: Some((10, 1)),
+        },
+        Action::Append(13273213585181423806, vec![2, 2, 1, 2]),
+        Action::Admit {
+            base: 1598283752191441734,
+            cut: 8770490125754384212,
+            ext: vec![2, 0, 1, 1, 2],
+            ns: 3,
+            priority: 2,
+            span: None,
+        },
+        Action::Truncate(16242472279911404615, 4071503431054062452),
+        Action::Free(4898233836855136354),
+        Action::Admit {
+            base: 15006075950643854097,
+            cut: 6285348373008234274,
+            ext: vec![],
+            ns: 3,
+            priority: 0,
+            span: None,
+        },
+        Action::Free(1294546792503556476),
+        Action::Free(8955749000401036943),
+        Action::Fork(6246254604191552174),
+        Action::Admit {
+            base: 18249194833960300572,
+            cut: 12648296608751172808,
+            ext: vec![],
+            ns: 2,
+            priority: 0,
+            span: Some((17, 0)),
+        },
+        Action::Free(12871528032412086206),
+        Action::Free(13898824917674077092),
+        Action::Free(16631869677160148719),
+        Action::Admit {
+            base: 859834258310456041,
+            cut: 3780906782523253776,
+            ext: vec![1, 1],
+            ns: 0,
+            priority: 1,
+            span: None,
+        },
+        Action::Admit {
+            base: 11492733396514273365,
+            cut: 18381416840507673871,
+            ext: vec![2, 2, 0, 2, 0, 1],
+            ns: 0,
+            priority: 1,
+            span: None,
+        },
+        Action::Admit {
+            base: 14696907300755489721,
+            cut: 3520259828015503451,
+            ext: vec![],
+            ns: 0,
+            priority: 0,
+            span: Some((3, 0)),
+        },
+        Action::Free(13872478840713759808),
+        Action::Admit {
+            base: 3507425466772580320,
+            cut: 2476028767003017243,
+            ext: vec![0, 0, 1, 1],
+            ns: 0,
+            priority: 0,
+            span: None,
+        },
+        Action::Free(3567962693422121757),
+        Action::Free(1800991959028145843),
+        Action::Admit {
+            base: 14502926338564372293,
+            cut: 5965915509610851021,
+            ext: vec![0, 0, 0, 2, 2],
+            ns: 0,
+            priority: 1,
+            span: Some((3, 1)),
+        },
+        Action::Fork(16257078413030661106),
+        Action::Admit {
+            base: 740031246200821045,
+            cut: 3068292063414797150,
+            ext: vec![0, 2, 1],
+            ns: 0,
+            priority: 2,
+            span: None,
+        },
+        Action::Free(5912311507285527261),
+        Action::Fork(7593786738542226393),
+        Action::Evict(2),
+        Action::Admit {
+            base: 9763929137720974899,
+            cut: 12115310628778030935,
+            ext: vec![1, 1, 2, 0, 1, 0],
+            ns: 0,
+            priority: 1,
+            span: None,
+        },
+        Action::Admit {
+            base: 12761654720783908666,
+            cut: 10769985738561235709,
+            ext: vec![2],
+            ns: 0,
+            priority: 2,
+            span: Some((18, 1)),
+        },
+        Action::Fork(14825877544497703375),
+        Action::Append(11978654317590351876, vec![0, 2, 1, 2]),
+        Action::Free(13485650170078526538),
+        Action::Free(11423760657332738823),
+        Action::Free(10883128031968992341),
+        Action::Admit {
+            base: 8606095214986184504,
+            cut: 2280432700056344546,
+            ext: vec![2],
+            ns: 2,
+            priority: 0,
+            span: Some((1, 1)),
+        },
+        Action::Append(3300632931534361905, vec![2, 1, 2, 0]),
+        Action::AppendPlain(12228962684396105495, 2),
+    ];
+    let mut m = Model::new(model_manager(Box::new(CollidingHasher), false), bases);
+    for a in &actions {
+        m.step(a);
+    }
+    m.finish();
+}

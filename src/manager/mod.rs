@@ -202,6 +202,11 @@ pub(crate) struct Sequence {
     /// will share in its place (see `manager/prefix.rs`): the next call that hands
     /// it slots settles that first, so the decode fast path steps aside.
     pub(crate) twin_pending: bool,
+    /// Tracking of its ids ended on a broken chain (a hash collision, or a corrupt
+    /// state): ids of position 0 arriving later do not start it again, since the new
+    /// chain would be in the default namespace, not the admission's (its cache salt
+    /// and keys are gone with the tracking).
+    pub(crate) tracking_stopped: bool,
 }
 
 /// Snapshot of the manager's counters.

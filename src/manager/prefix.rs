@@ -231,7 +231,7 @@ pub(crate) fn commit_step_ids(s: &mut Sequence, bs: usize) {
 /// Starts tracking the ids of `s`, admitted without any, when [`starts_tracking`] says
 /// `ids` (those of the tokens from `s.computed` on) do.
 pub(crate) fn start_tracking(index: &PrefixIndex, windowed: bool, s: &mut Sequence, ids: &[u32]) {
-    if s.prefix.is_none() && starts_tracking(windowed, s.computed, ids) {
+    if s.prefix.is_none() && !s.tracking_stopped && starts_tracking(windowed, s.computed, ids) {
         s.prefix = Some(Box::new(SeqPrefix::starting(index.default_namespace())));
     }
 }
@@ -301,9 +301,10 @@ fn extend_chain_full(prefix: &mut PrefixIndex, bs: usize, s: &mut Sequence) -> u
         used += bs;
     }
     if broken {
-        // Only a corrupt state or a hash collision gets here. Tracking ends; ids that
-        // arrive later start a new chain from position 0.
+        // Only a corrupt state or a hash collision gets here. Tracking ends for good:
+        // a chain started again would be in the default namespace.
         s.prefix = None;
+        s.tracking_stopped = true;
     } else {
         p.ids.drain(..used);
     }
@@ -784,7 +785,7 @@ impl KvCache {
             .map_or((0, 0), |p| (p.chain * bs, p.chain * bs + p.ids.len()));
         let windowed = self.window.is_some();
         let untracked = s.prefix.is_none();
-        if untracked && !starts_tracking(windowed, first, ids) {
+        if untracked && (s.tracking_stopped || !starts_tracking(windowed, first, ids)) {
             return Ok(0);
         }
         let default_ns = self.prefix.default_namespace();
@@ -1179,7 +1180,10 @@ impl KvCache {
         match tail_ids {
             Some(ids) if keep == 0 || p.last.is_some() => p.ids.extend_from_slice(ids),
             // A chain block that is not registered: only a corrupt state gets here.
-            _ => s.prefix = None,
+            _ => {
+                s.prefix = None;
+                s.tracking_stopped = true;
+            }
         }
     }
 

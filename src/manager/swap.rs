@@ -151,6 +151,8 @@ pub(crate) struct SwappedSeq {
     /// are fresh copies): the swap-in's completion registers them again, or shares
     /// the copies still cached, so registration goes on after the swap-in.
     pub(crate) prefix: Option<Box<super::prefix::SeqPrefix>>,
+    /// [`Sequence::tracking_stopped`], kept while swapped out.
+    pub(crate) tracking_stopped: bool,
 }
 
 /// What a ticket still holds.
@@ -723,6 +725,7 @@ impl KvCache {
                     // fresh copies again (or shares the copies still cached).
                     prefix: old.prefix.clone(),
                     twin_pending: false,
+                    tracking_stopped: old.tracking_stopped,
                     computed: old.computed,
                     scheduled: 0,
                     released: old.released,
@@ -810,6 +813,7 @@ impl KvCache {
                             admission: s.admission,
                             preempt_priority: s.preempt_priority,
                             prefix,
+                            tracking_stopped: s.tracking_stopped,
                         },
                     );
                 }
@@ -1154,6 +1158,7 @@ impl KvCache {
                 admission: 0,
                 preempt_priority: i32::MAX,
                 prefix: None,
+                tracking_stopped: false,
             },
         );
     }
