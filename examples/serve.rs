@@ -1268,7 +1268,7 @@ fn simulate(
     reuse_policy: Option<PreemptPolicy>,
     mut events: Option<&mut ZmqEventPublisher>,
 ) -> Result<Outcome, Box<dyn std::error::Error>> {
-    let config = match pagedkv::layout::shape::builtin::by_name(&args.model) {
+    let config = match pagedkv::plan::config::builtin::by_name(&args.model) {
         Some(text) => ModelConfig::from_json_str(text)?,
         None => ModelConfig::from_file(&args.model)?,
     };

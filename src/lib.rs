@@ -49,7 +49,7 @@
 //! | batch tables | [`tables`] | [`PaddedTables`], [`CsrTables`] and their validation |
 //! | executor | [`executor`] | [`Storage`], [`HostStorage`], the CUDA storage, [`ShardedStorage`], the disk tier, [`TransferEngine`]; the one-call conveniences (defragment, shrink, spill) as plan + execute + commit |
 //! | attention | [`attention`] | f64 reference, CPU (rayon, AVX2) decode and chunked prefill, RoPE fused with the cache write, MLA decode, the CUDA kernels' launchers |
-//! | around | [`plan`], [`metrics`], [`export`], [`broker`], [`gguf`], [`baseline`], [`chart`] | capacity planner, metrics facade, KV export/import, the multi-model memory broker, GGUF reader, the contiguous baseline, SVG charts |
+//! | around | [`metrics`], [`export`], [`broker`], [`chart`], `plan`, `baseline` | metrics facade, KV export/import, the multi-model memory broker, SVG charts; the capacity planner with its `config.json` and GGUF readers (feature `planner`), the contiguous baseline (feature `testing`) |
 //!
 //! # Features
 //!
@@ -57,6 +57,18 @@
 //! loading: building needs no CUDA install, and at run time the crate falls back to
 //! host memory without a GPU. `--no-default-features` builds without `cudarc`. No
 //! kernel has run on a GPU yet; see [`guide::gpu`].
+//!
+//! The other features are off by default:
+//!
+//! | feature | what it adds | dependencies |
+//! |---|---|---|
+//! | `planner` | `plan`: the capacity planner, Hugging Face `config.json` reading (`plan::config`), GGUF reading (`plan::gguf`) | `serde_json` |
+//! | `prometheus` | the Prometheus text exporter of [`metrics`] | `metrics-exporter-prometheus` |
+//! | `vllm-hash` | a block hasher compatible with vLLM's `sha256_cbor` prefix hashing | `sha2` |
+//! | `testing` | what the crate's own tests, benches and examples measure against: the contiguous baseline (`baseline`), a seeded random attention stack (`attention::model`), the lane-by-lane replay of the tensor-core decode kernel (in `attention::decode_mma`) | none |
+//!
+//! The crate's tests, benches and examples turn `planner`, `prometheus` and `testing` on
+//! through a dev-dependency on the crate itself, so a plain `cargo test` sees them.
 //!
 //! # The guide
 //!
@@ -94,8 +106,8 @@ pub mod broker;
 pub mod chart;
 pub mod events;
 pub mod export;
-pub mod gguf;
 pub mod metrics;
+#[cfg(feature = "planner")]
 pub mod plan;
 
 // The guide's chapters are `src/guide/*.md` (their Rust examples are doc tests). The
@@ -148,7 +160,7 @@ pub use export::{
 };
 pub use ids::{BlockId, DiskSlot, PinId, SeqHandle, SeqId, SwapTicket};
 pub use layout::plans::{BlockCopy, CopyPlan, MovePlan, SwapDirection, SwapPair, SwapPlan};
-pub use layout::shape::{DType, KvKind, ModelConfig, ModelShape};
+pub use layout::shape::{DType, KvKind, ModelShape};
 pub use layout::{Kv, KvLayout, Slot};
 pub use manager::groups::{GroupSpec, GroupStats, GroupStep, GroupSwapJob, PendingGroupDefrag};
 pub use manager::preempt::{
@@ -160,6 +172,8 @@ pub use manager::{
 };
 pub use manager::{PendingPrefixRestore, PendingPrefixSpill, PrefixRestore, PrefixSpill};
 pub use manager::{PrefixHit, SwapJob, TierBlock, TierConfig, TierStats};
+#[cfg(feature = "planner")]
+pub use plan::ModelConfig;
 pub use pool::prefix::{
     Admission, AdmitOptions, BlockDigest, BlockHash, Medium, PinnedPrefix, PrefixConfig,
     PrefixEvent, PrefixReset, PrefixStats, Xxh3Hasher,

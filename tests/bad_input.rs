@@ -217,7 +217,7 @@ fn storage_rejects_out_of_range_blocks_and_short_buffers() {
 
 #[test]
 fn config_json_reading() {
-    let c = ModelConfig::from_json_str(pagedkv::layout::shape::builtin::LLAMA3_8B).unwrap();
+    let c = ModelConfig::from_json_str(pagedkv::plan::config::builtin::LLAMA3_8B).unwrap();
     assert_eq!(
         c.shape,
         ModelShape {
@@ -230,7 +230,7 @@ fn config_json_reading() {
     );
     // 2 (K,V) * 32 layers * 8 heads * 128 dims * 2 bytes = 128 KiB per token.
     assert_eq!(c.shape.kv_bytes_per_token(), 131_072);
-    let q = ModelConfig::from_json_str(pagedkv::layout::shape::builtin::QWEN2_5_7B).unwrap();
+    let q = ModelConfig::from_json_str(pagedkv::plan::config::builtin::QWEN2_5_7B).unwrap();
     assert_eq!(
         (
             q.shape.num_layers,

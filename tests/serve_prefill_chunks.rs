@@ -458,7 +458,7 @@ fn the_checked_cache_catches_a_planted_fault() {
 #[cfg(feature = "cuda")]
 #[test]
 fn the_serve_models_kernels_are_in_the_prebuilt_catalog() {
-    use pagedkv::layout::shape::builtin::by_name;
+    use pagedkv::plan::config::builtin::by_name;
     use pagedkv::ModelConfig;
     let layout_of = |name: &str| {
         let config = ModelConfig::from_json_str(by_name(name).unwrap()).unwrap();
