@@ -1,8 +1,9 @@
 //! Bad input gets a typed error and leaves the state as it was.
 
+use pagedkv::layout::Slot;
 use pagedkv::{
     CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelConfig, ModelShape,
-    SeqId, Slot, Storage,
+    SeqId, Storage,
 };
 
 fn shape() -> ModelShape {
@@ -76,14 +77,14 @@ fn unknown_and_duplicate_sequences() {
     assert_eq!(kv.free(SeqId(9)), Err(Error::UnknownSequence(SeqId(9))));
     assert!(kv.truncate(SeqId(1), 21).is_err());
     assert!(kv.block_table(SeqId(9)).is_err());
-    let mut padded = pagedkv::PaddedTables::default();
+    let mut padded = pagedkv::tables::PaddedTables::default();
     assert_eq!(
         kv.fill_padded(&[SeqId(1), SeqId(9)], &mut padded),
         Err(Error::UnknownSequence(SeqId(9)))
     );
     assert_eq!(
         padded,
-        pagedkv::PaddedTables::default(),
+        pagedkv::tables::PaddedTables::default(),
         "output touched on error"
     );
     assert_eq!(snapshot(&kv), before);

@@ -32,9 +32,9 @@ use pagedkv::attention::model::{ModelAttention, SplitMix64, TinyModel};
 use pagedkv::attention::reference::paged_prefill_reference;
 use pagedkv::attention::{alibi_slopes, AttentionParams};
 use pagedkv::layout::convert::encode;
-use pagedkv::{
-    BlockId, CopyPlan, DType, HostStorage, KvLayout, ModelShape, PaddedTables, Slot, Storage,
-};
+use pagedkv::layout::Slot;
+use pagedkv::tables::PaddedTables;
+use pagedkv::{BlockId, CopyPlan, DType, HostStorage, KvLayout, ModelShape, Storage};
 use serve_gpu::{prefill_chunked, rel_err, tolerance, Checked, Device, GpuChecks, ModelCache};
 
 fn padded(rows: &[Vec<u32>], ctx: &[usize]) -> PaddedTables {

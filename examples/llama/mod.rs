@@ -23,10 +23,13 @@ use half::f16;
 use pagedkv::attention::cpu::{paged_decode_split, paged_prefill};
 use pagedkv::attention::model::SplitMix64;
 use pagedkv::attention::{rope_and_cache, AttentionParams, Rope, RopeStyle};
+use pagedkv::layout::Slot;
+use pagedkv::manager::DefragOptions;
 use pagedkv::plan::gguf::{GgmlType, GgufFile, GgufModelInfo, GgufTensorInfo, GgufValue};
+use pagedkv::tables::PaddedTables;
 use pagedkv::{
-    AdmitOptions, CacheConfig, CopyPlan, DType, DefragOptions, HostStorage, KvCache, KvLayout,
-    PaddedTables, SeqId, Slot, Storage, TierConfig,
+    AdmitOptions, CacheConfig, CopyPlan, DType, HostStorage, KvCache, KvLayout, SeqId, Storage,
+    TierConfig,
 };
 use rayon::prelude::*;
 
