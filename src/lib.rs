@@ -182,7 +182,7 @@ pub use plan::ModelConfig;
 pub use pool::prefix::{AdmitOptions, PrefixConfig};
 
 // Transitional: files being edited on other branches while the root was cut down
-// (tests/groups.rs, src/manager/{preempt,prefix_spill,swap}.rs, src/events.rs,
+// (tests/groups.rs, src/manager/{preempt,prefix_spill,swap}.rs, src/events/,
 // src/attention/cuda.rs) still name these through the root. Hidden from the docs;
 // delete once those files use the module paths.
 #[doc(hidden)]
