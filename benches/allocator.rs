@@ -5,10 +5,8 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use pagedkv::{
-    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, KvCache, KvLayout, ModelShape,
-    SeqId,
-};
+use pagedkv::baseline::{CacheAllocator, ContiguousCache};
+use pagedkv::{CacheConfig, CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId};
 
 const BLOCKS: usize = 16_384;
 const MAX_LEN: usize = 2048;

@@ -27,7 +27,8 @@ use criterion::{criterion_group, BatchSize, BenchmarkId, Criterion, SamplingMode
 use pagedkv::attention::cpu::{contiguous_decode, paged_decode, plan_split_tokens, ContiguousKv};
 use pagedkv::attention::model::SplitMix64;
 use pagedkv::attention::AttentionParams;
-use pagedkv::{DType, HostStorage, KvLayout, ModelShape, PaddedTables};
+use pagedkv::tables::PaddedTables;
+use pagedkv::{DType, HostStorage, KvLayout, ModelShape};
 
 const Q_HEADS: usize = 32;
 const KV_HEADS: usize = 4;

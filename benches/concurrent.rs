@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use pagedkv::pool::sharded::ShardedPool;
-use pagedkv::BlockPool;
+use pagedkv::pool::BlockPool;
 
 const BLOCKS: usize = 65_536;
 /// Each thread allocates this many blocks, then frees them: one scheduler step's churn.

@@ -7,9 +7,9 @@
 //!   `copy_from_slice` of the same number of bytes.
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use pagedkv::manager::DefragOptions;
 use pagedkv::{
-    CacheConfig, CopyPlan, DType, DefragOptions, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
-    Storage,
+    CacheConfig, CopyPlan, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage,
 };
 use std::hint::black_box;
 

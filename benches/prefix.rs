@@ -10,11 +10,9 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use pagedkv::baseline::{CacheAllocator, ContiguousCache};
 use pagedkv::pool::prefix::{ChainHasher, PrefixHasher, Xxh3Hasher};
-use pagedkv::{
-    AdmitOptions, CacheAllocator, CacheConfig, ContiguousCache, DType, KvCache, KvLayout,
-    ModelShape, SeqId,
-};
+use pagedkv::{AdmitOptions, CacheConfig, DType, KvCache, KvLayout, ModelShape, SeqId};
 
 const BLOCKS: usize = 16_384;
 const BLOCK_SIZE: usize = 16;

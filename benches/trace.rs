@@ -32,10 +32,12 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
+use pagedkv::baseline::{CacheAllocator, ContiguousCache};
+use pagedkv::layout::Slot;
+use pagedkv::pool::BlockPool;
 use pagedkv::{
-    AdmitOptions, BlockId, BlockPool, CacheAllocator, CacheConfig, ContiguousCache, CopyPlan,
-    DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape, SeqHandle, SeqId, Slot,
-    StepBuffers, StepEntry,
+    AdmitOptions, BlockId, CacheConfig, CopyPlan, DType, GroupSpec, GroupStep, KvCache, KvLayout,
+    ModelShape, SeqHandle, SeqId, StepBuffers, StepEntry,
 };
 
 const SEED: u64 = 18;

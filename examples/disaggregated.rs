@@ -21,11 +21,13 @@ use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use pagedkv::executor::shard::ShardedStorage;
 use pagedkv::export::HEADER_FIXED_BYTES;
+use pagedkv::export::{export_sequence, exported_len, import_sequence, ExportHeader};
 use pagedkv::layout::Kv;
+use pagedkv::layout::Slot;
 use pagedkv::{
-    export_sequence, exported_len, import_sequence, CacheConfig, CopyPlan, DType, ExportHeader,
-    HostStorage, KvCache, KvLayout, ModelShape, SeqId, ShardedStorage, Slot, Storage,
+    CacheConfig, CopyPlan, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage,
 };
 
 #[derive(Parser, Debug)]

@@ -37,10 +37,12 @@ use std::time::Instant;
 
 use clap::Parser;
 use pagedkv::attention::model::{SplitMix64, TinyModel};
+use pagedkv::layout::Slot;
+use pagedkv::manager::preempt::{CostModel, PreemptAction, PreemptReason, Preemption};
+use pagedkv::tables::PaddedTables;
 use pagedkv::{
-    AdmitOptions, BlockId, CopyPlan, CostModel, DType, Error, HostStorage, KvCache, KvLayout,
-    ModelShape, PaddedTables, PreemptAction, PreemptPolicy, PreemptReason, Preemption, PrefixHit,
-    SeqId, Slot, StepEntry, Storage, TierConfig,
+    AdmitOptions, BlockId, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape,
+    PreemptPolicy, PrefixHit, SeqId, StepEntry, Storage, TierConfig,
 };
 
 #[derive(Parser, Debug, Clone)]

@@ -20,10 +20,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
+use pagedkv::manager::SharedKvCache;
 use pagedkv::metrics::{
     serve_prometheus, MetricsExporter, MetricsSnapshot, PrometheusRecorder, ServeLimits,
 };
-use pagedkv::{CacheConfig, CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId, SharedKvCache};
+use pagedkv::{CacheConfig, CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId};
 
 #[derive(Parser, Debug)]
 #[command(about = "Serve pagedkv metrics for a synthetic workload")]

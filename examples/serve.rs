@@ -25,15 +25,18 @@ use clap::Parser;
 use gpu::{ModelCache, StorageKind};
 use indicatif::{ProgressBar, ProgressStyle};
 use pagedkv::attention::model::{SplitMix64, TinyModel};
+use pagedkv::baseline::{CacheAllocator, ContiguousCache};
 use pagedkv::chart::{EventKind, MemoryChart, Timeline};
 use pagedkv::events::{ZmqEventPublisher, ZmqPublisherConfig};
+use pagedkv::layout::Slot;
+use pagedkv::manager::preempt::PreemptAction;
 use pagedkv::manager::FragStats;
 use pagedkv::pool::prefix::{AdmitOptions, PrefixConfig};
+use pagedkv::tables::PaddedTables;
 use pagedkv::{
-    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, HostStorage, KvCache, KvLayout,
-    ModelConfig, PaddedTables, SeqId, Slot, Storage, SwapPlan,
+    CacheConfig, CopyPlan, HostStorage, KvCache, KvLayout, ModelConfig, SeqId, Storage, SwapPlan,
 };
-use pagedkv::{PreemptAction, PreemptPolicy, TierConfig};
+use pagedkv::{PreemptPolicy, TierConfig};
 
 #[path = "serve_hybrid/mod.rs"]
 mod hybrid;
@@ -1268,7 +1271,7 @@ fn simulate(
     reuse_policy: Option<PreemptPolicy>,
     mut events: Option<&mut ZmqEventPublisher>,
 ) -> Result<Outcome, Box<dyn std::error::Error>> {
-    let config = match pagedkv::layout::shape::builtin::by_name(&args.model) {
+    let config = match pagedkv::plan::config::builtin::by_name(&args.model) {
         Some(text) => ModelConfig::from_json_str(text)?,
         None => ModelConfig::from_file(&args.model)?,
     };

@@ -13,8 +13,8 @@
 //!
 //! ```
 //! use pagedkv::chart::{EventKind, MemoryChart, Timeline};
-//! use pagedkv::{CacheAllocator, CacheConfig, ContiguousCache, DType, KvCache,
-//!               KvLayout, ModelShape, SeqId};
+//! use pagedkv::{CacheConfig, DType, KvCache, KvLayout, ModelShape, SeqId};
+//! use pagedkv::baseline::{CacheAllocator, ContiguousCache};
 //!
 //! let shape = ModelShape { num_layers: 2, num_q_heads: 4, num_kv_heads: 2, head_dim: 8,
 //!                          kv_dtype: DType::F16 };
@@ -176,7 +176,7 @@ impl Timeline {
 pub enum Run {
     /// The paged [`crate::KvCache`].
     Paged,
-    /// The [`crate::ContiguousCache`] baseline.
+    /// The contiguous baseline (`baseline::ContiguousCache`, feature `testing`).
     Contiguous,
 }
 

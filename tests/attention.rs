@@ -21,9 +21,12 @@ use pagedkv::attention::cpu::{
 use pagedkv::attention::model::{SplitMix64, TinyModel};
 use pagedkv::attention::reference::{paged_decode_reference, paged_prefill_reference};
 use pagedkv::attention::{alibi_slopes, AttentionParams, DecodeOutput};
+use pagedkv::baseline::{CacheAllocator, ContiguousCache};
+use pagedkv::layout::Slot;
+use pagedkv::tables::PaddedTables;
 use pagedkv::{
-    BlockId, CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, Error, HostStorage,
-    KvCache, KvLayout, ModelShape, PaddedTables, SeqId, Slot, Storage,
+    BlockId, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape,
+    SeqId, Storage,
 };
 
 const BS: usize = 16;

@@ -1,8 +1,9 @@
 //! Bad input gets a typed error and leaves the state as it was.
 
+use pagedkv::layout::Slot;
 use pagedkv::{
     CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelConfig, ModelShape,
-    SeqId, Slot, Storage,
+    SeqId, Storage,
 };
 
 fn shape() -> ModelShape {
@@ -76,14 +77,14 @@ fn unknown_and_duplicate_sequences() {
     assert_eq!(kv.free(SeqId(9)), Err(Error::UnknownSequence(SeqId(9))));
     assert!(kv.truncate(SeqId(1), 21).is_err());
     assert!(kv.block_table(SeqId(9)).is_err());
-    let mut padded = pagedkv::PaddedTables::default();
+    let mut padded = pagedkv::tables::PaddedTables::default();
     assert_eq!(
         kv.fill_padded(&[SeqId(1), SeqId(9)], &mut padded),
         Err(Error::UnknownSequence(SeqId(9)))
     );
     assert_eq!(
         padded,
-        pagedkv::PaddedTables::default(),
+        pagedkv::tables::PaddedTables::default(),
         "output touched on error"
     );
     assert_eq!(snapshot(&kv), before);
@@ -217,7 +218,7 @@ fn storage_rejects_out_of_range_blocks_and_short_buffers() {
 
 #[test]
 fn config_json_reading() {
-    let c = ModelConfig::from_json_str(pagedkv::layout::shape::builtin::LLAMA3_8B).unwrap();
+    let c = ModelConfig::from_json_str(pagedkv::plan::config::builtin::LLAMA3_8B).unwrap();
     assert_eq!(
         c.shape,
         ModelShape {
@@ -230,7 +231,7 @@ fn config_json_reading() {
     );
     // 2 (K,V) * 32 layers * 8 heads * 128 dims * 2 bytes = 128 KiB per token.
     assert_eq!(c.shape.kv_bytes_per_token(), 131_072);
-    let q = ModelConfig::from_json_str(pagedkv::layout::shape::builtin::QWEN2_5_7B).unwrap();
+    let q = ModelConfig::from_json_str(pagedkv::plan::config::builtin::QWEN2_5_7B).unwrap();
     assert_eq!(
         (
             q.shape.num_layers,

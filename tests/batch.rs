@@ -513,7 +513,7 @@ impl StepPair {
                         assert_eq!(self.buf.positions(), &positions[..]);
                         assert_eq!(self.buf.query_start_loc(), &starts[..]);
                         assert_eq!(self.buf.copies(), &copies);
-                        let mut want = pagedkv::PaddedTables::default();
+                        let mut want = pagedkv::tables::PaddedTables::default();
                         self.single
                             .fill_padded_fixed(&self.running[..rows], rows, WIDTH, &mut want)
                             .unwrap();
@@ -613,7 +613,9 @@ impl StepPair {
             }
             StepAction::Defrag => {
                 for kv in [&mut self.step, &mut self.single] {
-                    let pending = kv.plan_defragment(pagedkv::DefragOptions::FULL).unwrap();
+                    let pending = kv
+                        .plan_defragment(pagedkv::manager::DefragOptions::FULL)
+                        .unwrap();
                     pending.commit().unwrap();
                 }
             }

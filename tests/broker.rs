@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 use pagedkv::broker::{
     Broker, BrokerConfig, ModelGuard, ModelId, ModelLimits, MoveReason, Party, SleepOptions,
 };
+use pagedkv::layout::Slot;
 use pagedkv::{
-    AdmitOptions, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Slot,
+    AdmitOptions, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
     Storage, TierConfig,
 };
 use proptest::prelude::*;

@@ -1,11 +1,9 @@
 //! The SVG chart: produced from a paged and a contiguous run of the same workload,
 //! well-formed XML, one polyline per documented line, markers, labels and a legend.
 
+use pagedkv::baseline::{CacheAllocator, ContiguousCache};
 use pagedkv::chart::{EventKind, MemoryChart, Sample, Timeline, LINES};
-use pagedkv::{
-    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, KvCache, KvLayout, ModelShape,
-    SeqId,
-};
+use pagedkv::{CacheConfig, CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId};
 
 fn layout() -> KvLayout {
     let shape = ModelShape {

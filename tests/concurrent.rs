@@ -4,10 +4,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use pagedkv::manager::SharedKvCache;
 use pagedkv::pool::sharded::ShardedPool;
 use pagedkv::{
-    CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
-    SharedKvCache, Storage,
+    CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage,
 };
 
 fn rng(seed: u64) -> impl FnMut() -> u64 {

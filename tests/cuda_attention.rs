@@ -25,9 +25,9 @@ use pagedkv::attention::{
 };
 use pagedkv::executor::cuda::{catalog, AttentionSpec, KernelSpec, PREBUILT_ATTENTION};
 use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
-use pagedkv::{
-    BlockId, CsrTables, DType, HostStorage, KvLayout, ModelShape, PaddedTables, Slot, Storage,
-};
+use pagedkv::layout::Slot;
+use pagedkv::tables::{CsrTables, PaddedTables};
+use pagedkv::{BlockId, DType, HostStorage, KvLayout, ModelShape, Storage};
 
 const LAYER: usize = 1;
 

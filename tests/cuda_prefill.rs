@@ -12,7 +12,9 @@ use pagedkv::attention::cuda_prefill::CudaPrefill;
 use pagedkv::attention::reference::paged_prefill_reference;
 use pagedkv::attention::AttentionParams;
 use pagedkv::executor::storage::CudaStorageConfig;
-use pagedkv::{DType, Error, HostStorage, KvLayout, ModelShape, PaddedTables, Slot, Storage};
+use pagedkv::layout::Slot;
+use pagedkv::tables::PaddedTables;
+use pagedkv::{DType, Error, HostStorage, KvLayout, ModelShape, Storage};
 
 fn rel_err(a: &[f32], b: &[f64]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y).powi(2)).sum();

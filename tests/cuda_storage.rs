@@ -8,9 +8,10 @@ mod cuda_common;
 
 use cuda_common::{encode, skip, storage_or_skip, Rng};
 use pagedkv::executor::storage::{auto, Backend, CudaStorage, CudaStorageConfig};
+use pagedkv::layout::plans::SwapDirection;
+use pagedkv::layout::Slot;
 use pagedkv::{
-    BlockId, CopyPlan, DType, Error, HostStorage, KvLayout, ModelShape, Slot, Storage,
-    SwapDirection, SwapPlan,
+    BlockId, CopyPlan, DType, Error, HostStorage, KvLayout, ModelShape, Storage, SwapPlan,
 };
 
 const BLOCKS: usize = 48;

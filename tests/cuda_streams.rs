@@ -21,9 +21,10 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use pagedkv::attention::cuda::{CudaAttention, DeviceTables, Outputs, Queries, Tables};
 use pagedkv::attention::{AttentionParams, StepCapacity};
 use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
-use pagedkv::{
-    BlockId, DType, KvLayout, ModelShape, PaddedTables, Slot, Storage, SwapDirection, SwapPlan,
-};
+use pagedkv::layout::plans::SwapDirection;
+use pagedkv::layout::Slot;
+use pagedkv::tables::PaddedTables;
+use pagedkv::{BlockId, DType, KvLayout, ModelShape, Storage, SwapPlan};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -4,7 +4,8 @@
 //! step, refused steps included. Runs without a GPU.
 
 use pagedkv::attention::{stage_decode_step, StepCapacity};
-use pagedkv::{DType, KvLayout, ModelShape, PaddedTables};
+use pagedkv::tables::PaddedTables;
+use pagedkv::{DType, KvLayout, ModelShape};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 

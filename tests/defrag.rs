@@ -6,9 +6,12 @@
 
 use std::collections::HashMap;
 
+use pagedkv::layout::Slot;
+use pagedkv::manager::{DefragOptions, FragStats};
+use pagedkv::pool::BlockState;
 use pagedkv::{
-    BlockId, BlockState, CacheConfig, CacheStats, CopyPlan, DType, DefragOptions, Error, FragStats,
-    HostStorage, KvCache, KvLayout, ModelShape, MovePlan, SeqId, Slot, Storage,
+    BlockId, CacheConfig, CacheStats, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout,
+    ModelShape, MovePlan, SeqId, Storage,
 };
 use proptest::prelude::*;
 

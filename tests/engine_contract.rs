@@ -11,9 +11,12 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use pagedkv::layout::plans::SwapDirection;
+use pagedkv::layout::Slot;
+use pagedkv::manager::preempt::{CostModel, PreemptMode};
 use pagedkv::{
-    AdmitOptions, CopyPlan, CostModel, DType, Error, KvCache, KvLayout, ModelShape, PreemptMode,
-    PreemptPolicy, PrefixHit, SeqId, Slot, SwapDirection, SwapPlan, TierConfig,
+    AdmitOptions, CopyPlan, DType, Error, KvCache, KvLayout, ModelShape, PreemptPolicy, PrefixHit,
+    SeqId, SwapPlan, TierConfig,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
@@ -366,7 +369,7 @@ impl Harness {
                     self.swaps += usize::from(!job.plan.is_empty());
                     // Scribble over the blocks the swap freed: they hold nothing now.
                     for p in job.plan.pairs() {
-                        if self.kv.pool().state(p.device) != Ok(pagedkv::BlockState::Free) {
+                        if self.kv.pool().state(p.device) != Ok(pagedkv::pool::BlockState::Free) {
                             continue;
                         }
                         for off in 0..BS as u64 {
@@ -514,7 +517,7 @@ fn rejected_drafts_cost_no_copy_and_lookahead_is_not_context() {
     kv.reserve(SeqId(1), 4, 3, &mut slots, &mut copies).unwrap();
     assert_eq!(kv.num_tokens(SeqId(1)).unwrap(), 11);
     assert_eq!(kv.context_len(SeqId(1)).unwrap(), 8);
-    let mut tables = pagedkv::PaddedTables::default();
+    let mut tables = pagedkv::tables::PaddedTables::default();
     kv.fill_padded(&[SeqId(1)], &mut tables).unwrap();
     assert_eq!((tables.context_lens[0], tables.max_blocks), (8, 2));
     kv.commit(SeqId(1), 1).unwrap(); // three drafts rejected
@@ -750,7 +753,7 @@ fn priority_preemption_unschedules_a_reserved_lower_priority_sequence() {
     };
     let out = kv.preempt_for(need, &swap).unwrap();
     assert_eq!(out[0].unscheduled, vec![SeqId(3)]);
-    let pagedkv::PreemptAction::Swap(job) = &out[0].action else {
+    let pagedkv::manager::preempt::PreemptAction::Swap(job) = &out[0].action else {
         panic!("{:?}", out[0].action)
     };
     kv.complete_swap(job.ticket).unwrap();

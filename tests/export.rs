@@ -6,12 +6,14 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
+use pagedkv::executor::shard::ShardedStorage;
+use pagedkv::export::{
+    export_blocks, export_sequence, exported_len, import_sequence, ExportHeader, ExportView,
+};
 use pagedkv::export::{xxh64, EXPORT_VERSION, HEADER_FIXED_BYTES};
 use pagedkv::layout::Kv;
 use pagedkv::{
-    export_blocks, export_sequence, exported_len, import_sequence, CacheConfig, CopyPlan, DType,
-    Error, ExportHeader, ExportView, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
-    ShardedStorage, Storage,
+    CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage,
 };
 
 #[path = "common/faulty_storage.rs"]
@@ -94,7 +96,7 @@ impl<S: Storage> Cache<S> {
         self.write(&slots, first);
     }
 
-    fn write(&mut self, slots: &[pagedkv::Slot], first: u64) {
+    fn write(&mut self, slots: &[pagedkv::layout::Slot], first: u64) {
         let r = row(self.kv.layout());
         for layer in 0..LAYERS {
             let (mut k, mut v) = (Vec::new(), Vec::new());

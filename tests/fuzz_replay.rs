@@ -58,7 +58,7 @@ fn config_json_corpus_never_panics() {
     let mut inputs = corpus("config_json");
     inputs.extend(random_inputs(2, 256, 64));
     // Mutations of a real config: truncations and byte flips.
-    let base = pagedkv::layout::shape::builtin::LLAMA3_8B.as_bytes();
+    let base = pagedkv::plan::config::builtin::LLAMA3_8B.as_bytes();
     for cut in (0..base.len()).step_by(7) {
         inputs.push(base[..cut].to_vec());
     }

@@ -3,7 +3,7 @@
 //! input), never a panic or an allocation larger than the input.
 
 use pagedkv::attention::model::SplitMix64;
-use pagedkv::gguf::{GgufFile, MAX_ARRAY_DEPTH, MAX_METADATA_VALUES};
+use pagedkv::plan::gguf::{GgufFile, MAX_ARRAY_DEPTH, MAX_METADATA_VALUES};
 use pagedkv::{DType, Error};
 
 fn put_str(b: &mut Vec<u8>, s: &str) {
@@ -200,9 +200,9 @@ fn nonsensical_model_fields_are_errors() {
         .iter()
         .position(|(k, _)| k == "llama.attention.head_count_kv")
         .unwrap();
-    f.metadata[heads].1 = pagedkv::gguf::GgufValue::U32(3); // 8 q heads over 3
+    f.metadata[heads].1 = pagedkv::plan::gguf::GgufValue::U32(3); // 8 q heads over 3
     assert!(is_config_err(f.model_info(DType::F16)));
-    f.metadata[heads].1 = pagedkv::gguf::GgufValue::String("two".into());
+    f.metadata[heads].1 = pagedkv::plan::gguf::GgufValue::String("two".into());
     assert!(is_config_err(f.model_info(DType::F16)));
     f.metadata.retain(|(k, _)| k != "general.architecture");
     assert!(is_config_err(f.model_info(DType::F16)));

@@ -6,10 +6,14 @@
 use pagedkv::attention::cpu::{paged_decode, reshape_and_cache};
 use pagedkv::attention::reference::paged_decode_reference;
 use pagedkv::attention::AttentionParams;
+use pagedkv::layout::plans::SwapDirection;
+use pagedkv::layout::Slot;
 use pagedkv::pool::sharded::ShardedPool;
+use pagedkv::pool::BlockPool;
+use pagedkv::tables::{CsrTables, PaddedTables};
 use pagedkv::{
-    BlockId, BlockPool, CacheConfig, CopyPlan, CsrTables, DType, Error, HostStorage, KvCache,
-    KvLayout, ModelShape, PaddedTables, SeqId, Slot, Storage, SwapDirection, SwapPlan,
+    BlockId, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape,
+    SeqId, Storage, SwapPlan,
 };
 
 const BS: usize = 4;
@@ -83,8 +87,8 @@ fn manager_lengths_near_the_limits() {
         assert!(kv.slots(SeqId(1), 0..n, &mut slots).is_err());
     }
     assert!(kv.slots(SeqId(1), 3..usize::MAX, &mut slots).is_err());
-    let mut c = pagedkv::ContiguousCache::new(*kv.layout(), BLOCKS, 16).unwrap();
-    use pagedkv::CacheAllocator;
+    let mut c = pagedkv::baseline::ContiguousCache::new(*kv.layout(), BLOCKS, 16).unwrap();
+    use pagedkv::baseline::CacheAllocator;
     c.admit(SeqId(1), 5, &mut slots).unwrap();
     assert!(matches!(
         c.append(SeqId(1), usize::MAX, &mut slots, &mut copies),
@@ -103,7 +107,7 @@ fn zero_sizes() {
     let layout = KvLayout::new(shape(), BS).unwrap();
     assert!(KvCache::new(layout, CacheConfig::new(0)).is_err());
     assert!(KvCache::new(layout, CacheConfig::new(0)).is_err());
-    assert!(pagedkv::ContiguousCache::new(layout, 8, 0).is_err());
+    assert!(pagedkv::baseline::ContiguousCache::new(layout, 8, 0).is_err());
     assert!(ShardedPool::new(0, 1, 1).is_err());
     assert!(ShardedPool::new(4, 0, 1).is_err());
     assert!(ShardedPool::new(4, 1, 0).is_err());

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use kv_events_common::{admit, cache, drain, prompt, wait_subscribers, Zmtp, BLOCK};
 use pagedkv::events::{VllmEventEncoder, ZmqEventPublisher, ZmqPublisherConfig};
-use pagedkv::{Error, PrefixEvent, SeqId};
+use pagedkv::pool::prefix::PrefixEvent;
+use pagedkv::{Error, SeqId};
 
 fn publisher(config: ZmqPublisherConfig) -> ZmqEventPublisher {
     ZmqEventPublisher::bind(config).unwrap()
@@ -63,9 +64,9 @@ fn subscribers_get_three_frames_per_batch_numbered_from_zero() {
     for kind in [
         PrefixEvent::AllCleared,
         PrefixEvent::BlockRemoved {
-            hash: pagedkv::BlockHash(0),
+            hash: pagedkv::pool::prefix::BlockHash(0),
             block: pagedkv::BlockId(0),
-            medium: pagedkv::Medium::Device,
+            medium: pagedkv::pool::prefix::Medium::Device,
         },
     ] {
         assert!(
@@ -198,13 +199,13 @@ fn a_subscriber_that_does_not_read_never_blocks_the_cache() {
     // loopback socket buffers hold).
     let events: Vec<PrefixEvent> = (0..64)
         .map(|i| PrefixEvent::BlockStored {
-            hash: pagedkv::BlockHash(u64::MAX - i),
+            hash: pagedkv::pool::prefix::BlockHash(u64::MAX - i),
             parent: None,
             block: pagedkv::BlockId(i as u32),
             token_ids: vec![70_000; BLOCK],
             block_size: BLOCK,
             extra_keys: Vec::new(),
-            medium: pagedkv::Medium::Device,
+            medium: pagedkv::pool::prefix::Medium::Device,
         })
         .collect();
     let start = Instant::now();

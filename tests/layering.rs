@@ -21,7 +21,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "around",
         &[
-            "baseline", "broker", "chart", "events", "export", "metrics", "plan", "gguf",
+            "baseline", "broker", "chart", "events", "export", "metrics", "plan",
         ],
     ),
 ];

@@ -3,9 +3,9 @@
 
 use std::collections::BTreeMap;
 
+use pagedkv::layout::Slot;
 use pagedkv::{
-    CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Slot,
-    Storage,
+    CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage,
 };
 use proptest::prelude::*;
 

@@ -7,9 +7,9 @@ use pagedkv::attention::model::SplitMix64;
 use pagedkv::attention::reference::paged_decode_reference;
 use pagedkv::attention::{cpu::reshape_and_cache, AttentionParams};
 use pagedkv::layout::convert::encode;
-use pagedkv::{
-    BlockId, DType, Error, HostStorage, KvKind, KvLayout, ModelShape, PaddedTables, Slot, Storage,
-};
+use pagedkv::layout::Slot;
+use pagedkv::tables::PaddedTables;
+use pagedkv::{BlockId, DType, Error, HostStorage, KvKind, KvLayout, ModelShape, Storage};
 
 fn latent_layout(
     layers: usize,
@@ -82,7 +82,7 @@ fn latent_slots_round_trip_through_host_storage() {
         // Each token's vector sits at its slot's address, contiguous, in layer 1 only.
         for (p, &slot) in slots.iter().enumerate() {
             let (b, off) = layout.split_slot(slot);
-            let at = layout.elem_offset(b, pagedkv::Kv::K, 0, off) * es;
+            let at = layout.elem_offset(b, pagedkv::layout::Kv::K, 0, off) * es;
             assert_eq!(
                 &st.region(1)[at..at + d * es],
                 &bytes[p * d * es..(p + 1) * d * es]
@@ -171,7 +171,8 @@ fn absorbed_decode_matches_its_f64_reference() {
         // A one-token context returns that token's first `rank` values.
         let (b, off) = (t.row(3)[0], 0);
         let mut one = vec![0f32; d];
-        let at = layout.elem_offset(BlockId(b), pagedkv::Kv::K, 0, off) * dtype.size_bytes();
+        let at =
+            layout.elem_offset(BlockId(b), pagedkv::layout::Kv::K, 0, off) * dtype.size_bytes();
         pagedkv::layout::convert::decode(
             dtype,
             &st.region(1)[at..at + d * dtype.size_bytes()],

@@ -12,10 +12,12 @@
 
 use pagedkv::broker::{Broker, BrokerConfig, ModelLimits, SleepOptions};
 use pagedkv::executor::{defragment_with, shrink_to};
+use pagedkv::layout::Slot;
+use pagedkv::manager::preempt::{CostModel, PreemptAction, PreemptMode};
+use pagedkv::manager::DefragOptions;
 use pagedkv::{
-    AdmitOptions, CopyPlan, CostModel, DType, DefragOptions, Error, GroupSpec, GroupStep,
-    HostStorage, KvCache, KvLayout, ModelShape, PreemptAction, PreemptMode, PreemptPolicy, SeqId,
-    Slot, Storage, TierConfig,
+    AdmitOptions, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage, KvCache, KvLayout,
+    ModelShape, PreemptPolicy, SeqId, Storage, TierConfig,
 };
 
 const BS: usize = 4;
@@ -743,7 +745,7 @@ impl Model {
     }
 
     /// Runs a swap plan on the storage and completes it; the sequences move tiers.
-    fn finish_swap(&mut self, job: &pagedkv::SwapJob, seqs: &[SeqId], out: bool) {
+    fn finish_swap(&mut self, job: &pagedkv::manager::SwapJob, seqs: &[SeqId], out: bool) {
         self.storage.swap(&job.plan).unwrap();
         self.seen.swaps += 1;
         self.kv.complete_swap(job.ticket).unwrap();

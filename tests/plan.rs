@@ -430,7 +430,7 @@ fn precision_names_parse() {
 
 #[test]
 fn model_specs_from_configs() {
-    let text = pagedkv::layout::shape::builtin::LLAMA3_8B;
+    let text = pagedkv::plan::config::builtin::LLAMA3_8B;
     assert!(!ModelSpec::from_json_str(text).unwrap().attention_bias);
     assert!(ModelSpec::resolve("qwen2.5-7b").unwrap().attention_bias);
     // Tied embeddings drop the lm_head.
@@ -790,7 +790,7 @@ fn precision_comes_from_the_config_and_the_caller_overrides_it() {
     );
 
     // bitsandbytes and GPTQ read from a config.
-    let base = pagedkv::layout::shape::builtin::LLAMA3_8B;
+    let base = pagedkv::plan::config::builtin::LLAMA3_8B;
     for (q, expected) in [
         (
             r#"{"quant_method": "bitsandbytes", "load_in_4bit": true, "bnb_4bit_use_double_quant": true}"#,
@@ -824,7 +824,7 @@ fn precision_comes_from_the_config_and_the_caller_overrides_it() {
 
 #[test]
 fn unknown_memory_fields_are_refused_unless_assumed_dense() {
-    let base = pagedkv::layout::shape::builtin::LLAMA3_8B;
+    let base = pagedkv::plan::config::builtin::LLAMA3_8B;
     // An architecture the planner does not know, with experts.
     let text = base
         .replace(
@@ -1279,7 +1279,7 @@ fn unknown_layer_types_are_refused_by_name() {
     ));
     // A dense model naming a linear-attention layer is refused, not planned as dense,
     // and assume_dense cannot reach it: the config does not parse.
-    let base = pagedkv::layout::shape::builtin::LLAMA3_8B;
+    let base = pagedkv::plan::config::builtin::LLAMA3_8B;
     let text = base.replacen(
         '{',
         r#"{"layer_types": ["full_attention", "linear_attention"],"#,

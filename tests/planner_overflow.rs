@@ -95,7 +95,7 @@ fn config_dimensions_that_overflow_parameter_counts_are_errors() {
         ("hidden_size", "18446744073709551615"),
     ] {
         let mut v: serde_json::Value =
-            serde_json::from_str(pagedkv::layout::shape::builtin::LLAMA3_8B).unwrap();
+            serde_json::from_str(pagedkv::plan::config::builtin::LLAMA3_8B).unwrap();
         v[field] = serde_json::from_str(value).unwrap();
         let text = v.to_string();
         // hidden_size enters head_dim; with an explicit head_dim the shape stays valid.

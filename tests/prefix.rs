@@ -5,13 +5,16 @@
 
 use std::collections::BTreeMap;
 
+use pagedkv::ids::PinId;
+use pagedkv::layout::Slot;
+use pagedkv::pool::prefix::{BlockHash, PrefixEvent};
 use pagedkv::pool::prefix::{
     ChainHasher, CostAwarePolicy, EvictionPolicy, LruPolicy, Medium, PrefixHasher, PrefixReset,
     Xxh3Hasher,
 };
 use pagedkv::{
-    AdmitOptions, BlockHash, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout,
-    ModelShape, PinId, PrefixConfig, PrefixEvent, SeqId, Slot, Storage,
+    AdmitOptions, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape,
+    PrefixConfig, SeqId, Storage,
 };
 use proptest::prelude::*;
 
@@ -949,7 +952,10 @@ fn eviction_is_lru_leaves_first_and_never_cuts_a_chain() {
     assert_eq!(kv.cached_prefix_len(&toks(100, 9), &NONE).unwrap(), 8);
     // Evicting one more takes its tail; the head alone still hits.
     assert_eq!(kv.evict_cached(1), 1);
-    assert_eq!(kv.pool().state(b[0]).unwrap(), pagedkv::BlockState::Cached);
+    assert_eq!(
+        kv.pool().state(b[0]).unwrap(),
+        pagedkv::pool::BlockState::Cached
+    );
     assert_eq!(kv.cached_prefix_len(&toks(100, 9), &NONE).unwrap(), 4);
     kv.check_invariants().unwrap();
 }
@@ -1777,9 +1783,12 @@ fn a_pending_twin_follows_its_copy_through_defragmentation() {
     e.kv.free(SeqId(9)).unwrap();
     // The whole prompt hits; its last block is recomputed into a fresh block.
     assert_eq!(e.admit(SeqId(2), 0, &prompt, &NONE).unwrap(), BLOCK);
-    let plan =
-        pagedkv::executor::defragment_with(&mut e.kv, &mut e.store, pagedkv::DefragOptions::FULL)
-            .unwrap();
+    let plan = pagedkv::executor::defragment_with(
+        &mut e.kv,
+        &mut e.store,
+        pagedkv::manager::DefragOptions::FULL,
+    )
+    .unwrap();
     assert!(!plan.moves().is_empty());
     e.check();
     e.append(SeqId(2), &toks(2 * BLOCK as u32, 1)).unwrap();

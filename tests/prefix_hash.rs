@@ -32,8 +32,9 @@
 //! per-block keys encoded by the manager) are in `tests/prefix.rs`,
 //! `stored_events_carry_tokens_block_size_keys_and_medium`.
 
+use pagedkv::pool::prefix::BlockHash;
 use pagedkv::pool::prefix::{PrefixHasher, Xxh3Hasher};
-use pagedkv::{BlockHash, PrefixConfig};
+use pagedkv::PrefixConfig;
 
 /// `offset_in_block: u32 LE ‖ len(key): u32 LE ‖ key`, one keyed span's part of a
 /// block's extra-key bytes.

@@ -23,7 +23,8 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use llama::{argmax, Engine, EngineConfig, Model, Tokenizer};
-use pagedkv::{AdmitOptions, DType, PaddedTables, SeqId};
+use pagedkv::tables::PaddedTables;
+use pagedkv::{AdmitOptions, DType, SeqId};
 
 struct Golden {
     text: String,

@@ -8,9 +8,11 @@
 //!   `check_invariants` recomputes each block's fill (the most any holder holds in it)
 //!   and the live-slot counter from the tables; these are the cases that drifted.
 
+use pagedkv::export::{export_sequence, exported_len};
+use pagedkv::tables::{CsrTables, PaddedTables};
 use pagedkv::{
-    export_sequence, exported_len, AdmitOptions, CopyPlan, CsrTables, DType, Error, HostStorage,
-    KvCache, KvLayout, ModelShape, PaddedTables, SeqId, Storage, TierConfig,
+    AdmitOptions, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
+    Storage, TierConfig,
 };
 
 fn layout() -> KvLayout {

@@ -1,9 +1,7 @@
 //! Named fragmentation scenarios, each run under paged and contiguous allocation.
 
-use pagedkv::{
-    CacheAllocator, CacheConfig, ContiguousCache, CopyPlan, DType, KvCache, KvLayout, ModelShape,
-    SeqId,
-};
+use pagedkv::baseline::{CacheAllocator, ContiguousCache};
+use pagedkv::{CacheConfig, CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId};
 
 const BLOCK: usize = 16;
 const BLOCKS: usize = 256;

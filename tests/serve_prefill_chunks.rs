@@ -32,9 +32,9 @@ use pagedkv::attention::model::{ModelAttention, SplitMix64, TinyModel};
 use pagedkv::attention::reference::paged_prefill_reference;
 use pagedkv::attention::{alibi_slopes, AttentionParams};
 use pagedkv::layout::convert::encode;
-use pagedkv::{
-    BlockId, CopyPlan, DType, HostStorage, KvLayout, ModelShape, PaddedTables, Slot, Storage,
-};
+use pagedkv::layout::Slot;
+use pagedkv::tables::PaddedTables;
+use pagedkv::{BlockId, CopyPlan, DType, HostStorage, KvLayout, ModelShape, Storage};
 use serve_gpu::{prefill_chunked, rel_err, tolerance, Checked, Device, GpuChecks, ModelCache};
 
 fn padded(rows: &[Vec<u32>], ctx: &[usize]) -> PaddedTables {
@@ -458,7 +458,7 @@ fn the_checked_cache_catches_a_planted_fault() {
 #[cfg(feature = "cuda")]
 #[test]
 fn the_serve_models_kernels_are_in_the_prebuilt_catalog() {
-    use pagedkv::layout::shape::builtin::by_name;
+    use pagedkv::plan::config::builtin::by_name;
     use pagedkv::ModelConfig;
     let layout_of = |name: &str| {
         let config = ModelConfig::from_json_str(by_name(name).unwrap()).unwrap();

@@ -5,10 +5,13 @@
 
 use std::collections::HashMap;
 
+use pagedkv::executor::shard::ShardedStorage;
+use pagedkv::layout::plans::SwapDirection;
 use pagedkv::layout::Kv;
+use pagedkv::layout::Slot;
 use pagedkv::{
     BlockId, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape,
-    SeqId, ShardedStorage, Slot, Storage, SwapDirection, SwapPlan,
+    SeqId, Storage, SwapPlan,
 };
 
 const KV_HEADS: usize = 4;

@@ -6,11 +6,14 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crossbeam_channel::{unbounded, Receiver};
+use pagedkv::executor::tier::{DiskTier, TransferEngine};
 use pagedkv::layout::plans::SwapDirection;
+use pagedkv::layout::Slot;
+use pagedkv::manager::preempt::{CostModel, PreemptAction, PreemptReason};
+use pagedkv::manager::{SwapJob, TierBlock};
 use pagedkv::{
-    BlockId, CacheConfig, CopyPlan, CostModel, DType, DiskTier, Error, HostStorage, KvCache,
-    KvLayout, ModelShape, PreemptAction, PreemptPolicy, PreemptReason, SeqId, Slot, Storage,
-    SwapJob, SwapPlan, TierBlock, TierConfig, TransferEngine,
+    BlockId, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape,
+    PreemptPolicy, SeqId, Storage, SwapPlan, TierConfig,
 };
 
 // ---- fixtures ------------------------------------------------------------------
@@ -603,7 +606,7 @@ fn transfer_engine_falls_back_to_one_batched_swap_and_reports_errors() {
     }
     // A plan the storage rejects comes back as the job's error.
     let mut bad = job.clone();
-    bad.ticket = pagedkv::SwapTicket(999);
+    bad.ticket = pagedkv::ids::SwapTicket(999);
     bad.plan = SwapPlan::new(SwapDirection::Out);
     bad.plan.push(BlockId(100), BlockId(0));
     engine.submit(&bad).unwrap();
@@ -943,7 +946,7 @@ fn cost_model_chooses_recompute_when_prefill_is_cheaper_and_when_the_host_is_ful
 
 #[test]
 fn forced_modes_override_the_cost_model() {
-    use pagedkv::PreemptMode;
+    use pagedkv::manager::preempt::PreemptMode;
     let mut r = rig(4, 8, 0);
     r.admit(SeqId(1), 8).unwrap();
     r.admit(SeqId(2), 8).unwrap();

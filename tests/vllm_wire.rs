@@ -9,9 +9,9 @@
 //!   msgspec 0.23.0 encodes for the same batch (`tests/data/vllm_events_golden.py`).
 
 use pagedkv::events::{VllmEventEncoder, VllmEventLayout};
+use pagedkv::pool::prefix::{BlockHash, Medium, PrefixEvent};
 use pagedkv::{
-    AdmitOptions, BlockHash, CacheConfig, DType, Error, KvCache, KvLayout, Medium, ModelShape,
-    PrefixConfig, PrefixEvent, SeqId,
+    AdmitOptions, CacheConfig, DType, Error, KvCache, KvLayout, ModelShape, PrefixConfig, SeqId,
 };
 
 const BLOCK: usize = 4;
@@ -427,8 +427,8 @@ fn drained_manager_events_round_trip() {
 #[cfg(feature = "vllm-hash")]
 mod vllm_hash {
     use super::*;
+    use pagedkv::pool::prefix::BlockDigest;
     use pagedkv::pool::prefix::{PrefixHasher, VllmHasher};
-    use pagedkv::BlockDigest;
 
     fn digest(s: &str) -> BlockDigest {
         BlockDigest(hex(s).try_into().unwrap())
@@ -642,7 +642,7 @@ mod vllm_hash {
         assert!(kv.evict_cached(usize::MAX) > 0);
         let before = kv.block_table(SeqId(2)).unwrap().to_vec();
         let moves = kv
-            .plan_defragment(pagedkv::DefragOptions::FULL)
+            .plan_defragment(pagedkv::manager::DefragOptions::FULL)
             .unwrap()
             .commit()
             .unwrap();

@@ -13,10 +13,11 @@
 
 use pagedkv::attention::cpu::{contiguous_decode, paged_decode, ContiguousKv};
 use pagedkv::attention::AttentionParams;
+use pagedkv::layout::Slot;
 use pagedkv::tables::validate_tables_window;
+use pagedkv::tables::PaddedTables;
 use pagedkv::{
-    BlockId, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, PaddedTables,
-    SeqId, Slot, Storage,
+    BlockId, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage,
 };
 use proptest::prelude::*;
 
@@ -173,16 +174,22 @@ fn holed_sequence_swaps_only_its_held_blocks_and_preemption_may_swap_it() {
     kv.append(SeqId(1), 1, &mut slots, &mut copies).unwrap();
     kv.check_invariants().unwrap();
     let policy = pagedkv::PreemptPolicy {
-        mode: pagedkv::PreemptMode::AlwaysSwap,
-        cost: pagedkv::CostModel::new(1e9, 1e3).unwrap(),
+        mode: pagedkv::manager::preempt::PreemptMode::AlwaysSwap,
+        cost: pagedkv::manager::preempt::CostModel::new(1e9, 1e3).unwrap(),
         unschedule_below: None,
     };
     let p = kv
         .preempt_for(kv.num_available_blocks() + 1, &policy)
         .unwrap();
     assert_eq!(p.len(), 1);
-    assert_eq!(p[0].reason, pagedkv::PreemptReason::Forced);
-    assert!(matches!(p[0].action, pagedkv::PreemptAction::Swap(_)));
+    assert_eq!(
+        p[0].reason,
+        pagedkv::manager::preempt::PreemptReason::Forced
+    );
+    assert!(matches!(
+        p[0].action,
+        pagedkv::manager::preempt::PreemptAction::Swap(_)
+    ));
     kv.check_invariants().unwrap();
 }
 

@@ -34,10 +34,10 @@ mod gpu {
     use pagedkv::attention::AttentionParams;
     use pagedkv::executor::cuda::AttentionSpec;
     use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
-    use pagedkv::{
-        BlockId, CopyPlan, DType, Error, KvLayout, PaddedTables, Result, Slot, Storage,
-        SwapDirection, SwapPlan,
-    };
+    use pagedkv::layout::plans::SwapDirection;
+    use pagedkv::layout::Slot;
+    use pagedkv::tables::PaddedTables;
+    use pagedkv::{BlockId, CopyPlan, DType, Error, KvLayout, Result, Storage, SwapPlan};
     use serde_json::{json, Value};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! The weight math (GGUF dequantisation, matmul, RMS norm, SwiGLU MLP, sampling) lives
 //! here, outside the crate: pagedkv is a KV-cache manager, not a model library. What the
 //! crate provides is everything between the projections: the GGUF reader
-//! ([`pagedkv::gguf`]), the block tables and prefix cache ([`KvCache`]), the fused
+//! ([`pagedkv::plan::gguf`]), the block tables and prefix cache ([`KvCache`]), the fused
 //! RoPE + cache write ([`rope_and_cache`]) and paged attention ([`paged_prefill`],
 //! [`paged_decode_split`]).
 //!
@@ -23,10 +23,13 @@ use half::f16;
 use pagedkv::attention::cpu::{paged_decode_split, paged_prefill};
 use pagedkv::attention::model::SplitMix64;
 use pagedkv::attention::{rope_and_cache, AttentionParams, Rope, RopeStyle};
-use pagedkv::gguf::{GgmlType, GgufFile, GgufModelInfo, GgufTensorInfo, GgufValue};
+use pagedkv::layout::Slot;
+use pagedkv::manager::DefragOptions;
+use pagedkv::plan::gguf::{GgmlType, GgufFile, GgufModelInfo, GgufTensorInfo, GgufValue};
+use pagedkv::tables::PaddedTables;
 use pagedkv::{
-    AdmitOptions, CacheConfig, CopyPlan, DType, DefragOptions, HostStorage, KvCache, KvLayout,
-    PaddedTables, SeqId, Slot, Storage, TierConfig,
+    AdmitOptions, CacheConfig, CopyPlan, DType, HostStorage, KvCache, KvLayout, SeqId, Storage,
+    TierConfig,
 };
 use rayon::prelude::*;
 

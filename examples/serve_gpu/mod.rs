@@ -34,9 +34,10 @@ use std::time::Instant;
 use pagedkv::attention::cuda_prefill::plan_chunks;
 use pagedkv::attention::model::{ModelAttention, TinyModel};
 use pagedkv::attention::AttentionParams;
-use pagedkv::{
-    BlockId, CopyPlan, HostStorage, KvLayout, PaddedTables, Slot, Storage, SwapFence, SwapPlan,
-};
+use pagedkv::executor::storage::SwapFence;
+use pagedkv::layout::Slot;
+use pagedkv::tables::PaddedTables;
+use pagedkv::{BlockId, CopyPlan, HostStorage, KvLayout, Storage, SwapPlan};
 
 /// Where the simulation's arenas live.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -624,7 +625,9 @@ mod cuda {
     use pagedkv::attention::cuda_prefill::CudaPrefill;
     use pagedkv::attention::AttentionParams;
     use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
-    use pagedkv::{BlockId, DType, KvLayout, PaddedTables, Slot, Storage};
+    use pagedkv::layout::Slot;
+    use pagedkv::tables::PaddedTables;
+    use pagedkv::{BlockId, DType, KvLayout, Storage};
 
     fn cuda_storage(
         layout: KvLayout,

@@ -102,7 +102,7 @@ pub trait Alloc {
 /// Every layer full: one manager.
 pub struct AllFull {
     kv: KvCache,
-    slots: Vec<pagedkv::Slot>,
+    slots: Vec<pagedkv::layout::Slot>,
     copies: CopyPlan,
 }
 
@@ -187,7 +187,7 @@ impl Alloc for Groups {
 pub struct Split {
     global: KvCache,
     local: KvCache,
-    slots: Vec<pagedkv::Slot>,
+    slots: Vec<pagedkv::layout::Slot>,
     copies: CopyPlan,
 }
 

@@ -25,10 +25,10 @@
 //! | [`reference`](mod@reference) | `f64` decode and prefill over the stored values, for tests |
 //! | [`cpu`] | rayon decode (split-KV) and chunked prefill, `reshape_and_cache` |
 //! | [`mla`] | decode over a latent (MLA) cache in the absorbed form, `f64` and rayon |
-//! | [`model`] | [`model::TinyModel`], a seeded random attention stack |
+//! | `model` (feature `testing`) | `TinyModel`, a seeded random attention stack the crate's tests and examples run |
 //! | [`rope`] | rotary embeddings (interleaved and NeoX halves) fused with the cache write |
 //! | [`plan_splits`] | the split planner of the GPU kernels (pure, no GPU needed) |
-//! | [`decode_mma`] | the decode kernel's tensor-core path: launch geometry and a CPU replay of its lanes |
+//! | [`decode_mma`] | the decode kernel's tensor-core path: launch geometry, and (feature `testing`) a CPU replay of its lanes |
 //! | `cuda` (feature `cuda`) | the paged decode kernel over a `CudaStorage` |
 
 pub mod cpu;
@@ -39,6 +39,7 @@ pub mod decode_mma;
 mod kernel_plan;
 mod kernels;
 pub mod mla;
+#[cfg(any(test, feature = "testing"))]
 pub mod model;
 pub mod reference;
 pub mod rope;

@@ -44,8 +44,8 @@ pub(crate) fn check_storage<S: Storage + ?Sized>(kv: &KvCache, storage: &S) -> R
 ///
 /// ```
 /// use pagedkv::executor::{defragment_with, grow_to, shrink_to};
-/// use pagedkv::{CacheConfig, DType, DefragOptions, HostStorage, KvCache,
-///               KvLayout, ModelShape, SeqId};
+/// use pagedkv::{CacheConfig, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId};
+/// use pagedkv::manager::DefragOptions;
 ///
 /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1,
 ///                          head_dim: 8, kv_dtype: DType::F16 };

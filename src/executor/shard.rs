@@ -15,7 +15,8 @@
 //! a `[kv_heads, head_dim]` row, that is one `memcpy` per token and shard.
 //!
 //! ```
-//! use pagedkv::{DType, KvLayout, ModelShape, ShardedStorage, Storage};
+//! use pagedkv::{DType, KvLayout, ModelShape, Storage};
+//! use pagedkv::executor::shard::ShardedStorage;
 //!
 //! let shape = ModelShape { num_layers: 2, num_q_heads: 32, num_kv_heads: 8, head_dim: 64,
 //!                          kv_dtype: DType::BF16 };

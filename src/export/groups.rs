@@ -4,9 +4,10 @@
 //! group at once.
 //!
 //! ```
-//! use pagedkv::{export_group_sequence, exported_group_len, import_group_sequence, BlockId, DType,
-//!               GroupSpec, GroupStep, HostStorage, KvCache, KvLayout, ModelShape,
-//!               SeqId, Storage};
+//! use pagedkv::{BlockId, DType, GroupSpec, GroupStep, HostStorage, KvCache, KvLayout,
+//!               ModelShape, SeqId, Storage};
+//! use pagedkv::export::groups::{export_group_sequence, exported_group_len,
+//!                               import_group_sequence};
 //!
 //! let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 4,
 //!                          kv_dtype: DType::F32 };

@@ -68,7 +68,8 @@ fn check_row(
 ///
 /// ```
 /// use pagedkv::tables::validate_tables;
-/// use pagedkv::{DType, Error, KvLayout, ModelShape, PaddedTables};
+/// use pagedkv::{DType, Error, KvLayout, ModelShape};
+/// use pagedkv::tables::PaddedTables;
 ///
 /// let shape = ModelShape { num_layers: 1, num_q_heads: 8, num_kv_heads: 2, head_dim: 64, kv_dtype: DType::F16 };
 /// let layout = KvLayout::new(shape, 16)?;
@@ -100,7 +101,8 @@ pub fn validate_tables(
 ///
 /// ```
 /// use pagedkv::tables::validate_tables_window;
-/// use pagedkv::{BlockId, DType, Error, KvLayout, ModelShape, PaddedTables};
+/// use pagedkv::{BlockId, DType, Error, KvLayout, ModelShape};
+/// use pagedkv::tables::PaddedTables;
 ///
 /// let shape = ModelShape { num_layers: 1, num_q_heads: 8, num_kv_heads: 2, head_dim: 64, kv_dtype: DType::F16 };
 /// let layout = KvLayout::new(shape, 16)?;

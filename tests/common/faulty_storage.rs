@@ -21,7 +21,7 @@ pagedkv::delegate_storage! {
     fn write_slots(
         &mut self,
         layer: usize,
-        slots: &[pagedkv::Slot],
+        slots: &[pagedkv::layout::Slot],
         k: &[u8],
         v: &[u8],
     ) -> pagedkv::Result<()> {

@@ -17,12 +17,15 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use pagedkv::executor::shard::shard_layout;
+use pagedkv::executor::shard::ShardedStorage;
+use pagedkv::executor::tier::TransferEngine;
+use pagedkv::ids::PinId;
+use pagedkv::layout::Slot;
 use pagedkv::manager::{DefragOptions, SwapJob, TierConfig};
+use pagedkv::pool::prefix::Xxh3Hasher;
 use pagedkv::pool::prefix::{AdmitOptions, ChainHasher, CostAwarePolicy, LruPolicy};
-use pagedkv::PinId;
 use pagedkv::{
-    CacheConfig, CopyPlan, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
-    ShardedStorage, Slot, Storage, TransferEngine, Xxh3Hasher,
+    CacheConfig, CopyPlan, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage,
 };
 use parking_lot::Mutex;
 

@@ -7,9 +7,8 @@
 use pagedkv::attention::cpu::paged_decode;
 use pagedkv::attention::AttentionParams;
 use pagedkv::tables::{validate_csr, validate_tables};
-use pagedkv::{
-    CacheConfig, CsrTables, DType, HostStorage, KvCache, KvLayout, ModelShape, PaddedTables, SeqId,
-};
+use pagedkv::tables::{CsrTables, PaddedTables};
+use pagedkv::{CacheConfig, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId};
 
 const BS: usize = 4;
 const BLOCKS: usize = 8;

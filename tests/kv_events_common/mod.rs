@@ -8,9 +8,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use pagedkv::events::ZmqEventPublisher;
+use pagedkv::pool::prefix::PrefixEvent;
 use pagedkv::{
-    AdmitOptions, CacheConfig, DType, KvCache, KvLayout, ModelShape, PrefixConfig, PrefixEvent,
-    SeqId,
+    AdmitOptions, CacheConfig, DType, KvCache, KvLayout, ModelShape, PrefixConfig, SeqId,
 };
 
 /// Every read waits at most this long: the tests end in bounded time.

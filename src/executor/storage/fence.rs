@@ -77,7 +77,7 @@ impl SwapFence {
     }
 
     /// A fence complete when every one of `fences` is (storages made of several, such
-    /// as [`crate::ShardedStorage`]).
+    /// as [`crate::executor::shard::ShardedStorage`]).
     pub fn all(fences: Vec<SwapFence>) -> Self {
         let pending: Vec<SwapFence> = fences.into_iter().filter(|f| f.0.is_some()).collect();
         match pending.len() {

@@ -28,7 +28,7 @@ use crate::manager::TierConfig;
 impl TierConfig {
     /// The tiers of a manager whose swaps `storage` executes: its host tier's size
     /// taken from the storage (so it is given once, where the memory is), and no disk
-    /// tier (set [`TierConfig::num_disk_slots`] after, as for the [`crate::DiskTier`]).
+    /// tier (set [`TierConfig::num_disk_slots`] after, as for the [`crate::executor::tier::DiskTier`]).
     ///
     /// ```
     /// use pagedkv::{DType, HostStorage, KvCache, KvLayout, ModelShape, TierConfig};
@@ -127,7 +127,7 @@ pub trait Storage {
     /// once their copies have landed. [`Self::swap`] and [`Self::swap_layer`] may
     /// return before the bytes move (`CudaStorage` only enqueues them); a reader of the
     /// moved blocks waits for this fence first (or, on a GPU, makes its stream wait on
-    /// it). The [`crate::TransferEngine`] takes one after every layer it enqueues.
+    /// it). The [`crate::executor::tier::TransferEngine`] takes one after every layer it enqueues.
     ///
     /// # Errors
     /// Backend failures. The default, for storages whose swaps finish before they
@@ -234,7 +234,7 @@ pub trait Storage {
 /// assert_eq!((s.num_blocks(), s.num_host_blocks()), (8, 4)); // forwarded
 /// s.resize(10)?;
 /// assert!(matches!(s.resize(11), Err(Error::OutOfBlocks { needed: 11, free: 10 })));
-/// let plan = pagedkv::SwapPlan::new(pagedkv::SwapDirection::Out);
+/// let plan = pagedkv::SwapPlan::new(pagedkv::layout::plans::SwapDirection::Out);
 /// assert!(matches!(s.swap_layer(0, &plan), Err(Error::Unsupported(_))));
 /// s.copy_blocks(&pagedkv::CopyPlan::new())?;
 /// assert_eq!(s.copies, 1);

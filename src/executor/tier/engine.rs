@@ -107,8 +107,9 @@ impl Progress {
 /// storage interleaves with a long transfer.
 ///
 /// ```
-/// use pagedkv::{CacheConfig, DType, HostStorage, KvCache, KvLayout, ModelShape,
-///               SeqId, TierConfig, TransferEngine};
+/// use pagedkv::{CacheConfig, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
+///               TierConfig};
+/// use pagedkv::executor::tier::TransferEngine;
 ///
 /// let shape = ModelShape { num_layers: 4, num_q_heads: 4, num_kv_heads: 2, head_dim: 8,
 ///                          kv_dtype: DType::F16 };

@@ -8,8 +8,9 @@
 //! storage. A buffer that fails any check allocates nothing.
 //!
 //! ```
-//! use pagedkv::{export_sequence, exported_len, import_sequence, CacheConfig, DType,
-//!               HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage};
+//! use pagedkv::{CacheConfig, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
+//!               Storage};
+//! use pagedkv::export::{export_sequence, exported_len, import_sequence};
 //!
 //! let shape = ModelShape { num_layers: 2, num_q_heads: 8, num_kv_heads: 2, head_dim: 8,
 //!                          kv_dtype: DType::F16 };
@@ -88,7 +89,7 @@
 //!   them.
 //! - **Everything else must match**: layers, query and KV heads, head dim and dtype;
 //!   otherwise [`Error::ExportShape`] or [`Error::ExportDType`]. Tensor-parallel degree
-//!   may differ: a [`crate::ShardedStorage`] exports and imports the joined heads.
+//!   may differ: a [`crate::executor::shard::ShardedStorage`] exports and imports the joined heads.
 //! - **Validation order**: magic, version (so a newer format is named as such), header
 //!   checksum, consistency of the header's fields, length, tables checksum, block
 //!   hashes, compatibility with the receiver. No length from the buffer is trusted

@@ -27,7 +27,7 @@
 //! ```
 //!
 //! Mixture-of-experts configs (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, gpt-oss, Llama-4,
-//! read by [`crate::layout::shape::ModelArch`]): with `E` routed experts of intermediate size
+//! read by [`config::ModelArch`]): with `E` routed experts of intermediate size
 //! `e`, `S` shared experts, `k` experts per token and `M` MoE layers (the others dense
 //! with their own intermediate size):
 //!
@@ -67,7 +67,7 @@
 //! ```
 //!
 //! Hybrid models (Qwen3-Next, Nemotron-H, Jamba, Granite 4.0-H; read into
-//! [`crate::layout::shape::HybridConfig`]): `L` above counts only the attention layers
+//! [`config::HybridConfig`]): `L` above counts only the attention layers
 //! in the attention and KV formulas, and each recurrent layer adds its projections
 //! (`d` = `d_inner`, `G` groups, `N` state, `H` heads, `R` = `dt_rank`; gated DeltaNet
 //! with key width `k = Hk Dk` and value width `v = Hv Dv`):
@@ -122,12 +122,15 @@
 use std::fmt;
 
 use crate::error::{Error, Result};
-use crate::layout::shape::{
-    builtin, DType, HybridConfig, KvKind, LayerKind, ModelConfig, QuantScheme, Quantization,
-    StateMixer,
-};
+use crate::layout::shape::{DType, KvKind};
 use crate::layout::KvLayout;
 use crate::manager::groups::GroupSpec;
+
+pub mod config;
+pub mod gguf;
+
+pub use config::ModelConfig;
+use config::{builtin, HybridConfig, LayerKind, QuantScheme, Quantization, StateMixer};
 
 /// Bytes in one GiB.
 pub const GIB: u64 = 1 << 30;
@@ -462,7 +465,7 @@ impl ModelSpec {
     ///
     /// # Errors
     /// [`Error::ModelConfig`] when the config has fields that change memory and that
-    /// the reader does not understand ([`crate::layout::shape::ModelArch::unrecognized`], named
+    /// the reader does not understand ([`config::ModelArch::unrecognized`], named
     /// in the message), or when a count overflows 64 bits.
     pub fn param_counts(&self) -> Result<ParamCounts> {
         self.refuse_unrecognized()?;
@@ -2430,7 +2433,7 @@ impl fmt::Display for Plan {
 /// `sliding_attention` entries of `layer_types` when the config lists them; Gemma-2
 /// (whose configs do not) alternates, local on even layers (`ceil(n / 2)`); any other
 /// model with a `sliding_window` applies it on every layer (Mistral-7B-v0.1).
-pub fn window_layers(arch: &crate::layout::shape::ModelArch, num_layers: usize) -> (usize, usize) {
+pub fn window_layers(arch: &config::ModelArch, num_layers: usize) -> (usize, usize) {
     let Some(w) = arch.sliding_window else {
         return (0, 0);
     };

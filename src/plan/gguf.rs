@@ -13,7 +13,7 @@
 //! counts and deep nesting).
 //!
 //! ```no_run
-//! use pagedkv::gguf::GgufFile;
+//! use pagedkv::plan::gguf::GgufFile;
 //! use pagedkv::DType;
 //!
 //! let bytes = std::fs::read("SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
@@ -23,8 +23,9 @@
 //! # Ok::<(), pagedkv::Error>(())
 //! ```
 
+use super::config::{ModelArch, ModelConfig, KNOWN_MODEL_TYPES};
 use crate::error::{Error, Result};
-use crate::layout::shape::{DType, ModelArch, ModelConfig, ModelShape};
+use crate::layout::shape::{DType, ModelShape};
 
 /// The file magic, `GGUF` in ASCII.
 pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";
@@ -606,7 +607,7 @@ impl GgufFile {
                 // quantization is per tensor and is not read into the planner here.
                 arch: ModelArch {
                     model_type: Some(arch.clone()),
-                    known: crate::layout::shape::KNOWN_MODEL_TYPES.contains(&arch.as_str()),
+                    known: KNOWN_MODEL_TYPES.contains(&arch.as_str()),
                     // Llama-family blocks: a norm before attention and one before the MLP;
                     // Qwen2 puts biases on q, k and v.
                     norms_per_layer: 2,
