@@ -8,14 +8,17 @@ use pagedkv::{BlockId, HostStorage, KvCache, SeqId, Storage};
 
 /// Stats, tier stats, spilled prefix blocks, the pool's block states, and for every
 /// sequence (resident or swapped) its tokens and table (device table and any swap in
-/// flight, or its tier blocks).
+/// flight, or its tier blocks). Not the peak-usage counter: a call that allocated and
+/// gave everything back on failure may have raised it.
 pub fn snapshot(kv: &KvCache) -> String {
+    let mut stats = kv.stats();
+    stats.peak_used_blocks = 0;
     let mut ids: Vec<SeqId> = kv.sequence_ids().chain(kv.swapped_sequence_ids()).collect();
     ids.sort();
     ids.dedup();
     let mut s = format!(
         "{:?}\n{:?}\nspilled prefix blocks {}\n{:?}\n",
-        kv.stats(),
+        stats,
         kv.tier_stats(),
         kv.spilled_prefix_blocks(),
         kv.pool().states(),
