@@ -6,4 +6,6 @@
 #[path = "../../tests/common/fuzz_export.rs"]
 mod fuzz_export;
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| fuzz_export::run_group(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    fuzz_export::run_group(data);
+});
