@@ -392,7 +392,7 @@ fn outside(
     stop: &std::sync::atomic::AtomicBool,
 ) -> (usize, usize, usize) {
     use std::sync::atomic::Ordering;
-    let mut rng = SplitMix64::new(seed ^ 0x0u64.wrapping_sub(1));
+    let mut rng = SplitMix64::new(!seed);
     let mut held = Vec::new();
     let (mut granted, mut timed_out, mut mid_step) = (0, 0, 0);
     let mut clock = 0;
