@@ -27,7 +27,7 @@ use pagedkv::{
     BlockId, DType, ExportHeader, ExportView, GroupExportView, GroupSpec, GroupStep, HostStorage,
     KvCache, KvKind, KvLayout, ModelShape, SeqId, Slot, Storage,
 };
-use snapshot::{device_bytes, snapshot};
+use snapshot::{device_bytes, read_kv as read, snapshot};
 
 /// Flag bit: rewrite the checksums before parsing.
 pub const REPAIR: u8 = 1;
@@ -195,23 +195,6 @@ fn single_receiver() -> (KvCache, HostStorage) {
     (kv, st)
 }
 
-/// Reads `n` tokens of `layer` through `table`.
-fn read(st: &HostStorage, layer: usize, table: &[BlockId], n: usize) -> (Vec<u8>, Vec<u8>) {
-    let l = *st.layout();
-    let row = row_bytes(&l);
-    let mut k = vec![0u8; n * row];
-    let mut v = vec![
-        0u8;
-        if l.kind().vectors_per_head() == 2 {
-            n * row
-        } else {
-            0
-        }
-    ];
-    st.read_tokens(layer, table, n, &mut k, &mut v).unwrap();
-    (k, v)
-}
-
 /// The flag byte and the export bytes of a fuzz input, repaired when the flag says so.
 fn split(data: &[u8]) -> Option<(u8, Vec<u8>)> {
     let (&flags, rest) = data.split_first()?;
@@ -248,51 +231,69 @@ pub fn run_single(data: &[u8]) -> bool {
         Ok((view, cached))
     });
     kv.check_invariants().unwrap();
-    match result {
-        Ok((view, cached)) => {
-            let h = view.header();
-            let n = h.num_tokens();
-            assert_eq!(kv.num_tokens(IMPORTED).unwrap(), n);
-            let table = kv.block_table(IMPORTED).unwrap().to_vec();
-            let row = row_bytes(h.layout());
-            for layer in 0..h.layout().num_layers() {
-                let (k, v) = read(&st, layer, &table, n);
-                let (ek, ev) = view.layer(layer).unwrap();
-                assert!(
-                    k[cached * row..] == ek[cached * row..],
-                    "layer {layer}: imported K differs"
-                );
-                assert!(
-                    v.get(cached * row..) == ev.get(cached * row..),
-                    "layer {layer}: V"
-                );
-            }
-            let l = receiver_layout();
-            for layer in 0..l.num_layers() {
-                let (k, v) = read(&st, layer, &resident, 7);
-                assert_eq!(k, pattern(&l, layer, 0, 0, 7, 0x55), "resident K changed");
-                assert_eq!(v, pattern(&l, layer, 1, 0, 7, 0x55), "resident V changed");
-            }
-            kv.free(IMPORTED).unwrap();
-            kv.free(RESIDENT).unwrap();
-            kv.evict_cached(usize::MAX);
-            kv.check_invariants().unwrap();
-            assert_eq!(kv.stats().used_blocks, 0, "the import leaked blocks");
-            true
-        }
-        Err(_) => {
-            assert_eq!(
-                snapshot(&kv),
-                before.0,
-                "a refused import changed the manager"
+    let imported = result.is_ok();
+    if let Ok((view, cached)) = result {
+        let h = view.header();
+        let n = h.num_tokens();
+        assert_eq!(kv.num_tokens(IMPORTED).unwrap(), n);
+        let table = kv.block_table(IMPORTED).unwrap().to_vec();
+        let row = row_bytes(h.layout());
+        for layer in 0..h.layout().num_layers() {
+            let (k, v) = read(&st, layer, &table, n);
+            let (ek, ev) = view.layer(layer).unwrap();
+            assert!(
+                k[cached * row..] == ek[cached * row..],
+                "layer {layer}: imported K differs"
             );
             assert!(
-                device_bytes(&st, RECEIVER_BLOCKS) == before.1,
-                "a refused import wrote the arena"
+                v.get(cached * row..) == ev.get(cached * row..),
+                "layer {layer}: V"
             );
-            false
+        }
+        let l = receiver_layout();
+        for layer in 0..l.num_layers() {
+            let (k, v) = read(&st, layer, &resident, 7);
+            assert_eq!(k, pattern(&l, layer, 0, 0, 7, 0x55), "resident K changed");
+            assert_eq!(v, pattern(&l, layer, 1, 0, 7, 0x55), "resident V changed");
         }
     }
+    settle(
+        &mut kv,
+        &st,
+        imported,
+        &before,
+        snapshot,
+        |kv| kv.stats().used_blocks,
+        RECEIVER_BLOCKS,
+    )
+}
+
+/// The end of every input: an import is freed with the resident sequence and must
+/// leave nothing used; a refusal must have left the bookkeeping (`view` of it) and every
+/// arena byte as `before`. Returns `imported`.
+fn settle(
+    kv: &mut KvCache,
+    st: &HostStorage,
+    imported: bool,
+    before: &(String, Vec<u8>),
+    view: fn(&KvCache) -> String,
+    used: fn(&KvCache) -> usize,
+    blocks: usize,
+) -> bool {
+    if imported {
+        kv.free(IMPORTED).unwrap();
+        kv.free(RESIDENT).unwrap();
+        kv.evict_cached(usize::MAX);
+        kv.check_invariants().unwrap();
+        assert_eq!(used(kv), 0, "the import leaked blocks");
+    } else {
+        assert_eq!(view(kv), before.0, "a refused import changed the manager");
+        assert!(
+            device_bytes(st, blocks) == before.1,
+            "a refused import wrote the arena"
+        );
+    }
+    imported
 }
 
 /// The group receiver's page layout: 2 layers, 1 KV head of 4 f32, pages of 4 tokens.
@@ -338,55 +339,45 @@ pub fn run_group(data: &[u8]) -> bool {
         Ok((view, cached))
     });
     kv.check_invariants().unwrap();
-    match result {
-        Ok((view, cached)) => {
-            let n = view.num_tokens();
-            assert_eq!(kv.num_computed_tokens(IMPORTED).unwrap(), n);
-            for (g, record) in view.records().iter().enumerate() {
-                let grp = kv.group(g);
-                let (table, computed) = grp.readable_blocks(IMPORTED).unwrap();
-                assert_eq!(computed, n);
-                let held = table
-                    .iter()
-                    .take_while(|&&b| b == BlockId::RELEASED)
-                    .count();
-                let first = held * grp.block_size();
-                let h = record.view.header();
-                let sent_first = n - h.num_tokens();
-                assert!(
-                    first >= sent_first,
-                    "group {g} holds tokens it was not sent"
-                );
-                let row = row_bytes(h.layout());
-                let from = first.max(cached);
-                for layer in 0..h.layout().num_layers() {
-                    let (k, v) = read(&st, layer, &table[held..], n - first);
-                    let (ek, ev) = record.view.layer(layer).unwrap();
-                    let (a, b) = ((from - first) * row, (from - sent_first) * row);
-                    assert!(k[a..] == ek[b..], "group {g} layer {layer}: K differs");
-                    assert!(v[a..] == ev[b..], "group {g} layer {layer}: V differs");
-                }
-            }
-            kv.free(IMPORTED).unwrap();
-            kv.free(RESIDENT).unwrap();
-            kv.evict_cached(usize::MAX);
-            kv.check_invariants().unwrap();
-            assert_eq!(kv.group_stats().used_pages, 0, "the import leaked pages");
-            true
-        }
-        Err(_) => {
-            assert_eq!(
-                snapshot_groups(&kv),
-                before.0,
-                "a refused import changed the manager"
-            );
+    let imported = result.is_ok();
+    if let Ok((view, cached)) = result {
+        let n = view.num_tokens();
+        assert_eq!(kv.num_computed_tokens(IMPORTED).unwrap(), n);
+        for (g, record) in view.records().iter().enumerate() {
+            let grp = kv.group(g);
+            let (table, computed) = grp.readable_blocks(IMPORTED).unwrap();
+            assert_eq!(computed, n);
+            let held = table
+                .iter()
+                .take_while(|&&b| b == BlockId::RELEASED)
+                .count();
+            let first = held * grp.block_size();
+            let h = record.view.header();
+            let sent_first = n - h.num_tokens();
             assert!(
-                device_bytes(&st, GROUP_PAGES) == before.1,
-                "a refused import wrote the arena"
+                first >= sent_first,
+                "group {g} holds tokens it was not sent"
             );
-            false
+            let row = row_bytes(h.layout());
+            let from = first.max(cached);
+            for layer in 0..h.layout().num_layers() {
+                let (k, v) = read(&st, layer, &table[held..], n - first);
+                let (ek, ev) = record.view.layer(layer).unwrap();
+                let (a, b) = ((from - first) * row, (from - sent_first) * row);
+                assert!(k[a..] == ek[b..], "group {g} layer {layer}: K differs");
+                assert!(v[a..] == ev[b..], "group {g} layer {layer}: V differs");
+            }
         }
     }
+    settle(
+        &mut kv,
+        &st,
+        imported,
+        &before,
+        snapshot_groups,
+        |kv| kv.group_stats().used_pages,
+        GROUP_PAGES,
+    )
 }
 
 /// A hybrid manager's bookkeeping: each group's manager and the page stats.

@@ -37,26 +37,26 @@ pub fn snapshot(kv: &KvCache) -> String {
     s
 }
 
+/// The K and V of the first `n` tokens of `layer` through `table` (V empty for a
+/// latent layout).
+pub fn read_kv(st: &HostStorage, layer: usize, table: &[BlockId], n: usize) -> (Vec<u8>, Vec<u8>) {
+    let l = *st.layout();
+    let vectors = l.kind().vectors_per_head();
+    let row = l.token_bytes() / l.num_layers() / vectors;
+    let mut k = vec![0u8; n * row];
+    let mut v = vec![0u8; if vectors == 2 { n * row } else { 0 }];
+    st.read_tokens(layer, table, n, &mut k, &mut v)
+        .expect("reading K/V");
+    (k, v)
+}
+
 /// Every K/V byte of the first `blocks` device blocks of every layer.
 pub fn device_bytes(storage: &HostStorage, blocks: usize) -> Vec<u8> {
     let l = *storage.layout();
     let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
-    let n = blocks * l.block_size();
-    let row = l.token_bytes() / l.num_layers() / l.kind().vectors_per_head();
     let mut out = Vec::new();
     for layer in 0..l.num_layers() {
-        let mut k = vec![0u8; n * row];
-        let mut v = vec![
-            0u8;
-            if l.kind().vectors_per_head() == 2 {
-                n * row
-            } else {
-                0
-            }
-        ];
-        storage
-            .read_tokens(layer, &table, n, &mut k, &mut v)
-            .expect("reading the whole arena");
+        let (k, v) = read_kv(storage, layer, &table, blocks * l.block_size());
         out.extend(k);
         out.extend(v);
     }
