@@ -2,6 +2,10 @@
 //! `cargo fuzz`; see `fuzz/README.md`), plus seeded random inputs so the harnesses run
 //! even where no corpus is checked out.
 
+#[path = "common/fuzz_export.rs"]
+mod fuzz_export;
+#[path = "common/fuzz_gguf.rs"]
+mod fuzz_gguf;
 #[path = "common/fuzz_manager.rs"]
 mod fuzz_manager;
 #[path = "common/fuzz_plan.rs"]
@@ -96,5 +100,96 @@ fn planner_corpus_and_random_inputs() {
     println!("replaying {} planner corpus inputs", inputs.len());
     for input in inputs.iter().chain(&random_inputs(4, 4096, 96)) {
         fuzz_plan::run(input);
+    }
+}
+
+/// Inputs of `target`: its corpus, the harness's own seeds, and each seed truncated at a
+/// few points and with single bytes flipped (deterministic, so a failure reproduces).
+fn with_mutations(target: &str, seeds: Vec<Vec<u8>>, seed: u64) -> Vec<Vec<u8>> {
+    let mut inputs = corpus(target);
+    let flips = random_inputs(seed, seeds.len() * 8, 4);
+    for (i, s) in seeds.iter().enumerate() {
+        for cut in [1, s.len() / 3, s.len() / 2, s.len().saturating_sub(1)] {
+            inputs.push(s[..cut.min(s.len())].to_vec());
+        }
+        for r in &flips[i * 8..i * 8 + 8] {
+            let mut m = s.clone();
+            if m.len() > 1 {
+                let at = 1 + (usize::from(r[0]) << 8 | usize::from(r[1])) % (m.len() - 1);
+                m[at] ^= r[2] | 1;
+                m[0] = r[3] & 3;
+                inputs.push(m);
+            }
+        }
+    }
+    inputs.extend(seeds);
+    inputs
+}
+
+/// The GGUF reader (`fuzz/fuzz_targets/gguf.rs`).
+#[test]
+fn gguf_corpus_seeds_and_mutations() {
+    for s in fuzz_gguf::seeds() {
+        let f = pagedkv::gguf::GgufFile::parse(&s).expect("a seed parses");
+        f.model_info(pagedkv::DType::F16)
+            .expect("a seed gives a config");
+    }
+    let inputs = with_mutations("gguf", fuzz_gguf::seeds(), 5);
+    println!("replaying {} gguf inputs", inputs.len());
+    for input in inputs.iter().chain(&random_inputs(6, 256, 64)) {
+        fuzz_gguf::run(input);
+    }
+}
+
+/// Single KV exports (`fuzz/fuzz_targets/export.rs`): the seeds import, the mutations
+/// are refused changing nothing or import byte-exact.
+#[test]
+fn export_corpus_seeds_and_mutations() {
+    let seeds = fuzz_export::single_seeds();
+    let imported: Vec<bool> = seeds.iter().map(|s| fuzz_export::run_single(s)).collect();
+    // The receiver's shape at 7 sender block sizes, each as written and repaired, import;
+    // the other dtype, head count, layer count and the latent layout are refused.
+    assert_eq!(
+        imported.iter().filter(|&&ok| ok).count(),
+        14,
+        "{imported:?}"
+    );
+    let inputs = with_mutations("export", seeds, 7);
+    println!("replaying {} export inputs", inputs.len());
+    let accepted = inputs.iter().filter(|i| fuzz_export::run_single(i)).count();
+    println!("{accepted} imported");
+}
+
+/// Group exports (`fuzz/fuzz_targets/group_export.rs`).
+#[test]
+fn group_export_corpus_seeds_and_mutations() {
+    let seeds = fuzz_export::group_seeds();
+    let imported: Vec<bool> = seeds.iter().map(|s| fuzz_export::run_group(s)).collect();
+    // Four sequences import directly; through the prefix caches, all but the one with
+    // window holes and ids (refused, as documented); the one-group export is refused.
+    assert_eq!(imported.iter().filter(|&&ok| ok).count(), 7, "{imported:?}");
+    let inputs = with_mutations("group_export", seeds, 8);
+    println!("replaying {} group_export inputs", inputs.len());
+    let accepted = inputs.iter().filter(|i| fuzz_export::run_group(i)).count();
+    println!("{accepted} imported");
+}
+
+/// Writes the harnesses' seeds into `fuzz/corpus/<target>/seed-N`, where `cargo fuzz`
+/// starts from them: `cargo test --test fuzz_replay -- --ignored write_seed_corpora`.
+#[test]
+#[ignore = "writes files; run once when the seeds change"]
+fn write_seed_corpora() {
+    for (target, seeds) in [
+        ("gguf", fuzz_gguf::seeds()),
+        ("export", fuzz_export::single_seeds()),
+        ("group_export", fuzz_export::group_seeds()),
+    ] {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fuzz/corpus")
+            .join(target);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, s) in seeds.iter().enumerate() {
+            std::fs::write(dir.join(format!("seed-{i}")), s).unwrap();
+        }
     }
 }
