@@ -29,9 +29,10 @@ use pagedkv::attention::model::SplitMix64;
 use pagedkv::broker::{
     Broker, BrokerConfig, ModelGuard, ModelId, ModelLimits, MoveReason, Party, SleepOptions,
 };
+use pagedkv::pool::BlockState;
 use pagedkv::{
-    AdmitOptions, BlockState, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape,
-    SeqId, Storage, TierConfig,
+    AdmitOptions, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
+    Storage, TierConfig,
 };
 use snapshot::snapshot;
 
@@ -39,7 +40,7 @@ const CHUNK: usize = 1024;
 const MODELS: usize = 3;
 /// Steps of each scheduler thread; the outside thread runs until they finish.
 const STEPS: usize = 300;
-const SEEDS: [u64; 8] = [1, 2, 3, 4, 5, 6, 0x5eed, 0xb20c_e4];
+const SEEDS: [u64; 8] = [1, 2, 3, 4, 5, 6, 0x5eed, 0x00b2_0ce4];
 
 /// 256-byte blocks of 4 tokens (4 per chunk); 128-byte blocks of 2 tokens (8 per
 /// chunk); 384-byte blocks of 8 tokens (2 per chunk, 256 bytes of each chunk unused).

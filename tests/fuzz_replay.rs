@@ -130,7 +130,7 @@ fn with_mutations(target: &str, seeds: Vec<Vec<u8>>, seed: u64) -> Vec<Vec<u8>> 
 #[test]
 fn gguf_corpus_seeds_and_mutations() {
     for s in fuzz_gguf::seeds() {
-        let f = pagedkv::gguf::GgufFile::parse(&s).expect("a seed parses");
+        let f = pagedkv::plan::gguf::GgufFile::parse(&s).expect("a seed parses");
         f.model_info(pagedkv::DType::F16)
             .expect("a seed gives a config");
     }

@@ -18,10 +18,13 @@ use std::path::PathBuf;
 use faulty_storage::FlakyStorage;
 use kv_bytes::{check_values, write_values};
 use pagedkv::executor::tier::{restore_spilled_prefixes, spill_cached_prefixes};
+use pagedkv::executor::tier::{DiskTier, TransferEngine};
 use pagedkv::executor::{restore_from_disk, spill_to_disk};
+use pagedkv::ids::SwapTicket;
+use pagedkv::manager::SwapJob;
 use pagedkv::{
-    AdmitOptions, CacheConfig, CopyPlan, DType, DiskTier, Error, HostStorage, KvCache, KvLayout,
-    ModelShape, SeqId, Storage, SwapJob, SwapTicket, TierConfig, TransferEngine,
+    AdmitOptions, CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape,
+    SeqId, Storage, TierConfig,
 };
 use snapshot::snapshot;
 

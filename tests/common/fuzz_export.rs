@@ -21,11 +21,14 @@
 #[path = "snapshot.rs"]
 mod snapshot;
 
-use pagedkv::export::{xxh64, HEADER_FIXED_BYTES};
+use pagedkv::export::groups::{export_group_sequence, exported_group_len, GroupExportView};
+use pagedkv::export::{
+    export_sequence, exported_len, xxh64, ExportHeader, ExportView, HEADER_FIXED_BYTES,
+};
+use pagedkv::layout::Slot;
 use pagedkv::{
-    export_group_sequence, export_sequence, exported_group_len, exported_len, AdmitOptions,
-    BlockId, DType, ExportHeader, ExportView, GroupExportView, GroupSpec, GroupStep, HostStorage,
-    KvCache, KvKind, KvLayout, ModelShape, SeqId, Slot, Storage,
+    AdmitOptions, BlockId, DType, GroupSpec, GroupStep, HostStorage, KvCache, KvKind, KvLayout,
+    ModelShape, SeqId, Storage,
 };
 use snapshot::{device_bytes, read_kv as read, snapshot};
 

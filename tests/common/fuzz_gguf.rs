@@ -7,7 +7,7 @@
 
 #![allow(dead_code)] // each test binary uses its own part
 
-use pagedkv::gguf::{GgufFile, GgufValue};
+use pagedkv::plan::gguf::{GgufFile, GgufValue};
 use pagedkv::DType;
 
 /// One input.
@@ -42,7 +42,7 @@ pub fn run(data: &[u8]) {
 
 fn check_value(v: &GgufValue, depth: usize) {
     assert!(
-        depth <= pagedkv::gguf::MAX_ARRAY_DEPTH,
+        depth <= pagedkv::plan::gguf::MAX_ARRAY_DEPTH,
         "nesting past the limit"
     );
     if let Some(x) = v.as_u64() {
