@@ -355,36 +355,38 @@ impl KvCache {
         needed_blocks: usize,
         policy: &PreemptPolicy,
     ) -> Result<Vec<Preemption>> {
-        if let Some(h) = &mut self.hybrid {
-            return h.preempt_for(needed_blocks, policy);
-        }
-        let have = self.num_available_blocks() + self.tiers.pending_device_release();
-        if needed_blocks <= have {
-            return Ok(Vec::new());
-        }
-        let candidates = self.preemption_candidates(policy.unschedule_below)?;
-        let chosen = choose_victims(
-            candidates,
-            policy,
-            needed_blocks,
-            have,
-            self.tiers.host_free(),
-            self.layout.block_bytes(),
-            |_| true,
-        )?;
+        let chosen = match &self.hybrid {
+            Some(h) => h.choose_victims(needed_blocks, policy)?,
+            None => {
+                let have = self.num_available_blocks() + self.tiers.pending_device_release();
+                if needed_blocks <= have {
+                    return Ok(Vec::new());
+                }
+                let candidates = self.preemption_candidates(policy.unschedule_below)?;
+                choose_victims(
+                    candidates,
+                    policy,
+                    needed_blocks,
+                    have,
+                    self.tiers.host_free(),
+                    self.layout.block_bytes(),
+                    |_| true,
+                )?
+            }
+        };
         // Decisions made on a consistent state; applying them cannot fail short of
-        // a corrupt manager.
+        // a corrupt manager. A hybrid cache's calls below reach every group.
         let mut out = Vec::with_capacity(chosen.len());
         for v in chosen {
             for &id in &v.c.reserved {
                 self.commit(id, 0)?; // cancels the reservation
             }
-            let action = if v.swap {
-                PreemptAction::Swap(self.swap_out_group(&v.c.seqs)?)
-            } else {
-                PreemptAction::Recompute {
+            let action = match (v.swap, self.is_hybrid()) {
+                (true, false) => PreemptAction::Swap(self.swap_out_group(&v.c.seqs)?),
+                (true, true) => PreemptAction::SwapGroups(self.swap_out_grouped(v.c.seqs[0])?),
+                (false, _) => PreemptAction::Recompute {
                     tokens: self.free_for_recompute(&v.c.seqs)?,
-                }
+                },
             };
             out.push(self.record_preemption(v, action));
         }
@@ -405,6 +407,9 @@ impl KvCache {
     /// group 0, whose counters [`Self::tier_stats`] and [`Self::take_preempt_events`]
     /// read).
     fn record_preemption(&mut self, v: Victim, action: PreemptAction) -> Preemption {
+        if let Some(h) = &mut self.hybrid {
+            return h.group_mut(0).record_preemption(v, action);
+        }
         let Victim {
             c,
             swap,
@@ -516,17 +521,14 @@ fn choose_victims(
 }
 
 impl super::groups::Groups {
-    /// [`KvCache::preempt_for`] of a hybrid cache: `needed_pages` of the whole arena.
+    /// The victims of [`KvCache::preempt_for`] on a hybrid cache: `needed_pages` of
+    /// the whole arena.
     /// Victims and their order come from group 0 (every group holds the same
     /// sequences); the pages a victim holds and frees are summed over the groups. A
     /// swap moves one sequence in every group ([`PreemptAction::SwapGroups`]), so a
     /// fork group of several sequences is recomputed rather than swapped (its shared
     /// pages would move once per member).
-    pub(crate) fn preempt_for(
-        &mut self,
-        needed_pages: usize,
-        policy: &PreemptPolicy,
-    ) -> Result<Vec<Preemption>> {
+    fn choose_victims(&self, needed_pages: usize, policy: &PreemptPolicy) -> Result<Vec<Victim>> {
         let pending: usize = (0..self.num_groups())
             .map(|g| self.group(g).tiers.pending_device_release())
             .sum();
@@ -545,7 +547,7 @@ impl super::groups::Groups {
                 c.blocks_freed += freed;
             }
         }
-        let chosen = choose_victims(
+        choose_victims(
             candidates,
             policy,
             needed_pages,
@@ -553,24 +555,6 @@ impl super::groups::Groups {
             self.num_free_host_blocks(),
             self.group(0).layout.block_bytes(),
             |c| c.seqs.len() == 1,
-        )?;
-        let mut out = Vec::with_capacity(chosen.len());
-        for v in chosen {
-            for &id in &v.c.reserved {
-                self.commit(id, 0)?; // cancels the reservation
-            }
-            let action = if v.swap {
-                PreemptAction::SwapGroups(self.swap_out(v.c.seqs[0])?)
-            } else {
-                let mut tokens = Vec::with_capacity(v.c.seqs.len());
-                for &id in &v.c.seqs {
-                    tokens.push((id, self.num_computed_tokens(id)?));
-                    self.free(id)?;
-                }
-                PreemptAction::Recompute { tokens }
-            };
-            out.push(self.group_mut(0).record_preemption(v, action));
-        }
-        Ok(out)
+        )
     }
 }
