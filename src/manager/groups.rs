@@ -336,6 +336,15 @@ impl Groups {
         self.groups[0].num_computed_tokens(seq)
     }
 
+    /// Outstanding reservations of `seq` (the same in every group).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`].
+    pub fn num_reservations(&self, seq: SeqId) -> Result<usize> {
+        self.check_id(seq)?;
+        self.groups[0].num_reservations(seq)
+    }
+
     /// Context attention reads for `seq` this step (computed plus reserved).
     ///
     /// # Errors
@@ -689,7 +698,7 @@ impl Groups {
             return Err(Error::SequenceState {
                 seq,
                 state: "holding an uncommitted reservation",
-                needed: "committed (commit first; commit(seq, 0) cancels)",
+                needed: "committed (commit first; cancel(seq) drops every reservation)",
             });
         }
         let mut back = 0;

@@ -68,7 +68,7 @@ pub(crate) fn mid_step_error(seq: SeqId) -> Error {
     Error::SequenceState {
         seq,
         state: "holding an uncommitted reservation (in this step's batch)",
-        needed: "committed (commit first; commit(seq, 0) cancels)",
+        needed: "committed (commit first; cancel(seq) drops every reservation)",
     }
 }
 

@@ -34,6 +34,16 @@ impl KvCache {
                     s.computed, s.scheduled, s.num_tokens
                 ));
             }
+            {
+                // Every reservation ahead holds a query token, and the oldest one too.
+                let q = &s.later;
+                if q.contains(&0) || (!q.is_empty() && s.later_tokens() >= s.scheduled) {
+                    return Err(format!(
+                        "sequence {id}: reservations ahead {q:?} within {} reserved tokens",
+                        s.scheduled
+                    ));
+                }
+            }
             if s.table.len() != self.layout.blocks_for_tokens(s.num_tokens) {
                 return Err(format!(
                     "sequence {id}: {} tokens but {} blocks",

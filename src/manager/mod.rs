@@ -207,6 +207,31 @@ pub(crate) struct Sequence {
     /// chain would be in the default namespace, not the admission's (its cache salt
     /// and keys are gone with the tracking).
     pub(crate) tracking_stopped: bool,
+    /// Query tokens of the reservations made on top of the oldest outstanding one
+    /// ([`KvCache::reserve_ahead`]), oldest first; `scheduled` counts them too, so the
+    /// oldest reservation holds `scheduled - later.sum()`. Empty with one
+    /// reservation or none (no allocation until a reservation ahead).
+    pub(crate) later: std::collections::VecDeque<usize>,
+}
+
+impl Sequence {
+    /// Query tokens of the reservations after the oldest outstanding one.
+    #[inline]
+    pub(crate) fn later_tokens(&self) -> usize {
+        self.later.iter().sum()
+    }
+
+    /// Whether reservations are outstanding on top of the oldest one.
+    #[inline]
+    pub(crate) fn has_later(&self) -> bool {
+        !self.later.is_empty()
+    }
+
+    /// Query tokens of the oldest outstanding reservation (what a commit accepts from).
+    #[inline]
+    pub(crate) fn oldest_scheduled(&self) -> usize {
+        self.scheduled - self.later_tokens()
+    }
 }
 
 /// Snapshot of the manager's counters.
@@ -296,6 +321,29 @@ pub struct KvCache {
     /// group, the common case. A hybrid cache keeps no tables of its own: every call
     /// goes to its groups, each a one-group `KvCache` (see `manager/groups.rs`).
     pub(crate) hybrid: Option<Box<groups::Groups>>,
+}
+
+/// Whether a reservation may go on top of the outstanding ones of `seq` (which holds
+/// some): only through the calls that reserve ahead ([`KvCache::reserve_ahead`],
+/// [`KvCache::reserve_step_ahead`]), for at least one query token, without token ids
+/// and without committing at once.
+fn check_stack(seq: SeqId, ahead: bool, n: usize, ids_or_commit: bool) -> Result<()> {
+    if !ahead {
+        return Err(Error::SequenceState {
+            seq,
+            state: "holding an uncommitted reservation",
+            needed: "committed (commit first; cancel(seq) drops it; reserve_ahead stacks another)",
+        });
+    }
+    if n == 0 || ids_or_commit {
+        return Err(Error::SequenceState {
+            seq,
+            state: "holding an uncommitted reservation",
+            needed: "a reservation ahead of at least one query token, without token ids \
+                     (add_token_ids gives them later)",
+        });
+    }
+    Ok(())
 }
 
 /// The sequence-side conditions of [`KvCache::in_last_block`]: `n` committed-next
@@ -590,7 +638,7 @@ impl KvCache {
                 return Err(Error::SequenceState {
                     seq,
                     state: "holding an uncommitted reservation",
-                    needed: "committed (commit first; commit(seq, 0) cancels)",
+                    needed: "committed (commit first; cancel(seq) drops every reservation)",
                 });
             }
             if s.computed >= max_len {
@@ -615,7 +663,7 @@ impl KvCache {
         for (k, &h) in seqs.iter().enumerate() {
             let ids = tokens.and_then(|t| t.get(k..k + 1));
             if self.append_in_last_block(h, 1, ids, slots).is_none() {
-                self.reserve_at(h, 1, 0, true, ids, slots, copies)?;
+                self.reserve_at(h, 1, 0, true, ids, slots, copies, false)?;
             }
         }
         Ok(())
@@ -760,10 +808,13 @@ impl KvCache {
     /// blocks whose token ids are known are registered in the prefix cache now.
     /// `commit(seq, 0)` cancels a reservation. Returns the blocks registered.
     ///
+    /// With several reservations outstanding ([`Self::reserve_ahead`]) this commits the
+    /// oldest; the later ones are rebased onto the new computed count (see there).
+    ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped out
     /// or has a swap in flight; [`Error::CommitPastReservation`] when `n` is more than
-    /// the reservation. Nothing changed on error.
+    /// the (oldest) reservation. Nothing changed on error.
     pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<usize> {
         if let Some(h) = &mut self.hybrid {
             return h.commit(seq, n);
@@ -772,21 +823,115 @@ impl KvCache {
         self.commit_at(h, n)
     }
 
+    /// Reserves `n` query tokens plus `lookahead` slots for a step scheduled before
+    /// the outstanding steps of `seq` are committed (asynchronous scheduling, several
+    /// pipeline micro-batches in flight): the new reservation goes on top of them, its
+    /// query tokens at positions `computed + scheduled..` (every outstanding query token
+    /// assumed accepted). With none outstanding it is [`Self::reserve`].
+    ///
+    /// Commits take the reservations oldest first. A commit that accepts fewer tokens
+    /// than its reservation held (rejected drafts) **rebases** the later reservations:
+    /// their query tokens now start at the new computed count, so their slots are
+    /// those of the positions after it: read them again with [`Self::slots`]
+    /// (`computed..computed + n`), or compute them on the device from the block table,
+    /// which does not change (the slots were allocated by the first reservation). The
+    /// context of a step is everything before its last query token, as the batch views
+    /// report it (`computed + every outstanding query token`).
+    ///
+    /// A reservation ahead takes no token ids (they are the outputs of steps not
+    /// finished yet): [`Self::add_token_ids`] gives them later, and registration in the
+    /// prefix cache waits for them. [`Self::cancel`] drops every outstanding
+    /// reservation; `truncate`, fork, swap and preemption refuse a sequence holding one.
+    ///
+    /// ```
+    /// use pagedkv::{CacheConfig, CopyPlan, DType, KvCache, KvLayout, ModelShape, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::F16 };
+    /// let mut kv = KvCache::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
+    /// kv.admit(SeqId(1), 10, &mut slots)?;
+    /// kv.reserve(SeqId(1), 3, 0, &mut slots, &mut copies)?;       // step N: 1 + 2 drafts
+    /// kv.reserve_ahead(SeqId(1), 1, 0, &mut slots, &mut copies)?; // step N+1, at 13
+    /// assert_eq!(kv.num_reservations(SeqId(1))?, 2);
+    /// assert_eq!(kv.context_len(SeqId(1))?, 14);
+    /// kv.commit(SeqId(1), 2)?;                    // step N: one draft rejected
+    /// kv.slots(SeqId(1), 12..13, &mut slots)?;    // step N+1's rebased slot
+    /// assert_eq!(kv.context_len(SeqId(1))?, 13);
+    /// kv.commit(SeqId(1), 1)?;
+    /// assert_eq!(kv.num_computed_tokens(SeqId(1))?, 13);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Self::reserve`]; [`Error::SequenceState`] when a reservation is outstanding
+    /// and `n` is 0. [`Error::NotOnHybrid`] on a cache of several groups. Nothing
+    /// changed on error.
+    pub fn reserve_ahead(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        lookahead: usize,
+        slots: &mut Vec<Slot>,
+        copies: &mut CopyPlan,
+    ) -> Result<()> {
+        self.one_group("reserve_ahead")?;
+        slots.clear();
+        let h = self.handle(seq)?;
+        self.reserve_at(h, n, lookahead, false, None, slots, copies, true)
+            .map(|_| ())
+    }
+
+    /// Outstanding (uncommitted) reservations of `seq`.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`].
+    pub fn num_reservations(&self, seq: SeqId) -> Result<usize> {
+        if let Some(h) = &self.hybrid {
+            return h.num_reservations(seq);
+        }
+        let s = self.seq(seq)?;
+        Ok(match s.scheduled {
+            0 => 0,
+            _ => 1 + s.later.len(),
+        })
+    }
+
+    /// Cancels every outstanding reservation of `seq` (as `commit(seq, 0)` for each):
+    /// its computed tokens stay, its reserved slots stay allocated for the next
+    /// reservation. What to call for a sequence a scheduler drops from its in-flight
+    /// steps. Returns the blocks registered (a pending duplicate settled).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped out
+    /// or has a swap in flight. Nothing changed on error.
+    pub fn cancel(&mut self, seq: SeqId) -> Result<usize> {
+        let mut registered = self.commit(seq, 0)?;
+        while self.num_reservations(seq)? > 0 {
+            registered += self.commit(seq, 0)?;
+        }
+        Ok(registered)
+    }
+
     /// [`Self::commit`] by handle.
     pub(crate) fn commit_at(&mut self, h: SeqHandle, n: usize) -> Result<usize> {
         let (seq, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
         swap::check_resident(seq, s)?;
-        if n > s.scheduled {
+        let oldest = s.oldest_scheduled();
+        if n > oldest {
             return Err(Error::CommitPastReservation {
                 seq,
                 committed: n,
-                reserved: s.scheduled,
+                reserved: oldest,
             });
         }
         let bs = self.block_size();
         let s = self.seqs.at_mut(h).ok_or(Error::StaleHandle(h))?;
         s.computed += n;
-        s.scheduled = 0;
+        // The reservations on top of it, if any, now start at the new computed count
+        // (rebased: their slots are those of the positions after it).
+        s.scheduled -= oldest;
+        s.later.pop_front();
         prefix::commit_step_ids(s, bs);
         let computed = s.computed;
         let mut registered = prefix::extend_chain_in(&mut self.prefix, bs, s);
@@ -922,8 +1067,17 @@ impl KvCache {
 
     /// The end of a reservation of `n + lookahead` tokens after the computed ones.
     pub(crate) fn reserve_target(&self, s: &Sequence, n: usize, lookahead: usize) -> Result<usize> {
-        let end = s
-            .computed
+        self.reserve_target_from(s.computed, n, lookahead)
+    }
+
+    /// The end of a reservation of `n + lookahead` tokens from position `base`.
+    pub(crate) fn reserve_target_from(
+        &self,
+        base: usize,
+        n: usize,
+        lookahead: usize,
+    ) -> Result<usize> {
+        let end = base
             .checked_add(n)
             .and_then(|e| e.checked_add(lookahead))
             .unwrap_or(usize::MAX);
@@ -991,7 +1145,7 @@ impl KvCache {
                 return Ok(registered);
             }
         }
-        self.reserve_at(h, n, lookahead, commit_now, tokens, slots, copies)
+        self.reserve_at(h, n, lookahead, commit_now, tokens, slots, copies, false)
     }
 
     /// [`Self::reserve_at`] of `n` query tokens (no lookahead) in the common case of
@@ -1018,6 +1172,7 @@ impl KvCache {
                 if !s.twin_pending
                     && s.prefix.is_none()
                     && n <= s.scheduled
+                    && !s.has_later()
                     // A window commit that gives blocks back takes the general path
                     // (`release_out_of_window` at the new computed count).
                     && window.is_none_or(|w| {
@@ -1136,8 +1291,9 @@ impl KvCache {
 
     /// The one slot-handing path: reserve `n + lookahead` slots after the computed
     /// tokens of the sequence `h` names, then commit the `n` at once when `commit_now`
-    /// (with their ids when `tokens` is given). Appends the slots to `slots` (not
-    /// cleared). Reaches the sequence by index and changes it in place (split borrows
+    /// (with their ids when `tokens` is given). With `ahead`, a sequence holding
+    /// reservations gets one more on top of them (after their query tokens, no ids:
+    /// see [`Self::reserve_ahead`]). Appends the slots to `slots` (not cleared). Reaches the sequence by index and changes it in place (split borrows
     /// of the manager's fields); only a copy-on-write takes it out of its slot, so that
     /// the release of the old block does not count this sequence among its holders.
     #[allow(clippy::too_many_arguments)]
@@ -1150,17 +1306,17 @@ impl KvCache {
         tokens: Option<&[u32]>,
         slots: &mut Vec<Slot>,
         copies: &mut CopyPlan,
+        ahead: bool,
     ) -> Result<usize> {
         let (seq, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
         swap::check_resident(seq, s)?;
-        if s.scheduled > 0 {
-            return Err(Error::SequenceState {
-                seq,
-                state: "holding an uncommitted reservation",
-                needed: "committed (commit first; commit(seq, 0) cancels)",
-            });
+        let stacked = s.scheduled > 0;
+        if stacked {
+            check_stack(seq, ahead, n, commit_now || tokens.is_some())?;
         }
-        let target = self.reserve_target(s, n, lookahead)?;
+        // The reservation's first query: after the outstanding ones' query tokens.
+        let base = s.computed + s.scheduled;
+        let target = self.reserve_target_from(base, n, lookahead)?;
         let (needed, replaced) = self.reserve_cost(s, target);
         let twin = s.twin_pending;
         if needed > 0 {
@@ -1204,13 +1360,16 @@ impl KvCache {
         push_slots(
             layout,
             &s.table,
-            s.computed..target,
+            base..target,
             slots,
             pool,
             live_token_slots,
         );
         s.num_tokens = new_len;
         match tokens {
+            // A reservation on top of others takes no ids (checked): the outstanding
+            // ones' ids stay theirs.
+            _ if stacked => {}
             Some(ids) if !commit_now => prefix::record_step_ids(prefix, windowed, s, ids, bs),
             Some(ids) => {
                 prefix::start_tracking(prefix, windowed, s, ids);
@@ -1218,10 +1377,14 @@ impl KvCache {
             }
             None => prefix::forget_step_ids(s),
         }
-        // This step's first query: the engine computes the step after this call.
+        // The oldest outstanding step's first query: the engine computes the step
+        // after this call, and a window keeps what that step reads.
         let first_query = s.computed;
         if commit_now {
             s.computed += n;
+        } else if stacked {
+            s.scheduled += n;
+            s.later.push_back(n);
         } else {
             s.scheduled = n;
         }

@@ -379,7 +379,7 @@ impl KvCache {
         let mut out = Vec::with_capacity(chosen.len());
         for v in chosen {
             for &id in &v.c.reserved {
-                self.commit(id, 0)?; // cancels the reservation
+                self.cancel(id)?; // cancels its reservations
             }
             let action = match (v.swap, self.is_hybrid()) {
                 (true, false) => PreemptAction::Swap(self.swap_out_group(&v.c.seqs)?),

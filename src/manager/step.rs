@@ -312,14 +312,58 @@ impl KvCache {
         self.reserve_step_inner(entries, Some(ids), out)
     }
 
+    /// [`Self::reserve_step`] for a step scheduled before the outstanding steps of its
+    /// sequences are committed (asynchronous scheduling, pipeline micro-batches): an
+    /// entry whose sequence holds reservations gets one more on top of them, as
+    /// [`Self::reserve_ahead`] does (its rows: positions after every outstanding query
+    /// token, context through its own query tokens); the other entries are reserved
+    /// as by [`Self::reserve_step`]. Commits take each sequence's reservations oldest
+    /// first ([`Self::commit_step`]); a commit that rejects drafts rebases the later
+    /// ones, whose slots the engine then reads again ([`Self::slots`]) or computes
+    /// from the unchanged tables.
+    ///
+    /// ```
+    /// use pagedkv::{CacheConfig, DType, KvCache, KvLayout, ModelShape, SeqId};
+    /// use pagedkv::{StepBuffers, StepEntry};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 4, num_kv_heads: 2, head_dim: 64,
+    ///                          kv_dtype: DType::F16 };
+    /// let mut kv = KvCache::new(KvLayout::new(shape, 16)?, CacheConfig::new(64))?;
+    /// kv.admit(SeqId(1), 20, &mut Vec::new())?;
+    /// let a = kv.handle(SeqId(1))?;
+    /// let (mut n, mut n1) = (StepBuffers::new(8, 64, 8), StepBuffers::new(8, 64, 8));
+    /// kv.reserve_step(&[StepEntry { seq: a, new_tokens: 1, lookahead: 0 }], &mut n)?;
+    /// kv.reserve_step_ahead(&[StepEntry { seq: a, new_tokens: 1, lookahead: 0 }], &mut n1)?;
+    /// assert_eq!((n.positions(), n1.positions()), (&[20][..], &[21][..]));
+    /// assert_eq!(n1.tables().context_lens, vec![22]);
+    /// kv.commit_step(&[(a, 1)])?; // step N
+    /// kv.commit_step(&[(a, 1)])?; // step N + 1
+    /// assert_eq!(kv.num_computed_tokens(SeqId(1))?, 22);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// Those of [`Self::reserve_step`]; [`Error::SequenceState`] for an entry of 0
+    /// query tokens whose sequence holds a reservation; [`Error::NotOnHybrid`] on a
+    /// cache of several groups. Nothing changed on error.
+    pub fn reserve_step_ahead(
+        &mut self,
+        entries: &[StepEntry],
+        out: &mut StepBuffers,
+    ) -> Result<()> {
+        self.one_group("reserve_step_ahead")?;
+        let bound = self.check_step(entries, None, out, true)?;
+        self.fill_step(entries, None, out, bound, true)
+    }
+
     fn reserve_step_inner(
         &mut self,
         entries: &[StepEntry],
         ids: Option<&[u32]>,
         out: &mut StepBuffers,
     ) -> Result<()> {
-        let bound = self.check_step(entries, ids, out)?;
-        self.fill_step(entries, ids, out, bound)
+        let bound = self.check_step(entries, ids, out, false)?;
+        self.fill_step(entries, ids, out, bound, false)
     }
 
     /// Every check of [`Self::reserve_step`] but the blocks' availability, changing
@@ -330,6 +374,7 @@ impl KvCache {
         entries: &[StepEntry],
         ids: Option<&[u32]>,
         out: &StepBuffers,
+        ahead: bool,
     ) -> Result<usize> {
         if entries.len() > out.max_seqs {
             return Err(Error::ShapeMismatch {
@@ -366,15 +411,13 @@ impl KvCache {
             let (seq, s) = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?;
             swap::check_resident(seq, s)?;
             if s.scheduled > 0 {
-                return Err(Error::SequenceState {
-                    seq,
-                    state: "holding an uncommitted reservation",
-                    needed: "committed (commit first; commit(seq, 0) cancels)",
-                });
+                super::check_stack(seq, ahead, e.new_tokens, ids.is_some())?;
             }
-            let target = self.reserve_target(s, e.new_tokens, e.lookahead)?;
+            // After the outstanding query tokens (none, unless `ahead`).
+            let base = s.computed + s.scheduled;
+            let target = self.reserve_target_from(base, e.new_tokens, e.lookahead)?;
             // A row holds the blocks of the context (lookahead slots are not read).
-            let blocks = self.layout.blocks_for_tokens(s.computed + e.new_tokens);
+            let blocks = self.layout.blocks_for_tokens(base + e.new_tokens);
             if blocks > width {
                 return Err(Error::ShapeMismatch {
                     what: "blocks of a sequence's table (StepBuffers table_width)",
@@ -396,7 +439,8 @@ impl KvCache {
         let mut exact = 0;
         for e in entries {
             let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
-            let target = self.reserve_target(s, e.new_tokens, e.lookahead)?;
+            let base = s.computed + s.scheduled;
+            let target = self.reserve_target_from(base, e.new_tokens, e.lookahead)?;
             exact += self.batch_cost(s, target, &mut let_go);
         }
         Ok(exact)
@@ -410,6 +454,7 @@ impl KvCache {
         ids: Option<&[u32]>,
         out: &mut StepBuffers,
         bound: usize,
+        ahead: bool,
     ) -> Result<()> {
         // Only when the bound does not fit is the exact count taken.
         if bound > self.num_available_blocks() {
@@ -455,6 +500,7 @@ impl KvCache {
                     step_ids,
                     &mut out.scratch,
                     &mut out.copies,
+                    ahead,
                 )?;
                 if self.table_epoch != epoch {
                     // This reservation changed an entry of its own table (a
@@ -465,7 +511,8 @@ impl KvCache {
                     .extend(out.scratch[..e.new_tokens].iter().map(|s| s.0 as i64));
             }
             let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
-            let first = s.computed;
+            // The entry's query tokens are the last ones reserved.
+            let first = s.computed + s.scheduled - e.new_tokens;
             out.positions
                 .extend((first..first + e.new_tokens).map(|p| p as i64));
             out.query_start_loc.push(out.slot_mapping.len() as u32);
@@ -508,11 +555,11 @@ impl KvCache {
         for &(h, n) in accepted {
             let (seq, s) = self.seqs.at(h).ok_or(Error::StaleHandle(h))?;
             swap::check_resident(seq, s)?;
-            if n > s.scheduled {
+            if n > s.oldest_scheduled() {
                 return Err(Error::CommitPastReservation {
                     seq,
                     committed: n,
-                    reserved: s.scheduled,
+                    reserved: s.oldest_scheduled(),
                 });
             }
             if !self.seqs.mark(h) {
@@ -670,7 +717,7 @@ impl Groups {
         }
         let mut bounds: smallvec::SmallVec<[usize; 8]> = smallvec::SmallVec::new();
         for (g, list) in per_group.iter().enumerate() {
-            bounds.push(self.group_mut(g).check_step(list, ids, &out[g])?);
+            bounds.push(self.group_mut(g).check_step(list, ids, &out[g], false)?);
         }
         // Pages per group: the bound where the arena holds every bound, else each
         // group's exact need (shared blocks counted once).
@@ -687,7 +734,8 @@ impl Groups {
         self.give_needed_pages()?;
         for (g, list) in per_group.iter().enumerate() {
             let bound = bounds[g];
-            self.group_mut(g).fill_step(list, ids, &mut out[g], bound)?;
+            self.group_mut(g)
+                .fill_step(list, ids, &mut out[g], bound, false)?;
         }
         self.note_step_usage();
         Ok(())

@@ -729,6 +729,7 @@ impl KvCache {
                     computed: old.computed,
                     scheduled: 0,
                     released: old.released,
+                    later: Default::default(),
                 },
             )?;
             saved.push((id, old));
