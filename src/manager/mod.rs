@@ -1071,6 +1071,7 @@ impl KvCache {
     }
 
     /// The end of a reservation of `n + lookahead` tokens from position `base`.
+    #[inline]
     pub(crate) fn reserve_target_from(
         &self,
         base: usize,
@@ -1111,7 +1112,11 @@ impl KvCache {
     /// The blocks a reservation up to `target` appends, and the blocks of the table
     /// it writes into (from the first uncomputed one): the one place both
     /// [`Self::reserve_cost`] and [`Self::blocks_needed_batch`] read them from.
-    fn reserve_span<'s>(&self, s: &'s Sequence, target: usize) -> (usize, &'s [BlockId]) {
+    pub(crate) fn reserve_span<'s>(
+        &self,
+        s: &'s Sequence,
+        target: usize,
+    ) -> (usize, &'s [BlockId]) {
         let first = self.layout.block_index(s.computed);
         let new_len = target.max(s.num_tokens);
         let new_blocks = self.layout.blocks_for_tokens(new_len) - s.table.len();

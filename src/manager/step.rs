@@ -368,7 +368,7 @@ impl KvCache {
 
     /// Every check of [`Self::reserve_step`] but the blocks' availability, changing
     /// nothing; returns a bound of the blocks the step takes (each sequence counted
-    /// alone: a block shared by two of the batch counts for both).
+    /// alone, every block it writes into counted as copied).
     pub(super) fn check_step(
         &mut self,
         entries: &[StepEntry],
@@ -425,7 +425,9 @@ impl KvCache {
                     got: blocks,
                 });
             }
-            bound += self.reserve_cost(s, target).0;
+            // A bound without a look at the blocks: every block written may be copied.
+            let (new_blocks, written) = self.reserve_span(s, target);
+            bound += new_blocks + written.len();
             if !self.seqs.mark(e.seq) {
                 return Err(Error::DuplicateInBatch(seq));
             }
