@@ -180,24 +180,3 @@ pub use manager::{
 #[cfg(feature = "planner")]
 pub use plan::ModelConfig;
 pub use pool::prefix::{AdmitOptions, PrefixConfig};
-
-// Transitional: files being edited on other branches while the root was cut down
-// (tests/groups.rs, src/manager/{preempt,prefix_spill,swap}.rs, src/events/,
-// src/attention/cuda.rs) still name these through the root. Hidden from the docs;
-// delete once those files use the module paths.
-#[doc(hidden)]
-pub use executor::tier::{DiskTier, TransferEngine};
-#[doc(hidden)]
-pub use export::groups::{
-    export_group_sequence, exported_group_len, import_group_sequence, GroupExportView,
-};
-#[doc(hidden)]
-pub use layout::Slot;
-#[doc(hidden)]
-pub use manager::preempt::{CostModel, PreemptAction, PreemptMode};
-#[doc(hidden)]
-pub use manager::TierStats;
-#[doc(hidden)]
-pub use pool::prefix::{BlockHash, PrefixEvent};
-#[doc(hidden)]
-pub use tables::PaddedTables;

@@ -168,7 +168,7 @@ fn bump(counter: &AtomicU64) {
 ///
 /// ```
 /// use pagedkv::events::{ZmqEventPublisher, ZmqPublisherConfig};
-/// use pagedkv::PrefixEvent;
+/// use pagedkv::pool::prefix::PrefixEvent;
 /// let config = ZmqPublisherConfig::new("tcp://127.0.0.1:0").replay("tcp://127.0.0.1:0");
 /// let mut publisher = ZmqEventPublisher::bind(config)?;
 /// // A router connects a SUB socket to this address.
