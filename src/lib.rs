@@ -82,7 +82,7 @@
 //! | `planner` | `plan`: the capacity planner, Hugging Face `config.json` reading (`plan::config`), GGUF reading (`plan::gguf`) | `serde_json` |
 //! | `prometheus` | the Prometheus text exporter of [`metrics`] | `metrics-exporter-prometheus` |
 //! | `vllm-hash` | a block hasher compatible with vLLM's `sha256_cbor` prefix hashing | `sha2` |
-//! | `testing` | what the crate's own tests, benches and examples measure against: the contiguous baseline (`baseline`), a seeded random attention stack (`attention::model`), the lane-by-lane replay of the tensor-core decode kernel (in `attention::decode_mma`) | none |
+//! | `testing` | what the crate's own tests, benches and examples measure against: the contiguous baseline (`baseline`), a seeded random attention stack (`attention::model`), the lane-by-lane replay of the tensor-core decode kernel (in `attention::decode_mma`), with `cuda` the static SASS speed model of the decode kernel (`executor::cuda::sass`) | none |
 //!
 //! The crate's tests, benches and examples turn `planner`, `prometheus` and `testing` on
 //! through a dev-dependency on the crate itself, so a plain `cargo test` sees them.
