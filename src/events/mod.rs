@@ -46,7 +46,7 @@
 #[cfg(feature = "kv-events")]
 pub mod zmq;
 #[cfg(feature = "kv-events")]
-pub use zmq::{ZmqEventPublisher, ZmqPublisherConfig, ZmqPublisherStats};
+pub use zmq::{PubMode, ZmqEventPublisher, ZmqPublisherConfig, ZmqPublisherStats};
 
 use crate::error::{Error, Result};
 use crate::manager::KvCache;
