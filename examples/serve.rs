@@ -129,6 +129,10 @@ struct Args {
     /// The topic frame of every event message (with `--kv-events`).
     #[arg(long, default_value = "", requires = "kv_events")]
     kv_events_topic: String,
+    /// The data-parallel rank (with `--kv-events`): both ports move up by it and the
+    /// batches carry it, as vLLM's publisher does.
+    #[arg(long, default_value_t = 0, requires = "kv_events")]
+    kv_events_rank: u32,
 }
 
 /// The crate's seeded generator, so the trace is the same on every machine.
@@ -1136,7 +1140,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let mut events = match &args.kv_events {
         Some(endpoint) => {
-            let mut config = ZmqPublisherConfig::new(endpoint).topic(&args.kv_events_topic);
+            let mut config = ZmqPublisherConfig::new(endpoint)
+                .topic(&args.kv_events_topic)
+                .data_parallel_rank(args.kv_events_rank);
             config.replay_endpoint = args.kv_events_replay.clone();
             Some(ZmqEventPublisher::bind(config)?)
         }

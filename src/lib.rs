@@ -82,7 +82,7 @@
 //! | `planner` | `plan`: the capacity planner, Hugging Face `config.json` reading (`plan::config`), GGUF reading (`plan::gguf`) | `serde_json` |
 //! | `prometheus` | the Prometheus text exporter of [`metrics`] | `metrics-exporter-prometheus` |
 //! | `vllm-hash` | a block hasher compatible with vLLM's `sha256_cbor` prefix hashing | `sha2` |
-//! | `testing` | what the crate's own tests, benches and examples measure against: the contiguous baseline (`baseline`), a seeded random attention stack (`attention::model`), the lane-by-lane replay of the tensor-core decode kernel (in `attention::decode_mma`) | none |
+//! | `testing` | what the crate's own tests, benches and examples measure against: the contiguous baseline (`baseline`), a seeded random attention stack (`attention::model`), the lane-by-lane replay of the tensor-core decode kernel (in `attention::decode_mma`), with `cuda` the static SASS speed model of the decode kernel (`executor::cuda::sass`) | none |
 //!
 //! The crate's tests, benches and examples turn `planner`, `prometheus` and `testing` on
 //! through a dev-dependency on the crate itself, so a plain `cargo test` sees them.
@@ -180,24 +180,3 @@ pub use manager::{
 #[cfg(feature = "planner")]
 pub use plan::ModelConfig;
 pub use pool::prefix::{AdmitOptions, PrefixConfig};
-
-// Transitional: files being edited on other branches while the root was cut down
-// (tests/groups.rs, src/manager/{preempt,prefix_spill,swap}.rs, src/events/,
-// src/attention/cuda.rs) still name these through the root. Hidden from the docs;
-// delete once those files use the module paths.
-#[doc(hidden)]
-pub use executor::tier::{DiskTier, TransferEngine};
-#[doc(hidden)]
-pub use export::groups::{
-    export_group_sequence, exported_group_len, import_group_sequence, GroupExportView,
-};
-#[doc(hidden)]
-pub use layout::Slot;
-#[doc(hidden)]
-pub use manager::preempt::{CostModel, PreemptAction, PreemptMode};
-#[doc(hidden)]
-pub use manager::TierStats;
-#[doc(hidden)]
-pub use pool::prefix::{BlockHash, PrefixEvent};
-#[doc(hidden)]
-pub use tables::PaddedTables;

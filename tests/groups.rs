@@ -22,10 +22,14 @@
 //! * swap: host blocks of the shared tier move between groups, failures
 //!   (`TierFull`, `OutOfBlocks`, state, unknown ticket) change nothing.
 
+use pagedkv::export::groups::{
+    export_group_sequence, exported_group_len, import_group_sequence, GroupExportView,
+};
+use pagedkv::layout::Slot;
+use pagedkv::manager::preempt::{CostModel, PreemptAction, PreemptMode};
 use pagedkv::{
-    AdmitOptions, BlockId, CopyPlan, CostModel, DType, Error, GroupSpec, GroupStep, HostStorage,
-    KvCache, KvKind, KvLayout, ModelShape, PreemptAction, PreemptMode, PreemptPolicy, SeqId,
-    StepBuffers, StepEntry, Storage,
+    AdmitOptions, BlockId, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage, KvCache,
+    KvKind, KvLayout, ModelShape, PreemptPolicy, SeqId, StepBuffers, StepEntry, Storage,
 };
 use proptest::prelude::*;
 
@@ -582,15 +586,14 @@ impl Model {
             Action::ExportImport(s, corrupt) => {
                 let Some(i) = pick(s, &self.seqs) else { return };
                 let id = self.seqs[i].0;
-                let len = pagedkv::exported_group_len(&self.kv, &self.store, id, false).unwrap();
+                let len = exported_group_len(&self.kv, &self.store, id, false).unwrap();
                 let mut wire = vec![0u8; len];
-                pagedkv::export_group_sequence(&self.kv, &self.store, id, None, &mut wire).unwrap();
+                export_group_sequence(&self.kv, &self.store, id, None, &mut wire).unwrap();
                 let copy = SeqId(self.next);
                 self.next += 1;
                 if let Some(at) = corrupt {
                     wire[at % len] ^= 0x20;
-                    let r =
-                        pagedkv::import_group_sequence(&mut self.kv, &mut self.store, copy, &wire);
+                    let r = import_group_sequence(&mut self.kv, &mut self.store, copy, &wire);
                     assert!(
                         matches!(r, Err(Error::Checksum { .. } | Error::ExportFormat { .. })),
                         "byte {} of {len}: {r:?}",
@@ -599,8 +602,7 @@ impl Model {
                     assert_eq!(snapshot(&self.kv), before);
                     Ok(())
                 } else {
-                    let r =
-                        pagedkv::import_group_sequence(&mut self.kv, &mut self.store, copy, &wire);
+                    let r = import_group_sequence(&mut self.kv, &mut self.store, copy, &wire);
                     if r.is_ok() {
                         let w = self.seqs[i].1.clone();
                         self.seqs.push((copy, w));
@@ -691,9 +693,9 @@ impl Model {
                                 &row_ids[..],
                                 "group {g} row {row}"
                             );
-                            let slots: Vec<pagedkv::Slot> = b.slot_mapping()[lo..hi]
+                            let slots: Vec<Slot> = b.slot_mapping()[lo..hi]
                                 .iter()
-                                .map(|&x| pagedkv::Slot(x as u64))
+                                .map(|&x| Slot(x as u64))
                                 .collect();
                             let mut kk = Vec::new();
                             let mut vv = Vec::new();
@@ -1488,7 +1490,6 @@ fn storage_bytes(store: &HostStorage, pages: usize, bs: usize, layers: usize) ->
 
 #[test]
 fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
-    use pagedkv::{export_group_sequence, exported_group_len, import_group_sequence};
     const LAYERS: usize = 2;
     const PAGES: usize = 32;
     let l = layout(4, LAYERS);
@@ -1516,7 +1517,7 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
         len
     );
     // Only held blocks carry bytes: the window group's record is shorter.
-    let view = pagedkv::GroupExportView::parse(&wire).unwrap();
+    let view = GroupExportView::parse(&wire).unwrap();
     assert_eq!(view.num_tokens(), 30);
     let held: Vec<usize> = view
         .records()
@@ -1621,7 +1622,7 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
     let mut again =
         vec![0u8; exported_group_len(&receiver, &receiver_kv, SeqId(5), false).unwrap()];
     export_group_sequence(&receiver, &receiver_kv, SeqId(5), None, &mut again).unwrap();
-    let back = pagedkv::GroupExportView::parse(&again).unwrap();
+    let back = GroupExportView::parse(&again).unwrap();
     assert_eq!(back.num_tokens(), 40);
     receiver.free(SeqId(5)).unwrap();
     receiver.free(SeqId(9)).unwrap();
@@ -1631,7 +1632,6 @@ fn a_sequence_exports_and_imports_across_groups_with_window_holes() {
 
 #[test]
 fn latent_groups_export_and_import_with_window_holes() {
-    use pagedkv::{export_group_sequence, exported_group_len, import_group_sequence};
     let kind = KvKind::Latent {
         kv_lora_rank: 6,
         rope_dim: 2,
@@ -1697,7 +1697,6 @@ fn latent_groups_export_and_import_with_window_holes() {
 
 #[test]
 fn a_storage_fault_during_a_group_import_frees_the_sequence_in_every_group() {
-    use pagedkv::{export_group_sequence, exported_group_len, import_group_sequence};
     let l = layout(4, 2);
     let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
     let mut sender = KvCache::hybrid(&specs, 16).unwrap();
@@ -1724,9 +1723,12 @@ fn a_storage_fault_during_a_group_import_frees_the_sequence_in_every_group() {
     // Through the prefix caches: the blocks registered by the failed import are
     // evicted, so no later prompt hits bytes that were never written.
     let opts = AdmitOptions::default();
-    let e = pagedkv::GroupExportView::parse(&wire)
-        .unwrap()
-        .import_into_cache(&mut receiver, &mut faulty, SeqId(2), &opts);
+    let e = GroupExportView::parse(&wire).unwrap().import_into_cache(
+        &mut receiver,
+        &mut faulty,
+        SeqId(2),
+        &opts,
+    );
     assert_eq!(e.unwrap_err(), Error::Cuda("simulated fault".into()));
     assert!(!receiver.contains(SeqId(2)));
     assert_eq!(receiver.group_stats().cached_pages, 0);
@@ -1740,7 +1742,6 @@ fn a_storage_fault_during_a_group_import_frees_the_sequence_in_every_group() {
 
 #[test]
 fn a_group_export_re_pages_to_another_block_size_when_the_holes_are_whole_blocks() {
-    use pagedkv::{export_group_sequence, exported_group_len, import_group_sequence};
     let (small, big) = (layout(4, 2), layout(8, 2));
     let sent = |tokens: usize| {
         let specs = [GroupSpec::full(small), GroupSpec::window(small, 8)];
@@ -1793,7 +1794,6 @@ fn a_group_export_re_pages_to_another_block_size_when_the_holes_are_whole_blocks
 
 #[test]
 fn a_group_export_with_token_ids_imports_through_the_prefix_caches() {
-    use pagedkv::{export_group_sequence, exported_group_len, GroupExportView};
     let l = layout(4, 2);
     let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
     let opts = AdmitOptions::default();

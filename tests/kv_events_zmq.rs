@@ -8,7 +8,8 @@ mod kv_events_common;
 use std::time::{Duration, Instant};
 
 use kv_events_common::{admit, cache, drain, prompt, wait_subscribers, Zmtp, BLOCK};
-use pagedkv::events::{VllmEventEncoder, ZmqEventPublisher, ZmqPublisherConfig};
+use pagedkv::events::zmq::offset_endpoint_port;
+use pagedkv::events::{PubMode, VllmEventEncoder, ZmqEventPublisher, ZmqPublisherConfig};
 use pagedkv::pool::prefix::PrefixEvent;
 use pagedkv::{Error, SeqId};
 
@@ -284,4 +285,107 @@ fn bad_endpoints_are_typed_errors() {
             ..
         }
     ));
+}
+
+/// A port nothing listens on now (bound, read, closed).
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[test]
+fn a_connecting_publisher_reaches_a_subscriber_that_binds_late_and_reconnects() {
+    let port = free_port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let mut config = ZmqPublisherConfig::new(&endpoint);
+    config.reconnect_min_ms = 5;
+    config.reconnect_max_ms = 20;
+    // vLLM's rule: no wildcard host, so the publisher connects.
+    assert_eq!(config.pub_mode(), PubMode::Connect);
+    let mut p = ZmqEventPublisher::start(config).unwrap();
+    assert_eq!(p.mode(), PubMode::Connect);
+    assert_eq!(p.local_addr().port(), port);
+    // Nobody listens yet: the attempts fail on the publisher's thread, not here.
+    let start = Instant::now();
+    while p.stats().connect_failures < 2 {
+        assert!(start.elapsed() < Duration::from_secs(10), "{:?}", p.stats());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let steps = steps();
+    let listener = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let mut sub = Zmtp::accept(&listener, "SUB", 1);
+    assert_eq!(sub.peer_type, "PUB");
+    sub.subscribe(b"", true);
+    wait_subscribers(&p, 1);
+    for (i, events) in steps.iter().enumerate() {
+        let ts = 1_700_000_000.0 + i as f64;
+        assert_eq!(p.publish(ts, events).unwrap(), Some(i as u64));
+        let m = sub.recv();
+        assert_eq!(m.len(), 3, "topic, sequence number, payload");
+        assert!(m[0].is_empty());
+        assert_eq!(m[1], (i as u64).to_be_bytes());
+        assert_eq!(m[2], encode(ts, events));
+    }
+    // The subscriber goes away and comes back: the publisher dials again, and the
+    // numbers go on.
+    drop(sub);
+    wait_subscribers(&p, 0);
+    let mut sub = Zmtp::accept(&listener, "SUB", 0);
+    sub.subscribe(b"", false);
+    wait_subscribers(&p, 1);
+    let n = steps.len() as u64;
+    assert_eq!(p.publish(9.0, &[PrefixEvent::AllCleared]).unwrap(), Some(n));
+    assert_eq!(sub.recv()[1], n.to_be_bytes());
+}
+
+#[test]
+fn data_parallel_rank_offsets_both_ports_and_stamps_the_batches() {
+    assert_eq!(
+        offset_endpoint_port("tcp://*:5557", 2).unwrap(),
+        "tcp://*:5559"
+    );
+    assert_eq!(
+        offset_endpoint_port("tcp://10.0.0.7:5557", 2).unwrap(),
+        "tcp://10.0.0.7:5559"
+    );
+    assert_eq!(
+        offset_endpoint_port("tcp://[::1]:5557", 2).unwrap(),
+        "tcp://[::1]:5559"
+    );
+    assert_eq!(
+        offset_endpoint_port("tcp://*:5557", 0).unwrap(),
+        "tcp://*:5557"
+    );
+    assert_eq!(offset_endpoint_port("tcp://*:0", 2).unwrap(), "tcp://*:0");
+    assert!(matches!(
+        offset_endpoint_port("tcp://*:65535", 2),
+        Err(Error::InvalidConfig {
+            field: "endpoint",
+            ..
+        })
+    ));
+    assert_eq!(PubMode::for_endpoint("tcp://*:5557"), PubMode::Bind);
+    assert_eq!(PubMode::for_endpoint("tcp://[::]:5557"), PubMode::Bind);
+    assert_eq!(PubMode::for_endpoint("tcp://router:5557"), PubMode::Connect);
+
+    // Rank 2 of a bound publisher: both sockets listen two ports up.
+    let (pub_port, replay_port) = (free_port(), free_port());
+    let config = ZmqPublisherConfig::new(format!("tcp://127.0.0.1:{}", pub_port - 2))
+        .replay(format!("tcp://127.0.0.1:{}", replay_port - 2))
+        .data_parallel_rank(2);
+    let mut p = ZmqEventPublisher::bind(config).unwrap();
+    assert_eq!(p.local_addr().port(), pub_port);
+    assert_eq!(p.replay_addr().unwrap().port(), replay_port);
+    let mut sub = Zmtp::connect(p.local_addr(), "SUB", 1);
+    sub.subscribe(b"", true);
+    wait_subscribers(&p, 1);
+    p.publish(1.0, &[PrefixEvent::AllCleared]).unwrap();
+    let m = sub.recv();
+    assert_eq!(m[1], 0u64.to_be_bytes());
+    let mut rank2 = Vec::new();
+    VllmEventEncoder::new()
+        .data_parallel_rank(Some(2))
+        .encode_batch(1.0, &[PrefixEvent::AllCleared], &mut rank2)
+        .unwrap();
+    assert_eq!(m[2], rank2, "the batch says rank 2");
 }

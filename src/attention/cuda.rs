@@ -20,7 +20,8 @@
 //! use pagedkv::attention::cuda::{CudaAttention, Tables};
 //! use pagedkv::attention::AttentionParams;
 //! use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
-//! use pagedkv::{DType, KvLayout, ModelShape, PaddedTables};
+//! use pagedkv::tables::PaddedTables;
+//! use pagedkv::{DType, KvLayout, ModelShape};
 //!
 //! let shape = ModelShape { num_layers: 1, num_q_heads: 8, num_kv_heads: 2, head_dim: 128, kv_dtype: DType::BF16 };
 //! let storage = CudaStorage::new(KvLayout::new(shape, 16)?, CudaStorageConfig::blocks(1024))?;

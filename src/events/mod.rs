@@ -26,7 +26,7 @@
 //!
 //! Integers take msgpack's shortest form (positive fixint, then `uint 8/16/32/64`, as
 //! `msgspec` writes them), strings `fixstr`/`str 8/16/32`, arrays and maps their shortest
-//! header. Block hashes are the crate's 64-bit [`crate::BlockHash`]es as unsigned
+//! header. Block hashes are the crate's 64-bit [`BlockHash`](crate::pool::prefix::BlockHash)es as unsigned
 //! integers; with `pagedkv::pool::prefix::VllmHasher` (feature `vllm-hash`) those are
 //! exactly the integers vLLM publishes for the same blocks (the digest's low 64 bits).
 //!
@@ -46,7 +46,7 @@
 #[cfg(feature = "kv-events")]
 pub mod zmq;
 #[cfg(feature = "kv-events")]
-pub use zmq::{ZmqEventPublisher, ZmqPublisherConfig, ZmqPublisherStats};
+pub use zmq::{PubMode, ZmqEventPublisher, ZmqPublisherConfig, ZmqPublisherStats};
 
 use crate::error::{Error, Result};
 use crate::manager::KvCache;
@@ -66,7 +66,7 @@ pub enum VllmEventLayout {
 ///
 /// ```
 /// use pagedkv::events::VllmEventEncoder;
-/// use pagedkv::PrefixEvent;
+/// use pagedkv::pool::prefix::PrefixEvent;
 /// let mut out = Vec::new();
 /// let n = VllmEventEncoder::new().encode_batch(1.5, &[PrefixEvent::AllCleared], &mut out)?;
 /// assert_eq!(n, 1);

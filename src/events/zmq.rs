@@ -39,9 +39,24 @@
 //! [`ZmqPublisherConfig::poll_interval_ms`] otherwise to accept connections, read
 //! subscriptions and replay requests, and send what the sockets would not take before.
 //!
-//! Differences from vLLM: the PUB socket always binds (vLLM connects when the endpoint
-//! has no wildcard, to a subscriber that binds); there is no `data_parallel_rank` port
-//! offset (start one publisher per rank on its own port).
+//! **Bind or connect** ([`PubMode`]). As in vLLM, the PUB socket either binds and
+//! routers connect to it, or connects to a router whose SUB socket binds ("bind the
+//! stable end"). [`ZmqEventPublisher::start`] chooses as vLLM does: it binds when the
+//! endpoint names a wildcard host (`tcp://*:5557`, or an address with `::` in it) and
+//! connects otherwise; [`ZmqEventPublisher::bind`] and [`ZmqEventPublisher::connect`]
+//! say which. A connecting publisher dials from its own thread with a timeout of
+//! [`ZmqPublisherConfig::connect_timeout_ms`], waits
+//! [`ZmqPublisherConfig::reconnect_min_ms`] after a failure, doubling up to
+//! [`ZmqPublisherConfig::reconnect_max_ms`], and dials again whenever the connection
+//! is lost, so a router that starts late or restarts is reached; the cache never waits
+//! for any of it. As with a bound socket, a batch goes only to a subscriber whose
+//! subscription has arrived: batches published before that are missed (ask the replay
+//! socket), which is what libzmq's PUB does too. The replay socket always binds.
+//!
+//! **Data-parallel ranks.** With [`ZmqPublisherConfig::data_parallel_rank`] `r`, both
+//! endpoints' ports are offset by `r` ([`offset_endpoint_port`], vLLM's rule, so rank 2
+//! of `tcp://*:5557` publishes on 5559) and the batches carry `r` as their
+//! `data_parallel_rank`. Unlike vLLM, port 0 (a free port) is not offset.
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};
@@ -58,14 +73,40 @@ use crate::error::{Error, Result};
 use crate::manager::KvCache;
 use crate::pool::prefix::PrefixEvent;
 
+/// How the PUB socket reaches its subscribers (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PubMode {
+    /// The PUB socket listens on the endpoint; subscribers connect to it.
+    Bind,
+    /// The PUB socket connects to a subscriber listening on the endpoint, and
+    /// reconnects when the connection is lost.
+    Connect,
+}
+
+impl PubMode {
+    /// vLLM's rule: [`PubMode::Bind`] when `endpoint` names a wildcard host (it
+    /// contains `*` or `::`), else [`PubMode::Connect`].
+    pub fn for_endpoint(endpoint: &str) -> PubMode {
+        if endpoint.contains('*') || endpoint.contains("::") {
+            PubMode::Bind
+        } else {
+            PubMode::Connect
+        }
+    }
+}
+
 /// Where and how [`ZmqEventPublisher`] publishes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ZmqPublisherConfig {
-    /// `tcp://HOST:PORT` the PUB socket binds: `*` for every interface, port 0 for a
-    /// free port ([`ZmqEventPublisher::local_addr`] tells which).
+    /// `tcp://HOST:PORT` of the PUB socket: where it binds (`*` for every interface,
+    /// port 0 for a free port, [`ZmqEventPublisher::local_addr`] tells which) or, in
+    /// [`PubMode::Connect`], the subscriber it connects to.
     pub endpoint: String,
-    /// `tcp://HOST:PORT` of the replay ROUTER socket; none by default.
+    /// `tcp://HOST:PORT` the replay ROUTER socket binds; none by default.
     pub replay_endpoint: Option<String>,
+    /// The data-parallel rank of this publisher: added to both endpoints' ports and
+    /// written into every batch (vLLM's `data_parallel_rank`; 0 by default).
+    pub data_parallel_rank: u32,
     /// The first frame of every message (vLLM's `topic`, empty by default).
     pub topic: String,
     /// Batches kept for replay (vLLM's `buffer_steps`, 10,000 by default).
@@ -80,16 +121,27 @@ pub struct ZmqPublisherConfig {
     pub poll_interval_ms: u64,
     /// How long dropping the publisher waits for queued batches to be sent, in ms.
     pub linger_ms: u64,
+    /// [`PubMode::Connect`]: how long one connection attempt may take, in ms (the
+    /// publisher thread, never the cache, waits for it).
+    pub connect_timeout_ms: u64,
+    /// [`PubMode::Connect`]: the wait after a failed attempt or a lost connection, in
+    /// ms; doubled after each failure in a row.
+    pub reconnect_min_ms: u64,
+    /// [`PubMode::Connect`]: the most the wait between attempts grows to, in ms.
+    pub reconnect_max_ms: u64,
 }
 
 impl ZmqPublisherConfig {
     /// vLLM's defaults (empty topic, 10,000 batches for replay) on `endpoint`, no
     /// replay socket; a queue of 10,000 batches, 64 MiB per subscriber, 64 connections
-    /// per socket, a 5 ms poll and 1 s linger (vLLM's shutdown timeout).
+    /// per socket, a 5 ms poll and 1 s linger (vLLM's shutdown timeout); data-parallel
+    /// rank 0; when connecting, 200 ms per attempt and 100 ms to 5 s between attempts
+    /// (libzmq's reconnect interval to start with).
     pub fn new(endpoint: impl Into<String>) -> Self {
         ZmqPublisherConfig {
             endpoint: endpoint.into(),
             replay_endpoint: None,
+            data_parallel_rank: 0,
             topic: String::new(),
             replay_buffer_batches: 10_000,
             queue_batches: 10_000,
@@ -97,7 +149,22 @@ impl ZmqPublisherConfig {
             max_peers: 64,
             poll_interval_ms: 5,
             linger_ms: 1_000,
+            connect_timeout_ms: 200,
+            reconnect_min_ms: 100,
+            reconnect_max_ms: 5_000,
         }
+    }
+
+    /// Sets the `data_parallel_rank` field: both ports offset by `rank`, and `rank` in
+    /// every batch.
+    pub fn data_parallel_rank(mut self, rank: u32) -> Self {
+        self.data_parallel_rank = rank;
+        self
+    }
+
+    /// The PUB socket's mode by vLLM's rule ([`PubMode::for_endpoint`]).
+    pub fn pub_mode(&self) -> PubMode {
+        PubMode::for_endpoint(&self.endpoint)
     }
 
     /// The replay ROUTER socket's endpoint.
@@ -119,6 +186,8 @@ impl ZmqPublisherConfig {
             ("peer_queue_bytes", self.peer_queue_bytes as u64),
             ("max_peers", self.max_peers as u64),
             ("poll_interval_ms", self.poll_interval_ms),
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("reconnect_min_ms", self.reconnect_min_ms),
         ];
         for (field, value) in positive {
             if value == 0 {
@@ -128,8 +197,47 @@ impl ZmqPublisherConfig {
                 });
             }
         }
+        if self.reconnect_max_ms < self.reconnect_min_ms {
+            return Err(Error::InvalidConfig {
+                field: "reconnect_max_ms",
+                reason: format!(
+                    "{} is less than reconnect_min_ms ({})",
+                    self.reconnect_max_ms, self.reconnect_min_ms
+                ),
+            });
+        }
         Ok(())
     }
+}
+
+/// `endpoint` with its port offset by `data_parallel_rank`, as vLLM's publisher offsets
+/// both of its endpoints: `tcp://*:5557` for rank 2 is `tcp://*:5559`. Rank 0, and port
+/// 0 (a free port, so every rank gets its own anyway), leave the endpoint as it is.
+///
+/// ```
+/// use pagedkv::events::zmq::offset_endpoint_port;
+/// assert_eq!(offset_endpoint_port("tcp://*:5557", 2)?, "tcp://*:5559");
+/// assert_eq!(offset_endpoint_port("tcp://[::1]:5557", 0)?, "tcp://[::1]:5557");
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::InvalidConfig`] (field `endpoint`) when `endpoint` is not
+/// `tcp://HOST:PORT` or the offset port is past 65535.
+pub fn offset_endpoint_port(endpoint: &str, data_parallel_rank: u32) -> Result<String> {
+    offset_port("endpoint", endpoint, data_parallel_rank)
+}
+
+fn offset_port(field: &'static str, endpoint: &str, rank: u32) -> Result<String> {
+    let (host, port) = parse_tcp(field, endpoint)?;
+    if rank == 0 || port == 0 {
+        return Ok(endpoint.to_string());
+    }
+    let port = u16::try_from(u32::from(port) + rank).map_err(|_| Error::InvalidConfig {
+        field,
+        reason: format!("{endpoint:?}: the port plus data-parallel rank {rank} is past 65535"),
+    })?;
+    Ok(format!("tcp://{host}:{port}"))
 }
 
 /// Counters of a [`ZmqEventPublisher`] ([`ZmqEventPublisher::stats`]).
@@ -149,6 +257,9 @@ pub struct ZmqPublisherStats {
     /// Connections closed for a bad handshake or frame, a wrong socket type, or over
     /// [`ZmqPublisherConfig::max_peers`].
     pub peers_refused: u64,
+    /// [`PubMode::Connect`]: connection attempts that failed (refused, unreachable or
+    /// timed out).
+    pub connect_failures: u64,
 }
 
 #[derive(Debug, Default)]
@@ -158,6 +269,7 @@ struct Counters {
     subscribers: AtomicU64,
     replay_requests: AtomicU64,
     peers_refused: AtomicU64,
+    connect_failures: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -168,7 +280,7 @@ fn bump(counter: &AtomicU64) {
 ///
 /// ```
 /// use pagedkv::events::{ZmqEventPublisher, ZmqPublisherConfig};
-/// use pagedkv::PrefixEvent;
+/// use pagedkv::pool::prefix::PrefixEvent;
 /// let config = ZmqPublisherConfig::new("tcp://127.0.0.1:0").replay("tcp://127.0.0.1:0");
 /// let mut publisher = ZmqEventPublisher::bind(config)?;
 /// // A router connects a SUB socket to this address.
@@ -188,29 +300,75 @@ pub struct ZmqEventPublisher {
     drained: Vec<PrefixEvent>,
     local_addr: SocketAddr,
     replay_addr: Option<SocketAddr>,
+    mode: PubMode,
 }
 
 impl ZmqEventPublisher {
     /// Binds the sockets and starts the publisher thread; events are encoded by
-    /// [`VllmEventEncoder::new`] (tagged maps, data-parallel rank 0).
+    /// [`VllmEventEncoder::new`] (tagged maps) with the config's data-parallel rank.
+    /// The endpoints' ports are offset by that rank ([`offset_endpoint_port`]).
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for an endpoint that is not `tcp://HOST:PORT` or a
-    /// zero limit; [`Error::Io`] when a socket cannot be bound or the thread started.
+    /// [`Error::InvalidConfig`] for an endpoint that is not `tcp://HOST:PORT` (or whose
+    /// offset port is past 65535) or a zero limit; [`Error::Io`] when a socket cannot be
+    /// bound or the thread started.
     pub fn bind(config: ZmqPublisherConfig) -> Result<Self> {
+        Self::open(config, PubMode::Bind)
+    }
+
+    /// Binds the replay socket, if any, and starts the publisher thread, which connects
+    /// the PUB socket to a subscriber listening on the endpoint (offset by the rank)
+    /// and reconnects whenever the connection is lost (see the module docs). Returns at
+    /// once: nothing waits for the subscriber.
+    ///
+    /// # Errors
+    /// As [`Self::bind`]; [`Error::InvalidConfig`] also when the endpoint's host does
+    /// not resolve. An unreachable subscriber is not an error: the thread keeps trying
+    /// and counts [`ZmqPublisherStats::connect_failures`].
+    pub fn connect(config: ZmqPublisherConfig) -> Result<Self> {
+        Self::open(config, PubMode::Connect)
+    }
+
+    /// [`Self::bind`] or [`Self::connect`] as vLLM chooses
+    /// ([`ZmqPublisherConfig::pub_mode`]): binds on a wildcard host, connects otherwise.
+    ///
+    /// # Errors
+    /// As [`Self::bind`] and [`Self::connect`].
+    pub fn start(config: ZmqPublisherConfig) -> Result<Self> {
+        let mode = config.pub_mode();
+        Self::open(config, mode)
+    }
+
+    fn open(mut config: ZmqPublisherConfig, mode: PubMode) -> Result<Self> {
         config.validate()?;
-        let publish = listen("endpoint", &config.endpoint)?;
+        let rank = config.data_parallel_rank;
+        config.endpoint = offset_port("endpoint", &config.endpoint, rank)?;
+        if let Some(e) = &config.replay_endpoint {
+            config.replay_endpoint = Some(offset_port("replay_endpoint", e, rank)?);
+        }
+        let (publish, dialer, local_addr) = match mode {
+            PubMode::Bind => {
+                let listener = listen("endpoint", &config.endpoint)?;
+                let addr = bound_addr(&listener)?;
+                (Some(listener), None, addr)
+            }
+            PubMode::Connect => {
+                let dialer = Dialer::new(&config)?;
+                let addr = dialer.addrs[0];
+                (None, Some(dialer), addr)
+            }
+        };
         let replay = match &config.replay_endpoint {
             Some(e) => Some(listen("replay_endpoint", e)?),
             None => None,
         };
         let replay_addr = replay.as_ref().map(bound_addr).transpose()?;
-        let local_addr = bound_addr(&publish)?;
         let (tx, rx) = crossbeam_channel::bounded(config.queue_batches);
         let counters = Arc::new(Counters::default());
         let worker = Worker {
             rx,
-            listeners: [Some(publish), replay],
+            listeners: [publish, replay],
+            dialer,
             peers: Vec::new(),
             buffer: VecDeque::new(),
             topic: config.topic.as_bytes().to_vec(),
@@ -226,22 +384,30 @@ impl ZmqEventPublisher {
             thread: Some(thread),
             counters,
             next_seq: 0,
-            encoder: VllmEventEncoder::new(),
+            encoder: VllmEventEncoder::new().data_parallel_rank(Some(rank)),
             drained: Vec::new(),
             local_addr,
             replay_addr,
+            mode,
         })
     }
 
-    /// Encodes batches with `encoder` instead (another layout or data-parallel rank).
+    /// Encodes batches with `encoder` instead (another layout or data-parallel rank;
+    /// it replaces the config's rank in the batches, not in the ports).
     pub fn with_encoder(mut self, encoder: VllmEventEncoder) -> Self {
         self.encoder = encoder;
         self
     }
 
-    /// The address the PUB socket is bound to.
+    /// The PUB socket's address: where it is bound, or in [`PubMode::Connect`] the
+    /// subscriber's address it connects to (the first the endpoint resolved to).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Whether the PUB socket binds or connects.
+    pub fn mode(&self) -> PubMode {
+        self.mode
     }
 
     /// The address the replay socket is bound to, if there is one.
@@ -320,6 +486,7 @@ impl ZmqEventPublisher {
             subscribers: c.subscribers.load(Ordering::Relaxed),
             replay_requests: c.replay_requests.load(Ordering::Relaxed),
             peers_refused: c.peers_refused.load(Ordering::Relaxed),
+            connect_failures: c.connect_failures.load(Ordering::Relaxed),
         }
     }
 }
@@ -336,7 +503,8 @@ impl Drop for ZmqEventPublisher {
     }
 }
 
-fn listen(field: &'static str, endpoint: &str) -> Result<TcpListener> {
+/// `tcp://HOST:PORT` split into `HOST` (as written) and the port.
+fn parse_tcp<'a>(field: &'static str, endpoint: &'a str) -> Result<(&'a str, u16)> {
     let invalid = |reason: &str| Error::InvalidConfig {
         field,
         reason: format!("{endpoint:?}: {reason}"),
@@ -348,14 +516,32 @@ fn listen(field: &'static str, endpoint: &str) -> Result<TcpListener> {
     let port: u16 = port
         .parse()
         .map_err(|_| invalid("the port is not a number"))?;
+    Ok((host, port))
+}
+
+/// The addresses `endpoint` resolves to (`*` is every IPv4 interface).
+fn resolve(field: &'static str, endpoint: &str) -> Result<Vec<SocketAddr>> {
+    let (host, port) = parse_tcp(field, endpoint)?;
     let host = match host {
         "*" => "0.0.0.0",
         h => h.trim_start_matches('[').trim_end_matches(']'),
     };
+    let invalid = |reason: String| Error::InvalidConfig {
+        field,
+        reason: format!("{endpoint:?}: {reason}"),
+    };
     let addrs: Vec<SocketAddr> = (host, port)
         .to_socket_addrs()
-        .map_err(|e| invalid(&e.to_string()))?
+        .map_err(|e| invalid(e.to_string()))?
         .collect();
+    if addrs.is_empty() {
+        return Err(invalid("the host resolves to no address".into()));
+    }
+    Ok(addrs)
+}
+
+fn listen(field: &'static str, endpoint: &str) -> Result<TcpListener> {
+    let addrs = resolve(field, endpoint)?;
     let listener =
         TcpListener::bind(&addrs[..]).map_err(|e| Error::Io(format!("binding {endpoint}: {e}")))?;
     listener
@@ -366,6 +552,49 @@ fn listen(field: &'static str, endpoint: &str) -> Result<TcpListener> {
 
 fn bound_addr(listener: &TcpListener) -> Result<SocketAddr> {
     listener.local_addr().map_err(|e| Error::Io(e.to_string()))
+}
+
+/// The connecting side of [`PubMode::Connect`]: where to dial and when next.
+struct Dialer {
+    addrs: Vec<SocketAddr>,
+    timeout: Duration,
+    min_wait: Duration,
+    max_wait: Duration,
+    /// The wait after the next failure; back to `min_wait` once a handshake completes.
+    wait: Duration,
+    next_attempt: Instant,
+    /// A connection of ours is among the peers.
+    connected: bool,
+}
+
+impl Dialer {
+    fn new(config: &ZmqPublisherConfig) -> Result<Self> {
+        let min_wait = Duration::from_millis(config.reconnect_min_ms);
+        Ok(Dialer {
+            addrs: resolve("endpoint", &config.endpoint)?,
+            timeout: Duration::from_millis(config.connect_timeout_ms),
+            min_wait,
+            max_wait: Duration::from_millis(config.reconnect_max_ms),
+            wait: min_wait,
+            next_attempt: Instant::now(),
+            connected: false,
+        })
+    }
+
+    /// One attempt on each address in turn; a connected, non-blocking stream or `None`.
+    fn dial(&self) -> Option<TcpStream> {
+        self.addrs.iter().find_map(|addr| {
+            let stream = TcpStream::connect_timeout(addr, self.timeout).ok()?;
+            let ready = stream.set_nonblocking(true).is_ok() && stream.set_nodelay(true).is_ok();
+            ready.then_some(stream)
+        })
+    }
+
+    /// Schedules the next attempt after the current wait, and doubles the wait.
+    fn back_off(&mut self) {
+        self.next_attempt = Instant::now() + self.wait;
+        self.wait = (self.wait * 2).min(self.max_wait);
+    }
 }
 
 // ---- ZMTP 3.1 (rfc.zeromq.org/spec/37) ----------------------------------------------
@@ -498,6 +727,8 @@ struct Peer {
     subscriptions: Vec<Vec<u8>>,
     /// Closed by the peer or by us: dropped after this round.
     closed: bool,
+    /// We connected to it ([`PubMode::Connect`]) rather than accepted it.
+    dialed: bool,
 }
 
 impl Peer {
@@ -513,6 +744,7 @@ impl Peer {
             out_bytes: 0,
             subscriptions: Vec::new(),
             closed: false,
+            dialed: false,
         };
         // NULL security: each side sends its greeting and READY without waiting.
         peer.push(greeting().to_vec().into());
@@ -733,8 +965,10 @@ struct Shared<'a> {
 
 struct Worker {
     rx: Receiver<(u64, Arc<[u8]>)>,
-    /// The PUB listener and the replay listener.
+    /// The PUB listener (none in [`PubMode::Connect`]) and the replay listener.
     listeners: [Option<TcpListener>; 2],
+    /// The PUB socket's connection in [`PubMode::Connect`].
+    dialer: Option<Dialer>,
     peers: Vec<Peer>,
     buffer: VecDeque<(u64, Arc<[u8]>)>,
     topic: Vec<u8>,
@@ -761,6 +995,10 @@ impl Worker {
                 }
             } else {
                 std::thread::sleep(poll);
+            }
+            if linger_until.is_none() {
+                // Lingering, nothing is queued for a subscriber not yet connected.
+                self.dial();
             }
             self.accept();
             self.service();
@@ -801,6 +1039,29 @@ impl Worker {
         self.buffer.push_back((seq, payload));
     }
 
+    /// In [`PubMode::Connect`], connects when there is no connection and the wait
+    /// after the last failure is over.
+    fn dial(&mut self) {
+        let Some(dialer) = &mut self.dialer else {
+            return;
+        };
+        if dialer.connected || Instant::now() < dialer.next_attempt {
+            return;
+        }
+        match dialer.dial() {
+            Some(stream) => {
+                let mut peer = Peer::new(stream, Role::Publish);
+                peer.dialed = true;
+                self.peers.push(peer);
+                dialer.connected = true;
+            }
+            None => {
+                bump(&self.counters.connect_failures);
+                dialer.back_off();
+            }
+        }
+    }
+
     fn accept(&mut self) {
         for (listener, role) in self.listeners.iter().zip([Role::Publish, Role::Replay]) {
             let Some(listener) = listener else { continue };
@@ -834,6 +1095,18 @@ impl Worker {
             }
             if !peer.closed && peer.flush().is_err() {
                 peer.closed = true;
+            }
+        }
+        if let Some(dialer) = &mut self.dialer {
+            match self.peers.iter().find(|p| p.dialed) {
+                Some(p) if p.closed => {
+                    // Lost (or refused by the peer): dial again after the wait, which
+                    // keeps doubling while no handshake completes.
+                    dialer.connected = false;
+                    dialer.back_off();
+                }
+                Some(p) if p.handshake == Handshake::Open => dialer.wait = dialer.min_wait,
+                _ => {}
             }
         }
         self.peers.retain(|p| !p.closed);

@@ -22,8 +22,9 @@
 //! # Engine loop (overload)
 //!
 //! ```
-//! use pagedkv::{CacheConfig, CopyPlan, CostModel, DType, Error, HostStorage, KvCache,
-//!               KvLayout, ModelShape, PreemptAction, PreemptPolicy, SeqId, Storage, TierConfig};
+//! use pagedkv::manager::preempt::{CostModel, PreemptAction};
+//! use pagedkv::{CacheConfig, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout,
+//!               ModelShape, PreemptPolicy, SeqId, Storage, TierConfig};
 //!
 //! let shape = ModelShape { num_layers: 2, num_q_heads: 4, num_kv_heads: 2, head_dim: 8,
 //!                          kv_dtype: DType::F16 };

@@ -17,7 +17,7 @@
 //! (so every spilled block's parent is spilled too, or stays on the device) and the
 //! rest is evicted; [`PrefixSpill`] says how many of each. Spilled blocks hold host
 //! blocks until they are restored or dropped ([`KvCache::drop_spilled_prefixes`]),
-//! and count in [`crate::TierStats::host_used_blocks`]. A hit is only served from the
+//! and count in [`crate::manager::TierStats::host_used_blocks`]. A hit is only served from the
 //! device: lookups do not see spilled blocks until they are restored.
 
 use std::collections::HashSet;

@@ -19,7 +19,7 @@
 //!   or disk slots ([`TierBlock`]). Append, fork, truncate and batch views are refused;
 //!   free releases its tier blocks.
 //! * **swapping in**: the sequence has new device blocks whose data is still arriving
-//!   (ask [`crate::TransferEngine::is_layer_ready`] per layer) and keeps its host
+//!   (ask [`crate::executor::tier::TransferEngine::is_layer_ready`] per layer) and keeps its host
 //!   references until completion. Mutations are refused as while swapping out.
 //!
 //! # Shared blocks
@@ -59,13 +59,13 @@ pub struct TierConfig {
     /// [`Error::TierFull`]). Must match the storage's [`crate::Storage::num_host_blocks`]:
     /// [`TierConfig::for_storage`] takes it from there.
     pub num_host_blocks: usize,
-    /// Slots in the disk tier (0: no disk tier). Must match the [`crate::DiskTier`] passed to
+    /// Slots in the disk tier (0: no disk tier). Must match the [`crate::executor::tier::DiskTier`] passed to
     /// [`crate::executor::spill_to_disk`].
     pub num_disk_slots: usize,
 }
 
 /// A swap the manager has planned: execute `plan` (one [`crate::Storage::swap`] or a
-/// [`crate::TransferEngine`]), then call [`KvCache::complete_swap`] with
+/// [`crate::executor::tier::TransferEngine`]), then call [`KvCache::complete_swap`] with
 /// `ticket`, or [`KvCache::abort_swap`] when the transfer failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SwapJob {
@@ -643,7 +643,7 @@ impl KvCache {
     /// each distinct host block (consecutive where the arena has a run), gives the
     /// sequences their new tables and returns the plan. The sequences are "swapping
     /// in" until [`Self::complete_swap`]; their host blocks stay held until then.
-    /// Order the engine's work by layer with [`crate::TransferEngine::is_layer_ready`].
+    /// Order the engine's work by layer with [`crate::executor::tier::TransferEngine::is_layer_ready`].
     ///
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when a sequence is not

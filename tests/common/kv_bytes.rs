@@ -5,7 +5,8 @@
 
 #![allow(dead_code)] // each test binary uses its own part
 
-use pagedkv::{BlockId, KvLayout, Slot, Storage};
+use pagedkv::layout::Slot;
+use pagedkv::{BlockId, KvLayout, Storage};
 
 /// Bytes of one token's K (or V) in one layer.
 pub fn row_bytes(l: &KvLayout) -> usize {

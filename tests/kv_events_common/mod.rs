@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use pagedkv::events::ZmqEventPublisher;
@@ -26,7 +26,31 @@ pub struct Zmtp {
 impl Zmtp {
     /// Connects and does the NULL handshake, announcing ZMTP `minor` (0 or 1).
     pub fn connect(addr: SocketAddr, socket_type: &str, minor: u8) -> Zmtp {
-        let mut stream = TcpStream::connect_timeout(&addr, TIMEOUT).unwrap();
+        let stream = TcpStream::connect_timeout(&addr, TIMEOUT).unwrap();
+        Zmtp::handshake(stream, socket_type, minor)
+    }
+
+    /// Accepts one connection on `listener` (a socket that binds, as a router's SUB
+    /// may) and does the NULL handshake as [`Zmtp::connect`] does: in ZMTP both ends
+    /// of a NULL handshake say the same.
+    pub fn accept(listener: &TcpListener, socket_type: &str, minor: u8) -> Zmtp {
+        listener.set_nonblocking(true).unwrap();
+        let start = Instant::now();
+        let stream = loop {
+            match listener.accept() {
+                Ok((stream, _)) => break stream,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    assert!(start.elapsed() < TIMEOUT, "no connection to accept");
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => panic!("accept: {e}"),
+            }
+        };
+        stream.set_nonblocking(false).unwrap();
+        Zmtp::handshake(stream, socket_type, minor)
+    }
+
+    fn handshake(mut stream: TcpStream, socket_type: &str, minor: u8) -> Zmtp {
         stream.set_read_timeout(Some(TIMEOUT)).unwrap();
         let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 0, 0x7f, 3, minor];
         greeting.extend_from_slice(b"NULL");
