@@ -15,8 +15,9 @@ mod kv_bytes;
 
 use std::collections::{BTreeMap, VecDeque};
 
+use pagedkv::layout::Slot;
 use pagedkv::{
-    CopyPlan, DType, Error, GroupSpec, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Slot,
+    CopyPlan, DType, Error, GroupSpec, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
     StepBuffers, StepEntry, Storage,
 };
 use proptest::prelude::*;
