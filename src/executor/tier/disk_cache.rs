@@ -998,8 +998,8 @@ impl DiskPrefixStore {
     /// # Errors
     /// [`Error::ShapeMismatch`] when `out` is not one block; [`Error::Io`] when the
     /// read fails (the entry stays); [`Error::Checksum`] when the bytes differ from
-    /// what was stored: the entry is then removed (a miss from then on) and `out` is
-    /// zeroed, so wrong K/V never leave the store.
+    /// what was stored: the entry is then removed (a miss from then on). `out` is
+    /// zeroed after either, so wrong K/V never leave the store.
     pub fn load(&mut self, hash: BlockHash, out: &mut [u8]) -> Result<bool> {
         if out.len() != self.slots.block_bytes() {
             return Err(Error::ShapeMismatch {
@@ -1015,7 +1015,10 @@ impl DiskPrefixStore {
         let expected = self.by_slot[slot as usize]
             .as_ref()
             .map_or(0, |l| l.checksum);
-        self.slots.read(DiskSlot(slot), out)?;
+        if let Err(e) = self.slots.read(DiskSlot(slot), out) {
+            out.fill(0);
+            return Err(e);
+        }
         let got = xxh64(out, 0);
         if got != expected {
             out.fill(0);
