@@ -136,6 +136,8 @@ fn stores_survive_a_reopen_byte_exact() {
         ),
         (10, 0, 0)
     );
+    assert_eq!(s.stats().journal_records, 10);
+    assert_eq!(s.stats().journal_bytes, journal_len(&dir.0) as u64);
     assert_eq!(rec.live_entries, 10);
     let hashes: Vec<BlockHash> = (1..=12).map(BlockHash).collect();
     assert_eq!(s.chain_len(&hashes), 10);
@@ -231,7 +233,8 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
     ));
     assert!(s.is_empty());
     assert_eq!(s.stats().journal_records, 0);
-    let mut empty = DiskPrefixStore::create(&TempDir::new().0, &layout(), 0).unwrap();
+    let empty_dir = TempDir::new();
+    let mut empty = DiskPrefixStore::create(&empty_dir.0, &layout(), 0).unwrap();
     assert!(matches!(
         empty.store(&entry(1, None), &bytes(1)),
         Err(Error::TierFull {
@@ -240,7 +243,6 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
             free: 0
         })
     ));
-    let _ = std::fs::remove_dir_all(empty.dir());
 }
 
 /// Stores three blocks; returns where each journal record starts, and the journal's

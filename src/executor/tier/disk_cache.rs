@@ -608,8 +608,8 @@ impl DiskPrefixStore {
             .map_err(|e| io_err("open", &journal_path, e))?;
         let mut store = Self::empty(dir, layout, slots, journal, capacity);
         let (end, mut recovery) = store.replay(&bytes)?;
-        store.finish_free_list();
         store.journal_len = end as u64;
+        store.finish_free_list();
         recovery.dropped_tail_bytes = (bytes.len() - end) as u64;
         recovery.live_entries = store.by_hash.len();
         store.recovery = recovery;
