@@ -544,7 +544,10 @@ impl DiskPrefixStore {
     ///
     /// # Errors
     /// [`Error::Io`] when a file cannot be made; [`Error::InvalidConfig`] for a
-    /// capacity past the `u32` slot ids or a file size that overflows.
+    /// capacity past the `u32` slot ids or a file size that overflows (checked before
+    /// any file is touched). An I/O failure part way leaves the directory's old store
+    /// damaged but never misread: its journal is replaced last (atomically), and an old
+    /// journal over a truncated data file fails every checksum or the size check.
     pub fn create(dir: &Path, layout: &KvLayout, capacity_blocks: usize) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(|e| io_err("create", dir, e))?;
         let data_path = dir.join(DATA_FILE);
