@@ -809,3 +809,39 @@ fn throughput_against_plain_file_io() {
         open_s * 1e6 / entries as f64
     );
 }
+
+/// An eviction announced as the manager will: a removal from medium `Disk`, which goes
+/// on vLLM's wire as `"DISK"` (the name NVIDIA Dynamo's router reads as its disk tier)
+/// and is not merged with a removal from another tier.
+#[test]
+fn an_eviction_goes_on_the_wire_as_a_disk_removal() {
+    use pagedkv::events::VllmEventEncoder;
+    use pagedkv::pool::prefix::{Medium, PrefixEvent};
+    let dir = TempDir::new();
+    let mut s = DiskPrefixStore::create(&dir.0, &layout(), 1).unwrap();
+    let _ = s.store(&entry(1, None), &bytes(1)).unwrap();
+    let (slot, evicted) = stored(s.store(&entry(2, None), &bytes(2)).unwrap());
+    let gone = evicted.unwrap();
+    assert_eq!((gone.hash, gone.slot.0, slot), (BlockHash(1), 0, 0));
+    let events = [
+        PrefixEvent::BlockRemoved {
+            hash: BlockHash(9),
+            block: BlockId(3),
+            medium: Medium::Host,
+        },
+        PrefixEvent::BlockRemoved {
+            hash: gone.hash,
+            block: BlockId(gone.slot.0),
+            medium: Medium::Disk,
+        },
+    ];
+    let mut out = Vec::new();
+    assert_eq!(
+        VllmEventEncoder::new()
+            .encode_batch(1.0, &events, &mut out)
+            .unwrap(),
+        2
+    );
+    let disk = [0xa4, b'D', b'I', b'S', b'K'];
+    assert_eq!(out.windows(5).filter(|w| *w == disk).count(), 1);
+}
