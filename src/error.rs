@@ -180,6 +180,18 @@ pub enum Error {
         /// Checksum of the bytes read.
         got: u64,
     },
+    /// A disk-tier directory holds files this build does not read: a wrong magic,
+    /// format version or header checksum, or a data file shorter than its journal
+    /// says. (A header written for another KV layout is [`Error::ShapeMismatch`].)
+    #[error("disk tier format: {what}: expected {expected:#x}, got {got:#x}")]
+    DiskFormat {
+        /// The field at fault.
+        what: &'static str,
+        /// The value this build expects.
+        expected: u64,
+        /// The value found on disk.
+        got: u64,
+    },
     /// The arena cannot shrink to `requested` blocks: every live and cached block must
     /// stay, and together they need more.
     #[error("cannot shrink the arena to {requested} blocks: {live} live and {cached} cached blocks must stay")]

@@ -33,7 +33,11 @@
 //! Consecutive `BlockStored` events of one chain (each the parent of the next, same tier)
 //! become one wire event with several hashes and the concatenated token ids, as vLLM
 //! sends a request's new blocks; consecutive `BlockRemoved` of one tier become one. The
-//! tier names are vLLM's: `"GPU"` for [`Medium::Device`], `"CPU"` for [`Medium::Host`].
+//! tier names are vLLM's: `"GPU"` for [`Medium::Device`], `"CPU"` for [`Medium::Host`];
+//! `"DISK"` for [`Medium::Disk`] is not confirmed as a vLLM name (its offloading
+//! mediums found are `"GPU"` and `"CPU"`) but is the one NVIDIA Dynamo's KV router reads as its disk tier
+//! (`dynamo-kv-router` 1.6.1, `StorageTier::from_kv_medium`, which also accepts
+//! `"CPU_TIER2"`, `"NVME"` and `"STORAGE"`, and writes `"DISK"`).
 //!
 //! With feature `kv-events`, `ZmqEventPublisher` sends the batches on vLLM's ZMQ wire
 //! (a PUB socket and a replay ROUTER socket, module `zmq`), so a router subscribes to a
@@ -232,6 +236,7 @@ fn medium_name(m: Medium) -> &'static str {
     match m {
         Medium::Device => "GPU",
         Medium::Host => "CPU",
+        Medium::Disk => "DISK",
     }
 }
 

@@ -5,14 +5,20 @@
 //! | device arena | resident sequences | — |
 //! | host tier | swapped-out sequences (a second [`crate::pool::BlockPool`] in the manager), spilled prefix-cache blocks | [`crate::SwapPlan`]s, executed by a [`crate::Storage`] directly or by a [`TransferEngine`] on a worker thread |
 //! | disk tier | host-tier blocks spilled to one preallocated file ([`DiskTier`]) | [`crate::executor::spill_to_disk`] / [`crate::executor::restore_from_disk`] (plans of the manager, executed here), checksummed |
+//! | disk level of the prefix cache | cached blocks in a tier directory whose journaled index survives a restart ([`DiskPrefixStore`]) | [`DiskPrefixStore::store_from`] / [`DiskPrefixStore::load_into`] (host-tier block to slot and back), checksummed |
 //!
 //! The manager keeps the bookkeeping of every tier (which block of which tier holds
 //! what, refcounts); this module holds the parts that touch memory or files.
 
 mod disk;
+mod disk_cache;
 mod engine;
 mod prefix;
 
 pub use disk::{DiskTier, DISK_SLOT_ALIGN};
+pub use disk_cache::{
+    DiskCacheStats, DiskEntry, DiskEviction, DiskPrefixStore, DiskRecovery, DiskStoreOutcome,
+    DISK_CACHE_FORMAT_VERSION, MAX_DISK_KEY_BYTES,
+};
 pub use engine::{TransferEngine, TransferEvent};
 pub use prefix::{restore_spilled_prefixes, spill_cached_prefixes};

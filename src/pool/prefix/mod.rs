@@ -151,6 +151,10 @@ pub enum Medium {
     /// ([`crate::KvCache::plan_prefix_spill`]) until they are restored. A hit
     /// is only served from the device: restore first.
     Host,
+    /// The disk tier: cached blocks kept in a [`crate::executor::tier::DiskPrefixStore`]
+    /// (the `block` of their events is the disk slot). Like the host tier, a hit is
+    /// served from the device only, after the block is brought back.
+    Disk,
 }
 
 /// A change to the set of cached blocks, for an external (KV-aware) router.
