@@ -1587,6 +1587,7 @@ impl KvCache {
             cached_blocks: end - keep,
             new_blocks: 0,
             registered_blocks: 0,
+            loading_tokens: 0,
         })
     }
 

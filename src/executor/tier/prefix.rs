@@ -69,3 +69,57 @@ pub fn restore_spilled_prefixes<S: Storage + ?Sized>(
     }
     pending.commit()
 }
+
+/// Stores up to `max_blocks` device blocks into the host level of the prefix cache
+/// (by the manager's [`crate::manager::HostStorePolicy`]) and runs the copies on
+/// `storage` at once: [`KvCache::plan_host_store`], [`Storage::swap`],
+/// [`KvCache::complete_swap`]. Returns the blocks stored (0 when there was nothing to
+/// store or no room). An engine that overlaps the copies with compute submits the job
+/// to a [`crate::TransferEngine`] instead.
+///
+/// # Errors
+/// [`crate::Error::InvalidConfig`] / [`crate::Error::ShapeMismatch`] for a storage
+/// that does not hold the manager's arena; [`crate::Error::NotOnHybrid`]; the
+/// storage's swap errors, after which the store is aborted (nothing changed in the
+/// manager but host entries evicted to make room).
+pub fn store_prefixes_to_host<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &mut S,
+    max_blocks: usize,
+) -> Result<usize> {
+    check_storage(kv, storage)?;
+    let Some(job) = kv.plan_host_store(max_blocks)? else {
+        return Ok(0);
+    };
+    if let Err(e) = storage.swap(&job.plan) {
+        kv.abort_swap(job.ticket)?;
+        return Err(e);
+    }
+    kv.complete_swap(job.ticket)?;
+    Ok(job.plan.len())
+}
+
+/// Runs the load of `seq` (admitted from a host-level hit, see
+/// [`KvCache::load_job`]) on `storage` and completes it: the loaded tokens count as
+/// computed and their blocks are registered on the device. Returns the blocks loaded
+/// (0 when `seq` has no load in flight).
+///
+/// # Errors
+/// As [`store_prefixes_to_host`]; a storage error aborts the load: `seq` keeps only
+/// its device-hit tokens, computed, and the host copies stay.
+pub fn load_prefix_from_host<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &mut S,
+    seq: crate::ids::SeqId,
+) -> Result<usize> {
+    check_storage(kv, storage)?;
+    let Some(job) = kv.load_job(seq) else {
+        return Ok(0);
+    };
+    if let Err(e) = storage.swap(&job.plan) {
+        kv.abort_swap(job.ticket)?;
+        return Err(e);
+    }
+    kv.complete_swap(job.ticket)?;
+    Ok(job.plan.len())
+}
