@@ -573,7 +573,7 @@ fn hybrid_refuses() {
 enum Action {
     Admit { seq: u8, prompt: u8 },
     Free { seq: u8 },
-    Store { max: u8 },
+    Store { max: u8, now: bool },
     FinishStore { pick: u8, ok: bool },
     FinishLoad { seq: u8, ok: bool },
     EvictDevice { n: u8 },
@@ -584,15 +584,15 @@ enum Action {
 
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
-        4 => (0..5u8, 0..5u8).prop_map(|(seq, prompt)| Action::Admit { seq, prompt }),
-        3 => (0..5u8).prop_map(|seq| Action::Free { seq }),
-        3 => (1..8u8).prop_map(|max| Action::Store { max }),
+        6 => (0..4u8, 0..5u8).prop_map(|(seq, prompt)| Action::Admit { seq, prompt }),
+        4 => (0..4u8).prop_map(|seq| Action::Free { seq }),
+        5 => (1..8u8, any::<bool>()).prop_map(|(max, now)| Action::Store { max, now }),
         2 => (any::<u8>(), any::<bool>()).prop_map(|(pick, ok)| Action::FinishStore { pick, ok }),
-        3 => (0..5u8, any::<bool>()).prop_map(|(seq, ok)| Action::FinishLoad { seq, ok }),
-        2 => (0..6u8).prop_map(|n| Action::EvictDevice { n }),
+        5 => (any::<u8>(), any::<bool>()).prop_map(|(seq, ok)| Action::FinishLoad { seq, ok }),
+        3 => (0..8u8).prop_map(|n| Action::EvictDevice { n }),
         1 => (0..4u8).prop_map(|n| Action::EvictHost { n }),
-        1 => (0..5u8).prop_map(|seq| Action::SwapOut { seq }),
-        1 => (0..5u8).prop_map(|seq| Action::SwapIn { seq }),
+        1 => (0..8u8).prop_map(|seq| Action::SwapOut { seq }),
+        1 => (0..8u8).prop_map(|seq| Action::SwapIn { seq }),
     ]
 }
 
@@ -656,8 +656,15 @@ impl Model {
     fn step(&mut self, a: &Action) {
         match *a {
             Action::Admit { seq, prompt } => {
-                if self.seqs.contains_key(&seq) {
-                    return;
+                // A slot in use is freed first (when it can be), so admissions keep
+                // coming.
+                match self.seqs.get(&seq) {
+                    Some((_, Shadow::Loading)) => return,
+                    Some(_) => {
+                        self.kv.free(SeqId(u64::from(seq))).unwrap();
+                        self.seqs.remove(&seq);
+                    }
+                    None => {}
                 }
                 let p = self.prompts[prompt as usize].clone();
                 let hit = hit_of(&self.kv, &p);
@@ -692,11 +699,15 @@ impl Model {
                     self.seqs.remove(&seq);
                 }
             }
-            Action::Store { max } => {
+            Action::Store { max, now } => {
                 if let Some(job) = self.kv.plan_host_store(usize::from(max)).unwrap() {
-                    // The copy runs now; the completion comes later (async).
+                    // The copy runs now; the completion comes now or later (async).
                     self.st.swap(&job.plan).unwrap();
-                    self.stores.push(job.ticket);
+                    if now {
+                        self.kv.complete_swap(job.ticket).unwrap();
+                    } else {
+                        self.stores.push(job.ticket);
+                    }
                 }
             }
             Action::FinishStore { pick, ok } => {
@@ -712,10 +723,18 @@ impl Model {
                     assert_eq!(self.kv.host_cache_stats().cached_blocks, before);
                 }
             }
-            Action::FinishLoad { seq, ok } => {
-                let Some(&(pi, Shadow::Loading)) = self.seqs.get(&seq) else {
+            Action::FinishLoad { seq: pick, ok } => {
+                let loading: Vec<u8> = self
+                    .seqs
+                    .iter()
+                    .filter(|(_, &(_, s))| s == Shadow::Loading)
+                    .map(|(&q, _)| q)
+                    .collect();
+                if loading.is_empty() {
                     return;
-                };
+                }
+                let seq = loading[usize::from(pick) % loading.len()];
+                let pi = self.seqs[&seq].0;
                 let id = SeqId(u64::from(seq));
                 let job = self.kv.load_job(id).unwrap();
                 let device = self.kv.num_computed_tokens(id).unwrap();
@@ -790,14 +809,14 @@ impl Model {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
     /// Random interleavings of admit / free / store / evict / load / complete / abort /
     /// swap against a shadow of which sequence holds which prompt: the invariants hold
     /// after every step and every computed sequence reads its prompt's bytes.
     #[test]
     fn interleavings_keep_bytes_and_invariants(
-        actions in proptest::collection::vec(action(), 1..40),
+        actions in proptest::collection::vec(action(), 10..70),
         write_back in any::<bool>(),
     ) {
         let store = if write_back {
@@ -805,12 +824,20 @@ proptest! {
         } else {
             HostStorePolicy::WriteThrough
         };
-        let (kv, st) = setup(14, 6, store);
+        let (kv, st) = setup(12, 8, store);
         let mut m = Model { kv, st, prompts: prompts(), seqs: BTreeMap::new(), stores: Vec::new() };
         for a in &actions {
             m.step(a);
             if let Err(e) = m.kv.check_invariants() {
                 panic!("after {a:?}: {e}");
+            }
+            m.check_bytes();
+        }
+        // Every load still in flight ends, completed or aborted, and is checked.
+        for pick in 0..8u8 {
+            m.step(&Action::FinishLoad { seq: 0, ok: pick % 2 == 0 });
+            if let Err(e) = m.kv.check_invariants() {
+                panic!("after the final loads: {e}");
             }
             m.check_bytes();
         }

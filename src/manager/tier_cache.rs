@@ -297,7 +297,9 @@ impl HostLevel {
         let mut kept: HashSet<BlockHash> = HashSet::new();
         for e in self.entries.values().filter(|e| e.readers > 0) {
             let mut at = Some(e.saved.hash);
-            while let Some(h) = at {
+            // Up the chain while the host level holds it (a parent elsewhere is not
+            // an entry).
+            while let Some(h) = at.filter(|h| self.entries.contains_key(h)) {
                 if !kept.insert(h) {
                     break;
                 }
