@@ -262,35 +262,6 @@ impl HostLevel {
         }
     }
 
-    /// The leading hashes of `hashes` (a hit's host part) that the host level still
-    /// holds under the chain from `parent`, with `tokens` (the prompt after the device
-    /// part) and the request's keys, block `i` of `hashes` being prompt block
-    /// `first + i` where `first` is what `keys` is offset by.
-    fn confirm_from(
-        &self,
-        hashes: &[BlockHash],
-        mut parent: Option<BlockHash>,
-        ns: &Namespace,
-        keys: &BlockKeys,
-        first: usize,
-        tokens: &[u32],
-        bs: usize,
-    ) -> Vec<BlockHash> {
-        let mut out = Vec::with_capacity(hashes.len());
-        for (i, &h) in hashes.iter().enumerate() {
-            let Some(chunk) = tokens.get(i * bs..(i + 1) * bs) else {
-                break;
-            };
-            match self.entries.get(&h) {
-                Some(e) if e.saved.confirms(parent, ns, chunk, keys.bytes(first + i)) => {}
-                _ => break,
-            }
-            out.push(h);
-            parent = Some(h);
-        }
-        out
-    }
-
     /// Entries an eviction could take now, leaf by leaf: those with no reader and no
     /// reader below them.
     fn evictable_count(&self) -> usize {
@@ -878,26 +849,33 @@ impl KvCache {
 }
 
 impl KvCache {
-    /// The host part of `hit` that is still valid for admission after a device part
-    /// whose last hash is `parent` (see [`HostLevel::confirm_from`]).
+    /// The leading blocks of `hit`'s host part that the host level still holds under
+    /// the chain from `parent` (the hash of the last of `device_blocks` device blocks),
+    /// with the prompt's ids in `tokens` and the request's `keys`: what admission loads.
     pub(crate) fn confirm_host_hit(
         &self,
         hit: &PrefixHit,
         device_blocks: usize,
-        parent: Option<BlockHash>,
+        mut parent: Option<BlockHash>,
         ns: &Namespace,
         keys: &BlockKeys,
         tokens: &[u32],
     ) -> Vec<BlockHash> {
         let bs = self.block_size();
-        self.tiers.host_cache.confirm_from(
-            hit.host_hashes(),
-            parent,
-            ns,
-            keys,
-            device_blocks,
-            tokens.get(device_blocks * bs..).unwrap_or(&[]),
-            bs,
-        )
+        let entries = &self.tiers.host_cache.entries;
+        let mut out = Vec::with_capacity(hit.host_hashes().len());
+        for (i, &h) in hit.host_hashes().iter().enumerate() {
+            let b = device_blocks + i;
+            let Some(chunk) = tokens.get(b * bs..(b + 1) * bs) else {
+                break;
+            };
+            match entries.get(&h) {
+                Some(e) if e.saved.confirms(parent, ns, chunk, keys.bytes(b)) => {}
+                _ => break,
+            }
+            out.push(h);
+            parent = Some(h);
+        }
+        out
     }
 }
