@@ -431,7 +431,9 @@ impl KvCache {
 
     /// Looks `tokens` up in the prefix cache once and fills `hit` (its buffers are
     /// reused) for [`Self::can_admit_hit`] and [`Self::admit_prompt`]. Changes nothing
-    /// (no counters either). Returns the cached tokens.
+    /// (no counters either). Returns the cached tokens on the device; past them the
+    /// lookup goes on in the host level of the prefix cache
+    /// ([`PrefixHit::host_tokens`]), until the first block no tier holds.
     ///
     /// # Errors
     /// [`Error::PrefixKeyTooLong`] (for the cache salt, the extra key or a block key);
@@ -581,10 +583,23 @@ impl KvCache {
     /// # Ok::<(), pagedkv::Error>(())
     /// ```
     ///
+    /// # Host-level hits
+    /// When `hit` has a host part ([`PrefixHit::host_tokens`], see
+    /// [`Self::plan_host_store`]), the blocks the host level still holds under the same
+    /// chain get fresh device blocks and a load is recorded: run
+    /// [`Self::load_job`]'s plan, then [`Self::complete_swap`] (the loaded tokens count
+    /// as computed, the blocks are registered on the device) or [`Self::abort_swap`]
+    /// (the sequence keeps only its device part, computed; the host copies stay).
+    /// [`Admission::loading_tokens`] says how many tokens load. Until then the sequence
+    /// is "swapping in": reserve, append, fork, truncate and free are refused with
+    /// [`Error::SequenceState`]. Availability counts the loaded blocks as needed
+    /// ([`Self::can_admit_hit`] already did).
+    ///
     /// # Errors
     /// [`Error::DuplicateSequence`] (also for an id that is swapped out),
     /// [`Error::TooLong`], [`Error::ShapeMismatch`] when `hit` was made for a prompt of
-    /// another length; on error nothing changed.
+    /// another length, [`Error::OutOfBlocks`] when the arena cannot hold the revived
+    /// and loaded blocks; on error nothing changed.
     pub fn admit_prompt(
         &mut self,
         seq: SeqId,
@@ -719,7 +734,9 @@ impl KvCache {
     /// block keys (`opts.block_keys`) and the namespace (`opts.cache_salt`,
     /// `opts.extra_key`), so a hash collision is a miss.
     /// At least one token is left to compute; see the module docs of `manager::prefix`
-    /// for the exact contract.
+    /// for the exact contract. Only device hits are served: the tokens the host level
+    /// of the prefix cache holds are computed again (loading them would leave the
+    /// sequence unable to take its slots in this call; [`Self::admit_prompt`] loads).
     ///
     /// ```
     /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCache, KvLayout, ModelShape, SeqId};
@@ -908,8 +925,10 @@ impl KvCache {
     }
 
     /// Leading tokens of `tokens` that [`Self::admit_tokens`] would serve from the cache
-    /// now. Changes nothing (no counters either). Allocates a [`PrefixHit`]: schedulers
-    /// keep one and call [`Self::lookup_prefix`].
+    /// now: the device part only (admit_tokens does not load from the host level, and
+    /// host tokens are not free to use: they cost a load and device blocks). Changes
+    /// nothing (no counters either). Allocates a [`PrefixHit`]: schedulers keep one and
+    /// call [`Self::lookup_prefix`], which also reports the host part.
     ///
     /// # Errors
     /// [`Error::PrefixKeyTooLong`].

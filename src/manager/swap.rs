@@ -91,8 +91,9 @@ pub enum TierBlock {
 pub struct TierStats {
     /// Blocks in the host tier.
     pub host_blocks: usize,
-    /// Host blocks holding data (swapped sequences, transfers in flight, and spilled
-    /// prefix-cache blocks).
+    /// Host blocks holding data (swapped sequences, transfers in flight, spilled
+    /// prefix-cache blocks, and the host level of the prefix cache:
+    /// [`KvCache::host_cache_stats`]).
     pub host_used_blocks: usize,
     /// Of those, prefix-cache blocks spilled to the host tier
     /// ([`KvCache::plan_prefix_spill`]) and not yet restored.
@@ -567,8 +568,10 @@ impl KvCache {
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when a sequence is swapped
     /// or has a swap in flight; [`Error::InvalidConfig`] for an empty group or a
-    /// repeated id; [`Error::TierFull`] when the host tier lacks room. Nothing changed
-    /// on error: the sequences stay resident.
+    /// repeated id; [`Error::TierFull`] when the host tier lacks room even after
+    /// evicting the host level's entries that can go (swapped sequences come first:
+    /// see [`Self::plan_host_store`]). Nothing changed on error: the sequences stay
+    /// resident.
     pub fn swap_out_group(&mut self, seqs: &[SeqId]) -> Result<SwapJob> {
         self.one_group("swap_out_group")?;
         check_group(seqs)?;

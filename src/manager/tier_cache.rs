@@ -134,7 +134,8 @@ pub struct HostCacheStats {
     pub loaded_bytes: u64,
     /// Loads aborted.
     pub aborted_loads: u64,
-    /// Prompt tokens admitted from device hits ([`KvCache::admit_prompt`]).
+    /// Prompt tokens admitted from device hits ([`KvCache::admit_prompt`],
+    /// [`KvCache::admit_tokens`]).
     pub device_hit_tokens: u64,
     /// Prompt tokens served from the host level (counted when their load completes).
     pub host_hit_tokens: u64,
