@@ -548,6 +548,52 @@ fn transfer_engine_runs_stores_and_loads() {
     kv.check_invariants().unwrap();
 }
 
+/// A host hit is confirmed like a device hit: the namespace (cache salt) and block
+/// keys of the first block, the chain and the ids; another namespace finds nothing.
+#[test]
+fn host_hits_respect_namespaces_and_block_keys() {
+    let (mut kv, mut st) = setup(12, 8, HostStorePolicy::WriteThrough);
+    let p = prompt(9, 70);
+    let keys = [(5usize, &b"image"[..])];
+    let salted = AdmitOptions {
+        cache_salt: b"tenant",
+        block_keys: &keys,
+        ..AdmitOptions::default()
+    };
+    let mut slots = Vec::new();
+    kv.admit_tokens(SeqId(1), &p, &salted, &mut slots).unwrap();
+    write_values(&mut st, &slots, &p);
+    kv.free(SeqId(1)).unwrap();
+    assert_eq!(
+        store_prefixes_to_host(&mut kv, &mut st, usize::MAX).unwrap(),
+        2
+    );
+    kv.evict_cached(usize::MAX);
+    let mut hit = PrefixHit::default();
+    kv.lookup_prefix(&p, &salted, &mut hit).unwrap();
+    assert_eq!(hit.host_tokens(), 8);
+    kv.lookup_prefix(&p, &AdmitOptions::default(), &mut hit)
+        .unwrap();
+    assert_eq!(hit.total_tokens(), 0, "another namespace");
+    let other_key = [(5usize, &b"other"[..])];
+    let rekeyed = AdmitOptions {
+        block_keys: &other_key,
+        ..salted
+    };
+    kv.lookup_prefix(&p, &rekeyed, &mut hit).unwrap();
+    assert_eq!(
+        hit.host_tokens(),
+        4,
+        "the first block only: the key is in the second"
+    );
+    kv.lookup_prefix(&p, &salted, &mut hit).unwrap();
+    kv.admit_prompt(SeqId(2), &p, &hit).unwrap();
+    load_prefix_from_host(&mut kv, &mut st, SeqId(2)).unwrap();
+    let table = kv.block_table(SeqId(2)).unwrap().to_vec();
+    check_values(&st, &table, &p[..8]).unwrap();
+    kv.check_invariants().unwrap();
+}
+
 /// The host level refuses on a hybrid cache.
 #[test]
 fn hybrid_refuses() {
