@@ -137,6 +137,17 @@ fn host_hit_is_split_by_tier_and_byte_exact() {
     let hit = hit_of(&kv, &p);
     assert_eq!((hit.device_tokens(), hit.host_tokens()), (8, 8));
     assert_eq!(hit.total_tokens(), 16);
+    // Admission counts the loaded blocks as needed: 2 loaded + 1 for a first chunk.
+    let free = kv.num_available_blocks();
+    assert!(kv.can_admit_chunk(&hit, 1));
+    kv.admit(SeqId(77), (free - 2) * BS, &mut Vec::new())
+        .unwrap();
+    assert!(
+        !kv.can_admit_chunk(&hit, 1),
+        "the first chunk needs a third block"
+    );
+    assert!(kv.can_admit_hit(&hit) == kv.can_admit_chunk(&hit, 1));
+    kv.free(SeqId(77)).unwrap();
     let a = kv.admit_prompt(SeqId(2), &p, &hit).unwrap();
     assert_eq!((a.cached_tokens, a.loading_tokens), (8, 8));
     // Loaded tokens are not computed before the load completes.

@@ -538,8 +538,9 @@ impl KvCache {
         if self.hybrid.is_some() {
             return false;
         }
+        // A host part is loaded into new blocks before the first chunk.
         let held = hit
-            .cached_tokens()
+            .total_tokens()
             .saturating_add(first_chunk)
             .min(hit.prompt_len);
         hit.prompt_len <= self.max_seq_len()
