@@ -874,12 +874,12 @@ proptest! {
     #[test]
     fn interleavings_keep_bytes_and_invariants(
         actions in proptest::collection::vec(action(), 10..70),
-        write_back in any::<bool>(),
+        policy in 0..3u8,
     ) {
-        let store = if write_back {
-            HostStorePolicy::WriteBack { ahead_blocks: 3 }
-        } else {
-            HostStorePolicy::WriteThrough
+        let store = match policy {
+            0 => HostStorePolicy::WriteThrough,
+            1 => HostStorePolicy::WriteBack { ahead_blocks: 3 },
+            _ => HostStorePolicy::Selective { min_hits: 1 },
         };
         let (kv, st) = setup(12, 8, store);
         let mut m = Model { kv, st, prompts: prompts(), seqs: BTreeMap::new(), stores: Vec::new() };
