@@ -273,10 +273,6 @@ fn store_policies_choose_their_blocks() {
     kv.free(SeqId(1)).unwrap();
     let job = kv.plan_host_store(usize::MAX).unwrap().unwrap();
     assert_eq!(job.plan.len(), 2);
-    let table_hashes: Vec<_> = job.plan.pairs().iter().map(|p| p.device).collect();
-    // The two deepest blocks: the chain's last two.
-    let mut got = table_hashes.clone();
-    got.sort();
     st.swap(&job.plan).unwrap();
     kv.complete_swap(job.ticket).unwrap();
     kv.check_invariants().unwrap();
