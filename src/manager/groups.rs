@@ -1596,6 +1596,7 @@ impl KvCache {
             cached_blocks: end - keep,
             new_blocks: 0,
             registered_blocks: 0,
+            loading_tokens: 0,
         })
     }
 

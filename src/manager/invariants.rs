@@ -75,6 +75,14 @@ impl KvCache {
                 fills[b.index()] = fills[b.index()].max(held);
             }
         }
+        // A store to the host level in flight holds its device blocks, full.
+        for b in self.tiers.host_cache.held_device_blocks() {
+            match refs.get_mut(b.index()) {
+                Some(r) => *r += 1,
+                None => return Err(format!("a host store reads {b}, outside the arena")),
+            }
+            fills[b.index()] = bs as u16;
+        }
         let mut live_slots = 0;
         for (i, &r) in refs.iter().enumerate() {
             let b = BlockId(i as u32);

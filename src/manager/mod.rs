@@ -17,6 +17,7 @@ mod seqs;
 mod shared;
 mod step;
 mod swap;
+mod tier_cache;
 mod window;
 
 pub use builder::CacheBuilder;
@@ -27,6 +28,7 @@ pub use prefix_spill::{PendingPrefixRestore, PendingPrefixSpill, PrefixRestore, 
 pub use shared::SharedKvCache;
 pub use step::{StepBuffers, StepEntry};
 pub use swap::{PendingTierMove, SwapJob, TierBlock, TierConfig, TierStats};
+pub use tier_cache::{HostCacheConfig, HostCacheStats, HostStorePolicy};
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -1682,6 +1684,11 @@ impl KvCache {
             })
             .max()
             .unwrap_or(0)
+            .max(if self.tiers.host_cache.holds_device(b) {
+                bs
+            } else {
+                0
+            })
     }
 
     /// Sets the fill of live block `b`, keeping `live_token_slots` in step.

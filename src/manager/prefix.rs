@@ -123,10 +123,18 @@ impl SeqPrefix {
 /// (each block must still hold the same content, compared by hash, chain, token ids,
 /// extra keys and namespace, not rehashed); blocks that no longer do are simply not
 /// shared.
+///
+/// With a host level ([`KvCache::plan_host_store`]), the lookup goes on past the last
+/// device block in the host level's index: [`Self::host_tokens`] more leading tokens
+/// are held there, in chain order (a lookup stops at the first block no tier holds).
+/// [`Self::cached_tokens`] stays the device part, so a hit with no host part reads as
+/// before; [`KvCache::admit_prompt`] loads the host part back ([`KvCache::load_job`]).
 #[derive(Debug, Clone, Default)]
 pub struct PrefixHit {
     blocks: Vec<BlockId>,
     hashes: Vec<BlockHash>,
+    /// Hashes of the blocks found in the host level after `blocks`, in chain order.
+    host: Vec<BlockHash>,
     ns: Option<Namespace>,
     keys: BlockKeys,
     prompt_len: usize,
@@ -151,6 +159,38 @@ impl PrefixHit {
         self.prompt_len
     }
 
+    /// Leading prompt tokens found on the device: [`Self::cached_tokens`], named for
+    /// the tier.
+    pub fn device_tokens(&self) -> usize {
+        self.cached_tokens()
+    }
+
+    /// Prompt tokens after the device part found in the host level of the prefix
+    /// cache (whole blocks; 0 without a host level).
+    pub fn host_tokens(&self) -> usize {
+        self.host.len() * self.block_size
+    }
+
+    /// Blocks found in the host level after the device part.
+    pub fn host_blocks(&self) -> usize {
+        self.host.len()
+    }
+
+    /// Leading prompt tokens some tier holds: device plus host.
+    pub fn total_tokens(&self) -> usize {
+        self.cached_tokens() + self.host_tokens()
+    }
+
+    /// The host part's block hashes, in chain order.
+    pub(crate) fn host_hashes(&self) -> &[BlockHash] {
+        &self.host
+    }
+
+    /// Drops the host part (a caller that serves device hits only).
+    pub(crate) fn drop_host_part(&mut self) {
+        self.host.clear();
+    }
+
     /// The cached blocks found, in prompt order.
     pub(crate) fn blocks(&self) -> &[BlockId] {
         &self.blocks
@@ -161,6 +201,7 @@ impl PrefixHit {
     pub(crate) fn truncate_blocks(&mut self, blocks: usize) {
         self.blocks.truncate(blocks);
         self.hashes.truncate(blocks);
+        self.host.clear();
     }
 }
 
@@ -390,7 +431,9 @@ impl KvCache {
 
     /// Looks `tokens` up in the prefix cache once and fills `hit` (its buffers are
     /// reused) for [`Self::can_admit_hit`] and [`Self::admit_prompt`]. Changes nothing
-    /// (no counters either). Returns the cached tokens.
+    /// (no counters either). Returns the cached tokens on the device; past them the
+    /// lookup goes on in the host level of the prefix cache
+    /// ([`PrefixHit::host_tokens`]), until the first block no tier holds.
     ///
     /// # Errors
     /// [`Error::PrefixKeyTooLong`] (for the cache salt, the extra key or a block key);
@@ -404,6 +447,7 @@ impl KvCache {
         self.one_group("lookup_prefix")?;
         hit.blocks.clear();
         hit.hashes.clear();
+        hit.host.clear();
         hit.ns = None;
         hit.keys = BlockKeys::default();
         hit.collision = false;
@@ -428,6 +472,25 @@ impl KvCache {
         }
         for &b in &hit.blocks {
             hit.hashes.push(self.prefix.hash_of(b).unwrap_or_default());
+        }
+        if self.window.is_none() && !hit.collision {
+            let last = hit.blocks.last().map(|&b| {
+                (
+                    self.prefix.hash_of(b).unwrap_or_default(),
+                    self.prefix.digest_of(b),
+                )
+            });
+            let max = tokens.len().saturating_sub(1) / bs;
+            self.tiers.host_cache.extend_hit(
+                &self.prefix,
+                &ns,
+                &hit.keys,
+                tokens,
+                hit.blocks.len(),
+                max,
+                last,
+                &mut hit.host,
+            );
         }
         hit.ns = Some(ns);
         Ok(hit.cached_tokens())
@@ -475,8 +538,9 @@ impl KvCache {
         if self.hybrid.is_some() {
             return false;
         }
+        // A host part is loaded into new blocks before the first chunk.
         let held = hit
-            .cached_tokens()
+            .total_tokens()
             .saturating_add(first_chunk)
             .min(hit.prompt_len);
         hit.prompt_len <= self.max_seq_len()
@@ -520,10 +584,23 @@ impl KvCache {
     /// # Ok::<(), pagedkv::Error>(())
     /// ```
     ///
+    /// # Host-level hits
+    /// When `hit` has a host part ([`PrefixHit::host_tokens`], see
+    /// [`Self::plan_host_store`]), the blocks the host level still holds under the same
+    /// chain get fresh device blocks and a load is recorded: run
+    /// [`Self::load_job`]'s plan, then [`Self::complete_swap`] (the loaded tokens count
+    /// as computed, the blocks are registered on the device) or [`Self::abort_swap`]
+    /// (the sequence keeps only its device part, computed; the host copies stay).
+    /// [`Admission::loading_tokens`] says how many tokens load. Until then the sequence
+    /// is "swapping in": reserve, append, fork, truncate and free are refused with
+    /// [`Error::SequenceState`]. Availability counts the loaded blocks as needed
+    /// ([`Self::can_admit_hit`] already did).
+    ///
     /// # Errors
     /// [`Error::DuplicateSequence`] (also for an id that is swapped out),
     /// [`Error::TooLong`], [`Error::ShapeMismatch`] when `hit` was made for a prompt of
-    /// another length; on error nothing changed.
+    /// another length, [`Error::OutOfBlocks`] when the arena cannot hold the revived
+    /// and loaded blocks; on error nothing changed.
     pub fn admit_prompt(
         &mut self,
         seq: SeqId,
@@ -587,17 +664,30 @@ impl KvCache {
             valid += 1;
             parent = Some(h);
         }
-        let mut table = self.new_table(valid);
+        // The host part goes on only from an intact device part, and only as far as
+        // the host level still holds it under the same chain.
+        let host = if valid == hit.blocks.len() {
+            self.confirm_host_hit(hit, valid, parent, &ns, &hit.keys, tokens)
+        } else {
+            Vec::new()
+        };
+        let mut table = self.new_table(valid + host.len());
         table.extend_from_slice(&hit.blocks[..valid]);
         let revived = self.count_evictable(&table);
-        self.ensure_available(revived)?;
+        self.ensure_available(revived + host.len())?;
         self.seqs.reserve_room(1)?;
         for &b in &table {
             let revive = self.pool.state(b)? == BlockState::Cached;
             self.share_copy(b, hit.priority, revive)?;
         }
         self.prefix.note_query(len, valid, hit.collision);
+        self.note_device_hit(valid);
         let cached = valid * bs;
+        let load = if host.is_empty() {
+            None
+        } else {
+            Some(self.plan_load(seq, valid, &host, &mut table)?)
+        };
         // A window manager registers nothing: its blocks leave before the sequence ends.
         let prefix = self.window.is_none().then(|| {
             Box::new(SeqPrefix {
@@ -611,11 +701,13 @@ impl KvCache {
                 step_ids: false,
             })
         });
+        let loading = host.len() * bs;
         let s = Sequence {
             table,
-            num_tokens: cached,
+            num_tokens: cached + loading,
             computed: cached,
             prefix,
+            in_flight: load,
             admission: self.tiers.next_admission(),
             ..Sequence::default()
         };
@@ -626,6 +718,7 @@ impl KvCache {
             cached_blocks: valid,
             new_blocks: 0,
             registered_blocks: 0,
+            loading_tokens: loading,
         })
     }
 
@@ -642,7 +735,9 @@ impl KvCache {
     /// block keys (`opts.block_keys`) and the namespace (`opts.cache_salt`,
     /// `opts.extra_key`), so a hash collision is a miss.
     /// At least one token is left to compute; see the module docs of `manager::prefix`
-    /// for the exact contract.
+    /// for the exact contract. Only device hits are served: the tokens the host level
+    /// of the prefix cache holds are computed again (loading them would leave the
+    /// sequence unable to take its slots in this call; [`Self::admit_prompt`] loads).
     ///
     /// ```
     /// use pagedkv::{AdmitOptions, CacheConfig, DType, KvCache, KvLayout, ModelShape, SeqId};
@@ -690,6 +785,9 @@ impl KvCache {
         }
         let mut hit = PrefixHit::default();
         self.lookup_prefix(tokens, opts, &mut hit)?;
+        // One call that hands out slots at once serves device hits only: a load
+        // would leave the sequence unable to take its slots until it completes.
+        hit.drop_host_part();
         let total = self.layout.blocks_for_tokens(tokens.len());
         self.ensure_available(total - hit.cached_blocks() + self.count_evictable(&hit.blocks))?;
         // Nothing below fails on a consistent manager: the availability check covered
@@ -828,8 +926,10 @@ impl KvCache {
     }
 
     /// Leading tokens of `tokens` that [`Self::admit_tokens`] would serve from the cache
-    /// now. Changes nothing (no counters either). Allocates a [`PrefixHit`]: schedulers
-    /// keep one and call [`Self::lookup_prefix`].
+    /// now: the device part only (admit_tokens does not load from the host level, and
+    /// host tokens are not free to use: they cost a load and device blocks). Changes
+    /// nothing (no counters either). Allocates a [`PrefixHit`]: schedulers keep one and
+    /// call [`Self::lookup_prefix`], which also reports the host part.
     ///
     /// # Errors
     /// [`Error::PrefixKeyTooLong`].

@@ -91,8 +91,9 @@ pub enum TierBlock {
 pub struct TierStats {
     /// Blocks in the host tier.
     pub host_blocks: usize,
-    /// Host blocks holding data (swapped sequences, transfers in flight, and spilled
-    /// prefix-cache blocks).
+    /// Host blocks holding data (swapped sequences, transfers in flight, spilled
+    /// prefix-cache blocks, and the host level of the prefix cache:
+    /// [`KvCache::host_cache_stats`]).
     pub host_used_blocks: usize,
     /// Of those, prefix-cache blocks spilled to the host tier
     /// ([`KvCache::plan_prefix_spill`]) and not yet restored.
@@ -194,6 +195,8 @@ pub(crate) struct Tiers {
     pub(crate) events: VecDeque<PreemptEvent>,
     /// Prefix-cache blocks spilled to the host tier (see `manager/prefix_spill.rs`).
     pub(crate) spilled: Vec<super::prefix_spill::SpilledPrefix>,
+    /// The host level of the prefix cache (see `manager/tier_cache.rs`).
+    pub(crate) host_cache: super::tier_cache::HostLevel,
 }
 
 impl Tiers {
@@ -213,6 +216,7 @@ impl Tiers {
             stats: TierStats::default(),
             events: VecDeque::new(),
             spilled: Vec::new(),
+            host_cache: super::tier_cache::HostLevel::default(),
         })
     }
 
@@ -232,7 +236,7 @@ impl Tiers {
         self.next_admission
     }
 
-    fn next_ticket(&mut self) -> SwapTicket {
+    pub(crate) fn next_ticket(&mut self) -> SwapTicket {
         self.next_ticket += 1;
         SwapTicket(self.next_ticket)
     }
@@ -245,7 +249,7 @@ impl Tiers {
     /// Device blocks that in-flight swap-outs will free when they complete.
     /// Swap transfers issued and not yet completed or aborted.
     pub(crate) fn num_in_flight(&self) -> usize {
-        self.pending.len()
+        self.pending.len() + self.host_cache.num_in_flight()
     }
 
     pub(crate) fn pending_device_release(&self) -> usize {
@@ -564,8 +568,10 @@ impl KvCache {
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when a sequence is swapped
     /// or has a swap in flight; [`Error::InvalidConfig`] for an empty group or a
-    /// repeated id; [`Error::TierFull`] when the host tier lacks room. Nothing changed
-    /// on error: the sequences stay resident.
+    /// repeated id; [`Error::TierFull`] when the host tier lacks room even after
+    /// evicting the host level's entries that can go (swapped sequences come first:
+    /// see [`Self::plan_host_store`]). Nothing changed on error: the sequences stay
+    /// resident.
     pub fn swap_out_group(&mut self, seqs: &[SeqId]) -> Result<SwapJob> {
         self.one_group("swap_out_group")?;
         check_group(seqs)?;
@@ -573,17 +579,13 @@ impl KvCache {
         for &id in seqs {
             let s = self.idle(id)?;
             // Blocks a sliding window gave back are not moved: they stay holes.
-            tables.push(&s.table[s.released..]);
+            tables.push(s.table[s.released..].to_vec());
         }
         let (distinct, index) = distinct_with_counts(tables.iter().flat_map(|t| t.iter().copied()));
-        let free = self.tiers.host.num_free();
-        if distinct.len() > free {
-            return Err(Error::TierFull {
-                tier: "host",
-                needed: distinct.len(),
-                free,
-            });
-        }
+        // Swapped sequences come before the host level of the prefix cache: its
+        // entries make room (nothing changes when even that is not enough).
+        let host_needed = distinct.len();
+        self.make_host_room(host_needed)?;
         let hosts = pick_free_run(&self.tiers.host, distinct.len(), self.tiers.host_cursor);
         let host_tables: Vec<(SeqId, Vec<BlockId>)> = seqs
             .iter()
@@ -783,6 +785,9 @@ impl KvCache {
     /// every block was processed.
     pub fn complete_swap(&mut self, ticket: SwapTicket) -> Result<()> {
         self.one_group("complete_swap")?;
+        if let Some(r) = self.finish_host_transfer(ticket, true) {
+            return r;
+        }
         let pending = self
             .tiers
             .pending
@@ -845,6 +850,9 @@ impl KvCache {
     /// As [`Self::complete_swap`].
     pub fn abort_swap(&mut self, ticket: SwapTicket) -> Result<()> {
         self.one_group("abort_swap")?;
+        if let Some(r) = self.finish_host_transfer(ticket, false) {
+            return r;
+        }
         let pending = self
             .tiers
             .pending
@@ -961,14 +969,7 @@ impl KvCache {
             }));
         }
         let (distinct, _) = distinct_with_counts(on_disk);
-        let free = self.tiers.host.num_free();
-        if distinct.len() > free {
-            return Err(Error::TierFull {
-                tier: "host",
-                needed: distinct.len(),
-                free,
-            });
-        }
+        self.make_host_room(distinct.len())?;
         let hosts = pick_free_run(&self.tiers.host, distinct.len(), self.tiers.host_cursor);
         let moves = distinct
             .iter()
@@ -1085,10 +1086,11 @@ impl KvCache {
                 in_flight += 1;
             }
         }
+        in_flight += self.check_host_cache(&mut host_refs)?;
         let marked = self.seqs.values().filter(|s| s.in_flight.is_some()).count();
         if marked != in_flight {
             return Err(format!(
-                "{marked} sequences marked in flight, transfers name {in_flight}"
+                "{marked} sequences marked in flight, transfers and loads name {in_flight}"
             ));
         }
         for p in &t.spilled {
@@ -1127,7 +1129,7 @@ fn lender_mut(swapped: &mut super::SeqMap<SwappedSeq>, lender: SeqId) -> Result<
 impl KvCache {
     /// Registers the blocks of swapped-in sequence `id` that its rewound chain covers
     /// (sharing the copies still cached, see `manager/prefix.rs`).
-    fn register_swapped_in(&mut self, id: SeqId) -> Result<()> {
+    pub(crate) fn register_swapped_in(&mut self, id: SeqId) -> Result<()> {
         let bs = self.layout.block_size();
         let Ok(h) = self.handle(id) else {
             return Ok(());

@@ -3,7 +3,7 @@
 //! | tier | holds | moved by |
 //! |---|---|---|
 //! | device arena | resident sequences | — |
-//! | host tier | swapped-out sequences (a second [`crate::pool::BlockPool`] in the manager), spilled prefix-cache blocks | [`crate::SwapPlan`]s, executed by a [`crate::Storage`] directly or by a [`TransferEngine`] on a worker thread |
+//! | host tier | swapped-out sequences (a second [`crate::pool::BlockPool`] in the manager), the host level of the prefix cache (stores and loads), spilled prefix-cache blocks | [`crate::SwapPlan`]s, executed by a [`crate::Storage`] directly or by a [`TransferEngine`] on a worker thread |
 //! | disk tier | host-tier blocks spilled to one preallocated file ([`DiskTier`]) | [`crate::executor::spill_to_disk`] / [`crate::executor::restore_from_disk`] (plans of the manager, executed here), checksummed |
 //! | disk level of the prefix cache | cached blocks in a tier directory whose journaled index survives a restart ([`DiskPrefixStore`]) | [`DiskPrefixStore::store_from`] / [`DiskPrefixStore::load_into`] (host-tier block to slot and back), checksummed |
 //!
@@ -21,4 +21,6 @@ pub use disk_cache::{
     DISK_CACHE_FORMAT_VERSION, MAX_DISK_KEY_BYTES,
 };
 pub use engine::{TransferEngine, TransferEvent};
-pub use prefix::{restore_spilled_prefixes, spill_cached_prefixes};
+pub use prefix::{
+    load_prefix_from_host, restore_spilled_prefixes, spill_cached_prefixes, store_prefixes_to_host,
+};

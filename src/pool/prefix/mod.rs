@@ -128,6 +128,11 @@ pub struct Admission {
     pub new_blocks: usize,
     /// Blocks of the prompt newly registered in the cache.
     pub registered_blocks: usize,
+    /// Prompt tokens after `cached_tokens` found in the host level of the prefix cache
+    /// and being loaded into fresh device blocks ([`crate::KvCache::load_job`]); they
+    /// count as computed only once [`crate::KvCache::complete_swap`] completes the
+    /// load. 0 without a host-level hit.
+    pub loading_tokens: usize,
 }
 
 /// A pinned prefix.
@@ -147,9 +152,10 @@ pub enum Medium {
     /// The device arena (GPU memory, or the host arena of a CPU engine): the blocks a
     /// hit shares.
     Device,
-    /// The host (swap) tier: cached blocks spilled there
-    /// ([`crate::KvCache::plan_prefix_spill`]) until they are restored. A hit
-    /// is only served from the device: restore first.
+    /// The host (swap) tier: blocks of the host level of the prefix cache
+    /// ([`crate::KvCache::plan_host_store`]), which a lookup finds after the device
+    /// chain and an admission loads back, and cached blocks spilled there
+    /// ([`crate::KvCache::plan_prefix_spill`]), which are only found once restored.
     Host,
     /// The disk tier: cached blocks kept in a [`crate::executor::tier::DiskPrefixStore`]
     /// (the `block` of their events is the disk slot). Like the host tier, a hit is

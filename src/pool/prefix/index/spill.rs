@@ -137,3 +137,86 @@ impl PrefixIndex {
         self.emit(event);
     }
 }
+
+/// The host level of the prefix cache (`manager/tier_cache.rs`): confirming a host
+/// entry's content, hashing past the device chain, and holding device blocks while a
+/// store reads them.
+impl SavedEntry {
+    /// Whether the saved content is exactly this: chained under `parent`, the same
+    /// token ids and extra-key bytes, and for a first block the same namespace (the
+    /// comparison [`PrefixIndex::confirms`] makes for a device block).
+    pub(crate) fn confirms(
+        &self,
+        parent: Option<BlockHash>,
+        ns: &Namespace,
+        tokens: &[u32],
+        extra: &[u8],
+    ) -> bool {
+        self.parent == parent
+            && *self.tokens == *tokens
+            && self.key.as_deref().map_or(extra.is_empty(), |k| k == extra)
+            && (self.parent.is_some() || self.ns.as_deref() == Some(&*ns.key))
+    }
+}
+
+impl PrefixIndex {
+    /// The hash (and, for a digest-chaining hasher, the digest) of the block `tokens`
+    /// chained after a block with hash `parent` and digest `parent_digest` (`None`: a
+    /// first block of `ns`), wherever that parent lives.
+    pub(crate) fn chain_hash(
+        &self,
+        parent: Option<BlockHash>,
+        parent_digest: Option<&BlockDigest>,
+        ns: &Namespace,
+        tokens: &[u32],
+        extra: &[u8],
+    ) -> (BlockHash, Option<BlockDigest>) {
+        if self.digests.is_empty() {
+            let h = self
+                .config
+                .hasher
+                .block(parent.unwrap_or(ns.seed), tokens, extra);
+            return (h, None);
+        }
+        let (salt, extra_key) = ns.parts();
+        let d = self
+            .config
+            .hasher
+            .block_digest(parent_digest, salt, extra_key, tokens, extra);
+        (d.key(), Some(d))
+    }
+
+    /// Hits on registered block `b` since it was registered (0 when it is not).
+    pub(crate) fn hits_of(&self, b: BlockId) -> u32 {
+        self.entry(b).map_or(0, |e| e.hits)
+    }
+
+    /// Every registered block, parents first (by depth, then block id).
+    pub(crate) fn registered_by_depth(&self) -> Vec<BlockId> {
+        let mut out: Vec<(u32, BlockId)> = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| Some((e.as_ref()?.depth, BlockId(i as u32))))
+            .collect();
+        out.sort_unstable();
+        out.into_iter().map(|(_, b)| b).collect()
+    }
+
+    /// Cached block `b` was revived by a holder that is not a request (a store to the
+    /// host level reading it): it leaves the candidates without counting as a hit.
+    pub(crate) fn on_hold(&mut self, b: BlockId) {
+        let Some(e) = self.entry_mut(b) else { return };
+        if !e.cached {
+            return;
+        }
+        e.cached = false;
+        let (candidate, pinned) = (e.take_candidate(), e.pins > 0);
+        if let Some((p, k)) = candidate {
+            self.candidates.remove(p, k, b.0);
+        }
+        if pinned {
+            self.pinned_cached -= 1;
+        }
+    }
+}
