@@ -153,8 +153,9 @@ fn config_errors() {
 fn a_sequence_holds_its_state_pages_from_admission_to_free_whatever_its_length() {
     let mut kv = KvCache::hybrid_with_host_tier(&specs(), 32, 16).unwrap();
     let mut step = GroupStep::default();
-    // 10 tokens: 3 KV pages, and the 3 state pages.
-    assert_eq!(kv.admission_blocks(10), 3 + STATE_PAGES);
+    // 5 tokens: 2 KV pages, and the 3 state pages; 100 tokens: 25 and 3.
+    assert_eq!(kv.admission_blocks(5), 2 + STATE_PAGES);
+    assert_eq!(kv.admission_blocks(100), 25 + STATE_PAGES);
     assert!(kv.can_admit(10));
     kv.admit_grouped(SeqId(1), 10, &mut step).unwrap();
     assert_eq!(step.slots[0].len(), 10);
@@ -551,6 +552,12 @@ enum Action {
     SwapIn(usize),
     Truncate(usize, usize),
     Compact,
+    /// Admit a prompt of `n` tokens of family `f` (repeated prompts: the attention
+    /// group registers and would hit; a state group serves no hit).
+    AdmitTokens(u32, usize),
+    /// A batch step of `n` query tokens of sequence `i` through `StepBuffers`, its
+    /// state rewritten.
+    Batch(usize, usize),
 }
 
 fn action() -> impl Strategy<Value = Action> {
@@ -564,6 +571,8 @@ fn action() -> impl Strategy<Value = Action> {
         2 => any::<usize>().prop_map(Action::SwapIn),
         1 => (any::<usize>(), 0..8usize).prop_map(|(i, n)| Action::Truncate(i, n)),
         1 => Just(Action::Compact),
+        2 => (0..3u32, 1..20usize).prop_map(|(f, n)| Action::AdmitTokens(f, n)),
+        2 => (any::<usize>(), 1..6usize).prop_map(|(i, n)| Action::Batch(i, n)),
     ]
 }
 
@@ -588,6 +597,8 @@ struct Model {
     next: u64,
     forks: usize,
     swaps: usize,
+    bufs: Vec<StepBuffers>,
+    batches: usize,
 }
 
 fn kv_value(tag: u64, pos: usize) -> f32 {
@@ -605,6 +616,8 @@ impl Model {
             next: 1,
             forks: 0,
             swaps: 0,
+            bufs: (0..2).map(|_| StepBuffers::new(4, 16, PAGES)).collect(),
+            batches: 0,
         }
     }
 
@@ -613,7 +626,12 @@ impl Model {
         for c in &self.step.copies {
             self.store.copy_blocks(c).unwrap();
         }
-        let slots = &self.step.slots[0];
+        let slots = self.step.slots[0].clone();
+        self.write_slots(&slots, first, tag);
+    }
+
+    /// Writes `slots` as tokens `first..` tagged `tag`.
+    fn write_slots(&mut self, slots: &[Slot], first: usize, tag: u64) {
         for layer in 0..LAYERS {
             let vals = |sign: f32| {
                 f32_bytes(
@@ -784,6 +802,73 @@ impl Model {
                 }
                 r
             }
+            Action::AdmitTokens(f, n) => {
+                let id = SeqId(self.next);
+                self.next += 1;
+                let tokens = vec![f; n];
+                let opts = AdmitOptions::default();
+                assert_eq!(self.kv.cached_prefix_len(&tokens, &opts).unwrap(), 0);
+                match self
+                    .kv
+                    .admit_tokens_grouped(id, &tokens, &opts, &mut self.step)
+                {
+                    Ok(a) => {
+                        assert_eq!(a.cached_tokens, 0, "a hit with a state group");
+                        assert_eq!(self.step.slots[0].len(), n);
+                        // Every sequence of the family writes the same K/V (as the
+                        // same prompt computes), so a shared block would hold it.
+                        self.write_kv(0, 100_000 + f as u64);
+                        let pages = state_pages(&self.kv, id);
+                        write_state(&mut self.store, &pages, id.0);
+                        self.live.push(Shadow {
+                            id,
+                            state: id.0,
+                            tokens: vec![100_000 + f as u64; n],
+                        });
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            Action::Batch(i, n) => {
+                let Some(k) = pick(i, &self.live) else { return };
+                let id = self.live[k].id;
+                let h = self.kv.handle(id).unwrap();
+                let entries = [StepEntry {
+                    seq: h,
+                    new_tokens: n,
+                    lookahead: 0,
+                }];
+                match self.kv.reserve_step_grouped(&entries, &mut self.bufs) {
+                    Ok(()) => {
+                        let pages = state_pages(&self.kv, id);
+                        let t = self.bufs[1].tables();
+                        let row: Vec<BlockId> = t.tables[..STATE_PAGES]
+                            .iter()
+                            .map(|&b| BlockId(b))
+                            .collect();
+                        assert_eq!(row, pages, "the state row of {id}");
+                        assert!(self.bufs[1].slot_mapping().iter().all(|&s| s == -1));
+                        self.store.copy_blocks(self.bufs[0].copies()).unwrap();
+                        let slots: Vec<Slot> = self.bufs[0]
+                            .slot_mapping()
+                            .iter()
+                            .map(|&s| Slot(s as u64))
+                            .collect();
+                        let tag = self.next;
+                        self.next += 1;
+                        let first = self.live[k].tokens.len();
+                        self.write_slots(&slots, first, tag);
+                        write_state(&mut self.store, &pages, tag);
+                        self.kv.commit_step(&[(h, n)]).unwrap();
+                        self.live[k].tokens.extend(std::iter::repeat_n(tag, n));
+                        self.live[k].state = tag;
+                        self.batches += 1;
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
+            }
             Action::Compact => {
                 let pending = self.kv.plan_defragment_grouped().unwrap();
                 self.store
@@ -828,14 +913,14 @@ proptest! {
     }
 }
 
-/// The property run covers forks and swaps (not vacuous).
+/// The property run covers forks, swaps and batch steps (not vacuous).
 #[test]
 fn the_model_run_forks_and_swaps() {
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
         cases: 32,
         ..ProptestConfig::default()
     });
-    let seen = std::sync::Mutex::new((0, 0));
+    let seen = std::sync::Mutex::new((0, 0, 0));
     runner
         .run(&proptest::collection::vec(action(), 1..60), |actions| {
             let mut m = Model::new();
@@ -845,13 +930,15 @@ fn the_model_run_forks_and_swaps() {
             let mut s = seen.lock().unwrap();
             s.0 += usize::from(m.forks > 0);
             s.1 += usize::from(m.swaps > 0);
+            s.2 += usize::from(m.batches > 0);
             Ok(())
         })
         .unwrap();
-    let (forks, swaps) = seen.into_inner().unwrap();
+    let (forks, swaps, batches) = seen.into_inner().unwrap();
+    eprintln!("{forks} forks, {swaps} swaps, {batches} batch steps of 32 cases");
     assert!(
-        forks >= 16 && swaps >= 8,
-        "{forks} forks, {swaps} swaps of 32"
+        forks >= 16 && swaps >= 8 && batches >= 16,
+        "{forks} forks, {swaps} swaps, {batches} batch steps of 32"
     );
 }
 

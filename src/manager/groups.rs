@@ -60,7 +60,10 @@
 //!   [`KvCache::fork`], which returns no copies, refuses ([`Error::NotOnHybrid`]);
 //! * truncation below the computed tokens is refused ([`Error::StateRollback`]): the
 //!   state after token `p` cannot be recovered from the state after a later token, so
-//!   an engine that speculates keeps each draft's state itself;
+//!   an engine that speculates keeps each draft's state itself. A commit of fewer
+//!   tokens than were reserved (rejected drafts) is accepted as in any group: the
+//!   cache cannot see what the state kernel consumed, and the engine restores the
+//!   state of the accepted prefix from its per-draft copies;
 //! * swap moves the state pages like KV pages; recompute preemption frees them;
 //! * a model with a state group serves **no prefix hit** (no checkpoint of the state
 //!   at a prefix is kept): `cached_tokens` is 0 and every prompt token is computed;
@@ -143,6 +146,11 @@ impl GroupSpec {
     /// bytes. New state pages are not zeroed: the engine initialises a new
     /// sequence's state before its first step. `layout` must have the page bytes of
     /// the other groups, as for any group; the state group must not be group 0.
+    ///
+    /// The group's own counts of a sequence (`kv.group(g).num_computed_tokens`,
+    /// `readable_blocks`, its batch views' context lengths) are its own:
+    /// `pages_per_seq x block_size` "tokens", never the sequence's; the cache's
+    /// counts (`kv.num_computed_tokens`) are the sequence's.
     pub fn state(layout: KvLayout, pages_per_seq: usize) -> Self {
         GroupSpec {
             layout,
