@@ -7,8 +7,12 @@
 //! * a fork copies the state (the copy plan run on the storage), never shares it: the
 //!   child's state changes, the parent's bytes stay;
 //! * swap out and in carry the state byte for byte; recompute preemption frees it;
-//! * truncation below the computed tokens, the plain fork, export and prefix hits are
-//!   refused or cut, never answered wrongly; every failed call changes nothing;
+//! * truncation below the computed tokens, the plain fork and export are refused; a
+//!   prefix hit without a checkpoint is cut to 0, never answered wrongly; every
+//!   failed call changes nothing;
+//! * checkpoints: a hit resumes at the deepest position where the attention groups'
+//!   chain and a checkpoint agree, the checkpoint's bytes copied into the new state;
+//!   checkpoints survive compaction and are evicted least recently used first;
 //! * a model-based property test: every sequence's state and K/V bytes against a
 //!   shadow after every action (admit, append, state step, fork, free, swap,
 //!   compaction);
@@ -441,7 +445,7 @@ fn failed_calls_change_nothing_and_refusals_are_typed() {
 }
 
 #[test]
-fn a_model_with_a_state_group_serves_no_prefix_hit() {
+fn without_a_checkpoint_a_state_group_serves_no_prefix_hit() {
     let opts = AdmitOptions::default();
     let prompt: Vec<u32> = (0..4 * BS as u32).collect();
     // The control: the same attention group alone serves the hit.
@@ -488,6 +492,187 @@ fn a_model_with_a_state_group_serves_no_prefix_hit() {
     }
     assert_eq!(kv.cached_prefix_len(&prompt, &opts).unwrap(), 0);
     kv.check_invariants().unwrap();
+}
+
+/// Runs every copy plan of `step` on `store`.
+fn run_copies(store: &mut HostStorage, step: &GroupStep) {
+    for c in &step.copies {
+        store.copy_blocks(c).unwrap();
+    }
+}
+
+#[test]
+fn checkpoints_serve_hits_at_the_deepest_agreed_position_with_the_state_bytes() {
+    let pages = 32;
+    let mut kv = KvCache::hybrid_with_host_tier(&specs(), pages, 8).unwrap();
+    let mut store = HostStorage::with_host_tier(layout(), pages, 8).unwrap();
+    let mut step = GroupStep::default();
+    let opts = AdmitOptions::default();
+    let prompt = |n: u32| (0..n).collect::<Vec<u32>>();
+
+    // Sequence 1 computes 12 tokens; its state after them is tagged 12.
+    kv.admit_tokens_grouped(SeqId(1), &prompt(12), &opts, &mut step)
+        .unwrap();
+    write_state(&mut store, &state_pages(&kv, SeqId(1)), 12);
+    assert!(kv.checkpoint_grouped(SeqId(1), &mut step).unwrap());
+    assert_eq!(step.copies[1].len(), STATE_PAGES);
+    assert!(step.copies[0].is_empty());
+    run_copies(&mut store, &step);
+    assert_eq!(kv.num_state_checkpoints(), 1);
+    // Checkpoint pages are cached (free to take), not used by a sequence.
+    let st = kv.group_stats();
+    assert_eq!(st.used_per_group, vec![3, STATE_PAGES]);
+    assert_eq!(st.cached_pages, STATE_PAGES);
+    kv.check_invariants().unwrap();
+    // Again at the same prefix: nothing new.
+    assert!(!kv.checkpoint_grouped(SeqId(1), &mut step).unwrap());
+    assert!(step.copies.iter().all(|c| c.is_empty()));
+
+    // Sequence 1 goes on to 16 tokens; its state changes, the checkpoint's stays.
+    kv.append_tokens_grouped(SeqId(1), &[12, 13, 14, 15], &mut step)
+        .unwrap();
+    write_state(&mut store, &state_pages(&kv, SeqId(1)), 16);
+
+    // A prompt extending the first 12 tokens resumes from the checkpoint.
+    assert_eq!(kv.cached_prefix_len(&prompt(14), &opts).unwrap(), 12);
+    let a = kv
+        .admit_tokens_grouped(SeqId(2), &prompt(14), &opts, &mut step)
+        .unwrap();
+    assert_eq!(a.cached_tokens, 12);
+    assert_eq!(step.slots[0].len(), 2);
+    let s2 = state_pages(&kv, SeqId(2));
+    let pairs: Vec<BlockId> = step.copies[1].copies().iter().map(|c| c.dst).collect();
+    assert_eq!(pairs, s2);
+    run_copies(&mut store, &step);
+    assert_eq!(read_pages(&store, &s2), state_bytes(12, STATE_PAGES));
+
+    // The attention groups reach 16 tokens, a checkpoint only 12: the hit stops there.
+    assert_eq!(kv.cached_prefix_len(&prompt(20), &opts).unwrap(), 12);
+    // Checkpointed at 16 too, the deeper one serves.
+    assert!(kv.checkpoint_grouped(SeqId(1), &mut step).unwrap());
+    run_copies(&mut store, &step);
+    let a = kv
+        .admit_tokens_grouped(SeqId(3), &prompt(20), &opts, &mut step)
+        .unwrap();
+    assert_eq!(a.cached_tokens, 16);
+    run_copies(&mut store, &step);
+    assert_eq!(
+        read_pages(&store, &state_pages(&kv, SeqId(3))),
+        state_bytes(16, STATE_PAGES)
+    );
+    // A prompt that leaves the prefix at token 8 has no checkpoint there: no hit.
+    let mut other = prompt(14);
+    other[9] = 99;
+    assert_eq!(kv.cached_prefix_len(&other, &opts).unwrap(), 0);
+    // Another salt: another key, no hit.
+    let salted = AdmitOptions {
+        cache_salt: b"tenant",
+        ..AdmitOptions::default()
+    };
+    assert_eq!(kv.cached_prefix_len(&prompt(14), &salted).unwrap(), 0);
+    // The chunked admission hands out no copies: no hit with a state group.
+    let a = kv
+        .admit_prompt_grouped(SeqId(4), &prompt(14), &opts)
+        .unwrap();
+    assert_eq!(a.cached_tokens, 0);
+    kv.free(SeqId(4)).unwrap();
+    kv.check_invariants().unwrap();
+
+    // Compaction moves checkpoint pages with their bytes.
+    kv.free(SeqId(1)).unwrap();
+    let pending = kv.plan_defragment_grouped().unwrap();
+    store.copy_blocks(&pending.plan().to_copy_plan()).unwrap();
+    pending.commit().unwrap();
+    kv.check_invariants().unwrap();
+    let a = kv
+        .admit_tokens_grouped(SeqId(5), &prompt(14), &opts, &mut step)
+        .unwrap();
+    assert_eq!(a.cached_tokens, 12);
+    run_copies(&mut store, &step);
+    assert_eq!(
+        read_pages(&store, &state_pages(&kv, SeqId(5))),
+        state_bytes(12, STATE_PAGES)
+    );
+    kv.check_invariants().unwrap();
+
+    // A checkpoint needs the sequence idle.
+    kv.reserve_grouped(SeqId(5), 1, 0, &mut step).unwrap();
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.checkpoint_grouped(SeqId(5), &mut step),
+        Err(Error::SequenceState { .. })
+    ));
+    assert!(matches!(
+        kv.checkpoint_grouped(SeqId(77), &mut step),
+        Err(Error::UnknownSequence(SeqId(77)))
+    ));
+    assert_eq!(snapshot(&kv), before);
+    kv.commit(SeqId(5), 1).unwrap();
+
+    // When the arena needs pages, checkpoints are evicted (least recently used
+    // first) rather than failing the admission.
+    let free = kv.group_stats().free_pages;
+    assert_eq!(free, pages - kv.group_stats().used_pages);
+    let tokens = (free - STATE_PAGES) * BS;
+    kv.admit_grouped(SeqId(6), tokens, &mut step).unwrap();
+    assert_eq!(kv.num_state_checkpoints(), 0);
+    assert_eq!(kv.group_stats().free_pages, 0);
+    kv.check_invariants().unwrap();
+    // No room for a checkpoint now: refused, nothing changed.
+    kv.free(SeqId(6)).unwrap();
+    kv.admit_grouped(SeqId(6), tokens, &mut step).unwrap();
+    let before = snapshot(&kv);
+    let r = kv.checkpoint_grouped(SeqId(5), &mut step);
+    assert!(
+        matches!(r, Ok(false) | Err(Error::OutOfBlocks { .. })),
+        "{r:?}"
+    );
+    assert_eq!(snapshot(&kv), before);
+    for id in kv.sequence_ids().collect::<Vec<_>>() {
+        kv.free(id).unwrap();
+    }
+    kv.evict_cached(usize::MAX);
+    let st = kv.group_stats();
+    assert_eq!(
+        (st.used_pages, st.free_pages, st.cached_pages),
+        (0, pages, 0)
+    );
+    kv.check_invariants().unwrap();
+}
+
+/// An arena full of live sequences and checkpoints: a new checkpoint evicts the
+/// least recently used one (a repeated checkpoint call counts as a use).
+#[test]
+fn checkpoints_evict_the_least_recently_used_first() {
+    // One state page per sequence; 8 pages.
+    let specs = [GroupSpec::full(layout()), GroupSpec::state(layout(), 1)];
+    let mut kv = KvCache::hybrid(&specs, 8).unwrap();
+    let mut step = GroupStep::default();
+    let opts = AdmitOptions::default();
+    let prompt = |f: u32| [f + 10; BS];
+    // Three live sequences of one block each: 3 KV + 3 state pages.
+    for f in 0..3u32 {
+        kv.admit_tokens_grouped(SeqId(f as u64 + 1), &prompt(f), &opts, &mut step)
+            .unwrap();
+    }
+    assert!(kv.checkpoint_grouped(SeqId(1), &mut step).unwrap());
+    assert!(kv.checkpoint_grouped(SeqId(2), &mut step).unwrap());
+    assert_eq!(kv.group_stats().free_pages, 2); // the two checkpoints' pages
+                                                // Use the first again: the second is now the least recently used.
+    assert!(!kv.checkpoint_grouped(SeqId(1), &mut step).unwrap());
+    assert!(kv.checkpoint_grouped(SeqId(3), &mut step).unwrap());
+    assert_eq!(kv.num_state_checkpoints(), 2);
+    kv.check_invariants().unwrap();
+    let hit = |kv: &KvCache, f: u32| {
+        let mut p = prompt(f).to_vec();
+        p.push(1);
+        kv.cached_prefix_len(&p, &opts).unwrap()
+    };
+    assert_eq!(
+        (hit(&kv, 0), hit(&kv, 1), hit(&kv, 2)),
+        (BS, 0, BS),
+        "the least recently used went"
+    );
 }
 
 /// The page waste of the state of real hybrid models: the planner's state bytes

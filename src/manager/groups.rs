@@ -65,8 +65,10 @@
 //!   cache cannot see what the state kernel consumed, and the engine restores the
 //!   state of the accepted prefix from its per-draft copies;
 //! * swap moves the state pages like KV pages; recompute preemption frees them;
-//! * a model with a state group serves **no prefix hit** (no checkpoint of the state
-//!   at a prefix is kept): `cached_tokens` is 0 and every prompt token is computed;
+//! * prefix hits resume from **checkpoints** of the state ([`KvCache::checkpoint_grouped`],
+//!   `groups/checkpoints.rs`): a hit stops at the deepest position where the attention
+//!   groups' cached chain and a checkpoint agree, and without a checkpoint there is no
+//!   hit (`cached_tokens` 0, every prompt token computed);
 //! * export and import of a sequence refuse ([`Error::NotOnHybrid`]).
 //!
 //! The state takes whole pages of the arena: a state of `B` bytes per sequence takes
@@ -92,8 +94,11 @@ const LENDER: SeqId = SeqId(u64::MAX);
 const HOST_LENDER: SeqId = SeqId(u64::MAX - 1);
 
 pub(super) fn is_hidden(seq: SeqId) -> bool {
-    seq == LENDER || seq == HOST_LENDER
+    seq == LENDER || seq == HOST_LENDER || seq == CHECKPOINTS
 }
+
+mod checkpoints;
+use checkpoints::{Checkpoints, CHECKPOINTS};
 
 const NOT_LENT: u32 = u32::MAX;
 
@@ -160,8 +165,8 @@ impl GroupSpec {
     }
 
     /// [`Self::state`] for a state of `bytes_per_seq` bytes per sequence (all of the
-    /// group's recurrent layers together, as [`crate::plan::StatePlan`]'s
-    /// `bytes_per_sequence` gives it): `ceil(bytes_per_seq / layout.block_bytes())`
+    /// group's recurrent layers together, as the planner's
+    /// `StatePlan::bytes_per_sequence` gives it, feature `planner`): `ceil(bytes_per_seq / layout.block_bytes())`
     /// pages. The padding of the last page, [`Self::state_waste_bytes`], is the only
     /// waste: below one page per sequence.
     ///
@@ -270,6 +275,8 @@ pub(crate) struct Groups {
     /// `state_pages[g]`: the pages each sequence holds in group `g` when it is a
     /// recurrent-state group ([`GroupSpec::state`]).
     state_pages: Vec<Option<usize>>,
+    /// The state groups' prefix checkpoints (`groups/checkpoints.rs`).
+    checkpoints: Checkpoints,
 }
 
 impl Groups {
@@ -384,6 +391,9 @@ impl Groups {
             kv.seqs.reserve_room(1)?;
             kv.seqs.insert(LENDER, Sequence::default())?;
             kv.insert_host_lender(HOST_LENDER);
+            if spec.state_pages.is_some() {
+                kv.insert_checkpoint_holder()?;
+            }
             let mut pos = vec![NOT_LENT; num_pages];
             let mut host_pos = vec![NOT_LENT; num_host_blocks];
             if g > 0 {
@@ -417,6 +427,7 @@ impl Groups {
             peak_used_pages: 0,
             page_moves: 0,
             state_pages: specs.iter().map(|s| s.state_pages).collect(),
+            checkpoints: Checkpoints::default(),
         })
     }
 
@@ -522,7 +533,11 @@ impl Groups {
     /// Pages of the whole arena an allocation can obtain: free, or cached in a
     /// group's prefix cache (evicted when taken).
     pub fn num_free_pages(&self) -> usize {
-        self.groups.iter().map(|kv| kv.num_available_blocks()).sum()
+        self.groups
+            .iter()
+            .map(|kv| kv.num_available_blocks())
+            .sum::<usize>()
+            + self.evictable_checkpoint_pages()
     }
 
     /// Whether a new sequence of `num_tokens` tokens fits in every group at once while
@@ -669,7 +684,7 @@ impl Groups {
     /// [`Error::PrefixKeyTooLong`] (for the cache salt, the extra key or a block key).
     pub fn cached_prefix_len(&self, tokens: &[u32], opts: &AdmitOptions<'_>) -> Result<usize> {
         let mut hits = Vec::new();
-        Ok(self.common_hit(tokens, opts, &mut hits)?.0)
+        Ok(self.common_hit(tokens, opts, true, &mut hits)?.0)
     }
 
     /// Admits `seq` with prompt `tokens` in every group, sharing the cached prefix every
@@ -712,6 +727,23 @@ impl Groups {
         step: &mut GroupStep,
     ) -> Result<Admission> {
         step.reset(self.groups.len());
+        let done = self.admit_tokens_pinned(seq, tokens, opts, step);
+        // Unpins the checkpoint the admission copied, if any.
+        match done {
+            Ok(_) => self.use_pinned_checkpoint(),
+            Err(_) => self.pin_checkpoint(None),
+        }
+        done
+    }
+
+    /// [`Self::admit_tokens`] with the hit's checkpoint pinned (by `admit_hit`).
+    fn admit_tokens_pinned(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        opts: &AdmitOptions<'_>,
+        step: &mut GroupStep,
+    ) -> Result<Admission> {
         let mut sum = self.admit_hit(seq, tokens, opts, true)?;
         let cached = sum.cached_tokens;
         let mut state = 0;
@@ -736,6 +768,8 @@ impl Groups {
         if let Ok(registered) = done {
             sum.registered_blocks = registered;
         }
+        // The state resumes from the checkpoint: copied into the new state pages.
+        let done = done.and_then(|_| self.copy_from_pinned(seq, step));
         if let Err(e) = done {
             // Unreachable after the check of `admit_hit`; undo all the same.
             for kv in &mut self.groups {
@@ -789,7 +823,11 @@ impl Groups {
             });
         }
         let mut hits = Vec::new();
-        let (cached, source) = self.common_hit(tokens, opts, &mut hits)?;
+        let (cached, source, checkpoint) =
+            self.common_hit(tokens, opts, whole_prompt, &mut hits)?;
+        // The checkpoint the state groups resume from stays until the admission
+        // copied it (the caller unpins).
+        self.pin_checkpoint(checkpoint);
         // Every group's need, revivals of cached hit pages included, against the
         // arena's free and evictable pages, before anything changes. A window group's
         // hit blocks are held by `source` already; its holes need no page.
@@ -1314,7 +1352,8 @@ impl Groups {
         for kv in &mut self.groups {
             evicted += kv.evict_cached(max_pages - evicted);
         }
-        evicted
+        // Then the state groups' checkpoints (whole ones only).
+        evicted + self.evict_checkpoints(max_pages - evicted).unwrap_or(0)
     }
 
     /// Whether `seq` is swapped out (in every group).
@@ -1335,7 +1374,12 @@ impl Groups {
             num_pages: self.num_pages,
             used_pages,
             free_pages: self.num_free_pages(),
-            cached_pages: self.groups.iter().map(|kv| kv.pool.num_cached()).sum(),
+            cached_pages: self
+                .groups
+                .iter()
+                .map(|kv| kv.pool.num_cached())
+                .sum::<usize>()
+                + self.evictable_checkpoint_pages(),
             peak_used_pages: self.peak_used_pages.max(used_pages),
             owned_per_group: self.lent.iter().map(|l| self.num_pages - l).collect(),
             used_per_group,
@@ -1352,7 +1396,10 @@ impl Groups {
         let mut slots = 0;
         for (g, kv) in self.groups.iter().enumerate() {
             // The lender holds each page it lends as a full block of its own.
-            live += kv.live_token_slots - self.lent[g] * kv.block_size();
+            // The lender holds each page it lends as a full block of its own, and a
+            // state group's checkpoint holder each checkpoint page.
+            live += kv.live_token_slots
+                - (self.lent[g] + self.checkpoint_pages_of(g)) * kv.block_size();
             slots += self.own_used(g) * kv.block_size();
         }
         super::CacheStats {
@@ -1474,9 +1521,13 @@ impl Groups {
             }
         }
         self.check_state_groups()?;
-        if self.groups.iter().any(|kv| kv.seqs.len() != kv0.seqs.len()) {
+        // A state group holds its checkpoints' hidden holder besides.
+        let seqs =
+            |g: usize| self.groups[g].seqs.len() - usize::from(self.state_pages[g].is_some());
+        if (0..self.groups.len()).any(|g| seqs(g) != seqs(0)) {
             return Err("groups hold different numbers of sequences".into());
         }
+        self.check_checkpoints()?;
         Ok(())
     }
 
@@ -1682,21 +1733,33 @@ impl Groups {
         &self,
         tokens: &[u32],
         opts: &AdmitOptions<'_>,
+        state_hits: bool,
         hits: &mut Vec<PrefixHit>,
-    ) -> Result<(usize, Option<SeqId>)> {
+    ) -> Result<(usize, Option<SeqId>, Option<usize>)> {
         hits.resize_with(self.groups.len(), PrefixHit::default);
         let mut cached = usize::MAX;
-        for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
+        for ((kv, hit), state) in self
+            .groups
+            .iter()
+            .zip(hits.iter_mut())
+            .zip(&self.state_pages)
+        {
             let found = kv.lookup_prefix(tokens, opts, hit)?;
-            if kv.window.is_none() {
+            // A state group's own cache holds nothing (its checkpoints are below).
+            if kv.window.is_none() && state.is_none() {
                 cached = cached.min(found);
             }
         }
+        let mut checkpoint = None;
         if self.has_state_group() {
-            // A state group keeps no checkpoint of the state after a prefix, so no
-            // hit can resume it: a model with one serves no prefix hit (its state
-            // group's cache never registers anything either; cut here all the same).
-            cached = 0;
+            // A state group resumes only from a checkpoint at exactly the hit's end
+            // (`groups/checkpoints.rs`): the deepest one the attention groups' hit
+            // reaches, or no hit. `state_hits` false (an admission that cannot hand
+            // out the checkpoint's copies): no hit.
+            (cached, checkpoint) = match state_hits {
+                true => self.checkpoint_hit(hits[0].blocks(), cached),
+                false => (0, None),
+            };
         }
         if cached == usize::MAX {
             // Window groups only: no group registers anything.
@@ -1708,7 +1771,9 @@ impl Groups {
             let agreed = self
                 .groups
                 .iter()
-                .map(|kv| cached / kv.block_size() * kv.block_size())
+                .zip(&self.state_pages)
+                .filter(|(_, state)| state.is_none())
+                .map(|(kv, _)| cached / kv.block_size() * kv.block_size())
                 .min()
                 .unwrap_or(0);
             if agreed == cached {
@@ -1723,7 +1788,7 @@ impl Groups {
         for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
             hit.truncate_blocks(cached / kv.block_size());
         }
-        Ok((cached, source))
+        Ok((cached, source, checkpoint))
     }
 
     /// The longest hit of at most `cached` tokens the window groups can serve, and the
@@ -1796,12 +1861,18 @@ impl Groups {
         for to in 0..self.groups.len() {
             while self.groups[to].num_available_blocks() < self.needs[to] {
                 let from = (0..self.groups.len())
-                    .find(|&h| h != to && self.groups[h].num_available_blocks() > self.needs[h])
-                    .ok_or(Error::OutOfBlocks {
-                        needed: total,
-                        free,
-                    })?;
-                self.move_page(from, to)?;
+                    .find(|&h| h != to && self.groups[h].num_available_blocks() > self.needs[h]);
+                match from {
+                    Some(from) => self.move_page(from, to)?,
+                    // The state groups' checkpoints are the last pages to take.
+                    None if self.evict_checkpoint()? => {}
+                    None => {
+                        return Err(Error::OutOfBlocks {
+                            needed: total,
+                            free,
+                        })
+                    }
+                }
             }
         }
         Ok(())
@@ -1851,7 +1922,7 @@ impl Groups {
 
     /// Pages group `g`'s sequences hold.
     fn own_used(&self, g: usize) -> usize {
-        self.groups[g].pool.num_live() - self.lent[g]
+        self.groups[g].pool.num_live() - self.lent[g] - self.checkpoint_pages_of(g)
     }
 
     fn note_usage(&mut self) {

@@ -200,6 +200,66 @@ impl KvCache {
         }
     }
 
+    /// Checkpoints the state of `seq` for prefix caching: when the cache has a
+    /// recurrent-state group ([`GroupSpec::state`]), `seq` holds no reservation, its
+    /// computed tokens end on a block boundary of group 0 and that block is
+    /// registered in group 0's prefix cache (the sequence was admitted or extended
+    /// with token ids), the state after those tokens is copied into pages the cache
+    /// owns: `step.copies[g]` of each state group, to run **after** the step that
+    /// computed those tokens wrote the state and before the sequence's next step
+    /// changes it. Returns whether a checkpoint was made (false, with no copies,
+    /// when any condition fails, or when one exists already at that prefix).
+    ///
+    /// A later [`Self::admit_tokens_grouped`] of a prompt that extends the prefix
+    /// resumes from the deepest position where the attention groups' cached chain
+    /// reaches and a checkpoint sits at exactly that position: its `cached_tokens`
+    /// stop there, and `step.copies[g]` copies the checkpoint into the new sequence's
+    /// state pages. Checkpoint pages count as free (as cached pages do): the least
+    /// recently used is evicted when the arena needs pages. [`Self::admit_prompt_grouped`]
+    /// (which hands out no copies) serves no hit on a cache with a state group, nor
+    /// does a cache that also has a window group or attention groups of another
+    /// block size than group 0's.
+    ///
+    /// ```
+    /// use pagedkv::{AdmitOptions, DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape,
+    ///               SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 8,
+    ///                          kv_dtype: DType::BF16 };
+    /// let l = KvLayout::new(shape, 16)?;
+    /// let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::state(l, 2)], 64)?;
+    /// let (opts, mut step) = (AdmitOptions::default(), GroupStep::default());
+    /// let prompt: Vec<u32> = (0..32).collect();
+    /// kv.admit_tokens_grouped(SeqId(1), &prompt, &opts, &mut step)?; // the engine computes it
+    /// assert!(kv.checkpoint_grouped(SeqId(1), &mut step)?);        // state after 32 tokens
+    /// assert_eq!(step.copies[1].len(), 2);
+    /// let longer: Vec<u32> = (0..40).collect();
+    /// let a = kv.admit_tokens_grouped(SeqId(2), &longer, &opts, &mut step)?;
+    /// assert_eq!(a.cached_tokens, 32);            // resumes from the checkpoint
+    /// assert_eq!(step.copies[1].len(), 2);        // checkpoint -> the new state pages
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped out,
+    /// has a swap in flight or holds a reservation; [`Error::OutOfBlocks`] when the
+    /// arena has no room for the checkpoint even after evicting the others. Nothing
+    /// changed on error.
+    pub fn checkpoint_grouped(&mut self, seq: SeqId, step: &mut GroupStep) -> Result<bool> {
+        match &mut self.hybrid {
+            Some(h) => h.checkpoint(seq, step),
+            None => {
+                step.one_group();
+                self.resident(seq).map(|_| false)
+            }
+        }
+    }
+
+    /// State checkpoints held for prefix caching ([`Self::checkpoint_grouped`]).
+    pub fn num_state_checkpoints(&self) -> usize {
+        self.hybrid.as_ref().map_or(0, |h| h.num_checkpoints())
+    }
+
     /// Bytes of one block (a page: every group's block has this size).
     pub fn block_bytes(&self) -> usize {
         self.group(0).layout.block_bytes()
