@@ -739,10 +739,14 @@ enum Action {
     Compact,
     /// Admit a prompt of `n` tokens of family `f` (repeated prompts: the attention
     /// group registers and would hit; a state group serves no hit).
-    AdmitTokens(u32, usize),
+    /// With `true`, the state is checkpointed right after the prompt (an engine that
+    /// checkpoints the end of every prompt).
+    AdmitTokens(u32, usize, bool),
     /// A batch step of `n` query tokens of sequence `i` through `StepBuffers`, its
     /// state rewritten.
     Batch(usize, usize),
+    /// Checkpoint sequence `i`'s state (made only at a registered block boundary).
+    Checkpoint(usize),
 }
 
 fn action() -> impl Strategy<Value = Action> {
@@ -751,17 +755,19 @@ fn action() -> impl Strategy<Value = Action> {
         3 => (any::<usize>(), 1..6usize).prop_map(|(i, n)| Action::Append(i, n)),
         4 => any::<usize>().prop_map(Action::Step),
         3 => any::<usize>().prop_map(Action::Fork),
-        2 => any::<usize>().prop_map(Action::Free),
+        4 => any::<usize>().prop_map(Action::Free),
         2 => any::<usize>().prop_map(Action::SwapOut),
         2 => any::<usize>().prop_map(Action::SwapIn),
         1 => (any::<usize>(), 0..8usize).prop_map(|(i, n)| Action::Truncate(i, n)),
         1 => Just(Action::Compact),
-        2 => (0..3u32, 1..20usize).prop_map(|(f, n)| Action::AdmitTokens(f, n)),
+        5 => (0..2u32, prop_oneof![1..20usize, (1..5usize).prop_map(|k| k * BS)], any::<bool>())
+            .prop_map(|(f, n, c)| Action::AdmitTokens(f, n, c)),
         2 => (any::<usize>(), 1..6usize).prop_map(|(i, n)| Action::Batch(i, n)),
+        2 => any::<usize>().prop_map(Action::Checkpoint),
     ]
 }
 
-const PAGES: usize = 24;
+const PAGES: usize = 40;
 const HOST: usize = 12;
 
 /// A live or swapped sequence in the shadow: its state's tag and the K/V value tag
@@ -771,6 +777,8 @@ struct Shadow {
     id: SeqId,
     state: u64,
     tokens: Vec<u64>,
+    /// The prompt family of a sequence admitted with token ids.
+    family: Option<u32>,
 }
 
 struct Model {
@@ -784,6 +792,9 @@ struct Model {
     swaps: usize,
     bufs: Vec<StepBuffers>,
     batches: usize,
+    /// The state tag each checkpoint made holds, by (family, position).
+    checkpoints: std::collections::HashMap<(u32, usize), u64>,
+    state_hits: usize,
 }
 
 fn kv_value(tag: u64, pos: usize) -> f32 {
@@ -803,6 +814,8 @@ impl Model {
             swaps: 0,
             bufs: (0..2).map(|_| StepBuffers::new(4, 16, PAGES)).collect(),
             batches: 0,
+            checkpoints: Default::default(),
+            state_hits: 0,
         }
     }
 
@@ -865,6 +878,29 @@ impl Model {
         assert_eq!(st.used_per_group[1], self.live.len() * STATE_PAGES);
     }
 
+    /// Checkpoints live sequence `k`, running the copies and recording the state tag
+    /// the checkpoint holds.
+    fn checkpoint(&mut self, k: usize, before: &[String]) -> Result<(), Error> {
+        let s = &self.live[k];
+        match self.kv.checkpoint_grouped(s.id, &mut self.step) {
+            Ok(true) => {
+                let f = s.family.expect("only prompts with ids register");
+                assert_eq!(s.tokens.len() % BS, 0);
+                self.checkpoints.insert((f, s.tokens.len()), s.state);
+                for c in &self.step.copies {
+                    self.store.copy_blocks(c).unwrap();
+                }
+                Ok(())
+            }
+            Ok(false) => {
+                assert!(self.step.copies.iter().all(|c| c.is_empty()));
+                assert_eq!(snapshot(&self.kv), before);
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     fn apply(&mut self, a: &Action) {
         let before = snapshot(&self.kv);
         let pick = |i: usize, v: &[Shadow]| (!v.is_empty()).then(|| i % v.len());
@@ -881,6 +917,7 @@ impl Model {
                         id,
                         state: id.0,
                         tokens: vec![id.0; n],
+                        family: None,
                     });
                 }
                 r
@@ -987,29 +1024,47 @@ impl Model {
                 }
                 r
             }
-            Action::AdmitTokens(f, n) => {
+            Action::AdmitTokens(f, n, checkpoint) => {
                 let id = SeqId(self.next);
                 self.next += 1;
                 let tokens = vec![f; n];
                 let opts = AdmitOptions::default();
-                assert_eq!(self.kv.cached_prefix_len(&tokens, &opts).unwrap(), 0);
+                let looked = self.kv.cached_prefix_len(&tokens, &opts).unwrap();
                 match self
                     .kv
                     .admit_tokens_grouped(id, &tokens, &opts, &mut self.step)
                 {
                     Ok(a) => {
-                        assert_eq!(a.cached_tokens, 0, "a hit with a state group");
-                        assert_eq!(self.step.slots[0].len(), n);
+                        let c = a.cached_tokens;
+                        assert_eq!(c, looked);
+                        assert_eq!(self.step.slots[0].len(), n - c);
                         // Every sequence of the family writes the same K/V (as the
-                        // same prompt computes), so a shared block would hold it.
-                        self.write_kv(0, 100_000 + f as u64);
+                        // same prompt computes), so a shared block holds it.
+                        self.write_kv(c, 100_000 + f as u64);
                         let pages = state_pages(&self.kv, id);
+                        if c > 0 {
+                            // Resumed from a checkpoint at exactly `c`: its bytes.
+                            let tag = self.checkpoints[&(f, c)];
+                            assert_eq!(
+                                read_pages(&self.store, &pages),
+                                state_bytes(tag, STATE_PAGES),
+                                "the state resumed at {c}"
+                            );
+                            self.state_hits += 1;
+                        } else {
+                            assert!(self.step.copies[1].is_empty());
+                        }
                         write_state(&mut self.store, &pages, id.0);
                         self.live.push(Shadow {
                             id,
                             state: id.0,
                             tokens: vec![100_000 + f as u64; n],
+                            family: Some(f),
                         });
+                        if checkpoint {
+                            let before = snapshot(&self.kv);
+                            let _ = self.checkpoint(self.live.len() - 1, &before);
+                        }
                         Ok(())
                     }
                     Err(e) => Err(e),
@@ -1053,6 +1108,10 @@ impl Model {
                     }
                     Err(e) => Err(e),
                 }
+            }
+            Action::Checkpoint(i) => {
+                let Some(k) = pick(i, &self.live) else { return };
+                self.checkpoint(k, &before)
             }
             Action::Compact => {
                 let pending = self.kv.plan_defragment_grouped().unwrap();
@@ -1098,14 +1157,20 @@ proptest! {
     }
 }
 
-/// The property run covers forks, swaps and batch steps (not vacuous).
+/// The property run covers forks, swaps, batch steps and checkpoint hits (not vacuous).
 #[test]
 fn the_model_run_forks_and_swaps() {
-    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
-        cases: 32,
-        ..ProptestConfig::default()
-    });
-    let seen = std::sync::Mutex::new((0, 0, 0));
+    // A fixed seed: the counts below are the same every run.
+    let mut runner = proptest::test_runner::TestRunner::new_with_rng(
+        ProptestConfig {
+            cases: 32,
+            ..ProptestConfig::default()
+        },
+        proptest::test_runner::TestRng::deterministic_rng(
+            proptest::test_runner::RngAlgorithm::ChaCha,
+        ),
+    );
+    let seen = std::sync::Mutex::new((0, 0, 0, 0));
     runner
         .run(&proptest::collection::vec(action(), 1..60), |actions| {
             let mut m = Model::new();
@@ -1116,14 +1181,17 @@ fn the_model_run_forks_and_swaps() {
             s.0 += usize::from(m.forks > 0);
             s.1 += usize::from(m.swaps > 0);
             s.2 += usize::from(m.batches > 0);
+            s.3 += usize::from(m.state_hits > 0);
             Ok(())
         })
         .unwrap();
-    let (forks, swaps, batches) = seen.into_inner().unwrap();
-    eprintln!("{forks} forks, {swaps} swaps, {batches} batch steps of 32 cases");
+    let (forks, swaps, batches, hits) = seen.into_inner().unwrap();
+    eprintln!(
+        "{forks} forks, {swaps} swaps, {batches} batch steps, {hits} checkpoint hits of 32 cases"
+    );
     assert!(
-        forks >= 16 && swaps >= 8 && batches >= 16,
-        "{forks} forks, {swaps} swaps, {batches} batch steps of 32"
+        forks >= 16 && swaps >= 8 && batches >= 16 && hits >= 4,
+        "{forks} forks, {swaps} swaps, {batches} batch steps, {hits} checkpoint hits of 32"
     );
 }
 
