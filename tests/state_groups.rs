@@ -675,6 +675,34 @@ fn checkpoints_evict_the_least_recently_used_first() {
     );
 }
 
+/// A checkpoint whose prefix the attention group no longer caches serves no hit: it
+/// is evicted before a usable one, even a less recently used one.
+#[test]
+fn checkpoints_whose_prefix_is_gone_are_evicted_first() {
+    let specs = [GroupSpec::full(layout()), GroupSpec::state(layout(), 1)];
+    let mut kv = KvCache::hybrid(&specs, 8).unwrap();
+    let mut step = GroupStep::default();
+    let opts = AdmitOptions::default();
+    let hit = |kv: &KvCache, f: u32| kv.cached_prefix_len(&[f, f, f, f, 1], &opts).unwrap();
+    // A: live, its chain cached. B: newer, freed, then its block evicted.
+    kv.admit_tokens_grouped(SeqId(1), &[10; BS], &opts, &mut step)
+        .unwrap();
+    assert!(kv.checkpoint_grouped(SeqId(1), &mut step).unwrap());
+    kv.admit_tokens_grouped(SeqId(2), &[11; BS], &opts, &mut step)
+        .unwrap();
+    assert!(kv.checkpoint_grouped(SeqId(2), &mut step).unwrap());
+    kv.free(SeqId(2)).unwrap();
+    assert_eq!((hit(&kv, 10), hit(&kv, 11)), (BS, BS));
+    assert_eq!(kv.evict_cached(1), 1); // B's attention block
+    assert_eq!(hit(&kv, 11), 0);
+    assert_eq!(kv.num_state_checkpoints(), 2);
+    // 8 pages: A's 2, two checkpoints; 4 free. Taking 5 evicts one checkpoint: B's.
+    kv.admit_grouped(SeqId(3), 4 * BS, &mut step).unwrap();
+    assert_eq!(kv.num_state_checkpoints(), 1);
+    assert_eq!(hit(&kv, 10), BS, "the usable checkpoint stays");
+    kv.check_invariants().unwrap();
+}
+
 /// The page waste of the state of real hybrid models: the planner's state bytes
 /// per sequence in pages of the model's own KV block (16 tokens), and the same state
 /// through `GroupSpec::state_for_bytes`. Printed with `--nocapture`.

@@ -13,8 +13,9 @@
 //! pages slot after slot (`pages_per_seq` each; removing a slot moves the last one
 //! into it), so compaction moves them like any page and the group's invariants count
 //! them. Checkpoint pages count as free for every allocation (as cached blocks do):
-//! when the arena runs short, the least recently used checkpoint is evicted first
-//! (never the one an admission is copying from).
+//! when the arena runs short, a checkpoint whose prefix group 0's cache no longer
+//! holds goes first (it can serve no hit), then the least recently used (never the
+//! one an admission is copying from).
 
 use std::collections::HashMap;
 
@@ -178,12 +179,18 @@ impl Groups {
         Ok(())
     }
 
-    /// Evicts the least recently used checkpoint that is not pinned; false when none.
+    /// Evicts a checkpoint that is not pinned: first one whose prefix group 0's cache
+    /// no longer holds (it can serve no hit), else the least recently used; false
+    /// when none.
     pub(in crate::manager) fn evict_checkpoint(&mut self) -> Result<bool> {
         let pinned = self.checkpoints.pinned;
+        let kv0 = &self.groups[0];
         let lru = (0..self.checkpoints.slots.len())
             .filter(|&s| Some(s) != pinned)
-            .min_by_key(|&s| self.checkpoints.slots[s].last_used);
+            .min_by_key(|&s| {
+                let slot = &self.checkpoints.slots[s];
+                (kv0.prefix.block_of(slot.hash).is_some(), slot.last_used)
+            });
         match lru {
             Some(s) => self.remove_checkpoint(s).map(|()| true),
             None => Ok(false),
