@@ -255,6 +255,22 @@ pub enum Error {
         /// The cache's groups.
         groups: usize,
     },
+    /// A truncation below the computed tokens of a sequence whose cache has a
+    /// recurrent-state group: the state holds the whole computed context and cannot
+    /// be rolled back (an engine that speculates keeps the state of each draft
+    /// itself and truncates only past the computed tokens).
+    #[error(
+        "{seq}: truncating to {new_len} tokens would roll back a recurrent state that \
+         holds {computed} computed tokens"
+    )]
+    StateRollback {
+        /// The sequence.
+        seq: SeqId,
+        /// Its computed tokens (the state's position).
+        computed: usize,
+        /// The length asked for.
+        new_len: usize,
+    },
     /// Tensor parallelism: the KV heads do not split evenly over the shards.
     #[error("{num_kv_heads} KV heads do not split evenly over {num_shards} shards")]
     UnevenHeadSplit {

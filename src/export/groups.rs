@@ -110,12 +110,28 @@ struct Part<'a> {
     record_len: usize,
 }
 
+/// A recurrent-state group's pages are not carried by the format yet: refuse rather
+/// than move a sequence without its state.
+fn refuse_state_groups(groups: &KvCache, operation: &'static str) -> Result<()> {
+    match (0..groups.num_groups()).any(|g| groups.group_state_pages(g).is_some()) {
+        true => Err(Error::NotOnHybrid {
+            operation,
+            groups: groups.num_groups(),
+        }),
+        false => Ok(()),
+    }
+}
+
 fn parts<'a, S: Storage + ?Sized>(
     groups: &'a KvCache,
     storage: &S,
     seq: SeqId,
     with_token_ids: bool,
 ) -> Result<(usize, Vec<Part<'a>>)> {
+    refuse_state_groups(
+        groups,
+        "export of a sequence of a cache with a recurrent-state group",
+    )?;
     if !groups.contains(seq) {
         return Err(Error::UnknownSequence(seq));
     }
@@ -471,6 +487,10 @@ impl<'a> GroupExportView<'a> {
         groups: &KvCache,
         storage: &S,
     ) -> Result<Vec<usize>> {
+        refuse_state_groups(
+            groups,
+            "import of a sequence into a cache with a recurrent-state group",
+        )?;
         if self.records.len() != groups.num_groups() {
             return Err(Error::ExportShape {
                 what: "num_groups",

@@ -40,6 +40,42 @@
 //!
 //! Export and import of one sequence across every group (window holes stay holes):
 //! [`crate::export::groups`].
+//!
+//! **Recurrent-state groups** ([`GroupSpec::state`]: the Mamba, Mamba-2 or gated
+//! DeltaNet layers of a hybrid model) hold a fixed state per sequence, whatever its
+//! length: every sequence holds exactly the group's `pages_per_seq` pages from its
+//! admission to its free. Inside, the group is a one-group manager like the others
+//! whose sequences are `pages_per_seq` full blocks of computed "tokens" of its own
+//! (never registered, never reserved), so lending, swap, compaction and invariants
+//! run unchanged. Call by call:
+//!
+//! * admission allocates the state pages (counted by `can_admit` and `admit_pages`);
+//!   `step.slots[g]` stays empty (no K/V slot);
+//! * appends, reservations and commits allocate and change nothing in the group; in a
+//!   batch step ([`KvCache::reserve_step_grouped`]) the group's buffers carry group
+//!   0's rows, positions and context lengths, every slot `-1`, and each row's table is
+//!   the sequence's state pages: that is where the kernel finds the state;
+//! * [`KvCache::fork_grouped`] gives the child pages of its own and copies the state
+//!   (one copy per page in the group's `CopyPlan`); a state page is never shared.
+//!   [`KvCache::fork`], which returns no copies, refuses ([`Error::NotOnHybrid`]);
+//! * truncation below the computed tokens is refused ([`Error::StateRollback`]): the
+//!   state after token `p` cannot be recovered from the state after a later token, so
+//!   an engine that speculates keeps each draft's state itself. A commit of fewer
+//!   tokens than were reserved (rejected drafts) is accepted as in any group: the
+//!   cache cannot see what the state kernel consumed, and the engine restores the
+//!   state of the accepted prefix from its per-draft copies;
+//! * swap moves the state pages like KV pages; recompute preemption frees them;
+//! * prefix hits resume from **checkpoints** of the state ([`KvCache::checkpoint_grouped`],
+//!   `groups/checkpoints.rs`): a hit stops at the deepest position where the attention
+//!   groups' cached chain and a checkpoint agree, and without a checkpoint there is no
+//!   hit (`cached_tokens` 0, every prompt token computed);
+//! * export and import of a sequence refuse ([`Error::NotOnHybrid`]).
+//!
+//! The state takes whole pages of the arena: a state of `B` bytes per sequence takes
+//! `ceil(B / page_bytes)` pages ([`GroupSpec::state_for_bytes`]) and wastes less than
+//! one page per sequence ([`GroupSpec::state_waste_bytes`]; `cargo test --test
+//! state_groups page_waste -- --nocapture` prints it for the hybrid models of
+//! `tests/data`).
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqHandle, SeqId, SwapTicket};
@@ -58,8 +94,11 @@ const LENDER: SeqId = SeqId(u64::MAX);
 const HOST_LENDER: SeqId = SeqId(u64::MAX - 1);
 
 pub(super) fn is_hidden(seq: SeqId) -> bool {
-    seq == LENDER || seq == HOST_LENDER
+    seq == LENDER || seq == HOST_LENDER || seq == CHECKPOINTS
 }
+
+mod checkpoints;
+use checkpoints::{Checkpoints, CHECKPOINTS};
 
 const NOT_LENT: u32 = u32::MAX;
 
@@ -72,6 +111,10 @@ pub struct GroupSpec {
     /// Sliding window in tokens (`None`: every token stays, as for full attention and
     /// latent/MLA layers).
     pub window: Option<usize>,
+    /// A recurrent-state group (Mamba-2, gated DeltaNet layers): the pages each
+    /// sequence holds from admission to free, whatever its length (`None`: a KV
+    /// group). See [`GroupSpec::state`].
+    pub state_pages: Option<usize>,
 }
 
 impl GroupSpec {
@@ -80,6 +123,7 @@ impl GroupSpec {
         GroupSpec {
             layout,
             window: None,
+            state_pages: None,
         }
     }
 
@@ -88,7 +132,69 @@ impl GroupSpec {
         GroupSpec {
             layout,
             window: Some(tokens),
+            state_pages: None,
         }
+    }
+
+    /// A group of recurrent layers (Mamba, Mamba-2, gated DeltaNet) whose state per
+    /// sequence is fixed whatever its length: every sequence holds exactly
+    /// `pages_per_seq` pages of the arena in this group, from its admission to its
+    /// free (see the [module docs](self) for how each call treats them).
+    ///
+    /// **Where a kernel finds a sequence's state**: the group's block table of the
+    /// sequence (`kv.group(g).block_table(seq)`, or the row of the group's
+    /// [`crate::StepBuffers`] in a step) is its `pages_per_seq` state pages, in order.
+    /// They are pages of the arena like any other, addressed through `layout`: the
+    /// kernel of the group's layer `j` reads and writes layer slot `j` of each state
+    /// page as plain bytes (the token structure of the layout does not apply), so the
+    /// state of one layer is `pages_per_seq x layout.block_bytes() / num_layers`
+    /// bytes. New state pages are not zeroed: the engine initialises a new
+    /// sequence's state before its first step. `layout` must have the page bytes of
+    /// the other groups, as for any group; the state group must not be group 0.
+    ///
+    /// The group's own counts of a sequence (`kv.group(g).num_computed_tokens`,
+    /// `readable_blocks`, its batch views' context lengths) are its own:
+    /// `pages_per_seq x block_size` "tokens", never the sequence's; the cache's
+    /// counts (`kv.num_computed_tokens`) are the sequence's.
+    pub fn state(layout: KvLayout, pages_per_seq: usize) -> Self {
+        GroupSpec {
+            layout,
+            window: None,
+            state_pages: Some(pages_per_seq),
+        }
+    }
+
+    /// [`Self::state`] for a state of `bytes_per_seq` bytes per sequence (all of the
+    /// group's recurrent layers together, as the planner's
+    /// `StatePlan::bytes_per_sequence` gives it, feature `planner`): `ceil(bytes_per_seq / layout.block_bytes())`
+    /// pages. The padding of the last page, [`Self::state_waste_bytes`], is the only
+    /// waste: below one page per sequence.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when `bytes_per_seq` is 0.
+    pub fn state_for_bytes(layout: KvLayout, bytes_per_seq: u64) -> Result<Self> {
+        if bytes_per_seq == 0 {
+            return Err(Error::config(
+                "state bytes per sequence",
+                "0 bytes: a state group holds at least one byte",
+            ));
+        }
+        let page = layout.block_bytes() as u64;
+        let pages = usize::try_from(bytes_per_seq.div_ceil(page)).map_err(|_| {
+            Error::config(
+                "state bytes per sequence",
+                format!("{bytes_per_seq} bytes: more pages than the address space"),
+            )
+        })?;
+        Ok(Self::state(layout, pages))
+    }
+
+    /// Bytes of the state pages of one sequence left unused by a state of
+    /// `bytes_per_seq` bytes: `pages x block_bytes - bytes_per_seq` (0 for a KV
+    /// group, or a state larger than the pages).
+    pub fn state_waste_bytes(&self, bytes_per_seq: u64) -> u64 {
+        let held = self.state_pages.unwrap_or(0) as u64 * self.layout.block_bytes() as u64;
+        held.saturating_sub(bytes_per_seq)
     }
 }
 
@@ -166,6 +272,11 @@ pub(crate) struct Groups {
     pub(super) step_accepted: Vec<Vec<(SeqHandle, usize)>>,
     /// `host_lent_pos[g][block]`: as `lent_pos`, for the shared host tier.
     host_lent_pos: Vec<Vec<u32>>,
+    /// `state_pages[g]`: the pages each sequence holds in group `g` when it is a
+    /// recurrent-state group ([`GroupSpec::state`]).
+    state_pages: Vec<Option<usize>>,
+    /// The state groups' prefix checkpoints (`groups/checkpoints.rs`).
+    checkpoints: Checkpoints,
 }
 
 impl Groups {
@@ -219,11 +330,40 @@ impl Groups {
                 ),
             ));
         }
+        for (g, s) in specs.iter().enumerate() {
+            match s.state_pages {
+                None => {}
+                Some(_) if g == 0 => {
+                    return Err(Error::config(
+                        "groups",
+                        "group 0 is a state group: put a KV group first (group 0 \
+                         answers for the sequences' tokens)",
+                    ))
+                }
+                Some(_) if s.window.is_some() => {
+                    return Err(Error::config(
+                        "groups",
+                        format!("group {g} has both a window and a state"),
+                    ))
+                }
+                Some(p) if p == 0 || p > num_pages => {
+                    return Err(Error::config(
+                        "state_pages",
+                        format!(
+                            "group {g}: {p} state pages per sequence; 1 to the arena's \
+                             {num_pages}"
+                        ),
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
         // Every group accepts the same longest sequence: the arena in the smallest
-        // block size of a full group (window groups hold only their window).
+        // block size of a full group (window groups hold only their window, state
+        // groups their state).
         let max_len = specs
             .iter()
-            .filter(|s| s.window.is_none())
+            .filter(|s| s.window.is_none() && s.state_pages.is_none())
             .map(|s| num_pages * s.layout.block_size())
             .min()
             .unwrap_or(usize::MAX);
@@ -231,10 +371,15 @@ impl Groups {
         let mut lent_pos = Vec::with_capacity(specs.len());
         let mut host_lent_pos = Vec::with_capacity(specs.len());
         for (g, spec) in specs.iter().enumerate() {
+            // A state group's sequences hold `pages` blocks of "tokens" of its own.
+            let own_len = match spec.state_pages {
+                Some(pages) => pages * spec.layout.block_size(),
+                None => max_len,
+            };
             let mut b = KvCache::builder(spec.layout)
                 .num_blocks(num_pages)
                 .watermark_blocks(0)
-                .max_seq_len_tokens(max_len)
+                .max_seq_len_tokens(own_len)
                 .tiers(TierConfig {
                     num_host_blocks,
                     num_disk_slots: 0,
@@ -246,6 +391,9 @@ impl Groups {
             kv.seqs.reserve_room(1)?;
             kv.seqs.insert(LENDER, Sequence::default())?;
             kv.insert_host_lender(HOST_LENDER);
+            if spec.state_pages.is_some() {
+                kv.insert_checkpoint_holder()?;
+            }
             let mut pos = vec![NOT_LENT; num_pages];
             let mut host_pos = vec![NOT_LENT; num_host_blocks];
             if g > 0 {
@@ -278,6 +426,8 @@ impl Groups {
             watermark_pages: 0,
             peak_used_pages: 0,
             page_moves: 0,
+            state_pages: specs.iter().map(|s| s.state_pages).collect(),
+            checkpoints: Checkpoints::default(),
         })
     }
 
@@ -305,6 +455,32 @@ impl Groups {
     /// Pages in the arena.
     pub fn num_pages(&self) -> usize {
         self.num_pages
+    }
+
+    /// The pages every sequence holds in group `g` when it is a recurrent-state group
+    /// ([`GroupSpec::state`]); `None` for a KV group or past the groups.
+    pub fn state_pages(&self, g: usize) -> Option<usize> {
+        self.state_pages.get(g).copied().flatten()
+    }
+
+    /// Whether any group is a recurrent-state group.
+    pub fn has_state_group(&self) -> bool {
+        self.state_pages.iter().any(Option::is_some)
+    }
+
+    /// Admits `seq`'s state in state group `g`: `pages` fresh pages (available in the
+    /// group, which the caller ensured), held as `pages` blocks of computed tokens
+    /// of the group's own, with no token ids (nothing registered). Leaves `scratch`
+    /// empty.
+    fn admit_state(&mut self, g: usize, seq: SeqId, scratch: &mut Vec<Slot>) -> Result<()> {
+        let pages = self
+            .state_pages(g)
+            .ok_or_else(|| Error::CorruptBlockTable(format!("group {g} is not a state group")))?;
+        let kv = &mut self.groups[g];
+        let tokens = pages * kv.block_size();
+        let r = kv.admit(seq, tokens, scratch);
+        scratch.clear();
+        r
     }
 
     /// Group `g`, read-only: its block tables, batch views (`fill_padded`, `fill_csr`),
@@ -357,7 +533,11 @@ impl Groups {
     /// Pages of the whole arena an allocation can obtain: free, or cached in a
     /// group's prefix cache (evicted when taken).
     pub fn num_free_pages(&self) -> usize {
-        self.groups.iter().map(|kv| kv.num_available_blocks()).sum()
+        self.groups
+            .iter()
+            .map(|kv| kv.num_available_blocks())
+            .sum::<usize>()
+            + self.evictable_checkpoint_pages()
     }
 
     /// Whether a new sequence of `num_tokens` tokens fits in every group at once while
@@ -371,7 +551,8 @@ impl Groups {
     pub fn admit_pages(&self, num_tokens: usize) -> usize {
         self.groups
             .iter()
-            .map(|kv| kv.layout.blocks_for_tokens(num_tokens))
+            .zip(&self.state_pages)
+            .map(|(kv, state)| state.unwrap_or_else(|| kv.layout.blocks_for_tokens(num_tokens)))
             .sum()
     }
 
@@ -385,9 +566,12 @@ impl Groups {
     pub fn pages_needed(&self, seq: SeqId, n: usize, lookahead: usize) -> Result<usize> {
         let mut total = 0usize;
         let mut back = 0usize;
-        for kv in &self.groups {
-            total += kv.blocks_needed(seq, n, lookahead)?;
-            back += kv.dead_window_pages(seq)?;
+        for (kv, state) in self.groups.iter().zip(&self.state_pages) {
+            // A state group's pages are all allocated at admission.
+            if state.is_none() {
+                total += kv.blocks_needed(seq, n, lookahead)?;
+                back += kv.dead_window_pages(seq)?;
+            }
         }
         Ok(total.saturating_sub(back))
     }
@@ -419,6 +603,13 @@ impl Groups {
         holes: &[usize],
         step: &mut GroupStep,
     ) -> Result<()> {
+        if self.has_state_group() {
+            step.reset(self.groups.len());
+            return Err(Error::NotOnHybrid {
+                operation: "import of a sequence into a cache with a recurrent-state group",
+                groups: self.groups.len(),
+            });
+        }
         if holes.len() != self.groups.len() {
             step.reset(self.groups.len());
             return Err(Error::ShapeMismatch {
@@ -460,12 +651,20 @@ impl Groups {
                     got: h,
                 });
             }
-            *need = kv.layout.blocks_for_tokens(num_tokens) - h;
+            *need = match self.state_pages[g] {
+                Some(pages) => pages,
+                None => kv.layout.blocks_for_tokens(num_tokens) - h,
+            };
         }
         self.give_pages()?;
         for g in 0..self.groups.len() {
             let h = holes_of(g);
-            if let Err(e) = self.groups[g].admit_holed(seq, num_tokens, h, &mut step.slots[g]) {
+            let done = if self.state_pages[g].is_some() {
+                self.admit_state(g, seq, &mut step.slots[g])
+            } else {
+                self.groups[g].admit_holed(seq, num_tokens, h, &mut step.slots[g])
+            };
+            if let Err(e) = done {
                 // Unreachable after the checks above; undo the groups already done.
                 for kv in &mut self.groups[..g] {
                     let _ = kv.free(seq);
@@ -485,7 +684,7 @@ impl Groups {
     /// [`Error::PrefixKeyTooLong`] (for the cache salt, the extra key or a block key).
     pub fn cached_prefix_len(&self, tokens: &[u32], opts: &AdmitOptions<'_>) -> Result<usize> {
         let mut hits = Vec::new();
-        Ok(self.common_hit(tokens, opts, &mut hits)?.0)
+        Ok(self.common_hit(tokens, opts, true, &mut hits)?.0)
     }
 
     /// Admits `seq` with prompt `tokens` in every group, sharing the cached prefix every
@@ -528,17 +727,49 @@ impl Groups {
         step: &mut GroupStep,
     ) -> Result<Admission> {
         step.reset(self.groups.len());
+        let done = self.admit_tokens_pinned(seq, tokens, opts, step);
+        // Unpins the checkpoint the admission copied, if any.
+        match done {
+            Ok(_) => self.use_pinned_checkpoint(),
+            Err(_) => self.pin_checkpoint(None),
+        }
+        done
+    }
+
+    /// [`Self::admit_tokens`] with the hit's checkpoint pinned (by `admit_hit`).
+    fn admit_tokens_pinned(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        opts: &AdmitOptions<'_>,
+        step: &mut GroupStep,
+    ) -> Result<Admission> {
         let mut sum = self.admit_hit(seq, tokens, opts, true)?;
         let cached = sum.cached_tokens;
-        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
-            *need = kv.layout.blocks_for_tokens(tokens.len()) - cached / kv.block_size();
+        let mut state = 0;
+        for ((need, kv), pages) in self
+            .needs
+            .iter_mut()
+            .zip(&self.groups)
+            .zip(&self.state_pages)
+        {
+            // A state group's pages were taken by `admit_hit`.
+            *need = match pages {
+                Some(p) => {
+                    state += p;
+                    0
+                }
+                None => kv.layout.blocks_for_tokens(tokens.len()) - cached / kv.block_size(),
+            };
         }
-        sum.new_blocks = self.needs.iter().sum();
+        sum.new_blocks = self.needs.iter().sum::<usize>() + state;
         let rest = tokens.len() - cached;
         let done = self.give_and_reserve(seq, rest, 0, true, None, step);
         if let Ok(registered) = done {
             sum.registered_blocks = registered;
         }
+        // The state resumes from the checkpoint: copied into the new state pages.
+        let done = done.and_then(|_| self.copy_from_pinned(seq, step));
         if let Err(e) = done {
             // Unreachable after the check of `admit_hit`; undo all the same.
             for kv in &mut self.groups {
@@ -592,11 +823,26 @@ impl Groups {
             });
         }
         let mut hits = Vec::new();
-        let (cached, source) = self.common_hit(tokens, opts, &mut hits)?;
+        let (cached, source, checkpoint) =
+            self.common_hit(tokens, opts, whole_prompt, &mut hits)?;
+        // The checkpoint the state groups resume from stays until the admission
+        // copied it (the caller unpins).
+        self.pin_checkpoint(checkpoint);
         // Every group's need, revivals of cached hit pages included, against the
         // arena's free and evictable pages, before anything changes. A window group's
         // hit blocks are held by `source` already; its holes need no page.
-        for ((need, kv), hit) in self.needs.iter_mut().zip(&self.groups).zip(&hits) {
+        for (((need, kv), hit), state) in self
+            .needs
+            .iter_mut()
+            .zip(&self.groups)
+            .zip(&hits)
+            .zip(&self.state_pages)
+        {
+            if let Some(pages) = state {
+                // The state exists from admission on, whatever is reserved.
+                *need = *pages;
+                continue;
+            }
             let rest = kv.layout.blocks_for_tokens(tokens.len()) - cached / kv.block_size();
             let revived = match (kv.window, source) {
                 (Some(_), Some(_)) => 0,
@@ -609,6 +855,9 @@ impl Groups {
         // of them (moving evicts by the giver's policy).
         let mut sum = Admission::default();
         for (g, hit) in hits.iter().enumerate() {
+            if self.state_pages[g].is_some() {
+                continue;
+            }
             let kv = &mut self.groups[g];
             let done = match (kv.window, source) {
                 (Some(_), Some(src)) => kv.admit_window_hit(seq, src, cached),
@@ -631,6 +880,27 @@ impl Groups {
                     }
                     return Err(e);
                 }
+            }
+        }
+        // Then the state groups' pages, taken after the revivals (see above); the
+        // check above counted them.
+        let mut scratch = Vec::new();
+        for g in 0..self.groups.len() {
+            let Some(pages) = self.state_pages[g] else {
+                continue;
+            };
+            // `needs` is spent (the callers set it again before using it).
+            self.needs.iter_mut().for_each(|n| *n = 0);
+            self.needs[g] = pages;
+            let done = self
+                .give_pages()
+                .and_then(|()| self.admit_state(g, seq, &mut scratch));
+            if let Err(e) = done {
+                // Unreachable: the arena's pages were counted above.
+                for kv in &mut self.groups {
+                    let _ = kv.free(seq);
+                }
+                return Err(e);
             }
         }
         sum.cached_tokens = cached;
@@ -702,9 +972,17 @@ impl Groups {
             });
         }
         let mut back = 0;
-        for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
-            *need = kv.blocks_needed(seq, n, lookahead)?;
-            back += kv.dead_window_pages(seq)?;
+        for ((need, kv), state) in self
+            .needs
+            .iter_mut()
+            .zip(&self.groups)
+            .zip(&self.state_pages)
+        {
+            *need = 0;
+            if state.is_none() {
+                *need = kv.blocks_needed(seq, n, lookahead)?;
+                back += kv.dead_window_pages(seq)?;
+            }
         }
         let total: usize = self.needs.iter().sum();
         let free = self.num_free_pages();
@@ -743,7 +1021,12 @@ impl Groups {
         let Some(h0) = self.groups[0].seqs.handle(&seq) else {
             return Ok(false);
         };
-        for kv in &self.groups {
+        for (kv, state) in self.groups.iter().zip(&self.state_pages) {
+            if state.is_some() {
+                // A state group takes no slot; its placeholder is never used.
+                handles.push(h0);
+                continue;
+            }
             // The groups admit and free the same sequences in the same order, so
             // group 0's handle names the sequence in the others too; checked (the
             // slot's id), with a lookup of the id where it does not.
@@ -756,7 +1039,16 @@ impl Groups {
                 _ => return Ok(false),
             }
         }
-        for ((kv, h), slots) in self.groups.iter_mut().zip(handles).zip(&mut step.slots) {
+        for (((kv, h), slots), state) in self
+            .groups
+            .iter_mut()
+            .zip(handles)
+            .zip(&mut step.slots)
+            .zip(&self.state_pages)
+        {
+            if state.is_some() {
+                continue;
+            }
             if kv.append_in_last_block(h, n, tokens, slots).is_none() {
                 return Err(Error::CorruptBlockTable(format!(
                     "{seq}: a group's last block refused the step it said it takes"
@@ -781,6 +1073,9 @@ impl Groups {
         self.give_pages()?;
         let mut registered = 0;
         for (g, kv) in self.groups.iter_mut().enumerate() {
+            if self.state_pages[g].is_some() {
+                continue;
+            }
             registered += kv.reserve_inner(
                 seq,
                 n,
@@ -804,8 +1099,10 @@ impl Groups {
         self.check_id(seq)?;
         // Group 0 checks; the others hold the same sequence state.
         let mut registered = self.groups[0].commit(seq, n)?;
-        for kv in &mut self.groups[1..] {
-            registered += kv.commit(seq, n)?;
+        for (kv, state) in self.groups.iter_mut().zip(&self.state_pages).skip(1) {
+            if state.is_none() {
+                registered += kv.commit(seq, n)?;
+            }
         }
         Ok(registered)
     }
@@ -813,17 +1110,34 @@ impl Groups {
     /// Truncates `seq` to `new_len` tokens in every group (see [`KvCache::truncate`]);
     /// every group checks first (a window group refuses a length whose window starts
     /// in blocks it gave back), so a refusal changes no group. The blocks released
-    /// stay with the group that held them.
+    /// stay with the group that held them. A state group holds the state after the
+    /// last computed token, which no truncation can roll back: with a state group,
+    /// only the slots past the computed tokens can be dropped.
     ///
     /// # Errors
-    /// As [`KvCache::truncate`]. Nothing changed on error.
+    /// As [`KvCache::truncate`]; [`Error::StateRollback`] below the computed tokens
+    /// when a group is a state group. Nothing changed on error.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
         self.check_id(seq)?;
-        for kv in &self.groups {
-            kv.check_truncate(seq, new_len)?;
+        for (kv, state) in self.groups.iter().zip(&self.state_pages) {
+            if state.is_none() {
+                kv.check_truncate(seq, new_len)?;
+            }
         }
-        for kv in &mut self.groups {
-            kv.truncate_checked(seq, new_len)?;
+        if self.has_state_group() {
+            let computed = self.groups[0].num_computed_tokens(seq)?;
+            if new_len < computed {
+                return Err(Error::StateRollback {
+                    seq,
+                    computed,
+                    new_len,
+                });
+            }
+        }
+        for (kv, state) in self.groups.iter_mut().zip(&self.state_pages) {
+            if state.is_none() {
+                kv.truncate_checked(seq, new_len)?;
+            }
         }
         self.note_usage();
         Ok(())
@@ -849,8 +1163,17 @@ impl Groups {
     /// the next write.
     ///
     /// # Errors
-    /// As [`KvCache::fork`]. Nothing changed on error.
+    /// As [`KvCache::fork`]; [`Error::NotOnHybrid`] when a group is a state group
+    /// (the child's state must be copied: [`Self::fork_copying`]). Nothing changed on
+    /// error.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
+        if self.has_state_group() {
+            return Err(Error::NotOnHybrid {
+                operation: "fork on a cache with a recurrent-state group (the child's state \
+                            is a copy: use fork_grouped)",
+                groups: self.groups.len(),
+            });
+        }
         self.check_id(parent)?;
         if is_hidden(child) {
             return Err(Error::DuplicateSequence(child));
@@ -859,6 +1182,64 @@ impl Groups {
         for kv in &mut self.groups[1..] {
             kv.fork(parent, child)?;
         }
+        Ok(())
+    }
+
+    /// Forks `parent` into `child` in every group: a KV group shares every page
+    /// (copy-on-write on the next write, as [`Self::fork`]); a state group gives the
+    /// child state pages of its own and puts one copy per page, parent page to child
+    /// page, in `step.copies[g]`, which the engine runs before the child's next step
+    /// writes its state. No state page is ever shared: each sequence's state is
+    /// written in place every step. `step.slots` are left empty.
+    ///
+    /// # Errors
+    /// As [`KvCache::fork`]; [`Error::OutOfBlocks`] with the state pages every state
+    /// group needs and the arena's free pages. Nothing changed on error.
+    pub fn fork_copying(
+        &mut self,
+        parent: SeqId,
+        child: SeqId,
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        step.reset(self.groups.len());
+        self.check_id(parent)?;
+        if is_hidden(child) || self.groups[0].contains(child) {
+            return Err(Error::DuplicateSequence(child));
+        }
+        // The checks of every group's fork (the groups hold the same sequences in the
+        // same states), before any page moves.
+        self.groups[0].idle(parent)?;
+        for (need, state) in self.needs.iter_mut().zip(&self.state_pages) {
+            *need = state.unwrap_or(0);
+        }
+        self.give_pages()?;
+        let mut scratch = Vec::new();
+        for g in 0..self.groups.len() {
+            let done = match self.state_pages[g] {
+                None => self.groups[g].fork(parent, child),
+                Some(_) => self.admit_state(g, child, &mut scratch).and_then(|()| {
+                    let kv = &mut self.groups[g];
+                    // The child is one of the parent's fork group, as in a KV group.
+                    kv.join_fork_group(child, parent)?;
+                    let priority = kv.seq(parent)?.preempt_priority;
+                    kv.set_preempt_priority(child, priority)?;
+                    let (from, to) = (&kv.seq(parent)?.table, &kv.seq(child)?.table);
+                    for (&src, &dst) in from.iter().zip(to) {
+                        step.copies[g].push(src, dst);
+                    }
+                    Ok(())
+                }),
+            };
+            if let Err(e) = done {
+                // Unreachable after the checks above; undo the groups done.
+                for kv in &mut self.groups[..=g] {
+                    let _ = kv.free(child);
+                }
+                step.reset(self.groups.len());
+                return Err(e);
+            }
+        }
+        self.note_usage();
         Ok(())
     }
 
@@ -971,7 +1352,8 @@ impl Groups {
         for kv in &mut self.groups {
             evicted += kv.evict_cached(max_pages - evicted);
         }
-        evicted
+        // Then the state groups' checkpoints (whole ones only).
+        evicted + self.evict_checkpoints(max_pages - evicted).unwrap_or(0)
     }
 
     /// Whether `seq` is swapped out (in every group).
@@ -992,7 +1374,12 @@ impl Groups {
             num_pages: self.num_pages,
             used_pages,
             free_pages: self.num_free_pages(),
-            cached_pages: self.groups.iter().map(|kv| kv.pool.num_cached()).sum(),
+            cached_pages: self
+                .groups
+                .iter()
+                .map(|kv| kv.pool.num_cached())
+                .sum::<usize>()
+                + self.evictable_checkpoint_pages(),
             peak_used_pages: self.peak_used_pages.max(used_pages),
             owned_per_group: self.lent.iter().map(|l| self.num_pages - l).collect(),
             used_per_group,
@@ -1008,7 +1395,11 @@ impl Groups {
         let mut live = 0;
         let mut slots = 0;
         for (g, kv) in self.groups.iter().enumerate() {
-            live += kv.live_token_slots;
+            // The lender holds each page it lends as a full block of its own.
+            // The lender holds each page it lends as a full block of its own, and a
+            // state group's checkpoint holder each checkpoint page.
+            live += kv.live_token_slots
+                - (self.lent[g] + self.checkpoint_pages_of(g)) * kv.block_size();
             slots += self.own_used(g) * kv.block_size();
         }
         super::CacheStats {
@@ -1121,13 +1512,80 @@ impl Groups {
         for id in self.sequence_ids() {
             let want = (kv0.num_tokens(id).ok(), kv0.num_computed_tokens(id).ok());
             for (g, kv) in self.groups.iter().enumerate().skip(1) {
+                if self.state_pages[g].is_some() {
+                    continue;
+                }
                 if (kv.num_tokens(id).ok(), kv.num_computed_tokens(id).ok()) != want {
                     return Err(format!("sequence {id}: group {g} differs from group 0"));
                 }
             }
         }
-        if self.groups.iter().any(|kv| kv.seqs.len() != kv0.seqs.len()) {
+        self.check_state_groups()?;
+        // A state group holds its checkpoints' hidden holder besides.
+        let seqs =
+            |g: usize| self.groups[g].seqs.len() - usize::from(self.state_pages[g].is_some());
+        if (0..self.groups.len()).any(|g| seqs(g) != seqs(0)) {
             return Err("groups hold different numbers of sequences".into());
+        }
+        self.check_checkpoints()?;
+        Ok(())
+    }
+
+    /// The state groups' own invariants: every sequence (on the device or swapped
+    /// out) holds exactly the group's state pages, all computed, no reservation, no
+    /// hole, each page held by it alone (a fork copies, never shares), and nothing is
+    /// cached in the group's prefix cache.
+    fn check_state_groups(&self) -> std::result::Result<(), String> {
+        for (g, kv) in self.groups.iter().enumerate() {
+            let Some(pages) = self.state_pages[g] else {
+                continue;
+            };
+            let tokens = pages * kv.block_size();
+            if kv.pool.num_cached() != 0 {
+                return Err(format!(
+                    "state group {g}: {} pages cached in its prefix cache",
+                    kv.pool.num_cached()
+                ));
+            }
+            for (&id, s) in kv.seqs.iter() {
+                if is_hidden(id) {
+                    continue;
+                }
+                if s.table.len() != pages
+                    || s.released != 0
+                    || s.num_tokens != tokens
+                    || s.computed != tokens
+                    || s.scheduled != 0
+                {
+                    return Err(format!(
+                        "state group {g}: {id} holds {} pages ({} released), {} tokens, \
+                         {} computed, {} scheduled; {pages} state pages expected",
+                        s.table.len(),
+                        s.released,
+                        s.num_tokens,
+                        s.computed,
+                        s.scheduled
+                    ));
+                }
+                if let Some(&p) = s
+                    .table
+                    .iter()
+                    .find(|&&p| kv.pool.refcount(p).unwrap_or(0) != 1)
+                {
+                    return Err(format!(
+                        "state group {g}: {id}'s state page {p} has {} holders",
+                        kv.pool.refcount(p).unwrap_or(0)
+                    ));
+                }
+            }
+            for id in kv.swapped_sequence_ids().filter(|&s| !is_hidden(s)) {
+                let held = kv.swapped_table(id).map_err(|e| e.to_string())?.len();
+                if held != pages {
+                    return Err(format!(
+                        "state group {g}: swapped {id} holds {held} blocks; {pages} expected"
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -1275,15 +1733,33 @@ impl Groups {
         &self,
         tokens: &[u32],
         opts: &AdmitOptions<'_>,
+        state_hits: bool,
         hits: &mut Vec<PrefixHit>,
-    ) -> Result<(usize, Option<SeqId>)> {
+    ) -> Result<(usize, Option<SeqId>, Option<usize>)> {
         hits.resize_with(self.groups.len(), PrefixHit::default);
         let mut cached = usize::MAX;
-        for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
+        for ((kv, hit), state) in self
+            .groups
+            .iter()
+            .zip(hits.iter_mut())
+            .zip(&self.state_pages)
+        {
             let found = kv.lookup_prefix(tokens, opts, hit)?;
-            if kv.window.is_none() {
+            // A state group's own cache holds nothing (its checkpoints are below).
+            if kv.window.is_none() && state.is_none() {
                 cached = cached.min(found);
             }
+        }
+        let mut checkpoint = None;
+        if self.has_state_group() {
+            // A state group resumes only from a checkpoint at exactly the hit's end
+            // (`groups/checkpoints.rs`): the deepest one the attention groups' hit
+            // reaches, or no hit. `state_hits` false (an admission that cannot hand
+            // out the checkpoint's copies): no hit.
+            (cached, checkpoint) = match state_hits {
+                true => self.checkpoint_hit(hits[0].blocks(), cached),
+                false => (0, None),
+            };
         }
         if cached == usize::MAX {
             // Window groups only: no group registers anything.
@@ -1295,7 +1771,9 @@ impl Groups {
             let agreed = self
                 .groups
                 .iter()
-                .map(|kv| cached / kv.block_size() * kv.block_size())
+                .zip(&self.state_pages)
+                .filter(|(_, state)| state.is_none())
+                .map(|(kv, _)| cached / kv.block_size() * kv.block_size())
                 .min()
                 .unwrap_or(0);
             if agreed == cached {
@@ -1310,7 +1788,7 @@ impl Groups {
         for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
             hit.truncate_blocks(cached / kv.block_size());
         }
-        Ok((cached, source))
+        Ok((cached, source, checkpoint))
     }
 
     /// The longest hit of at most `cached` tokens the window groups can serve, and the
@@ -1383,12 +1861,18 @@ impl Groups {
         for to in 0..self.groups.len() {
             while self.groups[to].num_available_blocks() < self.needs[to] {
                 let from = (0..self.groups.len())
-                    .find(|&h| h != to && self.groups[h].num_available_blocks() > self.needs[h])
-                    .ok_or(Error::OutOfBlocks {
-                        needed: total,
-                        free,
-                    })?;
-                self.move_page(from, to)?;
+                    .find(|&h| h != to && self.groups[h].num_available_blocks() > self.needs[h]);
+                match from {
+                    Some(from) => self.move_page(from, to)?,
+                    // The state groups' checkpoints are the last pages to take.
+                    None if self.evict_checkpoint()? => {}
+                    None => {
+                        return Err(Error::OutOfBlocks {
+                            needed: total,
+                            free,
+                        })
+                    }
+                }
             }
         }
         Ok(())
@@ -1438,7 +1922,7 @@ impl Groups {
 
     /// Pages group `g`'s sequences hold.
     fn own_used(&self, g: usize) -> usize {
-        self.groups[g].pool.num_live() - self.lent[g]
+        self.groups[g].pool.num_live() - self.lent[g] - self.checkpoint_pages_of(g)
     }
 
     fn note_usage(&mut self) {

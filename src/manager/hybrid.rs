@@ -146,6 +146,120 @@ impl KvCache {
         }
     }
 
+    /// The pages every sequence holds in group `g` when it is a recurrent-state group
+    /// ([`GroupSpec::state`]; its table of a sequence is the sequence's state pages);
+    /// `None` for a KV group, a one-group cache, or past the groups.
+    pub fn group_state_pages(&self, g: usize) -> Option<usize> {
+        self.hybrid.as_ref().and_then(|h| h.state_pages(g))
+    }
+
+    /// Forks `parent` into `child` in every group and hands out the copies the fork
+    /// needs: a KV group shares every block (copy-on-write on the next write, as
+    /// [`Self::fork`]; `step.copies[g]` empty), a recurrent-state group
+    /// ([`GroupSpec::state`]) gives the child state pages of its own and puts a copy of
+    /// each parent page into the child's in `step.copies[g]`: run them before the
+    /// child's next step. A state page is never shared, since every step writes the
+    /// state in place. `step.slots` are left empty. On a cache without a state group
+    /// this is [`Self::fork`] with no copies.
+    ///
+    /// ```
+    /// use pagedkv::{DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 8,
+    ///                          kv_dtype: DType::BF16 };
+    /// let l = KvLayout::new(shape, 16)?;
+    /// // An attention group and a recurrent group whose state takes 3 pages a sequence.
+    /// let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::state(l, 3)], 64)?;
+    /// let mut step = GroupStep::default();
+    /// kv.admit_grouped(SeqId(1), 40, &mut step)?;           // 3 + 3 pages
+    /// assert!(step.slots[1].is_empty());                     // no K/V slot in a state group
+    /// let state = kv.group(1).block_table(SeqId(1))?.to_vec(); // where the kernel finds it
+    /// assert_eq!(state.len(), 3);
+    /// kv.fork_grouped(SeqId(1), SeqId(2), &mut step)?;
+    /// assert!(step.copies[0].is_empty());                    // KV blocks shared
+    /// assert_eq!(step.copies[1].len(), 3);                   // state copied page by page
+    /// assert_eq!(kv.group_stats().used_per_group, vec![3, 6]);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Self::fork`]; [`Error::OutOfBlocks`] with the state pages needed and the
+    /// arena's free pages. Nothing changed on error.
+    pub fn fork_grouped(
+        &mut self,
+        parent: SeqId,
+        child: SeqId,
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        match &mut self.hybrid {
+            Some(h) => h.fork_copying(parent, child, step),
+            None => {
+                step.one_group();
+                self.fork(parent, child)
+            }
+        }
+    }
+
+    /// Checkpoints the state of `seq` for prefix caching: when the cache has a
+    /// recurrent-state group ([`GroupSpec::state`]), `seq` holds no reservation, its
+    /// computed tokens end on a block boundary of group 0 and that block is
+    /// registered in group 0's prefix cache (the sequence was admitted or extended
+    /// with token ids), the state after those tokens is copied into pages the cache
+    /// owns: `step.copies[g]` of each state group, to run **after** the step that
+    /// computed those tokens wrote the state and before the sequence's next step
+    /// changes it. Returns whether a checkpoint was made (false, with no copies,
+    /// when any condition fails, or when one exists already at that prefix).
+    ///
+    /// A later [`Self::admit_tokens_grouped`] of a prompt that extends the prefix
+    /// resumes from the deepest position where the attention groups' cached chain
+    /// reaches and a checkpoint sits at exactly that position: its `cached_tokens`
+    /// stop there, and `step.copies[g]` copies the checkpoint into the new sequence's
+    /// state pages. Checkpoint pages count as free (as cached pages do): the least
+    /// recently used is evicted when the arena needs pages. [`Self::admit_prompt_grouped`]
+    /// (which hands out no copies) serves no hit on a cache with a state group, nor
+    /// does a cache that also has a window group or attention groups of another
+    /// block size than group 0's.
+    ///
+    /// ```
+    /// use pagedkv::{AdmitOptions, DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape,
+    ///               SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 8,
+    ///                          kv_dtype: DType::BF16 };
+    /// let l = KvLayout::new(shape, 16)?;
+    /// let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::state(l, 2)], 64)?;
+    /// let (opts, mut step) = (AdmitOptions::default(), GroupStep::default());
+    /// let prompt: Vec<u32> = (0..32).collect();
+    /// kv.admit_tokens_grouped(SeqId(1), &prompt, &opts, &mut step)?; // the engine computes it
+    /// assert!(kv.checkpoint_grouped(SeqId(1), &mut step)?);        // state after 32 tokens
+    /// assert_eq!(step.copies[1].len(), 2);
+    /// let longer: Vec<u32> = (0..40).collect();
+    /// let a = kv.admit_tokens_grouped(SeqId(2), &longer, &opts, &mut step)?;
+    /// assert_eq!(a.cached_tokens, 32);            // resumes from the checkpoint
+    /// assert_eq!(step.copies[1].len(), 2);        // checkpoint -> the new state pages
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped out,
+    /// has a swap in flight or holds a reservation; [`Error::OutOfBlocks`] when the
+    /// arena has no room for the checkpoint even after evicting the others. Nothing
+    /// changed on error.
+    pub fn checkpoint_grouped(&mut self, seq: SeqId, step: &mut GroupStep) -> Result<bool> {
+        match &mut self.hybrid {
+            Some(h) => h.checkpoint(seq, step),
+            None => {
+                step.one_group();
+                self.resident(seq).map(|_| false)
+            }
+        }
+    }
+
+    /// State checkpoints held for prefix caching ([`Self::checkpoint_grouped`]).
+    pub fn num_state_checkpoints(&self) -> usize {
+        self.hybrid.as_ref().map_or(0, |h| h.num_checkpoints())
+    }
+
     /// Bytes of one block (a page: every group's block has this size).
     pub fn block_bytes(&self) -> usize {
         self.group(0).layout.block_bytes()

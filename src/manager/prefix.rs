@@ -865,12 +865,17 @@ impl KvCache {
     pub fn add_token_ids(&mut self, seq: SeqId, first: usize, ids: &[u32]) -> Result<usize> {
         if let Some(h) = &mut self.hybrid {
             // Every group checks first, so a refusal changes no group.
+            // A recurrent-state group holds no tokens: it registers nothing.
             for g in 0..h.num_groups() {
-                h.group(g).check_token_ids(seq, first, ids)?;
+                if h.state_pages(g).is_none() {
+                    h.group(g).check_token_ids(seq, first, ids)?;
+                }
             }
             let mut registered = 0;
             for g in 0..h.num_groups() {
-                registered += h.group_mut(g).add_token_ids(seq, first, ids)?;
+                if h.state_pages(g).is_none() {
+                    registered += h.group_mut(g).add_token_ids(seq, first, ids)?;
+                }
             }
             return Ok(registered);
         }

@@ -648,6 +648,62 @@ impl KvCache {
     }
 }
 
+/// The checks of a state group's rows in a step: its buffers hold the step's rows and
+/// a row holds the state pages. Allocates nothing: returns 0 pages.
+fn check_state_rows(rows: usize, pages: usize, out: &StepBuffers) -> Result<usize> {
+    if rows > out.max_seqs {
+        return Err(Error::ShapeMismatch {
+            what: "sequences of a step (StepBuffers max_seqs)",
+            expected: out.max_seqs,
+            got: rows,
+        });
+    }
+    if pages > out.tables.max_blocks {
+        return Err(Error::ShapeMismatch {
+            what: "state pages of a sequence (StepBuffers table_width)",
+            expected: out.tables.max_blocks,
+            got: pages,
+        });
+    }
+    Ok(0)
+}
+
+impl KvCache {
+    /// A state group's buffers of a step whose KV group 0 filled `first`: the same
+    /// rows, query starts, positions and context lengths; every slot `-1` (a state
+    /// group writes no K/V through slots); each row's table the sequence's state
+    /// pages, where the recurrent kernel reads and writes its state; no copies.
+    /// Checked by [`check_state_rows`]; a stale handle leaves its row empty (the
+    /// KV groups refused it first).
+    fn fill_state_rows(&self, entries: &[StepEntry], first: &StepBuffers, out: &mut StepBuffers) {
+        let width = out.tables.max_blocks;
+        out.begin();
+        out.slot_mapping.resize(first.slot_mapping.len(), -1);
+        out.positions.extend_from_slice(&first.positions);
+        out.query_start_loc.clear();
+        out.query_start_loc
+            .extend_from_slice(&first.query_start_loc);
+        out.tables
+            .context_lens
+            .extend_from_slice(&first.tables.context_lens);
+        out.resize_rows(entries.len());
+        for (row, e) in entries.iter().enumerate() {
+            let table = self.seqs.at(e.seq).map_or(&[][..], |(_, s)| &s.table[..]);
+            // State pages never change under a live sequence but a compaction moves
+            // them: write the whole row every step (a few entries).
+            out.row_seq[row] = None;
+            out.take_row(row, e.seq, table.len(), 0);
+            for (d, b) in out.tables.tables[row * width..].iter_mut().zip(table) {
+                *d = b.0;
+            }
+        }
+        out.written_for = None;
+        out.tables.batch = entries.len();
+        out.rows = first.rows;
+        out.tokens = first.tokens;
+    }
+}
+
 /// The one buffer of a one-group cache's step.
 fn one_buffer(out: &mut [StepBuffers]) -> Result<&mut StepBuffers> {
     let got = out.len();
@@ -719,14 +775,20 @@ impl Groups {
         }
         let mut bounds: smallvec::SmallVec<[usize; 8]> = smallvec::SmallVec::new();
         for (g, list) in per_group.iter().enumerate() {
-            bounds.push(self.group_mut(g).check_step(list, ids, &out[g], false)?);
+            bounds.push(match self.state_pages(g) {
+                // A state group allocates nothing in a step.
+                Some(pages) => check_state_rows(list.len(), pages, &out[g])?,
+                None => self.group_mut(g).check_step(list, ids, &out[g], false)?,
+            });
         }
         // Pages per group: the bound where the arena holds every bound, else each
         // group's exact need (shared blocks counted once).
         let free = self.num_free_pages();
         let exact = bounds.iter().sum::<usize>() > free;
         for g in 0..per_group.len() {
-            let need = if exact {
+            let need = if self.state_pages(g).is_some() {
+                0
+            } else if exact {
                 self.group(g).step_need(&per_group[g])?
             } else {
                 bounds[g]
@@ -735,9 +797,19 @@ impl Groups {
         }
         self.give_needed_pages()?;
         for (g, list) in per_group.iter().enumerate() {
-            let bound = bounds[g];
-            self.group_mut(g)
-                .fill_step(list, ids, &mut out[g], bound, false)?;
+            if self.state_pages(g).is_none() {
+                let bound = bounds[g];
+                self.group_mut(g)
+                    .fill_step(list, ids, &mut out[g], bound, false)?;
+            }
+        }
+        // Then the state groups' rows, beside group 0's (never a state group).
+        let (first, rest) = out.split_at_mut(1);
+        for (g, list) in per_group.iter().enumerate().skip(1) {
+            if self.state_pages(g).is_some() {
+                self.group(g)
+                    .fill_state_rows(list, &first[0], &mut rest[g - 1]);
+            }
         }
         self.note_step_usage();
         Ok(())
@@ -756,12 +828,17 @@ impl Groups {
                     list.push((self.group_handle(g, h)?, n));
                 }
             }
+            // A state group holds no reservation: nothing to commit there.
             for (g, list) in scratch.iter().enumerate() {
-                self.group_mut(g).check_commit_step(list)?;
+                if self.state_pages(g).is_none() {
+                    self.group_mut(g).check_commit_step(list)?;
+                }
             }
             let mut registered = 0;
             for (g, list) in scratch.iter().enumerate() {
-                registered += self.group_mut(g).commit_step_checked(list)?;
+                if self.state_pages(g).is_none() {
+                    registered += self.group_mut(g).commit_step_checked(list)?;
+                }
             }
             Ok(registered)
         })();
