@@ -18,9 +18,11 @@
 //!   compaction);
 //! * the page waste of real hybrid models' states (`page_waste`, printed).
 
+use pagedkv::layout::Slot;
+use pagedkv::manager::preempt::{CostModel, PreemptMode};
 use pagedkv::{
-    AdmitOptions, BlockId, CostModel, DType, Error, GroupSpec, GroupStep, HostStorage, KvCache,
-    KvLayout, ModelShape, PreemptMode, PreemptPolicy, SeqId, Slot, StepBuffers, StepEntry, Storage,
+    AdmitOptions, BlockId, DType, Error, GroupSpec, GroupStep, HostStorage, KvCache, KvLayout,
+    ModelShape, PreemptPolicy, SeqId, StepBuffers, StepEntry, Storage,
 };
 use proptest::prelude::*;
 
