@@ -108,6 +108,8 @@ use crate::layout::{KvLayout, Strides};
 use crate::manager::KvCache;
 
 pub mod groups;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 
 /// First 8 bytes of every export.
 pub const EXPORT_MAGIC: [u8; 8] = *b"PAGEDKV\0";
