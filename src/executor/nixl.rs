@@ -32,7 +32,7 @@
 //!
 //! Only host memory is registered here (`DRAM`). A GPU arena goes through the same calls
 //! with NIXL's `VRAM` memory type and the device id: the regions of a
-//! [`crate::executor::cuda`] storage are device pointers of the same layer-major layout,
+//! `executor::cuda` storage are device pointers of the same layer-major layout,
 //! so only the registration changes (not built: these machines have no GPU).
 //!
 //! # Threads

@@ -226,6 +226,14 @@ pub fn pull_sequence(
     offer.check_layout(manager.layout())?;
     check_storage(manager, storage)?;
     let n = offer.header.num_tokens();
+    // Checked before the sequence exists, so a full arena allocates nothing.
+    let (needed, free) = (
+        manager.layout().blocks_for_tokens(n),
+        manager.num_available_blocks(),
+    );
+    if needed > free {
+        return Err(Error::OutOfBlocks { needed, free });
+    }
     let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
     manager.admit(seq, 0, &mut slots)?;
     let filled = fill(
