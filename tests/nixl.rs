@@ -12,6 +12,8 @@
 
 #[path = "common/kv_bytes.rs"]
 mod kv_bytes;
+#[path = "common/snapshot.rs"]
+mod snapshot;
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -84,13 +86,15 @@ fn values(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| seed * 100_000 + i).collect()
 }
 
-/// What must not change on a receiver after a failed pull.
-fn snapshot(side: &Side) -> (usize, Vec<u8>) {
+/// A receiver's bookkeeping (`common/snapshot.rs`) and every arena byte: what must not
+/// change after a refused pull (after a failed transfer only the bookkeeping: the
+/// bytes of free blocks are unspecified).
+fn snapshot(side: &Side) -> (String, Vec<u8>) {
     let l = *side.st.layout();
     let bytes = (0..l.num_layers())
         .flat_map(|layer| side.st.region(layer).to_vec())
         .collect();
-    (side.kv.num_available_blocks(), bytes)
+    (snapshot::snapshot(&side.kv), bytes)
 }
 
 #[test]
@@ -197,7 +201,7 @@ fn corrupted_sender_byte_fails_its_checksum_and_changes_nothing() {
         other => panic!("expected a checksum error, got {other:?}"),
     }
     assert!(!decode.kv.contains(SeqId(2)));
-    assert_eq!(decode.kv.num_available_blocks(), before.0);
+    assert_eq!(snapshot(&decode).0, before.0);
     decode.kv.check_invariants().unwrap();
     check_values(
         &decode.st,
@@ -332,7 +336,7 @@ fn a_peer_whose_agent_was_destroyed_is_a_typed_error() {
     );
     eprintln!("transfer from a destroyed agent: {err}");
     assert!(!decode.kv.contains(SeqId(1)));
-    assert_eq!(decode.kv.num_available_blocks(), before.0);
+    assert_eq!(snapshot(&decode).0, before.0);
     decode.kv.check_invariants().unwrap();
     check_values(
         &decode.st,
@@ -340,4 +344,60 @@ fn a_peer_whose_agent_was_destroyed_is_a_typed_error() {
         &values(9, 10),
     )
     .unwrap();
+}
+
+#[test]
+fn bad_block_requests_are_refused_before_anything_moves() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if !nixl_or_skip("bad_block_requests") {
+        return;
+    }
+    let l = layout(16, DType::F16);
+    let mut prefill = Side::new("prefill-bad", l, 8);
+    let mut decode = Side::new("decode-bad", l, 8);
+    prefill.put(SeqId(1), &values(1, 40));
+    decode.put(SeqId(2), &values(2, 40));
+    let md = prefill.agent.local_metadata().unwrap();
+    let mut damaged = md.clone();
+    damaged[12] ^= 1;
+    assert!(matches!(
+        decode.agent.add_peer(&damaged),
+        Err(Error::Checksum { .. })
+    ));
+    let peer = decode.agent.add_peer(&md).unwrap();
+    let before = snapshot(&decode);
+    let t = Duration::from_secs(5);
+    let p = |r: u32, l: u32| (BlockId(r), BlockId(l));
+    let err = decode
+        .agent
+        .read_blocks("nobody", &mut decode.st, &[p(0, 5)], t)
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
+    for pairs in [[p(8, 5)], [p(0, 8)]] {
+        let err = decode
+            .agent
+            .read_blocks(&peer, &mut decode.st, &pairs, t)
+            .unwrap_err();
+        assert!(matches!(err, Error::BlockOutOfRange { .. }), "{err:?}");
+    }
+    let mut other = HostStorage::new(l, 8).unwrap();
+    let err = decode
+        .agent
+        .read_blocks(&peer, &mut other, &[p(0, 5)], t)
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidConfig { .. }), "{err:?}");
+    assert_eq!(snapshot(&decode), before);
+    assert!(other.region(0).iter().all(|&b| b == 0));
+
+    // The same agent still moves blocks afterwards: 3 blocks, one descriptor per layer.
+    let src = prefill.kv.block_table(SeqId(1)).unwrap().to_vec();
+    let pairs: Vec<_> = src.iter().zip(5..).map(|(&r, l)| p(r.0, l)).collect();
+    let stats = decode
+        .agent
+        .read_blocks(&peer, &mut decode.st, &pairs, t)
+        .unwrap();
+    assert_eq!(stats.bytes, 3 * l.block_bytes());
+    assert_eq!(stats.descriptors, l.num_layers());
+    let dst: Vec<BlockId> = (5..8).map(BlockId).collect();
+    check_values(&decode.st, &dst, &values(1, 40)).unwrap();
 }

@@ -405,12 +405,17 @@ impl NixlAgent {
         }
         let runs = merge_runs(pairs);
         let n = local.block_bytes_per_layer;
+        // The destination addresses come from the unique borrow the transfer writes
+        // under (they equal the registered ones, checked above).
+        let local_bases: Vec<usize> = (0..layout.num_layers())
+            .map(|l| storage.region_mut(l).as_mut_ptr() as usize)
+            .collect();
         let mut local_list =
             XferDescList::new(MemType::Dram).map_err(nixl_err("descriptor list"))?;
         let mut remote_list =
             XferDescList::new(MemType::Dram).map_err(nixl_err("descriptor list"))?;
         let mut bytes = 0;
-        for (&(l_base, _), &(r_base, _)) in local.regions.iter().zip(&remote.regions) {
+        for (&l_base, &(r_base, _)) in local_bases.iter().zip(&remote.regions) {
             for &(r, l, len) in &runs {
                 let size = len * n;
                 local_list.add_desc(l_base + layout.block_byte_offset(l), size, 0);
@@ -430,6 +435,7 @@ impl NixlAgent {
             .post_xfer_req(&req, None)
             .map_err(nixl_err("post READ request"))?;
         let deadline = start + timeout;
+        let mut polls = 0u32;
         while in_progress {
             match self
                 .agent
@@ -446,7 +452,14 @@ impl NixlAgent {
                             timeout_ms: timeout.as_millis() as u64,
                         });
                     }
-                    std::thread::yield_now();
+                    // Spin briefly (small transfers finish in microseconds), then
+                    // leave the core to UCX's progress thread.
+                    polls += 1;
+                    if polls < 64 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(Duration::from_micros(20));
+                    }
                 }
             }
         }
