@@ -126,7 +126,7 @@ fn sequences_move_byte_exact() {
         .unwrap();
     assert_eq!(peer, "prefill-exact");
     let mut scratch = Vec::new();
-    let mut moved = 0;
+    let (mut moved, mut took) = (0, Duration::ZERO);
     for (i, &n) in lens.iter().enumerate() {
         let seq = SeqId(i as u64);
         let ids: Vec<u32> = (0..n as u32).map(|t| t * 3 + 1).collect();
@@ -154,12 +154,17 @@ fn sequences_move_byte_exact() {
         );
         assert!(pulled.transfer.descriptors >= l.num_layers());
         moved += pulled.transfer.bytes;
+        took += pulled.transfer.elapsed;
         check_values(&decode.st, &pulled.imported.table, &values(i as u32 + 1, n))
             .unwrap_or_else(|layer| panic!("sequence {i}: layer {layer} differs"));
         decode.kv.check_invariants().unwrap();
     }
     check_values(&decode.st, &keep, &values(50, 33)).expect("the decode side's own sequence");
-    eprintln!("moved {moved} bytes over NIXL in {} sequences", lens.len());
+    eprintln!(
+        "moved {moved} bytes over NIXL in {} sequences, {:.1} ms in transfers",
+        lens.len(),
+        took.as_secs_f64() * 1e3
+    );
 }
 
 #[test]
