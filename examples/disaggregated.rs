@@ -15,6 +15,22 @@
 //!
 //! The run is bounded (fixed trace, socket timeouts) and exits by itself, with status
 //! 1 if any sequence differs.
+//!
+//! # Two processes over NIXL (feature `nixl`)
+//!
+//! `--transport nixl` moves the K/V page to page between two processes with NVIDIA NIXL
+//! (UCX) instead: this process is the prefill instance and spawns itself as the decode
+//! instance (`--role decode`). Loopback TCP carries only the control messages (agent
+//! metadata, one offer per sequence, one acknowledgement back); the decode process READs
+//! each sequence's blocks straight from the prefill arena into its own
+//! ([`pagedkv::export::nixl`]), decodes, and compares every sequence with a
+//! single-instance run of the same trace. Pages move as they are, so both instances use
+//! `--prefill-block-size` and no tensor parallelism.
+//!
+//! ```text
+//! LD_LIBRARY_PATH=<site-packages>/.nixl_cu13.mesonpy.libs UCX_TLS=tcp \
+//!   cargo run --release --features nixl --example disaggregated -- --transport nixl
+//! ```
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -55,6 +71,16 @@ struct Args {
     prefill_block_size: usize,
     #[arg(long, default_value_t = 32)]
     decode_block_size: usize,
+    /// `local`: in process and over loopback TCP, one process. `nixl`: two processes,
+    /// blocks moved by NIXL (needs the `nixl` feature and `libnixl_capi.so`).
+    #[arg(long, default_value = "local")]
+    transport: String,
+    /// Set by the example itself when it spawns its decode process.
+    #[arg(long, default_value = "prefill", hide = true)]
+    role: String,
+    /// The prefill process's control address (decode role only).
+    #[arg(long, hide = true)]
+    connect: Option<String>,
 }
 
 fn shape() -> ModelShape {
@@ -226,6 +252,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.min_prompt == 0 || args.max_prompt < args.min_prompt {
         return Err("need 0 < min-prompt <= max-prompt".into());
     }
+    match args.transport.as_str() {
+        "local" => {}
+        #[cfg(feature = "nixl")]
+        "nixl" => return nixl_mode::run(&args),
+        #[cfg(not(feature = "nixl"))]
+        "nixl" => return Err("--transport nixl needs the `nixl` feature (--features nixl)".into()),
+        other => return Err(format!("unknown transport {other:?} (local, nixl)").into()),
+    }
     let reqs = trace(&args);
     let prompt_tokens: usize = reqs.iter().map(|r| r.prompt.len()).sum();
 
@@ -366,4 +400,262 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         reqs.len()
     );
     Ok(())
+}
+
+/// `--transport nixl`: the prefill process and the decode process it spawns.
+#[cfg(feature = "nixl")]
+mod nixl_mode {
+    use super::*;
+    use pagedkv::executor::nixl::NixlAgent;
+    use pagedkv::export::nixl::{offer_sequence, pull_sequence};
+    use std::process::{Command, Stdio};
+
+    /// Deadline of every socket read or write, and of the connection.
+    const IO_TIMEOUT: Duration = Duration::from_secs(30);
+    /// Deadline of one NIXL READ.
+    const XFER_TIMEOUT: Duration = Duration::from_secs(30);
+    /// Deadline of the whole decode process.
+    const CHILD_TIMEOUT: Duration = Duration::from_secs(300);
+
+    type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+    fn send(stream: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
+        stream.write_all(&(bytes.len() as u32).to_le_bytes())?;
+        stream.write_all(bytes)
+    }
+
+    fn recv(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+        let mut len = [0u8; 4];
+        stream.read_exact(&mut len)?;
+        let mut buf = vec![0; u32::from_le_bytes(len) as usize];
+        stream.read_exact(&mut buf)?;
+        Ok(buf)
+    }
+
+    fn timeouts(stream: &TcpStream) -> std::io::Result<()> {
+        stream.set_read_timeout(Some(IO_TIMEOUT))?;
+        stream.set_write_timeout(Some(IO_TIMEOUT))
+    }
+
+    pub fn run(args: &Args) -> Res<()> {
+        match args.role.as_str() {
+            "prefill" => prefill(args),
+            "decode" => decode(args),
+            other => Err(format!("unknown role {other:?} (prefill, decode)").into()),
+        }
+    }
+
+    /// The prefill process: spawns the decode process, offers every sequence, frees it
+    /// once the decode process says it has it. Exits 1 when the decode process fails.
+    fn prefill(args: &Args) -> Res<()> {
+        let reqs = trace(args);
+        let layout = KvLayout::new(shape(), args.prefill_block_size)?;
+        let nb = blocks_for(&reqs, args.prefill_block_size);
+        let mut inst = Instance::new(layout, nb, HostStorage::new(layout, nb)?);
+        let mut agent = NixlAgent::new("pagedkv-prefill")?;
+        // SAFETY: `inst.kv` is never resized and outlives `agent` (declared after it,
+        // so dropped first).
+        unsafe { agent.register_host_arena(&inst.kv)? };
+
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .args(["--transport", "nixl", "--role", "decode", "--connect"])
+            .arg(listener.local_addr()?.to_string())
+            .args(["--sequences", &args.sequences.to_string()])
+            .args(["--seed", &args.seed.to_string()])
+            .args(["--min-prompt", &args.min_prompt.to_string()])
+            .args(["--max-prompt", &args.max_prompt.to_string()])
+            .args(["--decode-tokens", &args.decode_tokens.to_string()])
+            .args(["--prefill-block-size", &args.prefill_block_size.to_string()])
+            .stdin(Stdio::null())
+            .spawn()?;
+        let outcome = serve(&listener, &mut agent, &mut inst, &reqs);
+        // The decode process ends on its own (every socket operation has a deadline);
+        // past CHILD_TIMEOUT it is killed.
+        let deadline = Instant::now() + CHILD_TIMEOUT;
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break Some(status);
+            }
+            if Instant::now() >= deadline {
+                child.kill()?;
+                child.wait()?;
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        drop(agent);
+        let served = outcome?;
+        match status {
+            Some(s) if s.success() => {
+                println!("prefill: {served} sequences offered over NIXL and freed after the decode process took them");
+                Ok(())
+            }
+            Some(s) => {
+                eprintln!("prefill: the decode process failed ({s})");
+                std::process::exit(1);
+            }
+            None => {
+                eprintln!(
+                    "prefill: the decode process did not finish in {CHILD_TIMEOUT:?}; killed"
+                );
+                std::process::exit(1);
+            }
+        }
+    }
+
+    /// Accepts the decode process, sends the metadata, then one offer per sequence.
+    fn serve(
+        listener: &TcpListener,
+        agent: &mut NixlAgent,
+        inst: &mut Instance<HostStorage>,
+        reqs: &[Request],
+    ) -> Res<usize> {
+        listener.set_nonblocking(true)?;
+        let deadline = Instant::now() + IO_TIMEOUT;
+        let mut stream = loop {
+            match listener.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Err("the decode process did not connect".into());
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        stream.set_nonblocking(false)?;
+        timeouts(&stream)?;
+        send(&mut stream, &agent.local_metadata()?)?;
+        let mut scratch = Vec::new();
+        for (i, r) in reqs.iter().enumerate() {
+            let seq = SeqId(i as u64);
+            inst.prefill(seq, &r.prompt)?;
+            let offer = offer_sequence(&inst.mgr, &inst.kv, seq, Some(&r.prompt), &mut scratch)?;
+            send(&mut stream, &offer)?;
+            // The blocks stay untouched until the decode process has read them.
+            let ack = recv(&mut stream)?;
+            if ack != [0] {
+                return Err(format!(
+                    "{seq}: the decode process refused it: {}",
+                    String::from_utf8_lossy(&ack[1.min(ack.len())..])
+                )
+                .into());
+            }
+            inst.mgr.free(seq)?;
+        }
+        send(&mut stream, &[])?; // end of the trace
+        inst.mgr.check_invariants()?;
+        Ok(reqs.len())
+    }
+
+    /// The decode process: pulls every offered sequence, decodes it, compares all with a
+    /// single-instance run; exits 1 on any mismatch.
+    fn decode(args: &Args) -> Res<()> {
+        let addr = args
+            .connect
+            .as_deref()
+            .ok_or("--role decode needs --connect")?;
+        let reqs = trace(args);
+        let layout = KvLayout::new(shape(), args.prefill_block_size)?;
+        let nb = blocks_for(&reqs, args.prefill_block_size);
+        let mut single = Instance::new(layout, nb, HostStorage::new(layout, nb)?);
+        for (i, r) in reqs.iter().enumerate() {
+            single.prefill(SeqId(i as u64), &r.prompt)?;
+            single.decode(SeqId(i as u64), &r.decode)?;
+        }
+
+        let mut inst = Instance::new(layout, nb, HostStorage::new(layout, nb)?);
+        let mut agent = NixlAgent::new("pagedkv-decode")?;
+        // SAFETY: `inst.kv` is never resized and outlives `agent` (declared after it).
+        unsafe { agent.register_host_arena(&inst.kv)? };
+        let mut stream = TcpStream::connect_timeout(&addr.parse()?, IO_TIMEOUT)?;
+        timeouts(&stream)?;
+        let peer = agent.add_peer(&recv(&mut stream)?)?;
+
+        let (mut moved, mut descriptors, mut xfer_time) = (0usize, 0usize, Duration::ZERO);
+        let start = Instant::now();
+        let mut received = 0;
+        loop {
+            let offer = recv(&mut stream)?;
+            if offer.is_empty() {
+                break;
+            }
+            let seq = SeqId(received as u64);
+            let req = reqs.get(received).ok_or("more offers than requests")?;
+            let result = pull_sequence(
+                &agent,
+                &peer,
+                &mut inst.mgr,
+                &mut inst.kv,
+                seq,
+                &offer,
+                XFER_TIMEOUT,
+            )
+            .map_err(|e| format!("{seq}: pull: {e}"))
+            .and_then(|p| {
+                if p.imported.token_ids.as_deref() != Some(&req.prompt[..]) {
+                    return Err(format!("{seq}: the token ids are not the prompt's"));
+                }
+                Ok(p)
+            });
+            match result {
+                Ok(p) => {
+                    send(&mut stream, &[0])?;
+                    moved += p.transfer.bytes;
+                    descriptors += p.transfer.descriptors;
+                    xfer_time += p.transfer.elapsed;
+                }
+                Err(e) => {
+                    let mut nack = vec![1u8];
+                    nack.extend_from_slice(e.as_bytes());
+                    let _ = send(&mut stream, &nack);
+                    eprintln!("decode: {e}");
+                    std::process::exit(1);
+                }
+            }
+            inst.decode(seq, &req.decode)?;
+            received += 1;
+        }
+        let total = start.elapsed();
+
+        let mut mismatches = 0;
+        for i in 0..reqs.len() {
+            let seq = SeqId(i as u64);
+            if i >= received || inst.read(seq)? != single.read(seq)? {
+                eprintln!("{seq}: the decode process differs from the single-instance run");
+                mismatches += 1;
+            }
+        }
+        inst.mgr.check_invariants()?;
+        let prompt_tokens: usize = reqs.iter().map(|r| r.prompt.len()).sum();
+        println!(
+            "{} sequences, {} prompt tokens (+{} decode tokens each); prefill and decode in two processes, bs={}",
+            reqs.len(),
+            prompt_tokens,
+            args.decode_tokens,
+            args.prefill_block_size
+        );
+        println!(
+            "nixl: {:.1} MiB READ in {descriptors} descriptors ({} sequences), {:.2} GB/s in transfers ({:.1} ms), {:.2} GB/s end to end ({:.1} ms: offers, READs, checksums, decode steps)",
+            moved as f64 / (1 << 20) as f64,
+            received,
+            gbps(moved, xfer_time),
+            xfer_time.as_secs_f64() * 1e3,
+            gbps(moved, total),
+            total.as_secs_f64() * 1e3,
+        );
+        drop(agent);
+        if mismatches > 0 {
+            eprintln!("{mismatches} mismatches");
+            std::process::exit(1);
+        }
+        println!(
+            "all {} sequences match the single-instance run byte for byte",
+            reqs.len()
+        );
+        Ok(())
+    }
 }

@@ -170,6 +170,24 @@ pub enum Error {
     /// An I/O failure (disk tier).
     #[error("io: {0}")]
     Io(String),
+    /// A transport between processes (NIXL) failed: `op` names the call, `detail`
+    /// says what it reported. Also a missing transport library, found before any call.
+    #[error("transport: {op} failed: {detail}")]
+    Transport {
+        /// The operation that failed.
+        op: &'static str,
+        /// What the transport reported.
+        detail: String,
+    },
+    /// A transfer between processes did not complete before its deadline (a peer that
+    /// died or hangs); the request was released before this returned.
+    #[error("transport: {op} did not complete within {timeout_ms} ms")]
+    TransportTimeout {
+        /// The operation that timed out.
+        op: &'static str,
+        /// The deadline, in milliseconds.
+        timeout_ms: u64,
+    },
     /// Data read back failed its checksum.
     #[error("checksum mismatch on {what}: expected {expected:#018x}, got {got:#018x}")]
     Checksum {

@@ -82,6 +82,7 @@
 //! | `planner` | `plan`: the capacity planner, Hugging Face `config.json` reading (`plan::config`), GGUF reading (`plan::gguf`) | `serde_json` |
 //! | `prometheus` | the Prometheus text exporter of [`metrics`] | `metrics-exporter-prometheus` |
 //! | `vllm-hash` | a block hasher compatible with vLLM's `sha256_cbor` prefix hashing | `sha2` |
+//! | `nixl` | `executor::nixl` (a NIXL agent over UCX: arena registration, metadata, block READs) and `export::nixl` (a sequence pulled page to page between two processes, the export header as control message); needs `libnixl_capi.so` at run time (the `nixl-cu13` wheel), probed before the first call | `nixl-sys` (`stub-api`: g++ and libclang to build) |
 //! | `testing` | what the crate's own tests, benches and examples measure against: the contiguous baseline (`baseline`), a seeded random attention stack (`attention::model`), the lane-by-lane replay of the tensor-core decode kernel (in `attention::decode_mma`), with `cuda` the static SASS speed model of the decode kernel (`executor::cuda::sass`) | none |
 //!
 //! The crate's tests, benches and examples turn `planner`, `prometheus` and `testing` on

@@ -7,6 +7,8 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod shard;
 pub mod storage;
 pub mod tier;

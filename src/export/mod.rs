@@ -94,9 +94,10 @@
 //!   checksum, consistency of the header's fields, length, tables checksum, block
 //!   hashes, compatibility with the receiver. No length from the buffer is trusted
 //!   before the checksum that covers it passed.
-//! - **Out of scope**: the transport. NCCL, UCX or RDMA transports that move device
-//!   memory directly are not built; the buffer is host memory any byte transport can
-//!   carry. FP8 scales are not exported because the crate does not store them yet.
+//! - **The transport** is the caller's: the buffer is host memory any byte transport can
+//!   carry. With the `nixl` feature, `export::nixl` moves the pages themselves between
+//!   two arenas over NVIDIA NIXL, this header being the control message. FP8 scales are
+//!   not exported because the crate does not store them yet.
 
 use rayon::prelude::*;
 
@@ -108,6 +109,8 @@ use crate::layout::{KvLayout, Strides};
 use crate::manager::KvCache;
 
 pub mod groups;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 
 /// First 8 bytes of every export.
 pub const EXPORT_MAGIC: [u8; 8] = *b"PAGEDKV\0";
