@@ -12,6 +12,7 @@
 //! cargo run --release --example serve -- --backend cuda  # the same runs on CudaStorage + CUDA kernels, checked against the host
 //! cargo run --release --example serve -- --hybrid      # Gemma-3-like hybrid: KV-cache groups
 //! cargo run --release --example serve -- --kv-events tcp://127.0.0.1:5557  # the prefix run's events on vLLM's ZMQ wire
+//! cargo run --release --example serve -- --host-cache 2048  # adds a run with the host tier as a prefix-cache level
 //! cargo run --release --example serve -- --help
 //! ```
 
@@ -30,11 +31,12 @@ use pagedkv::chart::{EventKind, MemoryChart, Timeline};
 use pagedkv::events::{ZmqEventPublisher, ZmqPublisherConfig};
 use pagedkv::layout::Slot;
 use pagedkv::manager::preempt::PreemptAction;
-use pagedkv::manager::FragStats;
+use pagedkv::manager::{FragStats, HostCacheConfig, HostStorePolicy};
 use pagedkv::pool::prefix::{AdmitOptions, PrefixConfig};
 use pagedkv::tables::PaddedTables;
 use pagedkv::{
-    CacheConfig, CopyPlan, HostStorage, KvCache, KvLayout, ModelConfig, SeqId, Storage, SwapPlan,
+    CacheConfig, CopyPlan, HostStorage, KvCache, KvLayout, ModelConfig, PrefixHit, SeqId, Storage,
+    SwapPlan,
 };
 use pagedkv::{PreemptPolicy, TierConfig};
 
@@ -133,7 +135,37 @@ struct Args {
     /// batches carry it, as vLLM's publisher does.
     #[arg(long, default_value_t = 0, requires = "kv_events")]
     kv_events_rank: u32,
+    /// Add a run whose prefix cache has a host level of this many blocks (the host
+    /// tier): computed prefixes are stored to it between steps, and a prompt that hits
+    /// there is admitted with a load, run and completed before the sequence's first step.
+    #[arg(long)]
+    host_cache: Option<usize>,
+    /// What the host level stores (with `--host-cache`): every registered block, the 64
+    /// cached blocks nearest eviction, or blocks hit at least once on the device.
+    #[arg(long, value_enum, default_value_t = StorePolicyArg::WriteThrough, requires = "host_cache")]
+    host_store_policy: StorePolicyArg,
 }
+
+/// `--host-store-policy`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum StorePolicyArg {
+    WriteThrough,
+    WriteBack,
+    Selective,
+}
+
+impl StorePolicyArg {
+    fn policy(self) -> HostStorePolicy {
+        match self {
+            StorePolicyArg::WriteThrough => HostStorePolicy::WriteThrough,
+            StorePolicyArg::WriteBack => HostStorePolicy::WriteBack { ahead_blocks: 64 },
+            StorePolicyArg::Selective => HostStorePolicy::Selective { min_hits: 1 },
+        }
+    }
+}
+
+/// Most blocks one store to the host level copies (one store after every step).
+const HOST_STORE_MAX_BLOCKS: usize = 256;
 
 /// The crate's seeded generator, so the trace is the same on every machine.
 struct Rng(SplitMix64);
@@ -428,6 +460,22 @@ struct Overload {
     prefill_tokens_per_s: f64,
 }
 
+/// The host level of the prefix cache (`--host-cache`).
+#[derive(Debug, Default, Clone)]
+struct HostFigures {
+    blocks: usize,
+    policy: String,
+    /// Prompt tokens served by device hits and by host loads.
+    device_hit_tokens: u64,
+    host_hit_tokens: u64,
+    stored_blocks: u64,
+    stored_bytes: u64,
+    loaded_blocks: u64,
+    loaded_bytes: u64,
+    /// Wall time of the store and load copies (both arenas of the mirror).
+    copy_seconds: f64,
+}
+
 #[derive(Debug, Default, Clone)]
 struct Summary {
     requests_served: usize,
@@ -457,6 +505,7 @@ struct Summary {
     model_seconds: f64,
     elastic: Option<Elastic>,
     overload: Option<Overload>,
+    host: Option<HostFigures>,
 }
 
 impl Summary {
@@ -499,6 +548,19 @@ impl Summary {
                 "simulated_seconds_lost": o.simulated_seconds_lost,
                 "probe_swap_gb_per_s": o.probe_swap_gb_per_s,
                 "prefill_tokens_per_s": o.prefill_tokens_per_s,
+            });
+        }
+        if let Some(h) = &self.host {
+            v["host_cache"] = serde_json::json!({
+                "host_blocks": h.blocks,
+                "store_policy": h.policy,
+                "device_hit_tokens": h.device_hit_tokens,
+                "host_hit_tokens": h.host_hit_tokens,
+                "stored_blocks": h.stored_blocks,
+                "stored_bytes": h.stored_bytes,
+                "loaded_blocks": h.loaded_blocks,
+                "loaded_bytes": h.loaded_bytes,
+                "copy_seconds": h.copy_seconds,
             });
         }
         if let Some(e) = &self.elastic {
@@ -554,6 +616,9 @@ struct Sim<'a> {
     step: u64,
     /// Where each step's prefix events go (`--kv-events`).
     events: Option<&'a mut ZmqEventPublisher>,
+    /// The prefix cache has a host level (`--host-cache`): lookups, loads, stores.
+    host_level: bool,
+    hit: PrefixHit,
 }
 
 impl<'a> Sim<'a> {
@@ -585,6 +650,8 @@ impl<'a> Sim<'a> {
             timeline: Timeline::new(name),
             step: 0,
             events: None,
+            host_level: false,
+            hit: PrefixHit::default(),
         }
     }
 
@@ -631,6 +698,7 @@ impl<'a> Sim<'a> {
             }
             self.decode_step()?;
             self.retire(bar)?;
+            self.store_to_host()?;
             let stats = self.backend.alloc().stats();
             let arena_slots = (self.store.num_blocks() * self.store.layout().block_size()) as f64;
             let util = stats.live_token_slots as f64 / arena_slots;
@@ -677,6 +745,19 @@ impl<'a> Sim<'a> {
         if let Some(kv) = self.backend.paged() {
             kv.check_invariants()
                 .map_err(pagedkv::Error::CorruptBlockTable)?;
+            if let Some(h) = self.sum.host.as_mut() {
+                let t = kv.host_cache_stats();
+                h.stored_blocks = t.stored_blocks;
+                h.stored_bytes = t.stored_bytes;
+                h.loaded_blocks = t.loaded_blocks;
+                h.loaded_bytes = t.loaded_bytes;
+                if t.host_hit_tokens != h.host_hit_tokens {
+                    return Err(pagedkv::Error::CorruptBlockTable(format!(
+                        "host level: {} hit tokens counted, {} loaded",
+                        h.host_hit_tokens, t.host_hit_tokens
+                    )));
+                }
+            }
             if let (Some(o), Some(policy)) = (self.sum.overload.as_mut(), self.policy) {
                 let t = kv.tier_stats();
                 o.bytes_swapped_out = t.bytes_swapped_out;
@@ -692,14 +773,29 @@ impl<'a> Sim<'a> {
     /// Admits a request and forks its samples, all or nothing; writes the K/V of the
     /// prompt tokens that were not already cached. Returns false when it does not fit.
     fn admit_request(&mut self, r: usize) -> pagedkv::Result<bool> {
-        let req = &self.trace[r];
+        let trace = self.trace;
+        let req = &trace[r];
         let first = SeqId(self.next_seq);
+        // With a host level the prompt is admitted (and its host part loaded) first.
+        let host_admitted = if self.host_level {
+            match self.admit_with_host(first, &req.prompt)? {
+                Some(cached) => Some(cached),
+                None => return Ok(false),
+            }
+        } else {
+            None
+        };
         let admitted = self.timed(
             |b, slots, copies| -> pagedkv::Result<Option<(usize, Vec<SeqId>)>> {
-                if !b.can_admit(&req.prompt) {
-                    return Ok(None);
-                }
-                let cached = b.admit(first, &req.prompt, slots)?;
+                let cached = match host_admitted {
+                    Some(cached) => cached,
+                    None => {
+                        if !b.can_admit(&req.prompt) {
+                            return Ok(None);
+                        }
+                        b.admit(first, &req.prompt, slots)?
+                    }
+                };
                 let mut seqs = vec![first];
                 for i in 1..req.samples {
                     let child = SeqId(first.0 + i as u64);
@@ -770,6 +866,66 @@ impl<'a> Sim<'a> {
                 model_hash: 0,
             }));
         Ok(true)
+    }
+
+    /// Admits `prompt` as `first` through the prefix cache's device and host levels: a
+    /// host part is loaded into fresh device blocks (the copies run on both arenas and
+    /// complete here, before the sequence's first step), then the uncached tail is
+    /// reserved and committed, its slots in `self.slots`. Returns the tokens the cache
+    /// served (device and host), or `None` when the prompt does not fit now.
+    fn admit_with_host(&mut self, first: SeqId, prompt: &[u32]) -> pagedkv::Result<Option<usize>> {
+        let Backend::Paged { kv, .. } = &mut self.backend else {
+            return Err(pagedkv::Error::Unsupported(
+                "a host level needs the paged cache".into(),
+            ));
+        };
+        let t = Instant::now();
+        kv.lookup_prefix(prompt, &AdmitOptions::default(), &mut self.hit)?;
+        if !kv.can_admit_hit(&self.hit) {
+            self.alloc_time += t.elapsed();
+            return Ok(None);
+        }
+        let a = kv.admit_prompt(first, prompt, &self.hit)?;
+        let job = kv.load_job(first);
+        self.alloc_time += t.elapsed();
+        let h = self.sum.host.get_or_insert_with(HostFigures::default);
+        if let Some(job) = job {
+            let t = Instant::now();
+            self.store.swap(&job.plan)?;
+            h.copy_seconds += t.elapsed().as_secs_f64();
+            kv.complete_swap(job.ticket)?;
+        }
+        h.device_hit_tokens += a.cached_tokens as u64;
+        h.host_hit_tokens += a.loading_tokens as u64;
+        let t = Instant::now();
+        let cached = a.cached_tokens + a.loading_tokens;
+        let tail = prompt.len() - cached;
+        kv.reserve(first, tail, 0, &mut self.slots, &mut self.copies)?;
+        kv.commit(first, tail)?;
+        self.alloc_time += t.elapsed();
+        Ok(Some(cached))
+    }
+
+    /// With a host level: one store of the blocks the policy picks (every block
+    /// registered so far has its K/V written by now), run on both arenas and completed.
+    fn store_to_host(&mut self) -> pagedkv::Result<()> {
+        if !self.host_level {
+            return Ok(());
+        }
+        let Backend::Paged { kv, .. } = &mut self.backend else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        let job = kv.plan_host_store(HOST_STORE_MAX_BLOCKS)?;
+        self.alloc_time += t.elapsed();
+        if let Some(job) = job {
+            let t = Instant::now();
+            self.store.swap(&job.plan)?;
+            let h = self.sum.host.get_or_insert_with(HostFigures::default);
+            h.copy_seconds += t.elapsed().as_secs_f64();
+            kv.complete_swap(job.ticket)?;
+        }
+        Ok(())
     }
 
     /// Every running sequence appends one token; a sequence that cannot grow preempts
@@ -1376,6 +1532,33 @@ fn simulate(
         let (sum, tl) = sim.run(&bar, elastic)?;
         runs.push((name, sum, tl));
     }
+    if let (Some(host_blocks), false) = (args.host_cache, args.no_prefix_cache) {
+        // The prefix-cache run again, with the host tier as a level of the prefix cache.
+        let tiers = TierConfig {
+            num_host_blocks: host_blocks,
+            num_disk_slots: 0,
+        };
+        let mut kv = KvCache::with_tiers(layout, cfg, tiers)?;
+        kv.set_host_cache(HostCacheConfig {
+            store: args.host_store_policy.policy(),
+            ..HostCacheConfig::default()
+        })?;
+        let mut store = mirror(num_blocks, host_blocks)?;
+        bar.set_prefix("paged_host");
+        let backend = Backend::Paged {
+            kv: &mut kv,
+            prefix_cache: true,
+        };
+        let mut sim = Sim::new(backend, &mut store, model.as_ref(), &trace, "paged");
+        sim.host_level = true;
+        sim.sum.host = Some(HostFigures {
+            blocks: host_blocks,
+            policy: format!("{:?}", args.host_store_policy.policy()),
+            ..HostFigures::default()
+        });
+        let (sum, tl) = sim.run(&bar, elastic)?;
+        runs.push(("paged_host", sum, tl));
+    }
     let mut overload_policy = None;
     if args.overload {
         // The same trace on a squeezed arena with a host tier as large as the full arena:
@@ -1583,6 +1766,33 @@ fn print_table(
                     o.probe_swap_gb_per_s, o.prefill_tokens_per_s
                 )
             }),
+        ));
+    }
+    if args.host_cache.is_some() {
+        let h = |f: fn(&HostFigures) -> String| -> Row {
+            Box::new(move |s| s.host.as_ref().map_or("-".into(), f))
+        };
+        rows.push((
+            "host level: hit tokens device/host",
+            h(|h| format!("{}/{}", h.device_hit_tokens, h.host_hit_tokens)),
+        ));
+        rows.push((
+            "host level: blocks stored/loaded",
+            h(|h| format!("{}/{}", h.stored_blocks, h.loaded_blocks)),
+        ));
+        rows.push((
+            "host level: MiB stored/loaded",
+            h(|h| {
+                format!(
+                    "{:.0}/{:.0}",
+                    h.stored_bytes as f64 / 1048576.0,
+                    h.loaded_bytes as f64 / 1048576.0
+                )
+            }),
+        ));
+        rows.push((
+            "host level: copy time",
+            h(|h| format!("{:.2} s", h.copy_seconds)),
         ));
     }
     if args.elastic {
