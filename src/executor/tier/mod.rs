@@ -22,5 +22,6 @@ pub use disk_cache::{
 };
 pub use engine::{TransferEngine, TransferEvent};
 pub use prefix::{
-    load_prefix_from_host, restore_spilled_prefixes, spill_cached_prefixes, store_prefixes_to_host,
+    adopt_disk_store, load_prefix_from_host, load_prefix_from_tiers, restore_spilled_prefixes,
+    spill_cached_prefixes, spill_host_prefixes_to_disk, store_prefixes_to_host, DiskSpill,
 };

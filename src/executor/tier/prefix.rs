@@ -2,10 +2,12 @@
 //! manager's plan, the copies on the storage, the commit (see
 //! [`KvCache::plan_prefix_spill`]).
 
-use crate::error::Result;
+use super::disk_cache::{DiskPrefixStore, DiskStoreOutcome};
+use crate::error::{Error, Result};
 use crate::executor::check_storage;
 use crate::executor::storage::Storage;
-use crate::manager::{KvCache, PrefixRestore, PrefixSpill};
+use crate::ids::SeqId;
+use crate::manager::{DiskPlacement, KvCache, PrefixRestore, PrefixSpill};
 
 /// Copies the prefix cache's evictable blocks to `storage`'s host tier (as many as it
 /// has free blocks for, parents first), keeps them indexed there and evicts them from
@@ -134,12 +136,162 @@ pub fn store_prefixes_to_host<S: Storage + ?Sized>(
 /// # Errors
 /// As [`store_prefixes_to_host`]; a storage error aborts the load: `seq` keeps only
 /// its device-hit tokens, computed, and the host copies stay.
+/// [`crate::Error::Unsupported`] (nothing done) for a load with a disk part
+/// ([`KvCache::disk_load_job`]): [`load_prefix_from_tiers`] runs those.
 pub fn load_prefix_from_host<S: Storage + ?Sized>(
     kv: &mut KvCache,
     storage: &mut S,
-    seq: crate::ids::SeqId,
+    seq: SeqId,
 ) -> Result<usize> {
     check_storage(kv, storage)?;
+    if kv.disk_load_job(seq).is_some() {
+        return Err(crate::error::Error::Unsupported(format!(
+            "the load of {seq} has a disk part: use load_prefix_from_tiers"
+        )));
+    }
+    let Some(job) = kv.load_job(seq) else {
+        return Ok(0);
+    };
+    if let Err(e) = storage.swap(&job.plan) {
+        kv.abort_swap(job.ticket)?;
+        return Err(e);
+    }
+    kv.complete_swap(job.ticket)?;
+    Ok(job.plan.len())
+}
+
+/// Takes the entries of an opened [`DiskPrefixStore`] into the manager's disk index
+/// ([`KvCache::adopt_disk_prefixes`] of [`DiskPrefixStore::entries`]), so that lookups
+/// find them. Returns the entries taken.
+///
+/// # Errors
+/// [`crate::Error::ShapeMismatch`] for a store made for another layout; as
+/// [`KvCache::adopt_disk_prefixes`]. Nothing changed on error.
+pub fn adopt_disk_store(kv: &mut KvCache, store: &DiskPrefixStore) -> Result<usize> {
+    check_layout(kv, store)?;
+    kv.adopt_disk_prefixes(store.entries())
+}
+
+fn check_layout(kv: &KvCache, store: &DiskPrefixStore) -> Result<()> {
+    if store.layout() != kv.layout() {
+        return Err(Error::ShapeMismatch {
+            what: "bytes of one block (disk store vs cache layout)",
+            expected: kv.layout().block_bytes(),
+            got: store.block_bytes(),
+        });
+    }
+    Ok(())
+}
+
+/// What [`spill_host_prefixes_to_disk`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DiskSpill {
+    /// Blocks written to the store.
+    pub stored_blocks: usize,
+    /// Blocks the store held already (not written again; indexed now).
+    pub already_present: usize,
+    /// Entries the store evicted to make room (announced removed).
+    pub evicted_blocks: usize,
+}
+
+/// Stores up to `max_blocks` host entries of the prefix cache into the disk level (by
+/// the manager's [`crate::manager::DiskStorePolicy`]): [`KvCache::plan_disk_store`],
+/// [`DiskPrefixStore::store_from`] for each block (parents first), then
+/// [`KvCache::complete_disk_store`] with where each went and what the store evicted,
+/// so the manager's disk index follows the store's and announces Disk-medium events.
+///
+/// # Errors
+/// As [`check_storage`](crate::executor::check_storage) and
+/// [`DiskPrefixStore::store_from`]. On a store error the blocks stored before it are
+/// still indexed (they are in the store's journal); the rest are not, and the error is
+/// returned.
+pub fn spill_host_prefixes_to_disk<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &S,
+    store: &mut DiskPrefixStore,
+    max_blocks: usize,
+) -> Result<DiskSpill> {
+    check_storage(kv, storage)?;
+    check_layout(kv, store)?;
+    let Some(job) = kv.plan_disk_store(max_blocks)? else {
+        return Ok(DiskSpill::default());
+    };
+    let mut out = DiskSpill::default();
+    let mut placements = Vec::with_capacity(job.items.len());
+    let mut failed = None;
+    for item in &job.items {
+        match store.store_from(storage, item.host, &item.entry) {
+            Ok(DiskStoreOutcome::Stored { slot, evicted }) => {
+                out.stored_blocks += 1;
+                out.evicted_blocks += usize::from(evicted.is_some());
+                placements.push(DiskPlacement {
+                    hash: item.entry.hash,
+                    slot,
+                    evicted: evicted.map(|e| (e.hash, e.slot)),
+                });
+            }
+            Ok(DiskStoreOutcome::AlreadyPresent { slot }) => {
+                out.already_present += 1;
+                placements.push(DiskPlacement {
+                    hash: item.entry.hash,
+                    slot,
+                    evicted: None,
+                });
+            }
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    kv.complete_disk_store(job.ticket, &placements)?;
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}
+
+/// Runs the load of `seq` (admitted from a hit whose tail is in the host or disk
+/// level) and completes it: each disk block is read from `store` into its staging host
+/// block ([`KvCache::disk_load_job`], checksummed), then every block is copied to the
+/// device ([`KvCache::load_job`]) and the swap completed, so the loaded tokens count
+/// as computed. Returns the blocks loaded (0 when `seq` has no load in flight).
+///
+/// # Errors
+/// [`crate::Error::Checksum`] when a disk block's bytes are corrupt, or
+/// [`crate::Error::DiskEntryMissing`] when the store no longer holds one: a miss. The
+/// load is aborted (`seq` keeps only its device-hit tokens, computed; host copies
+/// stay; no wrong byte reaches a device block that counts), and the entry is dropped
+/// from the disk index (and from the store, for a checksum failure). An I/O error or
+/// a storage error aborts the load the same way, the entry kept. As
+/// [`load_prefix_from_host`] for a storage that does not fit.
+pub fn load_prefix_from_tiers<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &mut S,
+    store: &mut DiskPrefixStore,
+    seq: SeqId,
+) -> Result<usize> {
+    check_storage(kv, storage)?;
+    check_layout(kv, store)?;
+    if let Some(disk) = kv.disk_load_job(seq) {
+        for item in &disk.items {
+            let err = match store.load_into(storage, item.host, item.hash) {
+                Ok(true) => continue,
+                Ok(false) => {
+                    kv.remove_disk_entry(item.hash);
+                    Error::DiskEntryMissing { hash: item.hash.0 }
+                }
+                Err(e @ Error::Checksum { .. }) => {
+                    kv.remove_disk_entry(item.hash);
+                    e
+                }
+                Err(e) => e,
+            };
+            kv.abort_swap(disk.ticket)?;
+            return Err(err);
+        }
+        kv.mark_disk_load_staged(disk.ticket)?;
+    }
     let Some(job) = kv.load_job(seq) else {
         return Ok(0);
     };
