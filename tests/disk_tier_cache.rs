@@ -59,6 +59,10 @@ impl Drop for TempDir {
 }
 
 fn setup(blocks: usize, host: usize) -> (KvCache, HostStorage) {
+    setup_with(blocks, host)
+}
+
+fn setup_with(blocks: usize, host: usize) -> (KvCache, HostStorage) {
     let kv = KvCache::builder(layout())
         .num_blocks(blocks)
         .watermark_blocks(0)
@@ -173,11 +177,21 @@ fn fill_dir(dir: &Path, p: &[u32], capacity: usize) -> Vec<BlockHash> {
 
 /// Reopens `dir` into a new cache and storage (as after a restart).
 fn reopen(dir: &Path) -> (KvCache, HostStorage, DiskPrefixStore) {
-    let (mut kv, mut st) = setup(12, 8);
+    reopen_with(dir, 8)
+}
+
+fn reopen_with(dir: &Path, host: usize) -> (KvCache, HostStorage, DiskPrefixStore) {
+    let (mut kv, mut st) = setup_with(12, host);
     let store = DiskPrefixStore::open(dir, &layout()).unwrap();
     let n = adopt_disk_store(&mut kv, &store).unwrap();
     assert_eq!(n, store.len());
     assert_eq!(kv.disk_cache_stats().adopted_blocks, n as u64);
+    let (stored, removed) = disk_events(&mut kv);
+    assert_eq!(
+        (stored.len(), removed.len()),
+        (n, 0),
+        "adopted entries are announced"
+    );
     kv.check_invariants().unwrap();
     scrub(&mut kv, &mut st);
     (kv, st, store)
@@ -287,6 +301,42 @@ fn three_tier_load_is_byte_exact() {
     assert_eq!(h.device_hit_tokens - before, 4);
     assert_eq!(h.host_hit_tokens, 4);
     assert_eq!(kv.disk_cache_stats().disk_hit_tokens, 8);
+}
+
+/// A disk part larger than the host tier can stage loads as far as staging blocks
+/// go (the rest is computed); the one-call admission serves device hits only.
+#[test]
+fn staging_is_limited_by_host_tier() {
+    let dir = TempDir::new();
+    let p = prompt(17, 1_300);
+    fill_dir(&dir.0, &p, 16);
+    let (mut kv, mut st, mut store) = reopen_with(&dir.0, 2);
+    let hit = hit_of(&kv, &p);
+    assert_eq!(tiers(&hit), (0, 0, 16));
+    let a = kv.admit_prompt(SeqId(2), &p, &hit).unwrap();
+    assert_eq!(a.loading_tokens, 8);
+    kv.check_invariants().unwrap();
+    assert_eq!(
+        load_prefix_from_tiers(&mut kv, &mut st, &mut store, SeqId(2)).unwrap(),
+        2
+    );
+    assert_eq!(kv.num_computed_tokens(SeqId(2)).unwrap(), 8);
+    let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
+    kv.reserve(SeqId(2), 9, 0, &mut slots, &mut copies).unwrap();
+    write_values(&mut st, &slots, &p[8..]);
+    kv.commit(SeqId(2), 9).unwrap();
+    check_values(&st, kv.block_table(SeqId(2)).unwrap(), &p).unwrap();
+    kv.check_invariants().unwrap();
+    // admit_tokens hands out slots at once: it computes the disk part again.
+    let mut slots = Vec::new();
+    drop(store);
+    let q = prompt(17, 1_300);
+    let (mut kv2, _, _) = reopen_with(&dir.0, 2);
+    let a = kv2
+        .admit_tokens(SeqId(3), &q, &AdmitOptions::default(), &mut slots)
+        .unwrap();
+    assert_eq!((a.cached_tokens, a.loading_tokens, slots.len()), (0, 0, 17));
+    kv2.check_invariants().unwrap();
 }
 
 // ---- misses: corrupt, missing, truncated -----------------------------------------
