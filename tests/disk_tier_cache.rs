@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use kv_bytes::{check_values, write_values};
 use pagedkv::executor::tier::{
     adopt_disk_store, load_prefix_from_host, load_prefix_from_tiers, spill_host_prefixes_to_disk,
-    store_prefixes_to_host, DiskPrefixStore, DISK_SLOT_ALIGN,
+    stage_disk_load, store_prefixes_to_host, DiskPrefixStore, TransferEngine, DISK_SLOT_ALIGN,
 };
 use pagedkv::ids::DiskSlot;
 use pagedkv::manager::{DiskCacheConfig, DiskPlacement, DiskStorePolicy};
@@ -337,6 +337,38 @@ fn staging_is_limited_by_host_tier() {
         .unwrap();
     assert_eq!((a.cached_tokens, a.loading_tokens, slots.len()), (0, 0, 17));
     kv2.check_invariants().unwrap();
+}
+
+/// The host -> device part of a disk load runs on a `TransferEngine` once staged:
+/// layer by layer, with per-layer readiness for attention, completed on the ticket.
+#[test]
+fn staged_disk_load_runs_on_transfer_engine() {
+    let dir = TempDir::new();
+    let p = prompt(13, 1_500);
+    fill_dir(&dir.0, &p, 16);
+    let (mut kv, st, mut store) = reopen(&dir.0);
+    let hit = hit_of(&kv, &p);
+    kv.admit_prompt(SeqId(2), &p, &hit).unwrap();
+    let mut engine = TransferEngine::new(st);
+    {
+        let mut guard = engine.storage().lock();
+        assert_eq!(
+            stage_disk_load(&mut kv, &mut *guard, &mut store, SeqId(2)).unwrap(),
+            3
+        );
+    }
+    assert_eq!(kv.num_computed_tokens(SeqId(2)).unwrap(), 0);
+    let job = kv.load_job(SeqId(2)).unwrap();
+    engine.submit(&job).unwrap();
+    engine.wait(job.ticket).unwrap();
+    for layer in 0..layout().num_layers() {
+        assert!(engine.is_layer_ready(SeqId(2), layer));
+    }
+    kv.complete_swap(job.ticket).unwrap();
+    assert_eq!(kv.num_computed_tokens(SeqId(2)).unwrap(), 12);
+    let guard = engine.storage().lock();
+    check_values(&*guard, kv.block_table(SeqId(2)).unwrap(), &p[..12]).unwrap();
+    kv.check_invariants().unwrap();
 }
 
 // ---- misses: corrupt, missing, truncated -----------------------------------------

@@ -200,6 +200,44 @@ pub struct DiskSpill {
 /// [`KvCache::complete_disk_store`] with where each went and what the store evicted,
 /// so the manager's disk index follows the store's and announces Disk-medium events.
 ///
+/// ```
+/// use pagedkv::executor::tier::{adopt_disk_store, load_prefix_from_tiers,
+///     spill_host_prefixes_to_disk, store_prefixes_to_host, DiskPrefixStore};
+/// use pagedkv::{AdmitOptions, CacheConfig, DType, HostStorage, KvCache, KvLayout,
+///               ModelShape, PrefixHit, SeqId, TierConfig};
+///
+/// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1,
+///                          head_dim: 8, kv_dtype: DType::F16 };
+/// let layout = KvLayout::new(shape, 4)?;
+/// let tiers = TierConfig { num_host_blocks: 8, num_disk_slots: 0 };
+/// let dir = std::env::temp_dir().join(format!("pagedkv-doc-disk-tier-{}", std::process::id()));
+/// let (prompt, opts) = ((0..13).collect::<Vec<u32>>(), AdmitOptions::default());
+/// {
+///     let mut kv = KvCache::with_tiers(layout, CacheConfig::new(16), tiers)?;
+///     let mut storage = HostStorage::with_host_tier(layout, 16, 8)?;
+///     let mut store = DiskPrefixStore::create(&dir, &layout, 64)?;
+///     kv.admit_tokens(SeqId(1), &prompt, &opts, &mut Vec::new())?;
+///     // ... the engine writes the prompt's K/V ...
+///     store_prefixes_to_host(&mut kv, &mut storage, 64)?;           // device -> host
+///     let spill = spill_host_prefixes_to_disk(&mut kv, &storage, &mut store, 64)?;
+///     assert_eq!(spill.stored_blocks, 3);                          // host -> disk
+/// }
+/// // A restart: a new cache and storage, the tier directory reopened.
+/// let mut kv = KvCache::with_tiers(layout, CacheConfig::new(16), tiers)?;
+/// let mut storage = HostStorage::with_host_tier(layout, 16, 8)?;
+/// let mut store = DiskPrefixStore::open(&dir, &layout)?;
+/// assert_eq!(adopt_disk_store(&mut kv, &store)?, 3);
+/// let mut hit = PrefixHit::default();
+/// kv.lookup_prefix(&prompt, &opts, &mut hit)?;
+/// assert_eq!((hit.device_tokens(), hit.host_tokens(), hit.disk_tokens()), (0, 0, 12));
+/// kv.admit_prompt(SeqId(2), &prompt, &hit)?;
+/// assert_eq!(load_prefix_from_tiers(&mut kv, &mut storage, &mut store, SeqId(2))?, 3);
+/// assert_eq!(kv.num_computed_tokens(SeqId(2))?, 12);
+/// # drop(store);
+/// # std::fs::remove_dir_all(&dir).unwrap();
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+///
 /// # Errors
 /// As [`check_storage`](crate::executor::check_storage) and
 /// [`DiskPrefixStore::store_from`]. On a store error the blocks stored before it are
@@ -251,11 +289,17 @@ pub fn spill_host_prefixes_to_disk<S: Storage + ?Sized>(
     }
 }
 
-/// Runs the load of `seq` (admitted from a hit whose tail is in the host or disk
-/// level) and completes it: each disk block is read from `store` into its staging host
-/// block ([`KvCache::disk_load_job`], checksummed), then every block is copied to the
-/// device ([`KvCache::load_job`]) and the swap completed, so the loaded tokens count
-/// as computed. Returns the blocks loaded (0 when `seq` has no load in flight).
+/// Reads the disk part of the load of `seq` ([`KvCache::disk_load_job`]) from `store`
+/// into its staging host blocks (checksummed) and marks it staged
+/// ([`KvCache::mark_disk_load_staged`]). Returns the blocks staged (0 when the load has
+/// no disk part). The host -> device part then runs like a host-level load: at once
+/// ([`load_prefix_from_tiers`] does both), or on a [`crate::TransferEngine`], layer
+/// by layer, whose [`crate::TransferEngine::is_layer_ready`] /
+/// [`crate::TransferEngine::layer_fence`] tell attention which layers have landed.
+///
+/// The disk part itself is not per layer: a disk slot holds one block's bytes for
+/// every layer and is verified as a whole (its checksum covers all layers), so no
+/// layer of it can be exposed before the whole block is read and checked.
 ///
 /// # Errors
 /// [`crate::Error::Checksum`] when a disk block's bytes are corrupt, or
@@ -263,9 +307,10 @@ pub fn spill_host_prefixes_to_disk<S: Storage + ?Sized>(
 /// load is aborted (`seq` keeps only its device-hit tokens, computed; host copies
 /// stay; no wrong byte reaches a device block that counts), and the entry is dropped
 /// from the disk index (and from the store, for a checksum failure). An I/O error or
-/// a storage error aborts the load the same way, the entry kept. As
-/// [`load_prefix_from_host`] for a storage that does not fit.
-pub fn load_prefix_from_tiers<S: Storage + ?Sized>(
+/// a storage error aborts the load the same way, the entry kept.
+/// [`crate::Error::ShapeMismatch`] (nothing done) for a store or storage of another
+/// layout.
+pub fn stage_disk_load<S: Storage + ?Sized>(
     kv: &mut KvCache,
     storage: &mut S,
     store: &mut DiskPrefixStore,
@@ -273,25 +318,44 @@ pub fn load_prefix_from_tiers<S: Storage + ?Sized>(
 ) -> Result<usize> {
     check_storage(kv, storage)?;
     check_layout(kv, store)?;
-    if let Some(disk) = kv.disk_load_job(seq) {
-        for item in &disk.items {
-            let err = match store.load_into(storage, item.host, item.hash) {
-                Ok(true) => continue,
-                Ok(false) => {
-                    kv.remove_disk_entry(item.hash);
-                    Error::DiskEntryMissing { hash: item.hash.0 }
-                }
-                Err(e @ Error::Checksum { .. }) => {
-                    kv.remove_disk_entry(item.hash);
-                    e
-                }
-                Err(e) => e,
-            };
-            kv.abort_swap(disk.ticket)?;
-            return Err(err);
-        }
-        kv.mark_disk_load_staged(disk.ticket)?;
+    let Some(disk) = kv.disk_load_job(seq) else {
+        return Ok(0);
+    };
+    for item in &disk.items {
+        let err = match store.load_into(storage, item.host, item.hash) {
+            Ok(true) => continue,
+            Ok(false) => {
+                kv.remove_disk_entry(item.hash);
+                Error::DiskEntryMissing { hash: item.hash.0 }
+            }
+            Err(e @ Error::Checksum { .. }) => {
+                kv.remove_disk_entry(item.hash);
+                e
+            }
+            Err(e) => e,
+        };
+        kv.abort_swap(disk.ticket)?;
+        return Err(err);
     }
+    kv.mark_disk_load_staged(disk.ticket)?;
+    Ok(disk.items.len())
+}
+
+/// Runs the load of `seq` (admitted from a hit whose tail is in the host or disk
+/// level) and completes it: [`stage_disk_load`], then every block is copied to the
+/// device ([`KvCache::load_job`]) and the swap completed, so the loaded tokens count
+/// as computed. Returns the blocks loaded (0 when `seq` has no load in flight).
+///
+/// # Errors
+/// As [`stage_disk_load`]; a storage error in the device copies aborts the load as in
+/// [`load_prefix_from_host`].
+pub fn load_prefix_from_tiers<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &mut S,
+    store: &mut DiskPrefixStore,
+    seq: SeqId,
+) -> Result<usize> {
+    stage_disk_load(kv, storage, store, seq)?;
     let Some(job) = kv.load_job(seq) else {
         return Ok(0);
     };
