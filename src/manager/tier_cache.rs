@@ -58,6 +58,14 @@
 //! The host level refuses on a hybrid cache ([`KvCache::hybrid`]) with
 //! [`Error::NotOnHybrid`]. The sleep-time spill ([`KvCache::plan_prefix_spill`]) keeps
 //! its own host blocks, invisible to lookups until restored.
+//!
+//! # Below the host: the disk level
+//!
+//! Host entries go on to the disk level (`manager/disk_level.rs`): a lookup continues
+//! there after the host part ([`PrefixHit::disk_tokens`]), and a load of such a hit
+//! stages each disk block in a host block of its own before the device copies (the
+//! load's plan ends with them). A disk store holds its host entries as a load does
+//! (one reader each), so they are not evicted while being written.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
