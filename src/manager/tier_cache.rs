@@ -613,7 +613,7 @@ impl KvCache {
     }
 
     /// The load of `seq` in flight (admitted from a host-level hit), to run with
-    /// [`crate::Storage::swap`] or a [`crate::TransferEngine`], then
+    /// [`crate::Storage::swap`] or a [`crate::executor::tier::TransferEngine`], then
     /// [`Self::complete_swap`] or [`Self::abort_swap`] with its ticket.
     pub fn load_job(&self, seq: SeqId) -> Option<SwapJob> {
         let l = self

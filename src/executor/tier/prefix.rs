@@ -77,7 +77,7 @@ pub fn restore_spilled_prefixes<S: Storage + ?Sized>(
 /// `storage` at once: [`KvCache::plan_host_store`], [`Storage::swap`],
 /// [`KvCache::complete_swap`]. Returns the blocks stored (0 when there was nothing to
 /// store or no room). An engine that overlaps the copies with compute submits the job
-/// to a [`crate::TransferEngine`] instead.
+/// to a [`super::TransferEngine`] instead.
 ///
 /// ```
 /// use pagedkv::executor::tier::{load_prefix_from_host, store_prefixes_to_host};
@@ -239,8 +239,8 @@ pub struct DiskSpill {
 /// ```
 ///
 /// # Errors
-/// As [`check_storage`](crate::executor::check_storage) and
-/// [`DiskPrefixStore::store_from`]. On a store error the blocks stored before it are
+/// [`crate::Error::InvalidConfig`] / [`crate::Error::ShapeMismatch`] for a storage or
+/// store that does not fit the manager's layout; as [`DiskPrefixStore::store_from`]. On a store error the blocks stored before it are
 /// still indexed (they are in the store's journal); the rest are not, and the error is
 /// returned.
 pub fn spill_host_prefixes_to_disk<S: Storage + ?Sized>(
@@ -293,9 +293,9 @@ pub fn spill_host_prefixes_to_disk<S: Storage + ?Sized>(
 /// into its staging host blocks (checksummed) and marks it staged
 /// ([`KvCache::mark_disk_load_staged`]). Returns the blocks staged (0 when the load has
 /// no disk part). The host -> device part then runs like a host-level load: at once
-/// ([`load_prefix_from_tiers`] does both), or on a [`crate::TransferEngine`], layer
-/// by layer, whose [`crate::TransferEngine::is_layer_ready`] /
-/// [`crate::TransferEngine::layer_fence`] tell attention which layers have landed.
+/// ([`load_prefix_from_tiers`] does both), or on a [`super::TransferEngine`], layer
+/// by layer, whose [`super::TransferEngine::is_layer_ready`] /
+/// [`super::TransferEngine::layer_fence`] tell attention which layers have landed.
 ///
 /// The disk part itself is not per layer: a disk slot holds one block's bytes for
 /// every layer and is verified as a whole (its checksum covers all layers), so no
