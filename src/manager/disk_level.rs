@@ -175,11 +175,6 @@ pub(crate) struct DiskLevel {
 }
 
 impl DiskLevel {
-    /// Stores in flight.
-    pub(crate) fn num_in_flight(&self) -> usize {
-        self.stores.len()
-    }
-
     /// Host entries read by disk stores in flight, with how many stores read each.
     pub(crate) fn readers(&self) -> HashMap<BlockHash, u32> {
         let mut out: HashMap<BlockHash, u32> = HashMap::new();

@@ -252,7 +252,8 @@ impl Tiers {
     /// Device blocks that in-flight swap-outs will free when they complete.
     /// Swap transfers issued and not yet completed or aborted.
     pub(crate) fn num_in_flight(&self) -> usize {
-        self.pending.len() + self.host_cache.num_in_flight() + self.disk_cache.num_in_flight()
+        // Disk stores read host blocks only: they do not hold device blocks in place.
+        self.pending.len() + self.host_cache.num_in_flight()
     }
 
     pub(crate) fn pending_device_release(&self) -> usize {
