@@ -260,6 +260,14 @@ pub enum Error {
     /// No pin with this id is held (never taken, or already released).
     #[error("unknown {0}")]
     UnknownPin(crate::ids::PinId),
+    /// A block that a load from the disk level of the prefix cache reads is not in
+    /// the disk store (evicted or dropped since the admission): a miss, the load
+    /// aborted.
+    #[error("disk-level entry {hash:#x} is not in the disk store")]
+    DiskEntryMissing {
+        /// The block's hash (`BlockHash::0`).
+        hash: u64,
+    },
     /// The operation is not supported by this backend or configuration.
     #[error("unsupported: {0}")]
     Unsupported(String),

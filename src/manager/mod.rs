@@ -5,6 +5,7 @@
 
 mod builder;
 mod defrag;
+mod disk_level;
 pub mod groups;
 mod hybrid;
 mod in_flight;
@@ -22,6 +23,10 @@ mod window;
 
 pub use builder::CacheBuilder;
 pub use defrag::{DefragCounters, DefragOptions, FragStats, PendingDefrag, PendingResize};
+pub use disk_level::{
+    DiskCacheConfig, DiskLevelStats, DiskLoadItem, DiskLoadJob, DiskPlacement, DiskStoreItem,
+    DiskStoreJob, DiskStorePolicy,
+};
 pub use preempt::CostModel;
 pub use prefix::PrefixHit;
 pub use prefix_spill::{PendingPrefixRestore, PendingPrefixSpill, PrefixRestore, PrefixSpill};

@@ -129,12 +129,18 @@ impl SeqPrefix {
 /// are held there, in chain order (a lookup stops at the first block no tier holds).
 /// [`Self::cached_tokens`] stays the device part, so a hit with no host part reads as
 /// before; [`KvCache::admit_prompt`] loads the host part back ([`KvCache::load_job`]).
+///
+/// With a disk level ([`KvCache::adopt_disk_prefixes`], [`KvCache::plan_disk_store`]),
+/// the lookup goes on past the host part in the disk index: [`Self::disk_tokens`] more
+/// tokens, loaded through staging host blocks ([`KvCache::disk_load_job`]).
 #[derive(Debug, Clone, Default)]
 pub struct PrefixHit {
     blocks: Vec<BlockId>,
     hashes: Vec<BlockHash>,
     /// Hashes of the blocks found in the host level after `blocks`, in chain order.
     host: Vec<BlockHash>,
+    /// Hashes of the blocks found in the disk level after `host`, in chain order.
+    disk: Vec<BlockHash>,
     ns: Option<Namespace>,
     keys: BlockKeys,
     prompt_len: usize,
@@ -176,9 +182,25 @@ impl PrefixHit {
         self.host.len()
     }
 
-    /// Leading prompt tokens some tier holds: device plus host.
+    /// Prompt tokens after the host part found in the disk level of the prefix cache
+    /// (whole blocks; 0 without a disk level).
+    pub fn disk_tokens(&self) -> usize {
+        self.disk.len() * self.block_size
+    }
+
+    /// Blocks found in the disk level after the host part.
+    pub fn disk_blocks(&self) -> usize {
+        self.disk.len()
+    }
+
+    /// Leading prompt tokens some tier holds: device plus host plus disk.
     pub fn total_tokens(&self) -> usize {
-        self.cached_tokens() + self.host_tokens()
+        self.cached_tokens() + self.host_tokens() + self.disk_tokens()
+    }
+
+    /// The disk part's block hashes, in chain order.
+    pub(crate) fn disk_hashes(&self) -> &[BlockHash] {
+        &self.disk
     }
 
     /// The host part's block hashes, in chain order.
@@ -189,6 +211,7 @@ impl PrefixHit {
     /// Drops the host part (a caller that serves device hits only).
     pub(crate) fn drop_host_part(&mut self) {
         self.host.clear();
+        self.disk.clear();
     }
 
     /// The cached blocks found, in prompt order.
@@ -202,6 +225,7 @@ impl PrefixHit {
         self.blocks.truncate(blocks);
         self.hashes.truncate(blocks);
         self.host.clear();
+        self.disk.clear();
     }
 }
 
@@ -448,6 +472,7 @@ impl KvCache {
         hit.blocks.clear();
         hit.hashes.clear();
         hit.host.clear();
+        hit.disk.clear();
         hit.ns = None;
         hit.keys = BlockKeys::default();
         hit.collision = false;
@@ -490,6 +515,21 @@ impl KvCache {
                 max,
                 last,
                 &mut hit.host,
+            );
+            // Then the disk level, from the last block found so far.
+            let last = match hit.host.last() {
+                Some(&h) => self.tiers.host_cache.saved_of(h).map(|s| (h, s.digest())),
+                None => last,
+            };
+            self.tiers.disk_cache.extend_hit(
+                &self.prefix,
+                &ns,
+                &hit.keys,
+                tokens,
+                hit.blocks.len() + hit.host.len(),
+                max,
+                last,
+                &mut hit.disk,
             );
         }
         hit.ns = Some(ns);
@@ -671,10 +711,22 @@ impl KvCache {
         } else {
             Vec::new()
         };
-        let mut table = self.new_table(valid + host.len());
+        // The disk part goes on only from an intact host part, as far as the disk
+        // index still holds it and the host tier can stage it.
+        let mut disk = if host.len() == hit.host_hashes().len() {
+            let parent = host.last().copied().or(parent);
+            let first = valid + host.len();
+            self.confirm_disk_hit(hit.disk_hashes(), first, parent, &ns, &hit.keys, tokens)
+        } else {
+            Vec::new()
+        };
+        if !disk.is_empty() {
+            disk.truncate(self.staging_room(&host));
+        }
+        let mut table = self.new_table(valid + host.len() + disk.len());
         table.extend_from_slice(&hit.blocks[..valid]);
         let revived = self.count_evictable(&table);
-        self.ensure_available(revived + host.len())?;
+        self.ensure_available(revived + host.len() + disk.len())?;
         self.seqs.reserve_room(1)?;
         for &b in &table {
             let revive = self.pool.state(b)? == BlockState::Cached;
@@ -683,10 +735,10 @@ impl KvCache {
         self.prefix.note_query(len, valid, hit.collision);
         self.note_device_hit(valid);
         let cached = valid * bs;
-        let load = if host.is_empty() {
+        let load = if host.is_empty() && disk.is_empty() {
             None
         } else {
-            Some(self.plan_load(seq, valid, &host, &mut table)?)
+            Some(self.plan_load(seq, valid, &host, &disk, &mut table)?)
         };
         // A window manager registers nothing: its blocks leave before the sequence ends.
         let prefix = self.window.is_none().then(|| {
@@ -701,7 +753,7 @@ impl KvCache {
                 step_ids: false,
             })
         });
-        let loading = host.len() * bs;
+        let loading = (host.len() + disk.len()) * bs;
         let s = Sequence {
             table,
             num_tokens: cached + loading,

@@ -197,6 +197,8 @@ pub(crate) struct Tiers {
     pub(crate) spilled: Vec<super::prefix_spill::SpilledPrefix>,
     /// The host level of the prefix cache (see `manager/tier_cache.rs`).
     pub(crate) host_cache: super::tier_cache::HostLevel,
+    /// The disk level of the prefix cache's index (see `manager/disk_level.rs`).
+    pub(crate) disk_cache: super::disk_level::DiskLevel,
 }
 
 impl Tiers {
@@ -217,6 +219,7 @@ impl Tiers {
             events: VecDeque::new(),
             spilled: Vec::new(),
             host_cache: super::tier_cache::HostLevel::default(),
+            disk_cache: super::disk_level::DiskLevel::default(),
         })
     }
 
@@ -249,6 +252,7 @@ impl Tiers {
     /// Device blocks that in-flight swap-outs will free when they complete.
     /// Swap transfers issued and not yet completed or aborted.
     pub(crate) fn num_in_flight(&self) -> usize {
+        // Disk stores read host blocks only: they do not hold device blocks in place.
         self.pending.len() + self.host_cache.num_in_flight()
     }
 
@@ -1087,6 +1091,7 @@ impl KvCache {
             }
         }
         in_flight += self.check_host_cache(&mut host_refs)?;
+        self.tiers.disk_cache.check()?;
         let marked = self.seqs.values().filter(|s| s.in_flight.is_some()).count();
         if marked != in_flight {
             return Err(format!(

@@ -58,9 +58,18 @@
 //! The host level refuses on a hybrid cache ([`KvCache::hybrid`]) with
 //! [`Error::NotOnHybrid`]. The sleep-time spill ([`KvCache::plan_prefix_spill`]) keeps
 //! its own host blocks, invisible to lookups until restored.
+//!
+//! # Below the host: the disk level
+//!
+//! Host entries go on to the disk level (`manager/disk_level.rs`): a lookup continues
+//! there after the host part ([`PrefixHit::disk_tokens`]), and a load of such a hit
+//! stages each disk block in a host block of its own before the device copies (the
+//! load's plan ends with them). A disk store holds its host entries as a load does
+//! (one reader each), so they are not evicted while being written.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use super::disk_level::{DiskLoadItem, DiskLoadJob};
 use super::{swap::InFlight, KvCache, PrefixHit};
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqId, SwapTicket};
@@ -179,9 +188,26 @@ struct PendingLoad {
     seq: SeqId,
     /// Blocks of the device part (before the loaded ones in the table).
     device_blocks: usize,
-    /// The host entries read, in chain order (one per loaded block).
+    /// The host entries read, in chain order (one per loaded block of the host part).
     hashes: Vec<BlockHash>,
+    /// The disk part after them: each block's hash and its staging host block (one
+    /// host-pool reference each), in chain order.
+    disk: Vec<(BlockHash, BlockId)>,
+    /// Whether the executor reported the disk part staged
+    /// ([`KvCache::mark_disk_load_staged`]).
+    staged: bool,
+    /// Host part's copies, then the disk part's (from the staging blocks).
     plan: SwapPlan,
+}
+
+/// A host entry a disk store could take (`manager/disk_level.rs`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StoreCandidate {
+    pub(crate) hash: BlockHash,
+    pub(crate) host: BlockId,
+    pub(crate) depth: u32,
+    /// The host eviction key (lower goes first).
+    pub(crate) key: u64,
 }
 
 /// The host level's bookkeeping inside the tiers.
@@ -209,6 +235,39 @@ impl HostLevel {
     /// Whether a store in flight holds device block `b`.
     pub(crate) fn holds_device(&self, b: BlockId) -> bool {
         self.held_device_blocks().any(|d| d == b)
+    }
+
+    /// The host entries with `keep(hash)`, for a disk store.
+    pub(crate) fn store_candidates(&self, keep: impl Fn(BlockHash) -> bool) -> Vec<StoreCandidate> {
+        self.entries
+            .values()
+            .filter(|e| keep(e.saved.hash))
+            .map(|e| StoreCandidate {
+                hash: e.saved.hash,
+                host: e.host,
+                depth: e.saved.depth,
+                key: e.key,
+            })
+            .collect()
+    }
+
+    /// The saved content of host entry `h`.
+    pub(crate) fn saved_of(&self, h: BlockHash) -> Option<&SavedEntry> {
+        self.entries.get(&h).map(|e| &e.saved)
+    }
+
+    /// One more reader of host entry `h` (a disk store reading it).
+    pub(crate) fn add_reader(&mut self, h: BlockHash) {
+        if let Some(e) = self.entries.get_mut(&h) {
+            e.readers += 1;
+        }
+    }
+
+    /// One reader less of host entry `h`.
+    pub(crate) fn remove_reader(&mut self, h: BlockHash) {
+        if let Some(e) = self.entries.get_mut(&h) {
+            e.readers = e.readers.saturating_sub(1);
+        }
     }
 
     fn tick(&mut self) -> u64 {
@@ -266,9 +325,20 @@ impl HostLevel {
     /// Entries an eviction could take now, leaf by leaf: those with no reader and no
     /// reader below them.
     fn evictable_count(&self) -> usize {
+        self.evictable_count_reading(&[])
+    }
+
+    /// [`Self::evictable_count`] with `extra` entries counted as read too.
+    fn evictable_count_reading(&self, extra: &[BlockHash]) -> usize {
         let mut kept: HashSet<BlockHash> = HashSet::new();
-        for e in self.entries.values().filter(|e| e.readers > 0) {
-            let mut at = Some(e.saved.hash);
+        let read = self
+            .entries
+            .values()
+            .filter(|e| e.readers > 0)
+            .map(|e| e.saved.hash)
+            .chain(extra.iter().copied());
+        for h in read {
+            let mut at = Some(h);
             // Up the chain while the host level holds it (a parent elsewhere is not
             // an entry).
             while let Some(h) = at.filter(|h| self.entries.contains_key(h)) {
@@ -293,7 +363,7 @@ impl HostLevel {
 
     /// Checks the level against itself (children, readers, stats); the host-pool
     /// references are counted by the tier check.
-    fn check(&self) -> std::result::Result<(), String> {
+    fn check(&self, disk_readers: &HashMap<BlockHash, u32>) -> std::result::Result<(), String> {
         let mut children: HashMap<BlockHash, u32> = HashMap::new();
         let mut hosts = HashSet::new();
         for (&h, e) in &self.entries {
@@ -307,15 +377,24 @@ impl HostLevel {
                 *children.entry(p).or_default() += 1;
             }
         }
-        let mut readers: HashMap<BlockHash, u32> = HashMap::new();
+        let mut readers: HashMap<BlockHash, u32> = disk_readers.clone();
         for l in self.loads.values() {
-            if l.hashes.len() != l.plan.len() {
+            if l.hashes.len() + l.disk.len() != l.plan.len() {
                 return Err(format!(
-                    "load of {}: {} entries but {} copies",
+                    "load of {}: {} host and {} disk blocks but {} copies",
                     l.seq,
                     l.hashes.len(),
+                    l.disk.len(),
                     l.plan.len()
                 ));
+            }
+            for (&(h, staging), pair) in l.disk.iter().zip(&l.plan.pairs()[l.hashes.len()..]) {
+                if pair.host != staging || !hosts.insert(staging) {
+                    return Err(format!(
+                        "load of {} stages {h:?} in {staging}, copied from {} or held twice",
+                        l.seq, pair.host
+                    ));
+                }
             }
             for (h, pair) in l.hashes.iter().zip(l.plan.pairs()) {
                 *readers.entry(*h).or_default() += 1;
@@ -534,7 +613,7 @@ impl KvCache {
     }
 
     /// The load of `seq` in flight (admitted from a host-level hit), to run with
-    /// [`crate::Storage::swap`] or a [`crate::TransferEngine`], then
+    /// [`crate::Storage::swap`] or a [`crate::executor::tier::TransferEngine`], then
     /// [`Self::complete_swap`] or [`Self::abort_swap`] with its ticket.
     pub fn load_job(&self, seq: SeqId) -> Option<SwapJob> {
         let l = self
@@ -548,6 +627,47 @@ impl KvCache {
             seqs: vec![seq],
             plan: l.1.plan.clone(),
         })
+    }
+
+    /// The disk part of the load of `seq` in flight (admitted from a hit that goes
+    /// on into the disk level), `None` when it has none: read each item's block from
+    /// the disk store into its staging host block, then call
+    /// [`Self::mark_disk_load_staged`] before running [`Self::load_job`]'s plan (whose
+    /// last copies read the staging blocks).
+    pub fn disk_load_job(&self, seq: SeqId) -> Option<DiskLoadJob> {
+        let (&ticket, l) = self
+            .tiers
+            .host_cache
+            .loads
+            .iter()
+            .find(|(_, l)| l.seq == seq && !l.disk.is_empty())?;
+        Some(DiskLoadJob {
+            ticket,
+            seq,
+            items: l
+                .disk
+                .iter()
+                .map(|&(hash, host)| DiskLoadItem { hash, host })
+                .collect(),
+        })
+    }
+
+    /// Records that the disk part of load `ticket` is in its staging host blocks, so
+    /// [`Self::complete_swap`] may complete it (it refuses before, with
+    /// [`Error::SequenceState`]: the device copies would read unwritten staging
+    /// blocks).
+    ///
+    /// # Errors
+    /// [`Error::UnknownTicket`] when `ticket` is not a load in flight.
+    pub fn mark_disk_load_staged(&mut self, ticket: SwapTicket) -> Result<()> {
+        let l = self
+            .tiers
+            .host_cache
+            .loads
+            .get_mut(&ticket)
+            .ok_or(Error::UnknownTicket(ticket))?;
+        l.staged = true;
+        Ok(())
     }
 
     // ---- hooks ----------------------------------------------------------------------
@@ -635,6 +755,7 @@ impl KvCache {
         seq: SeqId,
         device_blocks: usize,
         hashes: &[BlockHash],
+        disk: &[BlockHash],
         table: &mut Vec<BlockId>,
     ) -> Result<InFlight> {
         let bs = self.block_size();
@@ -658,6 +779,22 @@ impl KvCache {
                 e.readers += 1;
             }
         }
+        // The disk part: a staging host block per block (the caller checked that the
+        // host tier can give them, the host part above being read now).
+        let mut staged = Vec::with_capacity(disk.len());
+        if !disk.is_empty() {
+            let short = disk.len().saturating_sub(self.tiers.host_free());
+            self.evict_host_entries(short)?;
+            let hosts = pick_free_run(self.tiers.host_pool(), disk.len(), 0);
+            for (&h, &host) in disk.iter().zip(&hosts) {
+                self.tiers.host_pool_mut().take(host)?;
+                let dev = self.alloc_block()?;
+                self.set_fill(dev, bs);
+                table.push(dev);
+                plan.push(dev, host);
+                staged.push((h, host));
+            }
+        }
         let ticket = self.tiers.next_ticket();
         self.tiers.host_cache.loads.insert(
             ticket,
@@ -665,6 +802,8 @@ impl KvCache {
                 seq,
                 device_blocks,
                 hashes: hashes.to_vec(),
+                disk: staged,
+                staged: false,
                 plan,
             },
         );
@@ -689,6 +828,19 @@ impl KvCache {
         let level = &mut self.tiers.host_cache;
         if let Some(store) = level.stores.remove(&ticket) {
             return Some(self.finish_store(store, done));
+        }
+        if done {
+            if let Some(l) = level
+                .loads
+                .get(&ticket)
+                .filter(|l| !l.disk.is_empty() && !l.staged)
+            {
+                return Some(Err(Error::SequenceState {
+                    seq: l.seq,
+                    state: "loading with its disk part not staged",
+                    needed: "disk part staged (mark_disk_load_staged)",
+                }));
+            }
         }
         let load = level.loads.remove(&ticket)?;
         Some(self.finish_load(load, done))
@@ -767,7 +919,12 @@ impl KvCache {
                 }
             }
         }
-        let n = load.hashes.len();
+        for &(_, staging) in &load.disk {
+            result = result.and(self.tiers.host_pool_mut().decref(staging).map(drop));
+        }
+        let n_host = load.hashes.len();
+        let n_disk = load.disk.len();
+        let n = n_host + n_disk;
         let Ok(handle) = self.handle(load.seq) else {
             return result.and(Err(Error::UnknownSequence(load.seq)));
         };
@@ -778,9 +935,12 @@ impl KvCache {
         if done {
             s.computed += n * bs;
             let stats = &mut self.tiers.host_cache.stats;
-            stats.loaded_blocks += n as u64;
-            stats.loaded_bytes += (n * self.layout.block_bytes()) as u64;
-            stats.host_hit_tokens += (n * bs) as u64;
+            stats.loaded_blocks += n_host as u64;
+            stats.loaded_bytes += (n_host * self.layout.block_bytes()) as u64;
+            stats.host_hit_tokens += (n_host * bs) as u64;
+            let disk = &mut self.tiers.disk_cache.stats;
+            disk.loaded_blocks += n_disk as u64;
+            disk.disk_hit_tokens += (n_disk * bs) as u64;
             // The loaded blocks register on the device (or share copies registered
             // meanwhile), as a swap-in's do.
             return result.and(self.register_swapped_in(load.seq));
@@ -802,7 +962,7 @@ impl KvCache {
         host_refs: &mut [u32],
     ) -> std::result::Result<usize, String> {
         let level = &self.tiers.host_cache;
-        level.check()?;
+        level.check(&self.tiers.disk_cache.readers())?;
         let mut count = |b: BlockId, n: u32| match host_refs.get_mut(b.index()) {
             Some(r) => {
                 *r += n;
@@ -812,6 +972,11 @@ impl KvCache {
         };
         for e in level.entries.values() {
             count(e.host, 1 + e.readers)?;
+        }
+        for l in level.loads.values() {
+            for &(_, staging) in &l.disk {
+                count(staging, 1)?;
+            }
         }
         for item in level.stores.values().flat_map(|p| &p.items) {
             count(item.host, 1)?;
@@ -850,6 +1015,12 @@ impl KvCache {
 }
 
 impl KvCache {
+    /// Staging host blocks a load reading host entries `reading` can take now (free
+    /// ones plus host entries it may evict).
+    pub(crate) fn staging_room(&self, reading: &[BlockHash]) -> usize {
+        self.tiers.host_free() + self.tiers.host_cache.evictable_count_reading(reading)
+    }
+
     /// The leading blocks of `hit`'s host part that the host level still holds under
     /// the chain from `parent` (the hash of the last of `device_blocks` device blocks),
     /// with the prompt's ids in `tokens` and the request's `keys`: what admission loads.

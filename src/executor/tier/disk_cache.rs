@@ -85,26 +85,9 @@ const STORE_FIXED_BYTES: usize = 1 + 4 + 8 + 8 + 1 + 8 + 4;
 /// keeps a small store from rewriting its journal every few calls.
 const COMPACT_SLACK_RECORDS: u64 = 64;
 
-/// The identity of one cached block: everything the prefix index needs to make it
-/// findable again under the same hash (the content of the index's saved entries, less
-/// its run-time recency and depth).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DiskEntry {
-    /// The block's content hash.
-    pub hash: BlockHash,
-    /// The hash of the block before it in its chain (`None` for a first block).
-    pub parent: Option<BlockHash>,
-    /// Its token ids: exactly `block_size` of them.
-    pub tokens: Box<[u32]>,
-    /// The namespace (cache salt) bytes it was hashed under, if any.
-    pub namespace: Option<Box<[u8]>>,
-    /// The block's extra-key bytes, if any.
-    pub extra_key: Option<Box<[u8]>>,
-    /// Its retention priority.
-    pub priority: i32,
-    /// The full chain digest, for a digest-chaining hasher.
-    pub digest: Option<BlockDigest>,
-}
+/// The identity of one cached block (defined with the prefix index, whose entries it
+/// mirrors, so that the manager can adopt a store's entries; re-exported here).
+pub use crate::pool::prefix::DiskEntry;
 
 /// A block evicted by [`DiskPrefixStore::store`] to make room: the manager announces
 /// it removed (medium [`crate::pool::prefix::Medium::Disk`], block = the slot).

@@ -2,10 +2,12 @@
 //! manager's plan, the copies on the storage, the commit (see
 //! [`KvCache::plan_prefix_spill`]).
 
-use crate::error::Result;
+use super::disk_cache::{DiskPrefixStore, DiskStoreOutcome};
+use crate::error::{Error, Result};
 use crate::executor::check_storage;
 use crate::executor::storage::Storage;
-use crate::manager::{KvCache, PrefixRestore, PrefixSpill};
+use crate::ids::SeqId;
+use crate::manager::{DiskPlacement, KvCache, PrefixRestore, PrefixSpill};
 
 /// Copies the prefix cache's evictable blocks to `storage`'s host tier (as many as it
 /// has free blocks for, parents first), keeps them indexed there and evicts them from
@@ -75,7 +77,7 @@ pub fn restore_spilled_prefixes<S: Storage + ?Sized>(
 /// `storage` at once: [`KvCache::plan_host_store`], [`Storage::swap`],
 /// [`KvCache::complete_swap`]. Returns the blocks stored (0 when there was nothing to
 /// store or no room). An engine that overlaps the copies with compute submits the job
-/// to a [`crate::TransferEngine`] instead.
+/// to a [`super::TransferEngine`] instead.
 ///
 /// ```
 /// use pagedkv::executor::tier::{load_prefix_from_host, store_prefixes_to_host};
@@ -134,12 +136,226 @@ pub fn store_prefixes_to_host<S: Storage + ?Sized>(
 /// # Errors
 /// As [`store_prefixes_to_host`]; a storage error aborts the load: `seq` keeps only
 /// its device-hit tokens, computed, and the host copies stay.
+/// [`crate::Error::Unsupported`] (nothing done) for a load with a disk part
+/// ([`KvCache::disk_load_job`]): [`load_prefix_from_tiers`] runs those.
 pub fn load_prefix_from_host<S: Storage + ?Sized>(
     kv: &mut KvCache,
     storage: &mut S,
-    seq: crate::ids::SeqId,
+    seq: SeqId,
 ) -> Result<usize> {
     check_storage(kv, storage)?;
+    if kv.disk_load_job(seq).is_some() {
+        return Err(crate::error::Error::Unsupported(format!(
+            "the load of {seq} has a disk part: use load_prefix_from_tiers"
+        )));
+    }
+    let Some(job) = kv.load_job(seq) else {
+        return Ok(0);
+    };
+    if let Err(e) = storage.swap(&job.plan) {
+        kv.abort_swap(job.ticket)?;
+        return Err(e);
+    }
+    kv.complete_swap(job.ticket)?;
+    Ok(job.plan.len())
+}
+
+/// Takes the entries of an opened [`DiskPrefixStore`] into the manager's disk index
+/// ([`KvCache::adopt_disk_prefixes`] of [`DiskPrefixStore::entries`]), so that lookups
+/// find them. Returns the entries taken.
+///
+/// # Errors
+/// [`crate::Error::ShapeMismatch`] for a store made for another layout; as
+/// [`KvCache::adopt_disk_prefixes`]. Nothing changed on error.
+pub fn adopt_disk_store(kv: &mut KvCache, store: &DiskPrefixStore) -> Result<usize> {
+    check_layout(kv, store)?;
+    kv.adopt_disk_prefixes(store.entries())
+}
+
+fn check_layout(kv: &KvCache, store: &DiskPrefixStore) -> Result<()> {
+    if store.layout() != kv.layout() {
+        return Err(Error::ShapeMismatch {
+            what: "bytes of one block (disk store vs cache layout)",
+            expected: kv.layout().block_bytes(),
+            got: store.block_bytes(),
+        });
+    }
+    Ok(())
+}
+
+/// What [`spill_host_prefixes_to_disk`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DiskSpill {
+    /// Blocks written to the store.
+    pub stored_blocks: usize,
+    /// Blocks the store held already (not written again; indexed now).
+    pub already_present: usize,
+    /// Entries the store evicted to make room (announced removed).
+    pub evicted_blocks: usize,
+}
+
+/// Stores up to `max_blocks` host entries of the prefix cache into the disk level (by
+/// the manager's [`crate::manager::DiskStorePolicy`]): [`KvCache::plan_disk_store`],
+/// [`DiskPrefixStore::store_from`] for each block (parents first), then
+/// [`KvCache::complete_disk_store`] with where each went and what the store evicted,
+/// so the manager's disk index follows the store's and announces Disk-medium events.
+///
+/// ```
+/// use pagedkv::executor::tier::{adopt_disk_store, load_prefix_from_tiers,
+///     spill_host_prefixes_to_disk, store_prefixes_to_host, DiskPrefixStore};
+/// use pagedkv::{AdmitOptions, CacheConfig, DType, HostStorage, KvCache, KvLayout,
+///               ModelShape, PrefixHit, SeqId, TierConfig};
+///
+/// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1,
+///                          head_dim: 8, kv_dtype: DType::F16 };
+/// let layout = KvLayout::new(shape, 4)?;
+/// let tiers = TierConfig { num_host_blocks: 8, num_disk_slots: 0 };
+/// let dir = std::env::temp_dir().join(format!("pagedkv-doc-disk-tier-{}", std::process::id()));
+/// let (prompt, opts) = ((0..13).collect::<Vec<u32>>(), AdmitOptions::default());
+/// {
+///     let mut kv = KvCache::with_tiers(layout, CacheConfig::new(16), tiers)?;
+///     let mut storage = HostStorage::with_host_tier(layout, 16, 8)?;
+///     let mut store = DiskPrefixStore::create(&dir, &layout, 64)?;
+///     kv.admit_tokens(SeqId(1), &prompt, &opts, &mut Vec::new())?;
+///     // ... the engine writes the prompt's K/V ...
+///     store_prefixes_to_host(&mut kv, &mut storage, 64)?;           // device -> host
+///     let spill = spill_host_prefixes_to_disk(&mut kv, &storage, &mut store, 64)?;
+///     assert_eq!(spill.stored_blocks, 3);                          // host -> disk
+/// }
+/// // A restart: a new cache and storage, the tier directory reopened.
+/// let mut kv = KvCache::with_tiers(layout, CacheConfig::new(16), tiers)?;
+/// let mut storage = HostStorage::with_host_tier(layout, 16, 8)?;
+/// let mut store = DiskPrefixStore::open(&dir, &layout)?;
+/// assert_eq!(adopt_disk_store(&mut kv, &store)?, 3);
+/// let mut hit = PrefixHit::default();
+/// kv.lookup_prefix(&prompt, &opts, &mut hit)?;
+/// assert_eq!((hit.device_tokens(), hit.host_tokens(), hit.disk_tokens()), (0, 0, 12));
+/// kv.admit_prompt(SeqId(2), &prompt, &hit)?;
+/// assert_eq!(load_prefix_from_tiers(&mut kv, &mut storage, &mut store, SeqId(2))?, 3);
+/// assert_eq!(kv.num_computed_tokens(SeqId(2))?, 12);
+/// # drop(store);
+/// # std::fs::remove_dir_all(&dir).unwrap();
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+///
+/// # Errors
+/// [`crate::Error::InvalidConfig`] / [`crate::Error::ShapeMismatch`] for a storage or
+/// store that does not fit the manager's layout; as [`DiskPrefixStore::store_from`]. On a store error the blocks stored before it are
+/// still indexed (they are in the store's journal); the rest are not, and the error is
+/// returned.
+pub fn spill_host_prefixes_to_disk<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &S,
+    store: &mut DiskPrefixStore,
+    max_blocks: usize,
+) -> Result<DiskSpill> {
+    check_storage(kv, storage)?;
+    check_layout(kv, store)?;
+    let Some(job) = kv.plan_disk_store(max_blocks)? else {
+        return Ok(DiskSpill::default());
+    };
+    let mut out = DiskSpill::default();
+    let mut placements = Vec::with_capacity(job.items.len());
+    let mut failed = None;
+    for item in &job.items {
+        match store.store_from(storage, item.host, &item.entry) {
+            Ok(DiskStoreOutcome::Stored { slot, evicted }) => {
+                out.stored_blocks += 1;
+                out.evicted_blocks += usize::from(evicted.is_some());
+                placements.push(DiskPlacement {
+                    hash: item.entry.hash,
+                    slot,
+                    evicted: evicted.map(|e| (e.hash, e.slot)),
+                });
+            }
+            Ok(DiskStoreOutcome::AlreadyPresent { slot }) => {
+                out.already_present += 1;
+                placements.push(DiskPlacement {
+                    hash: item.entry.hash,
+                    slot,
+                    evicted: None,
+                });
+            }
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    kv.complete_disk_store(job.ticket, &placements)?;
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}
+
+/// Reads the disk part of the load of `seq` ([`KvCache::disk_load_job`]) from `store`
+/// into its staging host blocks (checksummed) and marks it staged
+/// ([`KvCache::mark_disk_load_staged`]). Returns the blocks staged (0 when the load has
+/// no disk part). The host -> device part then runs like a host-level load: at once
+/// ([`load_prefix_from_tiers`] does both), or on a [`super::TransferEngine`], layer
+/// by layer, whose [`super::TransferEngine::is_layer_ready`] /
+/// [`super::TransferEngine::layer_fence`] tell attention which layers have landed.
+///
+/// The disk part itself is not per layer: a disk slot holds one block's bytes for
+/// every layer and is verified as a whole (its checksum covers all layers), so no
+/// layer of it can be exposed before the whole block is read and checked.
+///
+/// # Errors
+/// [`crate::Error::Checksum`] when a disk block's bytes are corrupt, or
+/// [`crate::Error::DiskEntryMissing`] when the store no longer holds one: a miss. The
+/// load is aborted (`seq` keeps only its device-hit tokens, computed; host copies
+/// stay; no wrong byte reaches a device block that counts), and the entry is dropped
+/// from the disk index (and from the store, for a checksum failure). An I/O error or
+/// a storage error aborts the load the same way, the entry kept.
+/// [`crate::Error::ShapeMismatch`] (nothing done) for a store or storage of another
+/// layout.
+pub fn stage_disk_load<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &mut S,
+    store: &mut DiskPrefixStore,
+    seq: SeqId,
+) -> Result<usize> {
+    check_storage(kv, storage)?;
+    check_layout(kv, store)?;
+    let Some(disk) = kv.disk_load_job(seq) else {
+        return Ok(0);
+    };
+    for item in &disk.items {
+        let err = match store.load_into(storage, item.host, item.hash) {
+            Ok(true) => continue,
+            Ok(false) => {
+                kv.remove_disk_entry(item.hash);
+                Error::DiskEntryMissing { hash: item.hash.0 }
+            }
+            Err(e @ Error::Checksum { .. }) => {
+                kv.remove_disk_entry(item.hash);
+                e
+            }
+            Err(e) => e,
+        };
+        kv.abort_swap(disk.ticket)?;
+        return Err(err);
+    }
+    kv.mark_disk_load_staged(disk.ticket)?;
+    Ok(disk.items.len())
+}
+
+/// Runs the load of `seq` (admitted from a hit whose tail is in the host or disk
+/// level) and completes it: [`stage_disk_load`], then every block is copied to the
+/// device ([`KvCache::load_job`]) and the swap completed, so the loaded tokens count
+/// as computed. Returns the blocks loaded (0 when `seq` has no load in flight).
+///
+/// # Errors
+/// As [`stage_disk_load`]; a storage error in the device copies aborts the load as in
+/// [`load_prefix_from_host`].
+pub fn load_prefix_from_tiers<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &mut S,
+    store: &mut DiskPrefixStore,
+    seq: SeqId,
+) -> Result<usize> {
+    stage_disk_load(kv, storage, store, seq)?;
     let Some(job) = kv.load_job(seq) else {
         return Ok(0);
     };

@@ -33,6 +33,7 @@ mod policy;
 mod vllm;
 
 pub use hash::{BlockDigest, BlockHash, ChainHasher, PrefixHasher, Xxh3Hasher};
+pub use index::DiskEntry;
 pub use policy::{CostAwarePolicy, EvictionCandidate, EvictionPolicy, LruPolicy};
 #[cfg(feature = "vllm-hash")]
 pub use vllm::VllmHasher;

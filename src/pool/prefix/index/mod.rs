@@ -36,6 +36,7 @@ mod spill;
 mod table;
 mod tokens;
 use crate::pool::prefetch;
+pub use spill::DiskEntry;
 pub(crate) use spill::SavedEntry;
 use table::HashSlots;
 use tokens::TokenStore;

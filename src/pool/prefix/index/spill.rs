@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use super::{Entry, Namespace, PrefixIndex};
 use crate::ids::BlockId;
+use crate::ids::DiskSlot;
 use crate::pool::prefix::{BlockDigest, BlockHash, Medium, PrefixEvent};
 
 /// A registered block's content, kept while its bytes live outside the device arena:
@@ -27,6 +28,27 @@ pub(crate) struct SavedEntry {
     /// The chain digest, for a digest-chaining hasher (a later block's namespace is
     /// not kept, so it could not be hashed again).
     digest: Option<BlockDigest>,
+}
+
+/// The identity of one cached block: everything the prefix index needs to make it
+/// findable again under the same hash (the content of the index's saved entries, less
+/// its run-time recency and depth).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskEntry {
+    /// The block's content hash.
+    pub hash: BlockHash,
+    /// The hash of the block before it in its chain (`None` for a first block).
+    pub parent: Option<BlockHash>,
+    /// Its token ids: exactly `block_size` of them.
+    pub tokens: Box<[u32]>,
+    /// The namespace (cache salt) bytes it was hashed under, if any.
+    pub namespace: Option<Box<[u8]>>,
+    /// The block's extra-key bytes, if any.
+    pub extra_key: Option<Box<[u8]>>,
+    /// Its retention priority.
+    pub priority: i32,
+    /// The full chain digest, for a digest-chaining hasher.
+    pub digest: Option<BlockDigest>,
 }
 
 impl PrefixIndex {
@@ -218,5 +240,72 @@ impl PrefixIndex {
         if pinned {
             self.pinned_cached -= 1;
         }
+    }
+}
+
+/// The disk level of the prefix cache (`manager/tier_cache.rs`): a saved entry as the
+/// identity a disk store keeps, and back.
+impl SavedEntry {
+    /// The identity a disk store keeps for this content (recency and depth are the
+    /// manager's, not the store's).
+    pub(crate) fn to_disk_entry(&self) -> DiskEntry {
+        DiskEntry {
+            hash: self.hash,
+            parent: self.parent,
+            tokens: self.tokens.clone(),
+            namespace: self.ns.as_deref().map(Box::from),
+            extra_key: self.key.as_deref().map(Box::from),
+            priority: self.priority,
+            digest: self.digest,
+        }
+    }
+
+    /// The saved entry of a block a disk store holds, at `depth` in its chain.
+    pub(crate) fn from_disk_entry(e: &DiskEntry, depth: u32) -> SavedEntry {
+        SavedEntry {
+            hash: e.hash,
+            parent: e.parent,
+            depth,
+            last_used: 0,
+            ns: e.namespace.as_deref().map(Arc::from),
+            key: e.extra_key.as_deref().map(Arc::from),
+            priority: e.priority,
+            tokens: e.tokens.clone(),
+            digest: e.digest,
+        }
+    }
+
+    /// The chain digest (for a digest-chaining hasher).
+    pub(crate) fn digest(&self) -> Option<BlockDigest> {
+        self.digest
+    }
+}
+
+impl PrefixIndex {
+    /// Announces that `saved`'s content now lives in (`stored`) or left (`!stored`)
+    /// disk slot `slot` of the disk level (the event's block is the slot's index).
+    pub(crate) fn announce_disk(&mut self, saved: &SavedEntry, slot: DiskSlot, stored: bool) {
+        if !self.events_on() {
+            return;
+        }
+        let block = BlockId(slot.0);
+        let event = if stored {
+            PrefixEvent::BlockStored {
+                hash: saved.hash,
+                parent: saved.parent,
+                block,
+                token_ids: saved.tokens.to_vec(),
+                block_size: self.block_size,
+                extra_keys: saved.key.as_deref().map(<[u8]>::to_vec).unwrap_or_default(),
+                medium: Medium::Disk,
+            }
+        } else {
+            PrefixEvent::BlockRemoved {
+                hash: saved.hash,
+                block,
+                medium: Medium::Disk,
+            }
+        };
+        self.emit(event);
     }
 }
