@@ -499,3 +499,44 @@ fn unscheduling_a_sequence_cancels_its_reservations_ahead() {
     assert_eq!(kv.num_computed_tokens(SeqId(2)).unwrap(), 5);
     kv.check_invariants().unwrap();
 }
+
+/// On a hybrid cache the step ahead goes on top in every group at once, commits take it
+/// oldest first in every group, and a rejected draft rebases it in every group.
+#[test]
+fn a_hybrid_step_ahead_stacks_and_rebases_in_every_group() {
+    let l = layout();
+    let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::window(l, 8)], 48).unwrap();
+    kv.admit_grouped(SeqId(1), 10, &mut pagedkv::GroupStep::default())
+        .unwrap();
+    let h = kv.handle(SeqId(1)).unwrap();
+    let mut n = [StepBuffers::new(4, 16, 16), StepBuffers::new(4, 16, 16)];
+    let mut n1 = [StepBuffers::new(4, 16, 16), StepBuffers::new(4, 16, 16)];
+    let e = |k| {
+        [StepEntry {
+            seq: h,
+            new_tokens: k,
+            lookahead: 0,
+        }]
+    };
+    kv.reserve_step_grouped(&e(3), &mut n).unwrap(); // positions 10..13
+                                                     // The plain step refuses a second reservation; the step ahead stacks it.
+    assert!(matches!(
+        kv.reserve_step_grouped(&e(1), &mut n1),
+        Err(Error::SequenceState { .. })
+    ));
+    kv.reserve_step_ahead_grouped(&e(2), &mut n1).unwrap(); // 13..15
+    for (g, buffers) in n1.iter().enumerate() {
+        assert_eq!(buffers.positions(), &[13, 14], "group {g}");
+        assert_eq!(buffers.tables().context_lens, vec![15], "group {g}");
+    }
+    assert_eq!(kv.num_reservations(SeqId(1)).unwrap(), 2);
+    kv.check_invariants().unwrap();
+    kv.commit_step(&[(h, 1)]).unwrap(); // two drafts rejected: step N+1 now at 11..13
+    assert_eq!(kv.num_computed_tokens(SeqId(1)).unwrap(), 11);
+    assert_eq!(kv.context_len(SeqId(1)).unwrap(), 13);
+    kv.check_invariants().unwrap();
+    kv.commit_step(&[(h, 2)]).unwrap();
+    assert_eq!(kv.num_computed_tokens(SeqId(1)).unwrap(), 13);
+    assert_eq!(kv.num_reservations(SeqId(1)).unwrap(), 0);
+    kv.check_invariants().unwrap();
+}

@@ -345,7 +345,8 @@ impl KvCache {
     /// # Errors
     /// Those of [`Self::reserve_step`]; [`Error::SequenceState`] for an entry of 0
     /// query tokens whose sequence holds a reservation; [`Error::NotOnHybrid`] on a
-    /// cache of several groups. Nothing changed on error.
+    /// cache of several groups (use [`Self::reserve_step_ahead_grouped`]). Nothing
+    /// changed on error.
     pub fn reserve_step_ahead(
         &mut self,
         entries: &[StepEntry],
@@ -624,8 +625,48 @@ impl KvCache {
         out: &mut [StepBuffers],
     ) -> Result<()> {
         match &mut self.hybrid {
-            Some(h) => h.reserve_step(entries, None, out),
+            Some(h) => h.reserve_step(entries, None, out, false),
             None => self.reserve_step_inner(entries, None, one_buffer(out)?),
+        }
+    }
+
+    /// [`Self::reserve_step_ahead`] in every group of the cache (see
+    /// [`Self::reserve_step_grouped`]): a step reserved on top of the outstanding ones
+    /// in every group at once (a state group reserves nothing, as in every step).
+    ///
+    /// ```
+    /// use pagedkv::{DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape, SeqId};
+    /// use pagedkv::{StepBuffers, StepEntry};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 8,
+    ///                          kv_dtype: DType::BF16 };
+    /// let l = KvLayout::new(shape, 16)?;
+    /// let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::window(l, 32)], 64)?;
+    /// kv.admit_grouped(SeqId(1), 40, &mut GroupStep::default())?;
+    /// let h = kv.handle(SeqId(1))?;
+    /// let e = [StepEntry { seq: h, new_tokens: 1, lookahead: 0 }];
+    /// let mut n = [StepBuffers::new(8, 64, 8), StepBuffers::new(8, 64, 8)];
+    /// let mut n1 = [StepBuffers::new(8, 64, 8), StepBuffers::new(8, 64, 8)];
+    /// kv.reserve_step_grouped(&e, &mut n)?;
+    /// kv.reserve_step_ahead_grouped(&e, &mut n1)?;
+    /// assert_eq!((n1[0].positions(), n1[1].positions()), (&[41][..], &[41][..]));
+    /// assert_eq!(kv.num_reservations(SeqId(1))?, 2);
+    /// kv.commit_step(&[(h, 1)])?;
+    /// kv.commit_step(&[(h, 1)])?;
+    /// assert_eq!(kv.num_computed_tokens(SeqId(1))?, 42);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Self::reserve_step_grouped`] and [`Self::reserve_step_ahead`].
+    pub fn reserve_step_ahead_grouped(
+        &mut self,
+        entries: &[StepEntry],
+        out: &mut [StepBuffers],
+    ) -> Result<()> {
+        match &mut self.hybrid {
+            Some(h) => h.reserve_step(entries, None, out, true),
+            None => self.reserve_step_ahead(entries, one_buffer(out)?),
         }
     }
 
@@ -642,7 +683,7 @@ impl KvCache {
         out: &mut [StepBuffers],
     ) -> Result<()> {
         match &mut self.hybrid {
-            Some(h) => h.reserve_step(entries, Some(ids), out),
+            Some(h) => h.reserve_step(entries, Some(ids), out, false),
             None => self.reserve_step_inner(entries, Some(ids), one_buffer(out)?),
         }
     }
@@ -739,6 +780,7 @@ impl Groups {
         entries: &[StepEntry],
         ids: Option<&[u32]>,
         out: &mut [StepBuffers],
+        ahead: bool,
     ) -> Result<()> {
         let groups = self.num_groups();
         if out.len() != groups {
@@ -752,7 +794,7 @@ impl Groups {
         // grown), then every group's checks, before anything changes.
         let mut scratch = std::mem::take(&mut self.step_entries);
         scratch.resize_with(groups, Vec::new);
-        let result = self.reserve_step_in_groups(entries, ids, out, &mut scratch);
+        let result = self.reserve_step_in_groups(entries, ids, out, &mut scratch, ahead);
         self.step_entries = scratch;
         result
     }
@@ -763,6 +805,7 @@ impl Groups {
         ids: Option<&[u32]>,
         out: &mut [StepBuffers],
         per_group: &mut [Vec<StepEntry>],
+        ahead: bool,
     ) -> Result<()> {
         for (g, list) in per_group.iter_mut().enumerate() {
             list.clear();
@@ -778,7 +821,7 @@ impl Groups {
             bounds.push(match self.state_pages(g) {
                 // A state group allocates nothing in a step.
                 Some(pages) => check_state_rows(list.len(), pages, &out[g])?,
-                None => self.group_mut(g).check_step(list, ids, &out[g], false)?,
+                None => self.group_mut(g).check_step(list, ids, &out[g], ahead)?,
             });
         }
         // Pages per group: the bound where the arena holds every bound, else each
@@ -800,7 +843,7 @@ impl Groups {
             if self.state_pages(g).is_none() {
                 let bound = bounds[g];
                 self.group_mut(g)
-                    .fill_step(list, ids, &mut out[g], bound, false)?;
+                    .fill_step(list, ids, &mut out[g], bound, ahead)?;
             }
         }
         // Then the state groups' rows, beside group 0's (never a state group).
