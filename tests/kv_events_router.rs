@@ -155,3 +155,70 @@ fn dynamos_router_reports_the_caches_own_prefix_hits() {
     assert!(hits > 100 && frees > 20 && resets > 0 && router.removals > 10);
     assert!(p.stats().batches_dropped_slow_peer == 0);
 }
+
+/// A keyed store's `extra_keys` read by Dynamo's parser: a span whose identifier is in
+/// Dynamo's multimodal-hash form (16 hex digits then 48 zeros) becomes that block's
+/// multimodal object, the unkeyed blocks have none. A binary identifier with an offset
+/// is an item Dynamo 1.6.1 has no type for: it rejects the batch (the limitation the
+/// encoder's docs state).
+#[test]
+fn dynamo_reads_extra_keys_as_block_multimodal_infos() {
+    use pagedkv::events::VllmEventEncoder;
+    use pagedkv::pool::prefix::{BlockHash, Medium, PrefixEvent};
+
+    let span = |offset: u32, key: &[u8]| {
+        let mut v = offset.to_le_bytes().to_vec();
+        v.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        v.extend_from_slice(key);
+        v
+    };
+    let stored = |hash: u64, parent: Option<u64>, extra_keys: Vec<u8>| PrefixEvent::BlockStored {
+        hash: BlockHash(hash),
+        parent: parent.map(BlockHash),
+        block: pagedkv::BlockId(0),
+        token_ids: vec![1; BLOCK],
+        block_size: BLOCK,
+        extra_keys,
+        medium: Medium::Device,
+    };
+    let mm_hash: u64 = 0x0123_4567_89ab_cdef;
+    let id = format!("{mm_hash:016x}{}", "0".repeat(48));
+    let events = [
+        stored(1, None, Vec::new()),
+        stored(2, Some(1), span(3, id.as_bytes())),
+        stored(3, Some(2), Vec::new()),
+    ];
+    let mut out = Vec::new();
+    assert_eq!(
+        VllmEventEncoder::new()
+            .encode_batch(1.0, &events, &mut out)
+            .unwrap(),
+        1
+    );
+    let batch = decode_event_batch(&out).expect("Dynamo decodes a keyed batch");
+    let [RawKvEvent::BlockStored {
+        block_hashes,
+        block_mm_infos,
+        lora_name,
+        ..
+    }] = &batch.events[..]
+    else {
+        panic!("one store: {:?}", batch.events);
+    };
+    assert_eq!(block_hashes.len(), 3);
+    assert_eq!(*lora_name, None);
+    let infos = block_mm_infos
+        .as_ref()
+        .expect("multimodal infos from extra_keys");
+    assert_eq!(infos.len(), 3);
+    assert!(infos[0].is_none() && infos[2].is_none());
+    let objects = &infos[1].as_ref().expect("block 1 is keyed").mm_objects;
+    assert_eq!(objects.len(), 1);
+    assert_eq!(objects[0].mm_hash, mm_hash);
+
+    let mut binary = Vec::new();
+    VllmEventEncoder::new()
+        .encode_batch(1.0, &[stored(1, None, span(0, &[0xff, 0x00]))], &mut binary)
+        .unwrap();
+    assert!(decode_event_batch(&binary).is_err());
+}

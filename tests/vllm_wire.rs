@@ -346,6 +346,131 @@ fn removals_from_different_tiers_and_broken_chains_stay_apart() {
     assert_eq!(ev[3].get("parent_block_hash"), Some(&Value::UInt(99)));
 }
 
+/// One block's extra-key bytes as the prefix index stores them: `offset: u32 LE ‖
+/// len: u32 LE ‖ key` per span.
+fn span_bytes(spans: &[(u32, &[u8])]) -> Vec<u8> {
+    let mut v = Vec::new();
+    for (offset, key) in spans {
+        v.extend_from_slice(&offset.to_le_bytes());
+        v.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        v.extend_from_slice(key);
+    }
+    v
+}
+
+/// What msgspec 0.23.0 encodes for a chain of two stores whose first block carries
+/// the spans `("img", 1)` and `(b"\xff\x00", 3)` (`keyed()` in
+/// `tests/data/vllm_events_golden.py`).
+const MSGSPEC_KEYED: &str = "93cb3ff80000000000009189a474797065ab426c6f636b53746f726564ac626c6f636b5f686173686573920102b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473980102030405060708aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b657973929292a3696d670192c402ff0003c000";
+
+fn keyed_events() -> Vec<PrefixEvent> {
+    let stored = |hash: u64, parent: Option<u64>, token_ids: Vec<u32>, extra_keys| {
+        PrefixEvent::BlockStored {
+            hash: BlockHash(hash),
+            parent: parent.map(BlockHash),
+            block: pagedkv::BlockId(0),
+            token_ids,
+            block_size: BLOCK,
+            extra_keys,
+            medium: Medium::Device,
+        }
+    };
+    vec![
+        stored(
+            1,
+            None,
+            vec![1, 2, 3, 4],
+            span_bytes(&[(1, b"img"), (3, b"\xff\x00")]),
+        ),
+        stored(2, Some(1), vec![5, 6, 7, 8], Vec::new()),
+    ]
+}
+
+/// A store whose block was hashed with extra keys sends them as vLLM's `extra_keys`
+/// (one entry per block: nil, or `[identifier, offset]` pairs, the identifier text or
+/// binary), byte for byte what msgspec writes; the array layout appends the same
+/// value after `lora_name` (vLLM's field order).
+#[test]
+fn extra_keys_go_out_in_vllms_shape() {
+    let mut out = Vec::new();
+    let n = VllmEventEncoder::new()
+        .encode_batch(1.5, &keyed_events(), &mut out)
+        .unwrap();
+    assert_eq!(n, 1);
+    assert_eq!(out, hex(MSGSPEC_KEYED));
+
+    let mut arrays = Vec::new();
+    VllmEventEncoder::new()
+        .layout(VllmEventLayout::ArrayLike)
+        .encode_batch(1.5, &keyed_events(), &mut arrays)
+        .unwrap();
+    // ... lora_name nil, then extra_keys, then the rank.
+    let tail = hex("c0929292a3696d670192c402ff0003c000");
+    assert!(arrays.ends_with(&tail), "{arrays:02x?}");
+    assert_eq!(arrays[11], 0x99, "tag + 8 fields");
+}
+
+/// Extra-key bytes that do not split into whole spans (an event built by hand) are a
+/// typed error, and nothing is written.
+#[test]
+fn malformed_extra_keys_are_a_typed_error_and_write_nothing() {
+    for bad in [vec![1, 0, 0], {
+        let mut v = span_bytes(&[(0, b"abc")]);
+        v.pop();
+        v
+    }] {
+        let mut events = keyed_events();
+        if let PrefixEvent::BlockStored { extra_keys, .. } = &mut events[1] {
+            *extra_keys = bad;
+        }
+        let mut out = vec![7];
+        let err = VllmEventEncoder::new()
+            .encode_batch(1.0, &events, &mut out)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidConfig {
+                    field: "extra_keys",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(out, [7]);
+    }
+}
+
+/// A manager's store of a block where a keyed span starts carries the span (key and
+/// offset in the block); the blocks before and after it send nil.
+#[test]
+fn a_keyed_admission_sends_its_span_on_its_block() {
+    let mut kv = manager(16, |_| {});
+    let prompt: Vec<u32> = (100..113).collect(); // 3 full blocks and one token
+    let keys: [(usize, &[u8]); 1] = [(5, b"image-0")];
+    let opts = AdmitOptions {
+        block_keys: &keys,
+        ..NONE
+    };
+    admit(&mut kv, 1, &prompt, &opts);
+    let mut out = Vec::new();
+    let n = VllmEventEncoder::new()
+        .drain_manager(&mut kv, 1.0, &mut out)
+        .unwrap();
+    assert_eq!(n, 1);
+    let batch = decode(&out);
+    let ev = &batch.array()[1].array()[0];
+    let span = Value::Array(vec![Value::Str("image-0".into()), Value::UInt(1)]);
+    assert_eq!(
+        ev.get("extra_keys"),
+        Some(&Value::Array(vec![
+            Value::Nil,
+            Value::Array(vec![span]),
+            Value::Nil
+        ]))
+    );
+}
+
 /// A manager's events, drained as a batch and read back, say what the crate's own
 /// events say: stores (chained, parents first), removals, a clear.
 #[test]

@@ -16,13 +16,27 @@
 //!     `{"type": "BlockStored", "block_hashes": [..], "parent_block_hash": int | nil,
 //!     "token_ids": [..], "block_size": int, "lora_id": nil, "medium": "GPU", "lora_name":
 //!     nil}`, `{"type": "BlockRemoved", "block_hashes": [..], "medium": "GPU"}`,
-//!     `{"type": "AllBlocksCleared"}`. The optional `extra_keys`, `group_idx`,
+//!     `{"type": "AllBlocksCleared"}`. `"extra_keys"` follows `lora_name` when a block
+//!     of the event was hashed with extra keys (below); the optional `group_idx`,
 //!     `kv_cache_spec_kind`, `kv_cache_spec_sliding_window` and `locality` are left out.
 //!   - [`VllmEventLayout::ArrayLike`] (older vLLM releases, whose event structs were
 //!     `array_like` too): `["BlockStored", block_hashes, parent_block_hash, token_ids,
-//!     block_size, lora_id, medium, lora_name]`, `["BlockRemoved", block_hashes,
-//!     medium]`, `["AllBlocksCleared"]`. `msgspec` ignores trailing elements it does not
-//!     know, so releases from before `medium` or `lora_name` read these too.
+//!     block_size, lora_id, medium, lora_name]` (then `extra_keys` when a block was
+//!     keyed), `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
+//!     `msgspec` ignores trailing elements it does not know, so releases from before
+//!     `medium`, `lora_name` or `extra_keys` read these too.
+//!
+//! **`extra_keys`** (vLLM: `list[tuple | None] | None`, one entry per block of
+//! `block_hashes`, "extra keys used in block hash computation"): sent only when some
+//! block of the event has keyed spans ([`crate::AdmitOptions::block_keys`]), so events
+//! without them are byte-for-byte what they were. A block with no span is nil; a keyed
+//! block is the array of its spans, each `[identifier, offset_in_block]`: vLLM's
+//! multimodal `(identifier, offset)` pair (what `VllmHasher` hashes for a span), the
+//! identifier a string when the key is UTF-8, binary otherwise. NVIDIA Dynamo's reader
+//! (`dynamo-kv-router` 1.6.1, `zmq_wire::ExtraKeyItem`) takes the string pairs (its
+//! "hash with offset" items, vLLM 0.19+); it has no item for a binary identifier with
+//! an offset, so engines feeding Dynamo should use text identifiers (vLLM's are hex
+//! digests).
 //!
 //! Integers take msgpack's shortest form (positive fixint, then `uint 8/16/32/64`, as
 //! `msgspec` writes them), strings `fixstr`/`str 8/16/32`, arrays and maps their shortest
@@ -44,8 +58,9 @@
 //! pagedkv engine as to vLLM.
 //!
 //! Unfinished: events carry no LoRA id or name (`nil`: the crate's events do not say
-//! which namespace a block belongs to) and no `extra_keys`; hashes are never sent as
-//! 32-byte strings (vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
+//! which namespace a block belongs to), and `extra_keys` holds only the multimodal
+//! spans, not vLLM's per-block LoRA name, cache salt or prompt-embedding items; hashes
+//! are never sent as 32-byte strings (vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
 
 #[cfg(feature = "kv-events")]
 pub mod zmq;
@@ -133,6 +148,13 @@ impl VllmEventEncoder {
             });
         }
         let runs = runs(events);
+        // Every store's extra keys are read before a byte is written, so a malformed
+        // one leaves `out` as it was.
+        for e in events {
+            if let PrefixEvent::BlockStored { extra_keys, .. } = e {
+                block_spans(extra_keys)?;
+            }
+        }
         out.push(0x93);
         out.push(0xcb);
         out.extend_from_slice(&ts.to_bits().to_be_bytes());
@@ -173,7 +195,10 @@ impl VllmEventEncoder {
                 medium,
                 ..
             }) => {
-                let mut field = header(out, maps, "BlockStored", 7);
+                let keyed = run.iter().any(|e| {
+                    matches!(e, PrefixEvent::BlockStored { extra_keys, .. } if !extra_keys.is_empty())
+                });
+                let mut field = header(out, maps, "BlockStored", 7 + usize::from(keyed));
                 field(out, "block_hashes");
                 array_len(out, run.len());
                 for e in run {
@@ -210,6 +235,15 @@ impl VllmEventEncoder {
                 str(out, medium_name(*medium));
                 field(out, "lora_name");
                 out.push(NIL);
+                if keyed {
+                    field(out, "extra_keys");
+                    array_len(out, run.len());
+                    for e in run {
+                        if let PrefixEvent::BlockStored { extra_keys, .. } = e {
+                            block_extra_keys(out, extra_keys);
+                        }
+                    }
+                }
             }
             Some(PrefixEvent::BlockRemoved { medium, .. }) => {
                 let mut field = header(out, maps, "BlockRemoved", 2);
@@ -228,6 +262,63 @@ impl VllmEventEncoder {
                 let _ = header(out, maps, "AllBlocksCleared", 0);
             }
         }
+    }
+}
+
+/// The keyed spans of one block's extra-key bytes (`offset_in_block: u32 LE ‖
+/// len(key): u32 LE ‖ key`, repeated; see [`crate::AdmitOptions::block_keys`]) as
+/// `(key, offset)` pairs, in order.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] (field `extra_keys`) when the bytes do not split into whole
+/// spans (an event built by hand; the prefix index never makes one).
+fn block_spans(mut bytes: &[u8]) -> Result<Vec<(&[u8], u32)>> {
+    let malformed = |at: usize| {
+        Error::config(
+            "extra_keys",
+            format!("block extra-key bytes end inside a span header or key ({at} bytes left)"),
+        )
+    };
+    let mut spans = Vec::new();
+    while !bytes.is_empty() {
+        let (head, rest) = bytes
+            .split_at_checked(8)
+            .ok_or_else(|| malformed(bytes.len()))?;
+        let word = |i: usize| {
+            let mut w = [0u8; 4];
+            w.copy_from_slice(&head[i..i + 4]);
+            u32::from_le_bytes(w)
+        };
+        let (offset, len) = (word(0), word(4));
+        let len = usize::try_from(len).map_err(|_| malformed(bytes.len()))?;
+        let (key, rest) = rest
+            .split_at_checked(len)
+            .ok_or_else(|| malformed(bytes.len()))?;
+        spans.push((key, offset));
+        bytes = rest;
+    }
+    Ok(spans)
+}
+
+/// One block's entry of `extra_keys`: nil when no span starts in it, else the array of
+/// its spans, each `[identifier, offset_in_block]` (vLLM's multimodal `(identifier,
+/// offset)` pair, as its block hash takes it), the identifier a string when the key is
+/// UTF-8 and binary otherwise (what `msgspec` writes for `str` and `bytes`).
+/// [`VllmEventEncoder::encode_batch`] checked the bytes before writing anything.
+fn block_extra_keys(out: &mut Vec<u8>, bytes: &[u8]) {
+    let spans = block_spans(bytes).unwrap_or_default();
+    if spans.is_empty() {
+        out.push(NIL);
+        return;
+    }
+    array_len(out, spans.len());
+    for (key, offset) in spans {
+        array_len(out, 2);
+        match std::str::from_utf8(key) {
+            Ok(s) => str(out, s),
+            Err(_) => bin(out, key),
+        }
+        uint(out, u64::from(offset));
     }
 }
 
@@ -363,6 +454,21 @@ fn str(out: &mut Vec<u8>, s: &str) {
         out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
     }
     out.extend_from_slice(s.as_bytes());
+}
+
+/// Binary data: `bin 8/16/32`.
+fn bin(out: &mut Vec<u8>, b: &[u8]) {
+    let len = b.len();
+    if let Ok(n) = u8::try_from(len) {
+        out.extend_from_slice(&[0xc4, n]);
+    } else if let Ok(n) = u16::try_from(len) {
+        out.push(0xc5);
+        out.extend_from_slice(&n.to_be_bytes());
+    } else {
+        out.push(0xc6);
+        out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+    }
+    out.extend_from_slice(b);
 }
 
 #[cfg(test)]

@@ -69,6 +69,25 @@ def golden(array_like):
     return msgspec.msgpack.encode(Batch(ts=1.5, events=events, data_parallel_rank=0))
 
 
+def keyed():
+    """A chain of two blocks whose first carries two multimodal spans (a text
+    identifier at offset 1 and a binary one at offset 3) and whose second carries none:
+    `extra_keys` is one entry per block, `[identifier, offset]` pairs or None."""
+    Batch, Stored, _, _ = schema(False)
+    event = Stored(
+        block_hashes=[1, 2],
+        parent_block_hash=None,
+        token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        extra_keys=[[("img", 1), (b"\xff\x00", 3)], None],
+    )
+    return msgspec.msgpack.encode(Batch(ts=1.5, events=[event], data_parallel_rank=0))
+
+
 if __name__ == "__main__":
+    print("keyed map:  ", keyed().hex())
     print("tagged maps:", golden(False).hex())
     print("array like: ", golden(True).hex())
