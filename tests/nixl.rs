@@ -22,7 +22,8 @@ use kv_bytes::{check_values, write_values};
 use pagedkv::executor::nixl::{nixl_available, NixlAgent};
 use pagedkv::export::nixl::{offer_sequence, pull_sequence, SequenceOffer};
 use pagedkv::{
-    BlockId, CacheConfig, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage,
+    AdmitOptions, BlockId, CacheConfig, DType, Error, HostStorage, KvCache, KvLayout, ModelShape,
+    SeqId, Storage,
 };
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -405,4 +406,94 @@ fn bad_block_requests_are_refused_before_anything_moves() {
     assert_eq!(stats.descriptors, l.num_layers());
     let dst: Vec<BlockId> = (5..8).map(BlockId).collect();
     check_values(&decode.st, &dst, &values(1, 40)).unwrap();
+}
+
+/// Pulled blocks enter the receiver's prefix cache once their bytes are checked: after
+/// a pull with token ids, `cached_prefix_len` of the prompt on the receiver is its full
+/// blocks, a later request with that prefix shares the pulled blocks (after the pulled
+/// sequence is freed too); a pull that fails its checksum registers nothing, and an
+/// offer without ids registers nothing either.
+#[test]
+fn pulled_blocks_enter_the_receivers_prefix_cache() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if !nixl_or_skip("pulled_blocks_enter_the_receivers_prefix_cache") {
+        return;
+    }
+    let l = layout(16, DType::F16);
+    let mut prefill = Side::new("prefill-cache", l, 32);
+    let mut decode = Side::new("decode-cache", l, 32);
+    let n = 50; // 3 full blocks and 2 tokens
+    prefill.put(SeqId(1), &values(1, n));
+    let ids: Vec<u32> = (0..n as u32).map(|t| 7 * t + 3).collect();
+    let opts = AdmitOptions::default();
+    let peer = decode
+        .agent
+        .add_peer(&prefill.agent.local_metadata().unwrap())
+        .unwrap();
+    let offer = offer_sequence(
+        &prefill.kv,
+        &prefill.st,
+        SeqId(1),
+        Some(&ids),
+        &mut Vec::new(),
+    )
+    .unwrap();
+    let pull = |decode: &mut Side, seq: SeqId, offer: &[u8]| {
+        pull_sequence(
+            &decode.agent,
+            &peer,
+            &mut decode.kv,
+            &mut decode.st,
+            seq,
+            offer,
+            TIMEOUT,
+        )
+    };
+
+    // Without ids: the blocks arrive but nothing is registered.
+    let bare = offer_sequence(&prefill.kv, &prefill.st, SeqId(1), None, &mut Vec::new()).unwrap();
+    let pulled = pull(&mut decode, SeqId(10), &bare).unwrap();
+    assert_eq!(pulled.registered_blocks, 0);
+    assert_eq!(decode.kv.cached_prefix_len(&ids, &opts).unwrap(), 0);
+    decode.kv.free(SeqId(10)).unwrap();
+
+    // A byte of block 1 changes after the offer was made: the pull fails its checksum
+    // and the receiver's prefix cache holds none of the prompt.
+    let (block, tok) = (prefill.kv.block_table(SeqId(1)).unwrap()[1], 20 % 16);
+    let at = l.block_byte_offset(block)
+        + l.elem_offset(BlockId(0), pagedkv::layout::Kv::K, 0, tok) * l.dtype().size_bytes();
+    prefill.st.region_mut(0)[at] ^= 0x10;
+    let err = pull(&mut decode, SeqId(2), &offer).unwrap_err();
+    assert!(matches!(err, Error::Checksum { .. }), "{err:?}");
+    assert_eq!(decode.kv.cached_prefix_len(&ids, &opts).unwrap(), 0);
+    assert_eq!(
+        decode.kv.stats().cached_blocks,
+        0,
+        "{:?}",
+        decode.kv.stats()
+    );
+    decode.kv.check_invariants().unwrap();
+
+    // Restored, the pull registers the 3 full blocks (not the partial last one).
+    prefill.st.region_mut(0)[at] ^= 0x10;
+    let pulled = pull(&mut decode, SeqId(2), &offer).unwrap();
+    assert_eq!(pulled.registered_blocks, 3);
+    assert_eq!(decode.kv.cached_prefix_len(&ids, &opts).unwrap(), 48);
+    decode.kv.check_invariants().unwrap();
+
+    // A later request on the receiver with that prefix (and more) shares the pulled
+    // blocks, also once the pulled sequence is gone; their bytes are the sender's.
+    decode.kv.free(SeqId(2)).unwrap();
+    let mut longer = ids.clone();
+    longer.extend([1, 2, 3]);
+    let mut slots = Vec::new();
+    let admitted = decode
+        .kv
+        .admit_tokens(SeqId(3), &longer, &opts, &mut slots)
+        .unwrap();
+    assert_eq!(admitted.cached_tokens, 48);
+    let table = decode.kv.block_table(SeqId(3)).unwrap().to_vec();
+    assert_eq!(table[..3], pulled.imported.table[..3]);
+    check_values(&decode.st, &table[..3], &values(1, 48)).unwrap();
+    decode.kv.check_invariants().unwrap();
 }

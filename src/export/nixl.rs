@@ -7,8 +7,9 @@
 //! [pulls](pull_sequence) it: it checks the offer, allocates the sequence's blocks in
 //! its own arena, READs the peer's pages straight into them with
 //! [`NixlAgent::read_blocks`], checks every block's hash on the bytes it received, and
-//! only then marks the tokens computed. Afterwards it tells the prefill side (side
-//! channel) that the blocks may be freed.
+//! only then marks the tokens computed and, when the offer carries token ids, registers
+//! the sequence's full blocks in its prefix cache. Afterwards it tells the prefill side
+//! (side channel) that the blocks may be freed.
 //!
 //! ```text
 //!  prefill                                      decode
@@ -16,7 +17,8 @@
 //!  offer_sequence ------------- side channel ---> pull_sequence
 //!                                                   admit + reserve (blocks allocated)
 //!          arena pages  <====== NIXL READ =======   read_blocks
-//!                                                   block hashes checked, commit
+//!                                                   block hashes checked, commit,
+//!                                                   full blocks registered (token ids)
 //!  free the sequence   <------- side channel ----   "done"
 //! ```
 //!
@@ -35,6 +37,18 @@
 //!   order, recomputed on the receiver from the bytes that landed in its arena (one
 //!   block's rows at a time, through [`Storage::read_tokens`]). A page changed on the
 //!   sender after its header was made fails here, and the sequence is freed.
+//! - **Pulled blocks enter the prefix cache only once their bytes are checked**: after
+//!   the commit, the offer's token ids go to [`KvCache::add_token_ids`] (the manager's
+//!   path for ids that arrive after the slots, which registers full computed blocks in
+//!   the default namespace), so a later request with the same prefix on the receiver
+//!   hits. `ExportView::import_into_cache` instead admits with the ids
+//!   ([`KvCache::admit_tokens`]), which registers the prompt's blocks at admission,
+//!   before their bytes exist; that suits a local write that cannot half-fail, but here
+//!   a failed or timed-out READ would leave registered blocks holding garbage (that
+//!   import evicts the whole cache to undo it). Registering after the check, a failed
+//!   pull registers nothing. Not done: the pull always transfers every block, even the
+//!   prefix the receiver already caches, and the blocks go to the default namespace
+//!   (an offer carries no cache salt, extra key or block keys).
 //! - **The sender reads its K/V once** to hash it: [`offer_sequence`] runs
 //!   [`export_sequence`] into a scratch buffer and sends only its header; the payload
 //!   part of the scratch is the by-product of that pass.
@@ -196,6 +210,10 @@ pub fn offer_sequence<S: Storage + ?Sized>(
 pub struct PulledSequence {
     /// The new sequence on the receiver (its tokens computed).
     pub imported: ImportedSequence,
+    /// Full blocks of the sequence this pull registered in the receiver's prefix cache
+    /// (0 when the offer carried no token ids; blocks whose content the cache already
+    /// held are not counted).
+    pub registered_blocks: usize,
     /// The NIXL transfer.
     pub transfer: TransferStats,
 }
@@ -211,8 +229,12 @@ pub struct PulledSequence {
 /// [`Error::OutOfBlocks`] from the admission. After: [`Error::Transport`] or
 /// [`Error::TransportTimeout`] from the transfer, [`Error::Checksum`] naming the first
 /// block whose received bytes fail their hash. In every case `seq` is not in the
-/// manager when this returns (freed if it was admitted); its blocks' bytes are
-/// unspecified, as any free block's.
+/// manager when this returns (freed if it was admitted), no block was registered in its
+/// prefix cache, and the blocks' bytes are unspecified, as any free block's.
+///
+/// On success, when the offer carries token ids, the sequence's full blocks are in the
+/// receiver's prefix cache (default namespace; see the module docs): a later
+/// [`KvCache::admit_tokens`] of a prompt that starts with those ids shares them.
 pub fn pull_sequence(
     agent: &NixlAgent,
     peer: &str,
@@ -248,7 +270,7 @@ pub fn pull_sequence(
         &mut copies,
     );
     match filled {
-        Ok(transfer) => Ok(PulledSequence {
+        Ok((transfer, registered_blocks)) => Ok(PulledSequence {
             imported: ImportedSequence {
                 seq,
                 num_tokens: n,
@@ -256,6 +278,7 @@ pub fn pull_sequence(
                 token_ids: offer.token_ids,
             },
             transfer,
+            registered_blocks,
         }),
         Err(e) => {
             // The sequence was admitted by this call and shares no block: freeing it
@@ -266,7 +289,9 @@ pub fn pull_sequence(
     }
 }
 
-/// Allocates, transfers, checks and commits; the caller frees `seq` on error.
+/// Allocates, transfers, checks, commits and registers the full blocks (when the
+/// offer has token ids); returns the transfer and the blocks registered. The caller
+/// frees `seq` on error.
 #[allow(clippy::too_many_arguments)]
 fn fill(
     agent: &NixlAgent,
@@ -278,7 +303,7 @@ fn fill(
     timeout: Duration,
     slots: &mut Vec<crate::layout::Slot>,
     copies: &mut CopyPlan,
-) -> Result<TransferStats> {
+) -> Result<(TransferStats, usize)> {
     let n = offer.header.num_tokens();
     manager.reserve(seq, n, 0, slots, copies)?;
     let table = manager.block_table(seq)?.to_vec();
@@ -291,7 +316,15 @@ fn fill(
     let transfer = agent.read_blocks(peer, storage, &pairs, timeout)?;
     check_block_hashes(storage, &table, n, &offer.block_hashes)?;
     manager.commit(seq, n)?;
-    Ok(transfer)
+    // Only now, with every block's bytes checked and the tokens computed: a pull that
+    // failed above registered nothing. This cannot fail for a sequence admitted and
+    // committed just now (its ids start at 0 and are the offer's `n`), and if it did,
+    // it changes nothing and the caller frees the sequence.
+    let registered = match &offer.token_ids {
+        Some(ids) => manager.add_token_ids(seq, 0, ids)?,
+        None => 0,
+    };
+    Ok((transfer, registered))
 }
 
 /// Recomputes the export's per-block hashes from the bytes in `storage` (one block's
