@@ -57,10 +57,20 @@
 //! (a PUB socket and a replay ROUTER socket, module `zmq`), so a router subscribes to a
 //! pagedkv engine as to vLLM.
 //!
-//! Unfinished: events carry no LoRA id or name (`nil`: the crate's events do not say
-//! which namespace a block belongs to), and `extra_keys` holds only the multimodal
-//! spans, not vLLM's per-block LoRA name, cache salt or prompt-embedding items; hashes
-//! are never sent as 32-byte strings (vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
+//! Unfinished: events carry no LoRA id or name (`nil`), and `extra_keys` holds only the
+//! multimodal spans, not vLLM's per-block LoRA name, cache salt or prompt-embedding
+//! items; hashes are never sent as 32-byte strings (vLLM's
+//! `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`). The crate's LoRA identity already exists:
+//! [`crate::AdmitOptions::extra_key`] enters the block hash's namespace (and
+//! `VllmHasher` hashes it as vLLM's LoRA name), so a second `lora` option would be a
+//! second identity for one namespace. What is missing is the namespace on the event:
+//! the prefix index keeps it only on a chain's first block, while stores are announced
+//! for every block, and again on relocation, after a reset and for the host and disk
+//! tiers. Sending `lora_name` needs [`PrefixEvent::BlockStored`] to carry the
+//! namespace and the index to keep it per block (or find it up the chain); a router
+//! that salts its own hashes by `lora_name` (Dynamo does) must then be sent exactly the
+//! name the engine's requests use. `lora_id` (deprecated in vLLM for `lora_name`) has
+//! no counterpart: the crate has no integer adapter id.
 
 #[cfg(feature = "kv-events")]
 pub mod zmq;
