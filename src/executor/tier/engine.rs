@@ -67,6 +67,25 @@ enum Work {
     },
 }
 
+/// Cumulative counters of the disk jobs a [`TransferEngine`] reported
+/// ([`TransferEngine::disk_transfer_counters`]; published through
+/// `metrics::ExtraCounters::with_disk_transfers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DiskTransferCounters {
+    /// Store jobs reported (successful or not).
+    pub store_jobs: u64,
+    /// Microseconds they took on the worker.
+    pub store_time_us: u64,
+    /// Bytes they wrote.
+    pub stored_bytes: u64,
+    /// Staging (load) jobs reported.
+    pub load_jobs: u64,
+    /// Microseconds they took on the worker.
+    pub load_time_us: u64,
+    /// Bytes they read into host blocks.
+    pub loaded_bytes: u64,
+}
+
 /// How a disk job run by the [`TransferEngine`]'s worker ended, reported once by
 /// [`TransferEngine::poll_disk_completed`]. The manager's side is completed from it
 /// (`executor::tier::complete_disk_jobs` does that): a store with
@@ -231,6 +250,7 @@ pub struct TransferEngine<S: Storage + Send + 'static> {
     disk_pending: HashMap<SwapTicket, u64>,
     budget: Option<u64>,
     in_flight_bytes: u64,
+    disk_counters: DiskTransferCounters,
 }
 
 impl<S: Storage + Send + 'static> std::fmt::Debug for TransferEngine<S> {
@@ -307,6 +327,7 @@ impl<S: Storage + Send + 'static> TransferEngine<S> {
             disk_pending: HashMap::new(),
             budget: None,
             in_flight_bytes: 0,
+            disk_counters: DiskTransferCounters::default(),
         }
     }
 
@@ -450,6 +471,11 @@ impl<S: Storage + Send + 'static> TransferEngine<S> {
         Ok(())
     }
 
+    /// The disk jobs reported so far: counts, time on the worker, bytes.
+    pub fn disk_transfer_counters(&self) -> DiskTransferCounters {
+        self.disk_counters
+    }
+
     /// Disk jobs submitted and not yet reported.
     pub fn disk_jobs_in_flight(&self) -> usize {
         self.disk_pending.len()
@@ -462,6 +488,19 @@ impl<S: Storage + Send + 'static> TransferEngine<S> {
         while let Ok(report) = self.disk_events.try_recv() {
             if let Some(bytes) = self.disk_pending.remove(&report.ticket()) {
                 self.in_flight_bytes = self.in_flight_bytes.saturating_sub(bytes);
+            }
+            let c = &mut self.disk_counters;
+            match &report {
+                DiskJobReport::Store { bytes, elapsed, .. } => {
+                    c.store_jobs += 1;
+                    c.store_time_us += elapsed.as_micros() as u64;
+                    c.stored_bytes += bytes;
+                }
+                DiskJobReport::Stage { bytes, elapsed, .. } => {
+                    c.load_jobs += 1;
+                    c.load_time_us += elapsed.as_micros() as u64;
+                    c.loaded_bytes += bytes;
+                }
             }
             out.push(report);
         }

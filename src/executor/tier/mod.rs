@@ -20,7 +20,7 @@ pub use disk_cache::{
     DiskCacheStats, DiskEntry, DiskEviction, DiskPrefixStore, DiskRecovery, DiskStoreOutcome,
     DISK_CACHE_FORMAT_VERSION, MAX_DISK_KEY_BYTES,
 };
-pub use engine::{DiskJobReport, TransferEngine, TransferEvent};
+pub use engine::{DiskJobReport, DiskTransferCounters, TransferEngine, TransferEvent};
 pub use prefix::{
     adopt_disk_store, complete_disk_jobs, load_prefix_from_host, load_prefix_from_tiers,
     restore_spilled_prefixes, spill_cached_prefixes, spill_host_prefixes_to_disk, stage_disk_load,
