@@ -30,14 +30,27 @@
 //! prompt token; the gain of a tier variant is against the device-only row of the same
 //! run. The bench also prints the copy time it really spent in the load plans.
 //!
+//! The last variant adds the disk level: a host level of only
+//! [`HOST_BLOCKS_WITH_DISK`] blocks (write-through), every host entry written through
+//! to a `DiskPrefixStore` of [`DISK_SLOTS`] slots in a directory under the target
+//! directory (removed at the end), and loads staged from disk into host blocks, then
+//! copied to the device. A disk hit costs its bytes over the disk read bandwidth probed
+//! in the same run (`DiskPrefixStore::load` of 32 blocks, checksum included, after
+//! writing them: on this machine mostly the page cache, not the medium) plus the
+//! host->device copy.
+//!
 //! `cargo bench --bench tiers` prints a markdown table and one JSON line.
 
 use std::time::{Duration, Instant};
 
+use std::path::{Path, PathBuf};
+
 use pagedkv::attention::model::SplitMix64;
+use pagedkv::executor::tier::{spill_host_prefixes_to_disk, stage_disk_load, DiskPrefixStore};
 use pagedkv::layout::plans::SwapDirection;
 use pagedkv::layout::Slot;
 use pagedkv::manager::{HostCacheConfig, HostStorePolicy};
+use pagedkv::pool::prefix::{BlockHash, DiskEntry};
 use pagedkv::{
     AdmitOptions, BlockId, CopyPlan, DType, HostStorage, KvCache, KvLayout, ModelShape, PrefixHit,
     SeqId, Storage, SwapPlan, TierConfig,
@@ -46,6 +59,10 @@ use pagedkv::{
 const BLOCK_SIZE: usize = 16;
 const DEVICE_BLOCKS: usize = 96;
 const HOST_BLOCKS: usize = 1024;
+/// The host level of the device + host + disk variant: small, so entries live on disk.
+const HOST_BLOCKS_WITH_DISK: usize = 128;
+/// Slots of the disk level.
+const DISK_SLOTS: usize = 1024;
 const CONVERSATIONS: usize = 16;
 const SYSTEM_PROMPTS: usize = 4;
 const SEED: u64 = 33;
@@ -184,6 +201,7 @@ struct Figures {
     prompt_tokens: u64,
     device_hit_tokens: u64,
     host_hit_tokens: u64,
+    disk_hit_tokens: u64,
     recomputed_tokens: u64,
     stored_blocks: u64,
     stored_bytes: u64,
@@ -193,17 +211,36 @@ struct Figures {
     load_copy: Duration,
     /// Wall time of the store plans' copies.
     store_copy: Duration,
+    /// Blocks written to the disk level, and loaded from it.
+    disk_stored_blocks: u64,
+    disk_loaded_blocks: u64,
+    /// Wall time of the disk writes and of the disk -> host staging.
+    disk_write: Duration,
+    disk_read: Duration,
     /// Bytes read back and checked.
     checked_tokens: u64,
     wall: Duration,
 }
 
 /// Runs `trace` on a device arena of [`DEVICE_BLOCKS`]; with `policy`, a host level of
-/// [`HOST_BLOCKS`] storing by it.
-fn run(trace: &[Turn], policy: Option<HostStorePolicy>) -> pagedkv::Result<Figures> {
+/// [`HOST_BLOCKS`] storing by it; with `disk` too, a host level of
+/// [`HOST_BLOCKS_WITH_DISK`] written through to a disk level in that directory.
+fn run(
+    trace: &[Turn],
+    policy: Option<HostStorePolicy>,
+    disk: Option<&Path>,
+) -> pagedkv::Result<Figures> {
     let start = Instant::now();
     let l = layout();
-    let host = if policy.is_some() { HOST_BLOCKS } else { 0 };
+    let host = match (policy, disk) {
+        (None, _) => 0,
+        (Some(_), None) => HOST_BLOCKS,
+        (Some(_), Some(_)) => HOST_BLOCKS_WITH_DISK,
+    };
+    let mut disk_store = match disk {
+        Some(dir) => Some(DiskPrefixStore::create(dir, &l, DISK_SLOTS)?),
+        None => None,
+    };
     let mut kv = KvCache::builder(l)
         .num_blocks(DEVICE_BLOCKS)
         .watermark_blocks(0)
@@ -217,7 +254,7 @@ fn run(trace: &[Turn], policy: Option<HostStorePolicy>) -> pagedkv::Result<Figur
             store,
             ..HostCacheConfig::default()
         })?;
-        HostStorage::with_host_tier(l, DEVICE_BLOCKS, HOST_BLOCKS)?
+        HostStorage::with_host_tier(l, DEVICE_BLOCKS, host)?
     } else {
         HostStorage::new(l, DEVICE_BLOCKS)?
     };
@@ -233,7 +270,13 @@ fn run(trace: &[Turn], policy: Option<HostStorePolicy>) -> pagedkv::Result<Figur
         let values = prefix_values(&[prompt.as_slice(), &turn.answer].concat());
         kv.lookup_prefix(prompt, &opts, &mut hit)?;
         let a = kv.admit_prompt(seq, prompt, &hit)?;
+        let disk_before = kv.disk_cache_stats().disk_hit_tokens;
         if a.loading_tokens > 0 {
+            if let Some(ds) = disk_store.as_mut() {
+                let t = Instant::now();
+                stage_disk_load(&mut kv, &mut st, ds, seq)?;
+                f.disk_read += t.elapsed();
+            }
             let job = kv.load_job(seq).expect("a load was recorded");
             let t = Instant::now();
             st.swap(&job.plan)?;
@@ -244,7 +287,9 @@ fn run(trace: &[Turn], policy: Option<HostStorePolicy>) -> pagedkv::Result<Figur
         assert_eq!(computed, a.cached_tokens + a.loading_tokens);
         f.prompt_tokens += prompt.len() as u64;
         f.device_hit_tokens += a.cached_tokens as u64;
-        f.host_hit_tokens += a.loading_tokens as u64;
+        let disk_hit = kv.disk_cache_stats().disk_hit_tokens - disk_before;
+        f.disk_hit_tokens += disk_hit;
+        f.host_hit_tokens += a.loading_tokens as u64 - disk_hit;
         f.recomputed_tokens += (prompt.len() - computed) as u64;
         // Prefill of the tail the cache did not serve: layer 0's K/V written.
         let tail = prompt.len() - computed;
@@ -265,14 +310,14 @@ fn run(trace: &[Turn], policy: Option<HostStorePolicy>) -> pagedkv::Result<Figur
             turn.conversation
         );
         f.checked_tokens += n as u64;
-        store(&mut kv, &mut st, &mut f)?;
+        store(&mut kv, &mut st, disk_store.as_mut(), &mut f)?;
         // The answer, decoded: its K/V written, its blocks registered.
         kv.append_tokens(seq, &turn.answer, &mut slots, &mut copies)?;
         assert!(copies.is_empty());
         kv_rows(row, &values[n..], &mut k, &mut v);
         st.write_slots(0, &slots, &k, &v)?;
         kv.free(seq)?;
-        store(&mut kv, &mut st, &mut f)?;
+        store(&mut kv, &mut st, disk_store.as_mut(), &mut f)?;
     }
     let h = kv.host_cache_stats();
     f.stored_blocks = h.stored_blocks;
@@ -280,13 +325,23 @@ fn run(trace: &[Turn], policy: Option<HostStorePolicy>) -> pagedkv::Result<Figur
     f.loaded_blocks = h.loaded_blocks;
     f.loaded_bytes = h.loaded_bytes;
     assert_eq!(h.host_hit_tokens, f.host_hit_tokens);
+    let d = kv.disk_cache_stats();
+    f.disk_stored_blocks = d.stored_blocks;
+    f.disk_loaded_blocks = d.loaded_blocks;
+    assert_eq!(d.disk_hit_tokens, f.disk_hit_tokens);
     f.wall = start.elapsed();
     Ok(f)
 }
 
 /// One store plan by the configured policy, copied and completed (between steps, when
-/// the K/V registered so far is written).
-fn store(kv: &mut KvCache, st: &mut HostStorage, f: &mut Figures) -> pagedkv::Result<()> {
+/// the K/V registered so far is written); with a disk level, the new host entries are
+/// then written through to it.
+fn store(
+    kv: &mut KvCache,
+    st: &mut HostStorage,
+    disk: Option<&mut DiskPrefixStore>,
+    f: &mut Figures,
+) -> pagedkv::Result<()> {
     if st.num_host_blocks() == 0 {
         return Ok(());
     }
@@ -296,7 +351,60 @@ fn store(kv: &mut KvCache, st: &mut HostStorage, f: &mut Figures) -> pagedkv::Re
         f.store_copy += t.elapsed();
         kv.complete_swap(job.ticket)?;
     }
+    if let Some(ds) = disk {
+        let t = Instant::now();
+        spill_host_prefixes_to_disk(kv, st, ds, STORE_MAX_BLOCKS)?;
+        f.disk_write += t.elapsed();
+    }
     Ok(())
+}
+
+/// Disk -> memory read bandwidth of `DiskPrefixStore::load` (checksum included),
+/// bytes/s: the median of 7 reads of 32 blocks (64 MiB) written just before.
+fn probe_disk_read_bandwidth(dir: &Path) -> pagedkv::Result<f64> {
+    const N: usize = 32;
+    let l = layout();
+    let bb = block_bytes(&l);
+    let mut store = DiskPrefixStore::create(dir, &l, N)?;
+    let mut rng = SplitMix64::new(SEED);
+    let mut buf: Vec<u8> = (0..bb).map(|_| rng.below(256) as u8).collect();
+    for i in 0..N {
+        buf[0] = i as u8;
+        let entry = DiskEntry {
+            hash: BlockHash(0x5eed_0000 + i as u64),
+            parent: None,
+            tokens: vec![i as u32; BLOCK_SIZE].into(),
+            namespace: None,
+            extra_key: None,
+            priority: 0,
+            digest: None,
+        };
+        let _stored = store.store(&entry, &buf)?;
+    }
+    store.sync()?;
+    let mut times: Vec<f64> = (0..7)
+        .map(|_| {
+            let t = Instant::now();
+            for i in 0..N {
+                let found = store.load(BlockHash(0x5eed_0000 + i as u64), &mut buf)?;
+                assert!(found);
+            }
+            Ok(t.elapsed().as_secs_f64())
+        })
+        .collect::<pagedkv::Result<_>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok((N * bb) as f64 / times[3])
+}
+
+/// A fresh directory for the bench's disk stores, under the target directory.
+fn disk_dir(name: &str) -> PathBuf {
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| PathBuf::from("target"), PathBuf::from);
+    let dir = target
+        .join(format!("pagedkv-bench-tiers-{}", std::process::id()))
+        .join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
 }
 
 /// Host -> device copy bandwidth of `HostStorage::swap`, bytes/s: the median of 7
@@ -335,40 +443,60 @@ fn main() -> pagedkv::Result<()> {
     let l = layout();
     let token_bytes = (block_bytes(&l) / BLOCK_SIZE) as f64;
     let bandwidth = probe_load_bandwidth()?;
-    let variants: [(&str, Option<HostStorePolicy>); 4] = [
-        ("device only", None),
+    let probe_dir = disk_dir("probe");
+    let disk_bandwidth = probe_disk_read_bandwidth(&probe_dir)?;
+    let level_dir = disk_dir("level");
+    let variants: [(&str, Option<HostStorePolicy>, bool); 5] = [
+        ("device only", None, false),
         (
             "device + host, write-through",
             Some(HostStorePolicy::WriteThrough),
+            false,
         ),
         (
             "device + host, write-back (64 ahead)",
             Some(HostStorePolicy::WriteBack { ahead_blocks: 64 }),
+            false,
         ),
         (
             "device + host, selective (min_hits 1)",
             Some(HostStorePolicy::Selective { min_hits: 1 }),
+            false,
+        ),
+        (
+            "device + host (128) + disk, write-through",
+            Some(HostStorePolicy::WriteThrough),
+            true,
         ),
     ];
     let runs: Vec<(&str, Figures)> = variants
         .iter()
-        .map(|(name, p)| run(&trace, *p).map(|f| (*name, f)))
+        .map(|(name, p, disk)| {
+            run(&trace, *p, disk.then_some(level_dir.as_path())).map(|f| (*name, f))
+        })
         .collect::<pagedkv::Result<_>>()?;
+    if let Some(parent) = probe_dir.parent() {
+        let _ = std::fs::remove_dir_all(parent);
+    }
     let prompt_tokens = runs[0].1.prompt_tokens;
     for (_, f) in &runs {
         assert_eq!(f.prompt_tokens, prompt_tokens);
     }
     // Modeled seconds to have every prompt's K/V ready: the tokens no tier served
-    // recomputed, the host hits loaded.
+    // recomputed, the host hits loaded, the disk hits read and loaded.
+    let bb = block_bytes(&l) as f64;
     let recompute_s = |f: &Figures| f.recomputed_tokens as f64 / prefill_tok_s;
-    let load_s = |f: &Figures| f.loaded_bytes as f64 / bandwidth;
+    let load_s = |f: &Figures| {
+        let disk_bytes = f.disk_loaded_blocks as f64 * bb;
+        (f.loaded_bytes as f64 + disk_bytes) / bandwidth + disk_bytes / disk_bandwidth
+    };
     let prefill_s = |f: &Figures| recompute_s(f) + load_s(f);
     let all_s = prompt_tokens as f64 / prefill_tok_s;
     let base_s = prefill_s(&runs[0].1);
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     println!(
         "tiers: {} requests ({CONVERSATIONS} conversations, {SYSTEM_PROMPTS} system prompts), {prompt_tokens} prompt tokens (every prompt's layer-0 K/V checked after admission); \
-         device {DEVICE_BLOCKS} blocks, host {HOST_BLOCKS} blocks of {BLOCK_SIZE} tokens, {:.0} KiB per token",
+         device {DEVICE_BLOCKS} blocks, host {HOST_BLOCKS} blocks (with disk: {HOST_BLOCKS_WITH_DISK}, disk {DISK_SLOTS} slots) of {BLOCK_SIZE} tokens, {:.0} KiB per token",
         trace.len(),
         token_bytes / 1024.0
     );
@@ -378,20 +506,27 @@ fn main() -> pagedkv::Result<()> {
         bandwidth / 1e9,
         token_bytes * prefill_tok_s / 1e9
     );
+    println!(
+        "probed disk read (DiskPrefixStore::load, 32 blocks, checksummed): {:.2} GB/s",
+        disk_bandwidth / 1e9
+    );
     println!();
     println!(
-        "| variant | device hit tokens | host hit tokens | recomputed tokens | host blocks stored / loaded | MiB stored / loaded | modeled recompute + load | modeled prefill (saved of {all_s:.2} s) | modeled prefill / device only | load copies, measured |"
+        "| variant | device hit tokens | host hit tokens | disk hit tokens | recomputed tokens | host blocks stored / loaded | disk blocks stored / loaded | MiB stored / loaded (host) | modeled recompute + load | modeled prefill (saved of {all_s:.2} s) | modeled prefill / device only | load copies, measured | disk write / read, measured |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (name, f) in &runs {
         println!(
-            "| {name} | {} | {} | {} ({:.1} %) | {} / {} | {:.0} / {:.0} | {:.2} + {:.2} s | {:.2} s ({:.2} s) | {:.2}x | {} |",
+            "| {name} | {} | {} | {} | {} ({:.1} %) | {} / {} | {} / {} | {:.0} / {:.0} | {:.2} + {:.2} s | {:.2} s ({:.2} s) | {:.2}x | {} | {} |",
             f.device_hit_tokens,
             f.host_hit_tokens,
+            f.disk_hit_tokens,
             f.recomputed_tokens,
             100.0 * f.recomputed_tokens as f64 / f.prompt_tokens as f64,
             f.stored_blocks,
             f.loaded_blocks,
+            f.disk_stored_blocks,
+            f.disk_loaded_blocks,
             mib(f.stored_bytes),
             mib(f.loaded_bytes),
             recompute_s(f),
@@ -399,13 +534,24 @@ fn main() -> pagedkv::Result<()> {
             prefill_s(f),
             all_s - prefill_s(f),
             prefill_s(f) / base_s,
-            if f.loaded_bytes == 0 {
+            if f.loaded_bytes + f.disk_loaded_blocks == 0 {
                 "-".to_string()
             } else {
+                // Host->device copies of host hits and of disk hits staged in host blocks.
+                let copied = f.loaded_bytes as f64 + f.disk_loaded_blocks as f64 * bb;
                 format!(
                     "{:.2} s ({:.2} GB/s)",
                     f.load_copy.as_secs_f64(),
-                    f.loaded_bytes as f64 / f.load_copy.as_secs_f64() / 1e9
+                    copied / f.load_copy.as_secs_f64() / 1e9
+                )
+            },
+            if f.disk_stored_blocks == 0 {
+                "-".to_string()
+            } else {
+                format!(
+                    "{:.2} / {:.2} s",
+                    f.disk_write.as_secs_f64(),
+                    f.disk_read.as_secs_f64()
                 )
             },
         );
@@ -415,7 +561,7 @@ fn main() -> pagedkv::Result<()> {
         .iter()
         .map(|(name, f)| {
             format!(
-                "{{\"variant\":\"{name}\",\"prompt_tokens\":{},\"device_hit_tokens\":{},\"host_hit_tokens\":{},\
+                "{{\"variant\":\"{name}\",\"prompt_tokens\":{},\"device_hit_tokens\":{},\"host_hit_tokens\":{},\"disk_hit_tokens\":{},\"disk_blocks_stored\":{},\"disk_blocks_loaded\":{},\
                  \"recomputed_tokens\":{},\"host_blocks_stored\":{},\"host_blocks_loaded\":{},\"stored_bytes\":{},\
                  \"loaded_bytes\":{},\"load_copy_s\":{:.6},\"store_copy_s\":{:.6},\"checked_tokens\":{},\
                  \"modeled_recompute_s\":{:.6},\"modeled_load_s\":{:.6},\"modeled_prefill_s\":{:.6},\
@@ -423,6 +569,9 @@ fn main() -> pagedkv::Result<()> {
                 f.prompt_tokens,
                 f.device_hit_tokens,
                 f.host_hit_tokens,
+                f.disk_hit_tokens,
+                f.disk_stored_blocks,
+                f.disk_loaded_blocks,
                 f.recomputed_tokens,
                 f.stored_blocks,
                 f.loaded_blocks,
@@ -441,7 +590,7 @@ fn main() -> pagedkv::Result<()> {
         .collect();
     println!(
         "{{\"bench\":\"tiers\",\"requests\":{},\"prompt_tokens\":{prompt_tokens},\"token_bytes\":{token_bytes},\
-         \"probed_load_bytes_per_s\":{bandwidth:.0},\"prefill_tokens_per_s\":{prefill_tok_s},\"runs\":[{}]}}",
+         \"probed_load_bytes_per_s\":{bandwidth:.0},\"probed_disk_read_bytes_per_s\":{disk_bandwidth:.0},\"prefill_tokens_per_s\":{prefill_tok_s},\"runs\":[{}]}}",
         trace.len(),
         json_runs.join(",")
     );

@@ -268,6 +268,18 @@ pub enum Error {
         /// The block's hash (`BlockHash::0`).
         hash: u64,
     },
+    /// A submission to a `TransferEngine` that would take its bytes in flight past
+    /// the budget set with `TransferEngine::set_in_flight_budget`: nothing was queued;
+    /// submit again once completions have been polled.
+    #[error("transfer of {needed} bytes refused: {in_flight} bytes in flight, budget {budget}")]
+    TransferBudget {
+        /// Bytes the submission would move.
+        needed: u64,
+        /// Bytes submitted and not yet polled as completed.
+        in_flight: u64,
+        /// The budget.
+        budget: u64,
+    },
     /// The operation is not supported by this backend or configuration.
     #[error("unsupported: {0}")]
     Unsupported(String),

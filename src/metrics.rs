@@ -51,6 +51,7 @@
 //! # Ok::<(), pagedkv::Error>(())
 //! ```
 
+use crate::executor::tier::DiskTransferCounters;
 use crate::manager::{CacheStats, KvCache};
 
 /// Metric names, all with the `pagedkv_` prefix.
@@ -93,6 +94,25 @@ pub mod names {
     pub const DEFRAG_MOVED_BYTES: &str = "pagedkv_defrag_moved_bytes_total";
     /// Counter: time spent executing defragmentation moves, microseconds.
     pub const DEFRAG_TIME_US: &str = "pagedkv_defrag_time_microseconds_total";
+    /// Counter: prompt tokens served by each level of the prefix cache, label `tier` =
+    /// `device`, `host` or `disk` (host and disk counted when their load completes).
+    pub const TIER_HIT_TOKENS: &str = "pagedkv_tier_hit_tokens_total";
+    /// Counter: blocks stored into a level below the device, label `tier` = `host` or
+    /// `disk`.
+    pub const TIER_STORED_BLOCKS: &str = "pagedkv_tier_stored_blocks_total";
+    /// Counter: bytes of those blocks, label `tier`.
+    pub const TIER_STORED_BYTES: &str = "pagedkv_tier_stored_bytes_total";
+    /// Counter: blocks loaded from a level below the device to the device, label
+    /// `tier` = `host` or `disk`.
+    pub const TIER_LOADED_BLOCKS: &str = "pagedkv_tier_loaded_blocks_total";
+    /// Counter: bytes of those blocks, label `tier`.
+    pub const TIER_LOADED_BYTES: &str = "pagedkv_tier_loaded_bytes_total";
+    /// Counter: disk-level jobs a `TransferEngine` completed, label `op` = `store`
+    /// (host -> disk) or `load` (disk -> host staging).
+    pub const DISK_TRANSFERS: &str = "pagedkv_disk_transfers_total";
+    /// Counter: time those jobs took on the engine's worker, microseconds, label `op`
+    /// (with [`DISK_TRANSFERS`], a sum and count pair: the mean latency is their ratio).
+    pub const DISK_TRANSFER_TIME_US: &str = "pagedkv_disk_transfer_time_microseconds_total";
 }
 
 /// Gauge or counter.
@@ -144,9 +164,18 @@ const fn def(name: &'static str, kind: MetricKind, help: &'static str, wired: bo
 pub const PREEMPTION_KINDS: [&str; 2] = ["swap", "recompute"];
 /// Label values of [`names::SWAP_BYTES`].
 pub const SWAP_DIRECTIONS: [&str; 2] = ["out", "in"];
+/// Label values of [`names::TIER_HIT_TOKENS`], in the order of
+/// [`ExtraCounters::tier_hit_tokens`].
+pub const HIT_TIERS: [&str; 3] = ["device", "host", "disk"];
+/// Label values of the stored and loaded per-tier counters, in the order of their
+/// [`ExtraCounters`] arrays.
+pub const LOWER_TIERS: [&str; 2] = ["host", "disk"];
+/// Label values of [`names::DISK_TRANSFERS`] and [`names::DISK_TRANSFER_TIME_US`], in
+/// the order of their [`ExtraCounters`] arrays.
+pub const DISK_OPS: [&str; 2] = ["store", "load"];
 
 /// Every metric the exporter publishes.
-pub const METRICS: [MetricDef; 19] = {
+pub const METRICS: [MetricDef; 26] = {
     use names::*;
     use MetricKind::{Counter, Gauge};
     [
@@ -241,6 +270,55 @@ pub const METRICS: [MetricDef; 19] = {
             "Time spent planning and executing defragmentation and shrink moves, in microseconds.",
             true,
         ),
+        MetricDef {
+            name: TIER_HIT_TOKENS,
+            kind: Counter,
+            label: Some(("tier", &HIT_TIERS)),
+            help: "Prompt tokens served by each level of the prefix cache (host and disk once loaded).",
+            wired: true,
+        },
+        MetricDef {
+            name: TIER_STORED_BLOCKS,
+            kind: Counter,
+            label: Some(("tier", &LOWER_TIERS)),
+            help: "Blocks stored into the host or disk level of the prefix cache.",
+            wired: true,
+        },
+        MetricDef {
+            name: TIER_STORED_BYTES,
+            kind: Counter,
+            label: Some(("tier", &LOWER_TIERS)),
+            help: "Bytes stored into the host or disk level of the prefix cache.",
+            wired: true,
+        },
+        MetricDef {
+            name: TIER_LOADED_BLOCKS,
+            kind: Counter,
+            label: Some(("tier", &LOWER_TIERS)),
+            help: "Blocks loaded to the device from the host or disk level of the prefix cache.",
+            wired: true,
+        },
+        MetricDef {
+            name: TIER_LOADED_BYTES,
+            kind: Counter,
+            label: Some(("tier", &LOWER_TIERS)),
+            help: "Bytes loaded to the device from the host or disk level of the prefix cache.",
+            wired: true,
+        },
+        MetricDef {
+            name: DISK_TRANSFERS,
+            kind: Counter,
+            label: Some(("op", &DISK_OPS)),
+            help: "Disk-level jobs completed by the transfer engine, by operation.",
+            wired: false,
+        },
+        MetricDef {
+            name: DISK_TRANSFER_TIME_US,
+            kind: Counter,
+            label: Some(("op", &DISK_OPS)),
+            help: "Time disk-level jobs took on the transfer engine's worker, in microseconds, by operation.",
+            wired: false,
+        },
     ]
 };
 
@@ -270,16 +348,38 @@ pub struct ExtraCounters {
     pub defrag_moved_bytes: Option<u64>,
     /// Microseconds spent moving ([`names::DEFRAG_TIME_US`]).
     pub defrag_time_us: Option<u64>,
+    /// Prompt tokens served by the device, host and disk levels, in [`HIT_TIERS`]
+    /// order ([`names::TIER_HIT_TOKENS`]).
+    pub tier_hit_tokens: Option<[u64; 3]>,
+    /// Blocks stored into the host and disk levels, in [`LOWER_TIERS`] order
+    /// ([`names::TIER_STORED_BLOCKS`]).
+    pub tier_stored_blocks: Option<[u64; 2]>,
+    /// Bytes of those blocks ([`names::TIER_STORED_BYTES`]).
+    pub tier_stored_bytes: Option<[u64; 2]>,
+    /// Blocks loaded to the device from the host and disk levels
+    /// ([`names::TIER_LOADED_BLOCKS`]).
+    pub tier_loaded_blocks: Option<[u64; 2]>,
+    /// Bytes of those blocks ([`names::TIER_LOADED_BYTES`]).
+    pub tier_loaded_bytes: Option<[u64; 2]>,
+    /// Disk stores and loads a transfer engine completed, in [`DISK_OPS`] order
+    /// ([`names::DISK_TRANSFERS`]); see [`Self::with_disk_transfers`].
+    pub disk_transfers: Option<[u64; 2]>,
+    /// Microseconds they took ([`names::DISK_TRANSFER_TIME_US`]).
+    pub disk_transfer_time_us: Option<[u64; 2]>,
 }
 
 impl ExtraCounters {
     /// Everything the manager counts beyond [`CacheStats`]: prefix-cache queries and
     /// hits, swapped blocks, preemptions by kind, swap bytes, defragmentation moves.
-    /// Swap time stays `None`: the engine executes swap plans and times them.
+    /// Swap time and the disk transfers stay `None`: the engine executes the plans and
+    /// times them ([`Self::with_disk_transfers`]).
     pub fn from_manager(kv: &KvCache) -> Self {
         let prefix = kv.prefix_stats();
         let tiers = kv.tier_stats();
         let defrag = kv.defrag_counters();
+        let host = kv.host_cache_stats();
+        let disk = kv.disk_cache_stats();
+        let bb = kv.layout().block_bytes() as u64;
         ExtraCounters {
             swapped_blocks: Some(tiers.host_used_blocks as u64),
             prefix_query_tokens: Some(prefix.query_tokens),
@@ -292,7 +392,26 @@ impl ExtraCounters {
             defrag_runs: Some(defrag.runs),
             defrag_moved_bytes: Some(defrag.moved_blocks * kv.layout().block_bytes() as u64),
             defrag_time_us: Some(defrag.time_us),
+            tier_hit_tokens: Some([
+                host.device_hit_tokens,
+                host.host_hit_tokens,
+                disk.disk_hit_tokens,
+            ]),
+            tier_stored_blocks: Some([host.stored_blocks, disk.stored_blocks]),
+            tier_stored_bytes: Some([host.stored_bytes, disk.stored_blocks * bb]),
+            tier_loaded_blocks: Some([host.loaded_blocks, disk.loaded_blocks]),
+            tier_loaded_bytes: Some([host.loaded_bytes, disk.loaded_blocks * bb]),
+            disk_transfers: None,
+            disk_transfer_time_us: None,
         }
+    }
+
+    /// These counters with the disk-level jobs a transfer engine completed
+    /// ([`crate::executor::tier::TransferEngine::disk_transfer_counters`]).
+    pub fn with_disk_transfers(mut self, c: &DiskTransferCounters) -> Self {
+        self.disk_transfers = Some([c.store_jobs, c.load_jobs]);
+        self.disk_transfer_time_us = Some([c.store_time_us, c.load_time_us]);
+        self
     }
 }
 
@@ -401,6 +520,35 @@ impl MetricsExporter {
         for (name, label, value, total) in labelled {
             if let Some(v) = total {
                 ::metrics::counter!(name, label => value).absolute(v);
+            }
+        }
+        if let Some(v) = e.tier_hit_tokens {
+            for (tier, total) in HIT_TIERS.into_iter().zip(v) {
+                ::metrics::counter!(TIER_HIT_TOKENS, "tier" => tier).absolute(total);
+            }
+        }
+        let per_lower_tier = [
+            (TIER_STORED_BLOCKS, e.tier_stored_blocks),
+            (TIER_STORED_BYTES, e.tier_stored_bytes),
+            (TIER_LOADED_BLOCKS, e.tier_loaded_blocks),
+            (TIER_LOADED_BYTES, e.tier_loaded_bytes),
+        ];
+        for (name, totals) in per_lower_tier {
+            if let Some(v) = totals {
+                for (tier, total) in LOWER_TIERS.into_iter().zip(v) {
+                    ::metrics::counter!(name, "tier" => tier).absolute(total);
+                }
+            }
+        }
+        let per_op = [
+            (DISK_TRANSFERS, e.disk_transfers),
+            (DISK_TRANSFER_TIME_US, e.disk_transfer_time_us),
+        ];
+        for (name, totals) in per_op {
+            if let Some(v) = totals {
+                for (op, total) in DISK_OPS.into_iter().zip(v) {
+                    ::metrics::counter!(name, "op" => op).absolute(total);
+                }
             }
         }
     }

@@ -35,6 +35,13 @@ fn full_extras() -> ExtraCounters {
         defrag_runs: Some(5),
         defrag_moved_bytes: Some(4096),
         defrag_time_us: Some(77),
+        tier_hit_tokens: Some([64, 32, 16]),
+        tier_stored_blocks: Some([6, 3]),
+        tier_stored_bytes: Some([6 * 2048, 3 * 2048]),
+        tier_loaded_blocks: Some([2, 1]),
+        tier_loaded_bytes: Some([2 * 2048, 2048]),
+        disk_transfers: Some([3, 1]),
+        disk_transfer_time_us: Some([900, 150]),
     }
 }
 
@@ -194,8 +201,10 @@ fn exactly_the_wired_metrics_come_from_the_manager() {
     let recorder = PrometheusRecorder::new();
     let exporter = MetricsExporter::new();
     let snap = MetricsSnapshot::from_manager(&mut kv);
-    // Everything but swap time (timed by the engine) comes from the manager.
+    // Everything but swap time and disk transfers (timed by the engine) comes from
+    // the manager.
     assert_eq!(snap.extra.swap_time_us, None);
+    assert_eq!(snap.extra.disk_transfers, None);
     assert_eq!(snap.extra.prefix_query_tokens, Some(0));
     assert_ne!(snap.extra, ExtraCounters::default());
     ::metrics::with_local_recorder(&recorder, || exporter.publish(&snap));
@@ -257,4 +266,135 @@ fn recorder_renders_labels_specials_and_histograms() {
     assert!(text.contains("# TYPE t_total counter\nt_total 7\n"));
     assert!(text.contains("# TYPE t_seconds summary\n"));
     assert!(text.contains("t_seconds_sum 2\nt_seconds_count 2\n"));
+}
+
+/// A prompt served by each tier in turn (device, host, disk) with the disk jobs run on
+/// a `TransferEngine`: the per-tier counters and the engine's disk transfer counts
+/// come out in the Prometheus text with the values the manager and engine hold.
+#[test]
+fn per_tier_counters_follow_stores_loads_and_engine_completions() {
+    use pagedkv::executor::tier::{
+        complete_disk_jobs, store_prefixes_to_host, submit_disk_stage, submit_disk_store,
+        DiskPrefixStore, TransferEngine,
+    };
+    use pagedkv::{AdmitOptions, HostStorage, PrefixHit, TierConfig};
+
+    let shape = ModelShape {
+        num_layers: 2,
+        num_q_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 8,
+        kv_dtype: DType::F16,
+    };
+    let layout = KvLayout::new(shape, 16).unwrap();
+    let bb = layout.block_bytes() as f64;
+    let mut kv = KvCache::builder(layout)
+        .num_blocks(16)
+        .watermark_blocks(0)
+        .tiers(TierConfig {
+            num_host_blocks: 8,
+            ..TierConfig::default()
+        })
+        .build()
+        .unwrap();
+    let dir = std::env::temp_dir().join(format!("pagedkv-metrics-tiers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut engine = TransferEngine::new(HostStorage::with_host_tier(layout, 16, 8).unwrap());
+    engine.attach_disk_store(DiskPrefixStore::create(&dir, &layout, 8).unwrap());
+    let opts = AdmitOptions::default();
+    let p: Vec<u32> = (0..49).collect(); // 3 full blocks
+    kv.admit_tokens(SeqId(1), &p, &opts, &mut Vec::new())
+        .unwrap();
+    kv.free(SeqId(1)).unwrap();
+    let lookup = |kv: &KvCache| {
+        let mut hit = PrefixHit::default();
+        kv.lookup_prefix(&p, &opts, &mut hit).unwrap();
+        hit
+    };
+    let settle = |kv: &mut KvCache, engine: &mut TransferEngine<HostStorage>| {
+        let start = std::time::Instant::now();
+        while engine.disk_jobs_in_flight() > 0 {
+            assert!(start.elapsed() < Duration::from_secs(20));
+            for r in complete_disk_jobs(kv, engine).unwrap() {
+                if let pagedkv::executor::tier::DiskJobReport::Stage { result, .. } = r {
+                    result.unwrap();
+                }
+            }
+        }
+    };
+    {
+        let mut st = engine.storage().lock();
+        assert_eq!(
+            store_prefixes_to_host(&mut kv, &mut *st, usize::MAX).unwrap(),
+            3
+        );
+    }
+    submit_disk_store(&mut kv, &mut engine, usize::MAX).unwrap();
+    settle(&mut kv, &mut engine);
+    // A device hit, then a host hit, then a disk hit.
+    let hit = lookup(&kv);
+    kv.admit_prompt(SeqId(2), &p, &hit).unwrap();
+    kv.free(SeqId(2)).unwrap();
+    kv.evict_cached(usize::MAX);
+    let hit = lookup(&kv);
+    assert_eq!(hit.host_tokens(), 48);
+    kv.admit_prompt(SeqId(3), &p, &hit).unwrap();
+    let job = kv.load_job(SeqId(3)).unwrap();
+    engine.submit(&job).unwrap();
+    engine.wait(job.ticket).unwrap();
+    engine.poll_completed();
+    kv.complete_swap(job.ticket).unwrap();
+    kv.free(SeqId(3)).unwrap();
+    kv.evict_cached(usize::MAX);
+    kv.evict_host_cache(usize::MAX).unwrap();
+    let hit = lookup(&kv);
+    assert_eq!(hit.disk_tokens(), 48);
+    kv.admit_prompt(SeqId(4), &p, &hit).unwrap();
+    submit_disk_stage(&mut kv, &mut engine, SeqId(4)).unwrap();
+    settle(&mut kv, &mut engine);
+    let job = kv.load_job(SeqId(4)).unwrap();
+    engine.submit(&job).unwrap();
+    engine.wait(job.ticket).unwrap();
+    engine.poll_completed();
+    kv.complete_swap(job.ticket).unwrap();
+    kv.check_invariants().unwrap();
+
+    let counters = engine.disk_transfer_counters();
+    assert_eq!((counters.store_jobs, counters.load_jobs), (1, 1));
+    assert_eq!(counters.stored_bytes, 3 * layout.block_bytes() as u64);
+    let mut snap = MetricsSnapshot::from_manager(&mut kv);
+    snap.extra = snap.extra.with_disk_transfers(&counters);
+    let recorder = PrometheusRecorder::new();
+    let exporter = MetricsExporter::new();
+    ::metrics::with_local_recorder(&recorder, || {
+        exporter.describe();
+        exporter.publish(&snap);
+    });
+    let text = recorder.render();
+    let v = |name: &str, label: &str, value: &str| {
+        value_of(&text, &format!("{name}{{{label}=\"{value}\"}}"))
+    };
+    assert_eq!(
+        v(names::TIER_HIT_TOKENS, "tier", "device"),
+        Some(48.0),
+        "{text}"
+    );
+    assert_eq!(v(names::TIER_HIT_TOKENS, "tier", "host"), Some(48.0));
+    assert_eq!(v(names::TIER_HIT_TOKENS, "tier", "disk"), Some(48.0));
+    assert_eq!(v(names::TIER_STORED_BLOCKS, "tier", "host"), Some(3.0));
+    assert_eq!(v(names::TIER_STORED_BLOCKS, "tier", "disk"), Some(3.0));
+    assert_eq!(v(names::TIER_STORED_BYTES, "tier", "disk"), Some(3.0 * bb));
+    assert_eq!(v(names::TIER_LOADED_BLOCKS, "tier", "host"), Some(3.0));
+    assert_eq!(v(names::TIER_LOADED_BLOCKS, "tier", "disk"), Some(3.0));
+    assert_eq!(v(names::TIER_LOADED_BYTES, "tier", "host"), Some(3.0 * bb));
+    assert_eq!(v(names::TIER_LOADED_BYTES, "tier", "disk"), Some(3.0 * bb));
+    assert_eq!(v(names::DISK_TRANSFERS, "op", "store"), Some(1.0));
+    assert_eq!(v(names::DISK_TRANSFERS, "op", "load"), Some(1.0));
+    assert_eq!(
+        v(names::DISK_TRANSFER_TIME_US, "op", "load"),
+        Some(counters.load_time_us as f64)
+    );
+    assert!(text.contains("# TYPE pagedkv_disk_transfer_time_microseconds_total counter\n"));
+    drop(engine);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use parking_lot::Mutex;
@@ -12,7 +13,14 @@ use crate::executor::storage::{Storage, SwapFence};
 use crate::ids::SeqId;
 use crate::ids::SwapTicket;
 use crate::layout::plans::SwapPlan;
-use crate::manager::SwapJob;
+use crate::layout::KvLayout;
+use crate::manager::{
+    DiskLoadItem, DiskLoadJob, DiskPlacement, DiskStoreItem, DiskStoreJob, SwapJob,
+};
+use crate::pool::prefix::BlockHash;
+
+use super::disk_cache::{DiskPrefixStore, DiskStoreOutcome};
+use super::prefix::DiskSpill;
 
 /// What the worker reports, in order, for each submitted job. An asynchronous
 /// storage (`CudaStorage`) only *enqueues* copies, so each report carries the fence
@@ -46,6 +54,91 @@ struct Job {
     plan: SwapPlan,
 }
 
+/// What the worker runs, in submission order.
+enum Work {
+    Swap(Job),
+    DiskStore {
+        ticket: SwapTicket,
+        items: Vec<DiskStoreItem>,
+    },
+    DiskStage {
+        ticket: SwapTicket,
+        items: Vec<DiskLoadItem>,
+    },
+}
+
+/// Cumulative counters of the disk jobs a [`TransferEngine`] reported
+/// ([`TransferEngine::disk_transfer_counters`]; published through
+/// `metrics::ExtraCounters::with_disk_transfers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DiskTransferCounters {
+    /// Store jobs reported (successful or not).
+    pub store_jobs: u64,
+    /// Microseconds they took on the worker.
+    pub store_time_us: u64,
+    /// Bytes they wrote.
+    pub stored_bytes: u64,
+    /// Staging (load) jobs reported.
+    pub load_jobs: u64,
+    /// Microseconds they took on the worker.
+    pub load_time_us: u64,
+    /// Bytes they read into host blocks.
+    pub loaded_bytes: u64,
+}
+
+/// How a disk job run by the [`TransferEngine`]'s worker ended, reported once by
+/// [`TransferEngine::poll_disk_completed`]. The manager's side is completed from it
+/// (`executor::tier::complete_disk_jobs` does that): a store with
+/// [`crate::KvCache::complete_disk_store`] of `placements`, a staging with
+/// [`crate::KvCache::mark_disk_load_staged`] or, on failure,
+/// [`crate::KvCache::abort_swap`] (after [`crate::KvCache::remove_disk_entry`] of
+/// `drop_entry`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum DiskJobReport {
+    /// A host -> disk store ([`TransferEngine::submit_disk_store`]).
+    Store {
+        /// The store's ticket ([`DiskStoreJob::ticket`]).
+        ticket: SwapTicket,
+        /// Where each block stored (or found present) went, parents first; blocks not
+        /// listed were not stored.
+        placements: Vec<DiskPlacement>,
+        /// The counts of those placements.
+        spill: DiskSpill,
+        /// The error that stopped the store, if any (the blocks before it are stored
+        /// and journaled).
+        error: Option<Error>,
+        /// Bytes written to the store.
+        bytes: u64,
+        /// Time from the worker taking the job to its end.
+        elapsed: Duration,
+    },
+    /// A disk -> host staging of a load ([`TransferEngine::submit_disk_stage`]).
+    Stage {
+        /// The load's ticket ([`DiskLoadJob::ticket`]).
+        ticket: SwapTicket,
+        /// The blocks staged, or the error that stopped the staging
+        /// ([`Error::Checksum`], [`Error::DiskEntryMissing`], [`Error::Io`], the
+        /// storage's errors).
+        result: Result<usize>,
+        /// The entry to drop from the disk index: a block missing from the store or
+        /// whose bytes failed their checksum (the store dropped it already).
+        drop_entry: Option<BlockHash>,
+        /// Bytes read from the store into host blocks.
+        bytes: u64,
+        /// Time from the worker taking the job to its end.
+        elapsed: Duration,
+    },
+}
+
+impl DiskJobReport {
+    /// The job's ticket.
+    pub fn ticket(&self) -> SwapTicket {
+        match self {
+            DiskJobReport::Store { ticket, .. } | DiskJobReport::Stage { ticket, .. } => *ticket,
+        }
+    }
+}
+
 /// What is known of one job: the fence of each layer issued so far, and once it is
 /// fully issued, its outcome and its last fence. Nothing here counts as landed until
 /// its fence says so.
@@ -58,6 +151,8 @@ struct Progress {
     /// A fence that reported an error (a copy failed on the device).
     failed: Option<Error>,
     seqs: Vec<SeqId>,
+    /// Bytes the job moves, counted in flight until it is polled.
+    bytes: u64,
 }
 
 impl Progress {
@@ -106,6 +201,16 @@ impl Progress {
 /// [`Self::poll_completed`] returns. The lock is taken per layer, so other work on the
 /// storage interleaves with a long transfer.
 ///
+/// With a [`DiskPrefixStore`] attached ([`Self::attach_disk_store`]) the same worker
+/// runs the disk level's file I/O: stores ([`Self::submit_disk_store`]) and the
+/// disk -> host staging of loads ([`Self::submit_disk_stage`]), reported by
+/// [`Self::poll_disk_completed`], so no file is touched on the caller's thread. The
+/// worker holds the storage's lock only to copy one host block and the store's lock
+/// only for one block's file I/O, never both at once.
+///
+/// [`Self::set_in_flight_budget`] bounds the bytes submitted and not yet polled:
+/// a submission past it is refused with [`Error::TransferBudget`], nothing queued.
+///
 /// ```
 /// use pagedkv::{CacheConfig, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
 ///               TierConfig};
@@ -129,12 +234,23 @@ impl Progress {
 /// ```
 pub struct TransferEngine<S: Storage + Send + 'static> {
     storage: Arc<Mutex<S>>,
-    jobs: Option<Sender<Job>>,
+    jobs: Option<Sender<Work>>,
     events: Receiver<TransferEvent>,
     worker: Option<JoinHandle<()>>,
     num_layers: usize,
     progress: HashMap<SwapTicket, Progress>,
     by_seq: HashMap<SeqId, SwapTicket>,
+    block_bytes: u64,
+    disk: Arc<Mutex<Option<DiskPrefixStore>>>,
+    /// The attached store's layout, kept here so that submissions never wait on the
+    /// store's lock (the worker may hold it through a long write).
+    disk_layout: Option<KvLayout>,
+    disk_events: Receiver<DiskJobReport>,
+    /// Disk jobs submitted and not yet polled, with their bytes.
+    disk_pending: HashMap<SwapTicket, u64>,
+    budget: Option<u64>,
+    in_flight_bytes: u64,
+    disk_counters: DiskTransferCounters,
 }
 
 impl<S: Storage + Send + 'static> std::fmt::Debug for TransferEngine<S> {
@@ -155,15 +271,42 @@ impl<S: Storage + Send + 'static> TransferEngine<S> {
     /// Starts a worker over a storage the caller also uses (attention reads it between
     /// layers).
     pub fn with_shared(storage: Arc<Mutex<S>>) -> Self {
-        let num_layers = storage.lock().layout().num_layers();
-        let (job_tx, job_rx) = unbounded::<Job>();
+        let (num_layers, block_bytes) = {
+            let s = storage.lock();
+            (s.layout().num_layers(), s.layout().block_bytes())
+        };
+        let (job_tx, job_rx) = unbounded::<Work>();
         let (event_tx, event_rx) = unbounded();
+        let (disk_tx, disk_rx) = unbounded();
         let worker_storage = Arc::clone(&storage);
+        let disk: Arc<Mutex<Option<DiskPrefixStore>>> = Arc::new(Mutex::new(None));
+        let worker_disk = Arc::clone(&disk);
         let worker = std::thread::Builder::new()
             .name("pagedkv-transfer".into())
             .spawn(move || {
-                for job in job_rx {
-                    if !run_job(&worker_storage, num_layers, &job, &event_tx) {
+                for work in job_rx {
+                    let listening = match work {
+                        Work::Swap(job) => run_job(&worker_storage, num_layers, &job, &event_tx),
+                        Work::DiskStore { ticket, items } => disk_tx
+                            .send(run_disk_store(
+                                &worker_storage,
+                                &worker_disk,
+                                ticket,
+                                &items,
+                                block_bytes,
+                            ))
+                            .is_ok(),
+                        Work::DiskStage { ticket, items } => disk_tx
+                            .send(run_disk_stage(
+                                &worker_storage,
+                                &worker_disk,
+                                ticket,
+                                &items,
+                                block_bytes,
+                            ))
+                            .is_ok(),
+                    };
+                    if !listening {
                         break;
                     }
                 }
@@ -177,7 +320,191 @@ impl<S: Storage + Send + 'static> TransferEngine<S> {
             num_layers,
             progress: HashMap::new(),
             by_seq: HashMap::new(),
+            block_bytes: block_bytes as u64,
+            disk,
+            disk_layout: None,
+            disk_events: disk_rx,
+            disk_pending: HashMap::new(),
+            budget: None,
+            in_flight_bytes: 0,
+            disk_counters: DiskTransferCounters::default(),
         }
+    }
+
+    /// Gives the worker `store` for the disk jobs ([`Self::submit_disk_store`],
+    /// [`Self::submit_disk_stage`]); returns the store attached before, if any. Jobs
+    /// already queued run against the store attached when the worker takes them.
+    pub fn attach_disk_store(&mut self, store: DiskPrefixStore) -> Option<DiskPrefixStore> {
+        self.disk_layout = Some(*store.layout());
+        self.disk.lock().replace(store)
+    }
+
+    /// Takes the attached store back (for example to close it before a restart);
+    /// queued disk jobs then fail with [`Error::Unsupported`].
+    pub fn detach_disk_store(&mut self) -> Option<DiskPrefixStore> {
+        self.disk_layout = None;
+        self.disk.lock().take()
+    }
+
+    /// The layout of the attached disk store (`None` without one); read without
+    /// taking the store's lock.
+    pub fn disk_store_layout(&self) -> Option<&KvLayout> {
+        self.disk_layout.as_ref()
+    }
+
+    /// The attached disk store, shared with the worker: lock it for short reads
+    /// (`entries`, `stats`); file I/O belongs to the worker.
+    pub fn disk_store(&self) -> &Arc<Mutex<Option<DiskPrefixStore>>> {
+        &self.disk
+    }
+
+    /// Bounds the bytes submitted and not yet polled as completed (swaps and disk
+    /// jobs); `None` (the default) sets no bound. A submission that would take the
+    /// bytes in flight past the budget is refused with [`Error::TransferBudget`] and
+    /// nothing is queued, unless nothing is in flight: a job larger than the whole
+    /// budget then runs alone, so the budget never stalls the engine for good.
+    pub fn set_in_flight_budget(&mut self, bytes: Option<u64>) {
+        self.budget = bytes;
+    }
+
+    /// The budget set by [`Self::set_in_flight_budget`].
+    pub fn in_flight_budget(&self) -> Option<u64> {
+        self.budget
+    }
+
+    /// Bytes submitted and not yet polled as completed.
+    pub fn in_flight_bytes(&self) -> u64 {
+        self.in_flight_bytes
+    }
+
+    /// How many more blocks fit in the budget now (`usize::MAX` without a budget; at
+    /// least one block's worth is always admitted when nothing is in flight).
+    pub fn budget_room_blocks(&self) -> usize {
+        match self.budget {
+            None => usize::MAX,
+            Some(_) if self.in_flight_bytes == 0 => usize::MAX,
+            Some(b) => {
+                usize::try_from(b.saturating_sub(self.in_flight_bytes) / self.block_bytes.max(1))
+                    .unwrap_or(usize::MAX)
+            }
+        }
+    }
+
+    fn check_budget(&self, needed: u64) -> Result<()> {
+        match self.budget {
+            Some(budget)
+                if self.in_flight_bytes > 0
+                    && self.in_flight_bytes.saturating_add(needed) > budget =>
+            {
+                Err(Error::TransferBudget {
+                    needed,
+                    in_flight: self.in_flight_bytes,
+                    budget,
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn sender(&self) -> Result<&Sender<Work>> {
+        match (&self.jobs, &self.worker) {
+            (Some(s), Some(_)) => Ok(s),
+            _ => Err(Error::Unsupported("transfer worker is not running".into())),
+        }
+    }
+
+    fn check_disk_submission(&self, ticket: SwapTicket, blocks: usize) -> Result<u64> {
+        if self.disk_pending.contains_key(&ticket) {
+            return Err(Error::config(
+                "ticket",
+                format!("{ticket} was already submitted as a disk job"),
+            ));
+        }
+        if self.disk_layout.is_none() {
+            return Err(Error::Unsupported(
+                "no disk store is attached to the transfer engine".into(),
+            ));
+        }
+        let bytes = (blocks as u64).saturating_mul(self.block_bytes);
+        self.check_budget(bytes)?;
+        self.sender()?;
+        Ok(bytes)
+    }
+
+    /// Queues a store to the disk level ([`crate::KvCache::plan_disk_store`]) for the
+    /// worker; returns at once. Its report comes from [`Self::poll_disk_completed`].
+    ///
+    /// # Errors
+    /// [`Error::TransferBudget`]; [`Error::Unsupported`] without an attached store or
+    /// a running worker; [`Error::InvalidConfig`] for a ticket already queued. Nothing
+    /// queued on error.
+    pub fn submit_disk_store(&mut self, job: &DiskStoreJob) -> Result<()> {
+        let bytes = self.check_disk_submission(job.ticket, job.items.len())?;
+        self.sender()?
+            .send(Work::DiskStore {
+                ticket: job.ticket,
+                items: job.items.clone(),
+            })
+            .map_err(|_| Error::Unsupported("transfer worker has stopped".into()))?;
+        self.disk_pending.insert(job.ticket, bytes);
+        self.in_flight_bytes += bytes;
+        Ok(())
+    }
+
+    /// Queues the disk -> host staging of a load ([`crate::KvCache::disk_load_job`])
+    /// for the worker; returns at once. Once [`Self::poll_disk_completed`] reports it
+    /// staged, the load's host -> device swap ([`crate::KvCache::load_job`]) can be
+    /// submitted.
+    ///
+    /// # Errors
+    /// As [`Self::submit_disk_store`].
+    pub fn submit_disk_stage(&mut self, job: &DiskLoadJob) -> Result<()> {
+        let bytes = self.check_disk_submission(job.ticket, job.items.len())?;
+        self.sender()?
+            .send(Work::DiskStage {
+                ticket: job.ticket,
+                items: job.items.clone(),
+            })
+            .map_err(|_| Error::Unsupported("transfer worker has stopped".into()))?;
+        self.disk_pending.insert(job.ticket, bytes);
+        self.in_flight_bytes += bytes;
+        Ok(())
+    }
+
+    /// The disk jobs reported so far: counts, time on the worker, bytes.
+    pub fn disk_transfer_counters(&self) -> DiskTransferCounters {
+        self.disk_counters
+    }
+
+    /// Disk jobs submitted and not yet reported.
+    pub fn disk_jobs_in_flight(&self) -> usize {
+        self.disk_pending.len()
+    }
+
+    /// Finished disk jobs, each reported once, in the order the worker ran them;
+    /// their bytes leave the in-flight count.
+    pub fn poll_disk_completed(&mut self) -> Vec<DiskJobReport> {
+        let mut out = Vec::new();
+        while let Ok(report) = self.disk_events.try_recv() {
+            if let Some(bytes) = self.disk_pending.remove(&report.ticket()) {
+                self.in_flight_bytes = self.in_flight_bytes.saturating_sub(bytes);
+            }
+            let c = &mut self.disk_counters;
+            match &report {
+                DiskJobReport::Store { bytes, elapsed, .. } => {
+                    c.store_jobs += 1;
+                    c.store_time_us += elapsed.as_micros() as u64;
+                    c.stored_bytes += bytes;
+                }
+                DiskJobReport::Stage { bytes, elapsed, .. } => {
+                    c.load_jobs += 1;
+                    c.load_time_us += elapsed.as_micros() as u64;
+                    c.loaded_bytes += bytes;
+                }
+            }
+            out.push(report);
+        }
+        out
     }
 
     /// The storage, shared with the worker.
@@ -189,7 +516,8 @@ impl<S: Storage + Send + 'static> TransferEngine<S> {
     ///
     /// # Errors
     /// [`Error::Unsupported`] when the worker thread could not be started or has
-    /// stopped; [`Error::InvalidConfig`] when the ticket is already tracked.
+    /// stopped; [`Error::InvalidConfig`] when the ticket is already tracked;
+    /// [`Error::TransferBudget`] past the in-flight budget. Nothing queued on error.
     pub fn submit(&mut self, job: &SwapJob) -> Result<()> {
         if self.progress.contains_key(&job.ticket) {
             return Err(Error::config(
@@ -197,20 +525,20 @@ impl<S: Storage + Send + 'static> TransferEngine<S> {
                 format!("{} was already submitted", job.ticket),
             ));
         }
-        let sender = match (&self.jobs, &self.worker) {
-            (Some(s), Some(_)) => s,
-            _ => return Err(Error::Unsupported("transfer worker is not running".into())),
-        };
-        sender
-            .send(Job {
+        let bytes = (job.plan.len() as u64).saturating_mul(self.block_bytes);
+        self.check_budget(bytes)?;
+        self.sender()?
+            .send(Work::Swap(Job {
                 ticket: job.ticket,
                 plan: job.plan.clone(),
-            })
+            }))
             .map_err(|_| Error::Unsupported("transfer worker has stopped".into()))?;
+        self.in_flight_bytes += bytes;
         self.progress.insert(
             job.ticket,
             Progress {
                 seqs: job.seqs.clone(),
+                bytes,
                 ..Progress::default()
             },
         );
@@ -332,6 +660,7 @@ impl<S: Storage + Send + 'static> TransferEngine<S> {
         let mut out = Vec::with_capacity(done.len());
         for (t, result) in done {
             if let Some(p) = self.progress.remove(&t) {
+                self.in_flight_bytes = self.in_flight_bytes.saturating_sub(p.bytes);
                 for s in &p.seqs {
                     if self.by_seq.get(s) == Some(&t) {
                         self.by_seq.remove(s);
@@ -415,6 +744,123 @@ fn run_job<S: Storage>(
             fence: last,
         })
         .is_ok()
+}
+
+fn no_store() -> Error {
+    Error::Unsupported("no disk store is attached to the transfer engine".into())
+}
+
+/// Runs one disk store: each host block is copied out under the storage's lock, then
+/// written under the store's lock (the same steps and outcomes as
+/// [`DiskPrefixStore::store_from`]), parents first, stopping at the first error.
+fn run_disk_store<S: Storage>(
+    storage: &Mutex<S>,
+    disk: &Mutex<Option<DiskPrefixStore>>,
+    ticket: SwapTicket,
+    items: &[DiskStoreItem],
+    block_bytes: usize,
+) -> DiskJobReport {
+    let start = Instant::now();
+    let mut placements = Vec::with_capacity(items.len());
+    let mut spill = DiskSpill::default();
+    let mut error = None;
+    let mut buf = vec![0u8; block_bytes];
+    for item in items {
+        let present = disk.lock().as_ref().map(|d| d.slot_of(item.entry.hash));
+        let outcome = match present {
+            None => Err(no_store()),
+            Some(Some(slot)) => Ok(DiskStoreOutcome::AlreadyPresent { slot }),
+            Some(None) => storage
+                .lock()
+                .read_host_block(item.host, &mut buf)
+                .and_then(|()| match disk.lock().as_mut() {
+                    Some(d) => d.store(&item.entry, &buf),
+                    None => Err(no_store()),
+                }),
+        };
+        match outcome {
+            Ok(DiskStoreOutcome::Stored { slot, evicted }) => {
+                spill.stored_blocks += 1;
+                spill.evicted_blocks += usize::from(evicted.is_some());
+                placements.push(DiskPlacement {
+                    hash: item.entry.hash,
+                    slot,
+                    evicted: evicted.map(|e| (e.hash, e.slot)),
+                });
+            }
+            Ok(DiskStoreOutcome::AlreadyPresent { slot }) => {
+                spill.already_present += 1;
+                placements.push(DiskPlacement {
+                    hash: item.entry.hash,
+                    slot,
+                    evicted: None,
+                });
+            }
+            Err(e) => {
+                error = Some(e);
+                break;
+            }
+        }
+    }
+    DiskJobReport::Store {
+        ticket,
+        bytes: (spill.stored_blocks * block_bytes) as u64,
+        placements,
+        spill,
+        error,
+        elapsed: start.elapsed(),
+    }
+}
+
+/// Runs one staging: each block is read and verified under the store's lock, then
+/// written to its staging host block under the storage's lock (the steps of
+/// [`DiskPrefixStore::load_into`]), stopping at the first failure.
+fn run_disk_stage<S: Storage>(
+    storage: &Mutex<S>,
+    disk: &Mutex<Option<DiskPrefixStore>>,
+    ticket: SwapTicket,
+    items: &[DiskLoadItem],
+    block_bytes: usize,
+) -> DiskJobReport {
+    let start = Instant::now();
+    let mut buf = vec![0u8; block_bytes];
+    let mut staged = 0usize;
+    let mut failure = None;
+    for item in items {
+        let loaded = match disk.lock().as_mut() {
+            Some(d) => d.load(item.hash, &mut buf),
+            None => Err(no_store()),
+        };
+        let failed = match loaded {
+            Ok(true) => match storage.lock().write_host_block(item.host, &buf) {
+                Ok(()) => {
+                    staged += 1;
+                    continue;
+                }
+                Err(e) => (e, None),
+            },
+            Ok(false) => (
+                Error::DiskEntryMissing { hash: item.hash.0 },
+                Some(item.hash),
+            ),
+            Err(e @ Error::Checksum { .. }) => (e, Some(item.hash)),
+            Err(e) => (e, None),
+        };
+        failure = Some(failed);
+        break;
+    }
+    let bytes = (staged * block_bytes) as u64;
+    let (result, drop_entry) = match failure {
+        None => (Ok(staged), None),
+        Some((e, drop)) => (Err(e), drop),
+    };
+    DiskJobReport::Stage {
+        ticket,
+        result,
+        drop_entry,
+        bytes,
+        elapsed: start.elapsed(),
+    }
 }
 
 impl<S: Storage + Send + 'static> Drop for TransferEngine<S> {

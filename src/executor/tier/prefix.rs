@@ -3,10 +3,11 @@
 //! [`KvCache::plan_prefix_spill`]).
 
 use super::disk_cache::{DiskPrefixStore, DiskStoreOutcome};
+use super::engine::{DiskJobReport, TransferEngine};
 use crate::error::{Error, Result};
 use crate::executor::check_storage;
 use crate::executor::storage::Storage;
-use crate::ids::SeqId;
+use crate::ids::{SeqId, SwapTicket};
 use crate::manager::{DiskPlacement, KvCache, PrefixRestore, PrefixSpill};
 
 /// Copies the prefix cache's evictable blocks to `storage`'s host tier (as many as it
@@ -365,4 +366,120 @@ pub fn load_prefix_from_tiers<S: Storage + ?Sized>(
     }
     kv.complete_swap(job.ticket)?;
     Ok(job.plan.len())
+}
+
+/// Plans a store of up to `max_blocks` host entries to the disk level
+/// ([`KvCache::plan_disk_store`], clamped to what the engine's in-flight budget has
+/// room for) and queues it on `engine`'s worker ([`TransferEngine::submit_disk_store`]),
+/// so no file is written on the caller's thread. Returns the store's ticket, or
+/// `None` when there was nothing to store. [`complete_disk_jobs`] completes it.
+///
+/// # Errors
+/// [`Error::TransferBudget`] when the budget has no room for one block;
+/// [`Error::Unsupported`] without an attached store; [`Error::ShapeMismatch`] /
+/// [`Error::InvalidConfig`] for a storage or store of another layout. Nothing changed
+/// on error.
+pub fn submit_disk_store<S: Storage + Send + 'static>(
+    kv: &mut KvCache,
+    engine: &mut TransferEngine<S>,
+    max_blocks: usize,
+) -> Result<Option<SwapTicket>> {
+    check_engine(kv, engine)?;
+    let room = engine.budget_room_blocks();
+    if room == 0 {
+        return Err(Error::TransferBudget {
+            needed: kv.layout().block_bytes() as u64,
+            in_flight: engine.in_flight_bytes(),
+            budget: engine.in_flight_budget().unwrap_or(u64::MAX),
+        });
+    }
+    let Some(job) = kv.plan_disk_store(max_blocks.min(room))? else {
+        return Ok(None);
+    };
+    if let Err(e) = engine.submit_disk_store(&job) {
+        // Nothing reported stored: the plan's readers are released.
+        kv.complete_disk_store(job.ticket, &[])?;
+        return Err(e);
+    }
+    Ok(Some(job.ticket))
+}
+
+/// Queues the disk -> host staging of the load of `seq` ([`KvCache::disk_load_job`])
+/// on `engine`'s worker ([`TransferEngine::submit_disk_stage`]). Returns its ticket
+/// (the load's), or `None` when the load has no disk part. [`complete_disk_jobs`]
+/// marks it staged; then the load's host -> device swap ([`KvCache::load_job`]) is
+/// submitted like a host-level load.
+///
+/// # Errors
+/// As [`submit_disk_store`] ([`Error::TransferBudget`] when the staging does not fit
+/// the budget). Nothing changed on error.
+pub fn submit_disk_stage<S: Storage + Send + 'static>(
+    kv: &mut KvCache,
+    engine: &mut TransferEngine<S>,
+    seq: SeqId,
+) -> Result<Option<SwapTicket>> {
+    check_engine(kv, engine)?;
+    let Some(job) = kv.disk_load_job(seq) else {
+        return Ok(None);
+    };
+    engine.submit_disk_stage(&job)?;
+    Ok(Some(job.ticket))
+}
+
+/// Completes, on the manager's side, every disk job `engine` reports finished
+/// ([`TransferEngine::poll_disk_completed`]) and returns the reports, errors included:
+/// a store is completed with its placements ([`KvCache::complete_disk_store`]; blocks
+/// after a failure are not indexed, as in [`spill_host_prefixes_to_disk`]); a staging
+/// is marked staged ([`KvCache::mark_disk_load_staged`]) or, on failure, its load is
+/// aborted ([`KvCache::abort_swap`]) after dropping a missing or corrupt entry from
+/// the disk index, as in [`stage_disk_load`].
+///
+/// # Errors
+/// The manager's errors for a ticket it does not know (a job submitted for another
+/// cache); the reports polled before it are completed.
+pub fn complete_disk_jobs<S: Storage + Send + 'static>(
+    kv: &mut KvCache,
+    engine: &mut TransferEngine<S>,
+) -> Result<Vec<DiskJobReport>> {
+    let reports = engine.poll_disk_completed();
+    for report in &reports {
+        match report {
+            DiskJobReport::Store {
+                ticket, placements, ..
+            } => kv.complete_disk_store(*ticket, placements)?,
+            DiskJobReport::Stage {
+                ticket,
+                result,
+                drop_entry,
+                ..
+            } => match result {
+                Ok(_) => kv.mark_disk_load_staged(*ticket)?,
+                Err(_) => {
+                    if let Some(hash) = drop_entry {
+                        kv.remove_disk_entry(*hash);
+                    }
+                    kv.abort_swap(*ticket)?;
+                }
+            },
+        }
+    }
+    Ok(reports)
+}
+
+fn check_engine<S: Storage + Send + 'static>(
+    kv: &KvCache,
+    engine: &TransferEngine<S>,
+) -> Result<()> {
+    check_storage(kv, &*engine.storage().lock())?;
+    match engine.disk_store_layout() {
+        Some(layout) if layout == kv.layout() => Ok(()),
+        Some(layout) => Err(Error::ShapeMismatch {
+            what: "bytes of one block (disk store vs cache layout)",
+            expected: kv.layout().block_bytes(),
+            got: layout.block_bytes(),
+        }),
+        None => Err(Error::Unsupported(
+            "no disk store is attached to the transfer engine".into(),
+        )),
+    }
 }
