@@ -202,25 +202,17 @@ impl DiskLevel {
         if self.entries.is_empty() {
             return;
         }
-        let bs = index.block_size();
-        let (mut parent, mut digest) = match last {
-            Some((h, d)) => (Some(h), d),
-            None => (None, None),
-        };
-        for i in first..max_blocks {
-            let Some(chunk) = tokens.get(i * bs..(i + 1) * bs) else {
-                break;
-            };
-            let extra = keys.bytes(i);
-            let (h, d) = index.chain_hash(parent, digest.as_ref(), ns, chunk, extra);
-            match self.entries.get(&h) {
-                Some(e) if e.saved.confirms(parent, ns, chunk, extra) => {}
-                _ => break,
-            }
-            out.push(h);
-            parent = Some(h);
-            digest = d;
-        }
+        let held = |h: &BlockHash| self.entries.get(h).map(|e| &e.saved);
+        super::tier_cache::extend_chain_hit(
+            index,
+            ns,
+            keys,
+            tokens,
+            (first, max_blocks),
+            last,
+            out,
+            held,
+        );
     }
 
     /// Checks the level against itself: keys, unique slots, counters.

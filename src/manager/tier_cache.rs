@@ -301,25 +301,17 @@ impl HostLevel {
         if self.entries.is_empty() {
             return;
         }
-        let bs = index.block_size();
-        let (mut parent, mut digest) = match last {
-            Some((h, d)) => (Some(h), d),
-            None => (None, None),
-        };
-        for i in first..max_blocks {
-            let Some(chunk) = tokens.get(i * bs..(i + 1) * bs) else {
-                break;
-            };
-            let extra = keys.bytes(i);
-            let (h, d) = index.chain_hash(parent, digest.as_ref(), ns, chunk, extra);
-            match self.entries.get(&h) {
-                Some(e) if e.saved.confirms(parent, ns, chunk, extra) => {}
-                _ => break,
-            }
-            out.push(h);
-            parent = Some(h);
-            digest = d;
-        }
+        let held = |h: &BlockHash| self.entries.get(h).map(|e| &e.saved);
+        extend_chain_hit(
+            index,
+            ns,
+            keys,
+            tokens,
+            (first, max_blocks),
+            last,
+            out,
+            held,
+        );
     }
 
     /// Entries an eviction could take now, leaf by leaf: those with no reader and no
@@ -1049,5 +1041,42 @@ impl KvCache {
             parent = Some(h);
         }
         out
+    }
+}
+
+/// Pushes onto `out` the hashes of the blocks a lower level holds (`held` gives each
+/// block's saved identity) that continue a chain after `blocks.0` blocks (the last with
+/// hash and digest `last`), for the leading blocks of `tokens` up to `blocks.1` in all:
+/// each confirmed by parent, namespace, ids and keys, the chain stopping at the first
+/// block the level does not hold. The host and disk levels' lookups.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn extend_chain_hit<'a>(
+    index: &PrefixIndex,
+    ns: &Namespace,
+    keys: &BlockKeys,
+    tokens: &[u32],
+    blocks: (usize, usize),
+    last: Option<(BlockHash, Option<BlockDigest>)>,
+    out: &mut Vec<BlockHash>,
+    held: impl Fn(&BlockHash) -> Option<&'a SavedEntry>,
+) {
+    let bs = index.block_size();
+    let (mut parent, mut digest) = match last {
+        Some((h, d)) => (Some(h), d),
+        None => (None, None),
+    };
+    for i in blocks.0..blocks.1 {
+        let Some(chunk) = tokens.get(i * bs..(i + 1) * bs) else {
+            break;
+        };
+        let extra = keys.bytes(i);
+        let (h, d) = index.chain_hash(parent, digest.as_ref(), ns, chunk, extra);
+        match held(&h) {
+            Some(saved) if saved.confirms(parent, ns, chunk, extra) => {}
+            _ => break,
+        }
+        out.push(h);
+        parent = Some(h);
+        digest = d;
     }
 }
