@@ -439,16 +439,11 @@ impl<S: Storage + Send + 'static> TransferEngine<S> {
     /// a running worker; [`Error::InvalidConfig`] for a ticket already queued. Nothing
     /// queued on error.
     pub fn submit_disk_store(&mut self, job: &DiskStoreJob) -> Result<()> {
-        let bytes = self.check_disk_submission(job.ticket, job.items.len())?;
-        self.sender()?
-            .send(Work::DiskStore {
-                ticket: job.ticket,
-                items: job.items.clone(),
-            })
-            .map_err(|_| Error::Unsupported("transfer worker has stopped".into()))?;
-        self.disk_pending.insert(job.ticket, bytes);
-        self.in_flight_bytes += bytes;
-        Ok(())
+        let work = Work::DiskStore {
+            ticket: job.ticket,
+            items: job.items.clone(),
+        };
+        self.queue_disk_job(job.ticket, job.items.len(), work)
     }
 
     /// Queues the disk -> host staging of a load ([`crate::KvCache::disk_load_job`])
@@ -459,14 +454,21 @@ impl<S: Storage + Send + 'static> TransferEngine<S> {
     /// # Errors
     /// As [`Self::submit_disk_store`].
     pub fn submit_disk_stage(&mut self, job: &DiskLoadJob) -> Result<()> {
-        let bytes = self.check_disk_submission(job.ticket, job.items.len())?;
+        let work = Work::DiskStage {
+            ticket: job.ticket,
+            items: job.items.clone(),
+        };
+        self.queue_disk_job(job.ticket, job.items.len(), work)
+    }
+
+    /// Checks a disk job of `blocks` blocks against the budget, sends it to the worker
+    /// and counts its bytes in flight; nothing queued on error.
+    fn queue_disk_job(&mut self, ticket: SwapTicket, blocks: usize, work: Work) -> Result<()> {
+        let bytes = self.check_disk_submission(ticket, blocks)?;
         self.sender()?
-            .send(Work::DiskStage {
-                ticket: job.ticket,
-                items: job.items.clone(),
-            })
+            .send(work)
             .map_err(|_| Error::Unsupported("transfer worker has stopped".into()))?;
-        self.disk_pending.insert(job.ticket, bytes);
+        self.disk_pending.insert(ticket, bytes);
         self.in_flight_bytes += bytes;
         Ok(())
     }
