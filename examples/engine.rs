@@ -1,6 +1,6 @@
 //! A continuous-batching engine written on the public API only: the reference for how
-//! an engine drives the engine contract of `DESIGN.md` (computed tokens, this step's
-//! reserved tokens, lookahead slots) one step at a time.
+//! an engine drives the engine contract (`pagedkv::guide::engine_contract`: computed
+//! tokens, this step's reserved tokens, lookahead slots) one step at a time.
 //!
 //! Each step, in this order:
 //!

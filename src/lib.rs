@@ -101,8 +101,8 @@
 // Library code returns errors; `unwrap`/`expect` are for tests only.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
-// The layers, bottom up (DESIGN.md); a module names only modules at or below its own
-// layer, which `tests/layering.rs` checks on every file of `src/`.
+// The layers, bottom up (the table under "Layers" above); a module names only modules
+// at or below its own layer, which `tests/layering.rs` checks on every file of `src/`.
 pub mod error;
 pub mod ids;
 mod sync;

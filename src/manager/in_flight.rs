@@ -4,7 +4,7 @@
 //! [`KvCache::commit`] the model writes K/V through the slots it was handed, and
 //! reads the context through the table it was handed, so every block of a sequence
 //! holding an uncommitted reservation is in flight. Nothing may move, free or remap
-//! such a block until the commit (DESIGN.md's engine contract): the slots would go
+//! such a block until the commit (the [engine contract](crate::guide::engine_contract)): the slots would go
 //! stale and the step's write land in a freed block, with `check_invariants` none the
 //! wiser.
 //!
