@@ -308,6 +308,8 @@ pub struct Policy {
     pub prefix: bool,
     /// Host-tier blocks to swap preempted requests to (0: recompute).
     pub host_blocks: usize,
+    /// Pages kept free at admission, per 10,000 pages of the arena.
+    pub watermark_per_10k: usize,
     /// Flip one byte after the writes of this decode step (a self-check that a
     /// corruption fails the run): of the newest K/V token of the first row, or with
     /// `corrupt_state` of its state.
@@ -388,7 +390,7 @@ impl<'a> Engine<'a> {
     ) -> Result<Self, Failure> {
         let pages = (budget / model.page_bytes()) as usize;
         let kv = KvCache::hybrid_with_host_tier(&model.specs, pages, policy.host_blocks)?
-            .with_watermark_blocks(pages / 100)?;
+            .with_watermark_blocks(pages * policy.watermark_per_10k / 10_000)?;
         let store = HostStorage::with_host_tier(model.byte_layout, pages, policy.host_blocks)?;
         let width = model
             .specs
@@ -439,7 +441,13 @@ impl<'a> Engine<'a> {
 
     /// Writes K/V of `tokens[first..first + slots.len()]` of `hist` into `slots` of
     /// group `g`, every layer.
-    fn write_kv(&mut self, g: usize, slots: &[Slot], hist: &[u32], first: usize) -> Result<(), Failure> {
+    fn write_kv(
+        &mut self,
+        g: usize,
+        slots: &[Slot],
+        hist: &[u32],
+        first: usize,
+    ) -> Result<(), Failure> {
         let tb = self.token_bytes;
         for j in 0..self.layers {
             let layer = g * self.layers + j;
@@ -458,7 +466,14 @@ impl<'a> Engine<'a> {
 
     /// Reads tokens `from..to` of `hist` in group `g` through `table` (a block table
     /// whose entries before `from`'s block may be holes) and checks them.
-    fn check_kv(&mut self, g: usize, table: &[BlockId], hist: &[u32], from: usize, to: usize) -> Result<(), Failure> {
+    fn check_kv(
+        &mut self,
+        g: usize,
+        table: &[BlockId],
+        hist: &[u32],
+        from: usize,
+        to: usize,
+    ) -> Result<(), Failure> {
         let tb = self.token_bytes;
         let first_block = from / BLOCK;
         let n = to - first_block * BLOCK;
@@ -477,7 +492,7 @@ impl<'a> Engine<'a> {
                     if !matches(key ^ half, got) {
                         fill(key ^ half, &mut self.expect);
                         return Err(format!(
-                            "group {g} layer {j}: {} of token {pos} (id {}) reads {got:02x?}, \
+                            "group {g} layer {j}: {} at position {pos} (token id {}) reads {got:02x?}, \
                              expected {:02x?}",
                             if half == 0 { "K" } else { "V" },
                             hist[pos],
@@ -610,14 +625,17 @@ impl<'a> Engine<'a> {
             self.check_sequence(live)?;
             return Ok(true);
         }
+        let opts = AdmitOptions::default();
         let mut ends = vec![n];
         if self.model.has_state() {
+            // Chunks end after what the cache serves (a hit is below its admission's
+            // length), at the end of the shared prefix and the prompt's last block.
+            let cached = self.kv.cached_prefix_len(&hist[..n], &opts)?;
             let shared = histories.shared[live.req].min(n);
             ends = vec![shared / BLOCK * BLOCK, n / BLOCK * BLOCK, n];
-            ends.retain(|&e| e > 0);
+            ends.retain(|&e| e > cached);
             ends.dedup();
         }
-        let opts = AdmitOptions::default();
         let t = Instant::now();
         let r = self
             .kv
@@ -779,7 +797,8 @@ impl<'a> Engine<'a> {
             if self.is_state(g) {
                 let pages = self.model.specs[g].state_pages.unwrap_or(0);
                 for i in 0..running.len() {
-                    let row: Vec<BlockId> = tables.row(i)[..pages].iter().map(|&p| BlockId(p)).collect();
+                    let row: Vec<BlockId> =
+                        tables.row(i)[..pages].iter().map(|&p| BlockId(p)).collect();
                     let pos = b.positions()[i] as usize;
                     let s = next_state(self.read_state(&row)?, ids[i], pos);
                     self.write_state(&row, s);
@@ -873,7 +892,10 @@ impl<'a> Engine<'a> {
             self.v.resize((offset + 1) * tb, 0);
             self.store
                 .read_tokens(0, &[block], offset + 1, &mut self.k, &mut self.v)?;
-            let (mut k, v) = (self.k[offset * tb..].to_vec(), self.v[offset * tb..].to_vec());
+            let (mut k, v) = (
+                self.k[offset * tb..].to_vec(),
+                self.v[offset * tb..].to_vec(),
+            );
             k[0] ^= 1;
             self.store.write_slots(0, &[slot], &k, &v)?;
         }

@@ -1,6 +1,14 @@
-//! `serve --hybrid`: a Gemma-3-like hybrid model (5 sliding-window layers of 1,024
-//! tokens per global layer) served from one KV byte budget three ways, on the same
-//! seeded long-context trace and the same continuous-batching scheduler:
+//! `serve --hybrid`: a hybrid model served from one KV byte budget on a seeded
+//! long-context trace and one continuous-batching scheduler, its KV-cache groups
+//! writing and checking real bytes.
+//!
+//! **Models** (`--model`): `gemma-3` (default), Gemma-3-like, 5 sliding-window layers
+//! of 1,024 tokens per global layer, 48 layers of 8 KV heads x 256; `nemotron-h`,
+//! Nemotron-H-8B from `tests/data/nemotron-h-8b.json`: 4 attention layers (a full
+//! group) and 24 Mamba-2 layers (a recurrent-state group of the planner's state bytes,
+//! 390 pages of 256 KiB per sequence).
+//!
+//! **The comparison at the budget** (`--budget-gib`, 24): for `gemma-3`, three ways:
 //!
 //! * **all full**: the same model with every layer full attention (one manager);
 //! * **groups**: `KvCache::hybrid`, one arena of pages shared by a full group and five
@@ -10,16 +18,47 @@
 //!   split in proportion to what the trace's mean request holds in each: the fixed
 //!   ratio the groups replace.
 //!
-//! The trace is document-style traffic (log-normal prompts, median 3,000 tokens;
-//! outputs median 400; contexts up to 16,384). Each step admits waiting requests in
-//! order while the allocator can hold their prompt above a 1 % watermark, then decodes
-//! one token for every running request; an append that finds no memory preempts the
-//! newest running request, which is recomputed later from its prompt and the tokens it
-//! had generated. Bookkeeping only: no K/V bytes are written here (the byte checks of
-//! a shared arena are `tests/groups.rs`).
+//! All full and split are bookkeeping only; the groups run writes and checks every
+//! byte (below). `nemotron-h` has the groups run only (no all-full or split
+//! equivalent of a state model).
+//!
+//! **Under memory pressure** (`--pressure-budget-gib`, 8; `--host-gib`, 16;
+//! `--pressure-watermark-pct`, 0), two groups runs, both with bytes: recompute
+//! preemption without prefix caching, and prefix caching with swap preemption (the
+//! newest running request goes to the host tier with `swap_out_grouped` and comes back
+//! with `swap_in_grouped` before anything new is admitted; recompute only when the
+//! tier is full). With a state group, a prompt is computed in chunks ending at the end
+//! of its shared prefix and at its last full block, each followed by
+//! `checkpoint_grouped`, and a sequence's last block boundary before it finishes is
+//! checkpointed too, so follow-up turns and system prompts resume from a checkpoint.
+//!
+//! **The trace** is document-style traffic (log-normal prompts, median 3,000 tokens;
+//! outputs median 400; contexts up to 16,384), with token ids: 40 % of requests start
+//! with one of four system prompts (512 to 4,096 tokens, `--system-prompt-share`), 20 %
+//! continue an earlier conversation, their prompt starting with its whole history
+//! (`--multi-turn-share`); the lengths are the same either way. Each step admits
+//! waiting requests in order while the arena can hold their prompt above the
+//! watermark, then decodes one token for every running request
+//! (`reserve_step_grouped`, or `reserve_step_tokens_grouped` with prefix caching); a
+//! step that finds no memory preempts the newest running request.
+//!
+//! **Bytes** (`bytes.rs`): K and V of every slot a call hands out are written from
+//! (token id, position, layer); a state group's pages are rewritten at every step from
+//! a rolling hash of the token history, read back from the pages as a recurrent
+//! kernel reads its state. Checked against a recomputation from the token ids: every
+//! step, each row's new token in every KV group and its whole state, read through the
+//! row's table of the step's buffers; every 8 steps one row's whole readable context
+//! (a window group's: its window); each sequence in full after a prefix hit, a
+//! swap-in and before its free. A mismatch fails the run; the table prints the bytes
+//! checked and their checksum. The storage holds the arena's pages with 1 KV head of
+//! 4 (Gemma) or 2 (Nemotron) bf16 elements per layer instead of the model's heads:
+//! 48 MiB at the default budgets, host tier included. `--corrupt-at STEP` flips one
+//! byte of the first row's new K (`--corrupt-state`: its state) after the writes of
+//! that step, and the run must fail.
 //!
 //! ```text
-//! cargo run --release --example serve -- --hybrid [--budget-gib 24] [--requests 300] [--arrival-rate 0.5] [--seed 7] [--json]
+//! cargo run --release --example serve -- --hybrid [--model gemma-3|nemotron-h] [--budget-gib 24]
+//!     [--pressure-budget-gib 8] [--host-gib 16] [--requests 300] [--arrival-rate 0.5] [--seed 7] [--json]
 //! ```
 
 use std::collections::VecDeque;
@@ -144,13 +183,16 @@ impl Alloc for AllFull {
     }
 }
 
-/// The hybrid model as KV-cache groups over one arena of pages.
+/// The hybrid model as KV-cache groups over one arena of pages (bookkeeping only:
+/// `examples/hybrid.rs`; `serve --hybrid` runs the groups with bytes, `bytes.rs`).
+#[allow(dead_code)] // not used by `serve --hybrid`
 pub struct Groups {
     /// The groups.
     pub kv: KvCache,
     step: GroupStep,
 }
 
+#[allow(dead_code)] // not used by `serve --hybrid`
 impl Groups {
     /// One full group and `LAYERS / GLOBAL_EVERY - 1` window groups, 8 layers each,
     /// on `budget` bytes.
@@ -412,7 +454,9 @@ fn print_table(runs: &[Run]) {
     let brow = |label: &str, f: &dyn Fn(&ByteOutcome) -> String| {
         row(label, &|_, b| b.map_or("-".to_string(), f))
     };
-    row("peak concurrent requests", &|o, _| o.peak_running.to_string());
+    row("peak concurrent requests", &|o, _| {
+        o.peak_running.to_string()
+    });
     row("mean concurrent requests", &|o, _| {
         format!("{:.1}", o.mean_running)
     });
@@ -422,7 +466,9 @@ fn print_table(runs: &[Run]) {
     row("mean KV MiB per running request", &|o, _| {
         format!("{:.0}", mib(o.bytes_per_running))
     });
-    row("decode steps to serve the trace", &|o, _| o.steps.to_string());
+    row("decode steps to serve the trace", &|o, _| {
+        o.steps.to_string()
+    });
     row("preemptions", &|o, _| o.preemptions.to_string());
     brow("  of which swapped out (back in)", &|b| {
         format!("{} ({})", b.swap_outs, b.swap_ins)
@@ -505,6 +551,7 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
     let recompute = Policy {
         prefix: false,
         host_blocks: 0,
+        watermark_per_10k: 100,
         corrupt_at: args
             .iter()
             .position(|a| a == "--corrupt-at")
@@ -515,6 +562,7 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prefix_swap = Policy {
         prefix: true,
         host_blocks: (host / model.page_bytes()) as usize,
+        watermark_per_10k: (flag(&args, "--pressure-watermark-pct", 0.0f64) * 100.0) as usize,
         ..recompute
     };
     let trace = trace(requests, seed, rate);
@@ -545,7 +593,13 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Under memory pressure, both with bytes: recompute without prefix caching, and
     // prefix caching with swap to the host tier.
     let pressure_runs: Vec<Run> = vec![
-        with_bytes(pressure, recompute)?,
+        with_bytes(
+            pressure,
+            Policy {
+                watermark_per_10k: prefix_swap.watermark_per_10k,
+                ..recompute
+            },
+        )?,
         with_bytes(pressure, prefix_swap)?,
     ];
     let storage_mib = |runs: &[Run]| {
@@ -594,12 +648,17 @@ pub fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
         print_table(&main_runs);
         if gemma {
-            println!("split: global layers get {:.1} % of the budget", share * 100.0);
+            println!(
+                "split: global layers get {:.1} % of the budget",
+                share * 100.0
+            );
         }
         println!(
-            "\nbudget {:.0} GiB, host tier {:.0} GiB; both write and check every byte \
-             (recompute without prefix caching; prefix caching with swap preemption):",
+            "\nbudget {:.0} GiB, watermark {:.1} %, host tier {:.0} GiB; both write and check \
+             every byte (recompute without prefix caching; prefix caching with swap \
+             preemption):",
             pressure as f64 / gib,
+            prefix_swap.watermark_per_10k as f64 / 100.0,
             host as f64 / gib
         );
         print_table(&pressure_runs);
