@@ -194,7 +194,7 @@ fn fold(out: &mut ByteOutcome, bytes: &[u8]) {
 const CONTEXT_CHECK_EVERY: u64 = 8;
 
 /// The recurrent state before any token.
-const STATE_SEED: u64 = 0x5EED_0F_57A7E;
+const STATE_SEED: u64 = 0x05EE_D0F5_7A7E;
 
 /// The state after `token` at `pos`, from the state before it.
 fn next_state(state: u64, token: u32, pos: usize) -> u64 {
@@ -255,7 +255,7 @@ pub fn histories(
     system_share: f64,
     follow_up_share: f64,
 ) -> Histories {
-    let mut rng = SplitMix64::new(seed ^ 0x70CE_115);
+    let mut rng = SplitMix64::new(seed ^ 0x070C_E115);
     let mut unit = move || (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
     let token = |key: u64| (mix(key) % 150_000) as u32;
     let mut out: Vec<Vec<u32>> = Vec::with_capacity(trace.len());
@@ -484,9 +484,9 @@ impl<'a> Engine<'a> {
             self.store
                 .read_tokens(j, &table[first_block..], n, &mut self.k, &mut self.v)?;
             self.expect.resize(tb, 0);
-            for pos in from..to {
+            for (pos, &token) in hist.iter().enumerate().take(to).skip(from) {
                 let i = pos - first_block * BLOCK;
-                let key = kv_key(hist[pos], pos, layer);
+                let key = kv_key(token, pos, layer);
                 for (half, bytes) in [(0u64, &self.k), (1 << 63, &self.v)] {
                     let got = &bytes[i * tb..(i + 1) * tb];
                     if !matches(key ^ half, got) {
@@ -495,7 +495,7 @@ impl<'a> Engine<'a> {
                             "group {g} layer {j}: {} at position {pos} (token id {}) reads {got:02x?}, \
                              expected {:02x?}",
                             if half == 0 { "K" } else { "V" },
-                            hist[pos],
+                            token,
                             self.expect
                         )
                         .into());
@@ -672,7 +672,7 @@ impl<'a> Engine<'a> {
             }
             self.compute(live, from, end)?;
             from = end;
-            if self.model.has_state() && end % BLOCK == 0 {
+            if self.model.has_state() && end.is_multiple_of(BLOCK) {
                 self.checkpoint(live.id)?;
             }
         }
@@ -796,11 +796,11 @@ impl<'a> Engine<'a> {
             let tables = b.tables();
             if self.is_state(g) {
                 let pages = self.model.specs[g].state_pages.unwrap_or(0);
-                for i in 0..running.len() {
+                for (i, &token) in ids.iter().enumerate() {
                     let row: Vec<BlockId> =
                         tables.row(i)[..pages].iter().map(|&p| BlockId(p)).collect();
                     let pos = b.positions()[i] as usize;
-                    let s = next_state(self.read_state(&row)?, ids[i], pos);
+                    let s = next_state(self.read_state(&row)?, token, pos);
                     self.write_state(&row, s);
                 }
                 continue;
@@ -814,8 +814,8 @@ impl<'a> Engine<'a> {
                 let layer = g * self.layers + j;
                 self.k.resize(slots.len() * tb, 0);
                 self.v.resize(slots.len() * tb, 0);
-                for i in 0..slots.len() {
-                    let key = kv_key(ids[i], b.positions()[i] as usize, layer);
+                for (i, (&token, &pos)) in ids.iter().zip(b.positions()).enumerate() {
+                    let key = kv_key(token, pos as usize, layer);
                     fill(key, &mut self.k[i * tb..(i + 1) * tb]);
                     fill(key ^ 1 << 63, &mut self.v[i * tb..(i + 1) * tb]);
                 }
@@ -833,7 +833,8 @@ impl<'a> Engine<'a> {
         }
         // Check what each row reads through its tables: the new token in every KV
         // group, the state; one row's whole readable context.
-        let sampled = (step % CONTEXT_CHECK_EVERY == 0)
+        let sampled = step
+            .is_multiple_of(CONTEXT_CHECK_EVERY)
             .then(|| (step / CONTEXT_CHECK_EVERY) as usize % running.len());
         for (g, b) in bufs.iter().enumerate().take(groups) {
             let tables = b.tables();
@@ -980,7 +981,7 @@ pub fn serve_bytes(
             // The last block boundary of a history: where a follow-up turn resumes.
             for live in &running {
                 let ctx = trace[live.req].prompt + live.done;
-                if ctx % BLOCK == 0 && trace[live.req].output - live.done < BLOCK {
+                if ctx.is_multiple_of(BLOCK) && trace[live.req].output - live.done < BLOCK {
                     e.checkpoint(live.id)?;
                 }
             }
