@@ -17,7 +17,7 @@
 //!
 //! What this cannot check: the CUDA kernels themselves (the decode kernel has no CPU
 //! replay; the replay device decodes with the prefill kernel's algorithm at one query
-//! per sequence). `tests/cuda_prefill.rs` and `tests/cuda_attention.rs` run those on a
+//! per sequence). `tests/cuda/prefill.rs` and `tests/cuda/attention.rs` run those on a
 //! GPU, and `serve --backend cuda` runs this whole path there.
 
 // The example's own items this test does not use (without `cuda` the module allows

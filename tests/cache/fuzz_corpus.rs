@@ -170,7 +170,7 @@ fn group_export_corpus_seeds_and_mutations() {
 }
 
 /// Writes the harnesses' seeds into `fuzz/corpus/<target>/seed-N`, where `cargo fuzz`
-/// starts from them: `cargo test --test fuzz_replay -- --ignored write_seed_corpora`.
+/// starts from them: `cargo test --test cache -- --ignored write_seed_corpora`.
 #[test]
 #[ignore = "writes files; run once when the seeds change"]
 fn write_seed_corpora() {

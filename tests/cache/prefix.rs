@@ -1,7 +1,7 @@
 //! Prefix caching: hits, namespaces, per-block keys, collisions, eviction order, pins,
 //! priorities, events, resets, bad input, and a model-based property test that checks
 //! every sequence's K/V bytes against what an unshared run would hold. The hashers'
-//! test vectors are in `tests/prefix_hash.rs`.
+//! test vectors are in `tests/io/prefix_hash.rs`.
 
 use std::collections::BTreeMap;
 
@@ -623,7 +623,7 @@ impl Engine {
 /// block 0, the blocks before the first difference otherwise. The hit's blocks are
 /// all still registered under the hit's hashes, so only the confirmation of the ids
 /// stops B from reading A's K/V (`a_stale_hit_is_checked_at_admission` in
-/// `tests/engine_contract.rs` covers hits whose blocks were evicted).
+/// `tests/cache/engine_contract.rs` covers hits whose blocks were evicted).
 #[test]
 fn a_hit_admitted_with_another_prompt_shares_only_what_that_prompt_confirms() {
     let mut e = Engine::new(manager(32));
@@ -757,7 +757,7 @@ fn a_stale_hit_is_confirmed_against_the_namespace_and_block_keys_at_admission() 
 
 #[test]
 fn stored_events_carry_tokens_block_size_keys_and_medium() {
-    // The hashes are the Python reference's (`tests/prefix_hash.rs` has the snippet):
+    // The hashes are the Python reference's (`tests/io/prefix_hash.rs` has the snippet):
     // ns = namespace(b"tenant"); m0 = block(ns, [0, 1, 2, 3]);
     // m1 = block(m0, [4, 5, 6, 7], span_key(1, b"img")).
     let (m0, m1) = (BlockHash(0x90994d80860b6c66), BlockHash(0x5bbb3a78fef8ec40));

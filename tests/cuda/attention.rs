@@ -12,6 +12,7 @@
 //! cross-checked against an independent f64 loop in this file (which reads K/V back
 //! through `HostStorage::read_tokens` and decodes them with tests/support/cuda.rs).
 //! Each test prints a skip line and returns on a machine without a GPU.
+
 use crate::support::cuda;
 
 use cuda::{decode, nan_bytes, storage_or_skip, Rng};
@@ -379,7 +380,7 @@ fn every_case_here_is_prebuilt() {
     for spec in used {
         assert!(
             all.contains(&KernelSpec::Attention(spec)),
-            "{spec:?} is launched by tests/cuda_attention.rs but not prebuilt"
+            "{spec:?} is launched by tests/cuda/attention.rs but not prebuilt"
         );
     }
     // Both decode paths, and pages under a tile on both.

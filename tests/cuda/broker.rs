@@ -9,6 +9,7 @@
 //! releases exactly the bytes past the new end; the broker reads the granule from the
 //! storage and refuses a storage backed by larger chunks. Prints a skip line and
 //! returns on a machine without a GPU.
+
 use crate::support::cuda;
 
 use std::time::Duration;

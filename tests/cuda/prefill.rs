@@ -3,6 +3,7 @@
 //! prefill over a cached prefix, whole prompts, single-token chunks, GQA, f16/bf16/fp8,
 //! sliding windows and ALiBi. Outputs are poisoned with NaN before the launch. Skips
 //! with a visible line without a GPU (and fails then under `PAGEDKV_REQUIRE_GPU=1`).
+
 use crate::support::cuda;
 
 use cuda::{skip, storage_or_skip, Rng};
@@ -57,7 +58,7 @@ fn every_case_here_is_prebuilt() {
     for spec in used {
         assert!(
             all.contains(&spec),
-            "{spec:?} is launched by tests/cuda_prefill.rs but not prebuilt"
+            "{spec:?} is launched by tests/cuda/prefill.rs but not prebuilt"
         );
     }
 }

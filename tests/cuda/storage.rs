@@ -2,6 +2,7 @@
 //! (copy-on-write and defragmentation moves), swap plans both ways, resize, fp8/f16/
 //! bf16 quantisation in `reshape_and_cache`, and hostile plans rejected with nothing
 //! changed. Each test prints a skip line and returns on a machine without a GPU.
+
 use crate::support::cuda;
 
 use cuda::{encode, skip, storage_or_skip, Rng};

@@ -1,7 +1,7 @@
-//! Stream ordering between `CudaStorage` and reads of its arena on other streams
-//! (issue 35): each test holds one stream behind a gate (a host function that blocks it
-//! until a timer opens it) so that work queued behind the gate runs late, then checks
-//! that what the other stream did waited for it by event, not by luck:
+//! Stream ordering between `CudaStorage` and reads of its arena on other streams:
+//! each test holds one stream behind a gate (a host function that blocks it until a
+//! timer opens it) so that work queued behind the gate runs late, then checks that what
+//! the other stream did waited for it by event, not by luck:
 //!
 //! - a decode on a caller's stream after a gated K/V write reads the new K/V;
 //! - a graph step's replay after a gated write reads the new K/V;
@@ -12,6 +12,7 @@
 //!
 //! Without the ordering each of these reads the wrong bytes (or unmapped memory). They
 //! need a GPU and skip with a visible message without one; none has run on a GPU yet.
+
 use crate::support::cuda;
 
 use cuda::{storage_or_skip, Rng};

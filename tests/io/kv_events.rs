@@ -88,7 +88,7 @@ fn subscribers_get_three_frames_per_batch_numbered_from_zero() {
             assert_eq!(m.len(), 3, "topic, sequence number, payload");
             assert_eq!(m[0], topic.as_bytes());
             assert_eq!(m[1], (i as u64).to_be_bytes());
-            // The encoder's bytes are checked against msgspec in tests/vllm_wire.rs.
+            // The encoder's bytes are checked against msgspec in tests/io/vllm_wire.rs.
             assert_eq!(m[2], encode(ts, events));
         }
         assert_eq!(p.stats().batches_published, steps.len() as u64);

@@ -29,7 +29,7 @@
 //! ```
 //!
 //! The manager-level vectors (the hashes a router sees in `PrefixEvent::BlockStored`,
-//! per-block keys encoded by the manager) are in `tests/prefix.rs`,
+//! per-block keys encoded by the manager) are in `tests/cache/prefix.rs`,
 //! `stored_events_carry_tokens_block_size_keys_and_medium`.
 
 use pagedkv::pool::prefix::BlockHash;

@@ -5,6 +5,7 @@
 //!
 //! Without NVRTC on the loader path the test prints why it skipped; with
 //! `PAGEDKV_REQUIRE_NVRTC=1` (set by `.ci/nvrtc-env`) a missing NVRTC fails it.
+
 use std::io::Write;
 
 use pagedkv::attention::decode_mma::uses_mma;
@@ -103,7 +104,7 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
 /// Runs without NVRTC: the GPU machine has none, so every decode specialisation
 /// `examples/gpu_bench` launches must be a prebuilt cubin. (The GPU tests' fixed
 /// cases are checked in their own files, serve's models in
-/// tests/serve_prefill_chunks.rs.)
+/// tests/attention/serve_prefill_chunks.rs.)
 #[test]
 fn the_benchs_kernels_are_prebuilt() {
     let all = catalog();

@@ -10,11 +10,12 @@
 //! a second table, with no floor.
 //!
 //! ```text
-//! source .ci/nvrtc-env && cargo test --test kernel_speed -- --nocapture
+//! source .ci/nvrtc-env && cargo test --test kernels speed:: -- --nocapture
 //! ```
 //!
 //! Without NVRTC or cuobjdump the test prints why it skipped; with
 //! `PAGEDKV_REQUIRE_NVRTC=1` (set by `.ci/nvrtc-env`) either missing fails it.
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::Command;

@@ -714,7 +714,7 @@ proptest! {
     }
 }
 
-/// Figures, not a check: `cargo test --release --test disk_cache -- --ignored
+/// Figures, not a check: `cargo test --release --test memory disk_cache:: -- --ignored
 /// --nocapture`. Stores and loads of 256 KiB blocks beside plain `pwrite`/`pread` of
 /// the same bytes to a file in the same directory (the baseline: what the checksums and
 /// the journal cost over the I/O), and a reopen of a journal of 20,000 entries. On a

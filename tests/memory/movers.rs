@@ -7,8 +7,8 @@
 //! `truncate` refuses a sequence mid-step. Each case writes the step through the
 //! reserved slots after the mover ran and reads the committed bytes back from
 //! `HostStorage`, and each refusal leaves everything as it was. (The round's two
-//! bookkeeping defects have their tests beside their kin: `tests/reliability.rs` for
-//! the group swap-in's fills, `tests/prefix.rs` for the one rule of token ids.)
+//! bookkeeping defects have their tests beside their kin: `tests/cache/readable_state.rs` for
+//! the group swap-in's fills, `tests/cache/prefix.rs` for the one rule of token ids.)
 
 use pagedkv::broker::{Broker, BrokerConfig, ModelLimits, SleepOptions};
 use pagedkv::executor::{defragment_with, shrink_to};

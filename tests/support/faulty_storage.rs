@@ -1,7 +1,7 @@
 //! A storage whose writes to one layer fail, as a device fault would: the import
-//! tests (`tests/export.rs`, `tests/groups.rs`) check that such a fault frees what the
+//! tests (`tests/io/export.rs`, `tests/cache/groups.rs`) check that such a fault frees what the
 //! import admitted. And [`FlakyStorage`], whose swaps and host-tier copies fail
-//! partway (`tests/transfer_faults.rs`).
+//! partway (`tests/memory/transfer_faults.rs`).
 
 #![allow(dead_code)] // each test binary uses its own part
 
@@ -43,7 +43,7 @@ pagedkv::delegate_storage! {
 /// A host storage with a host tier whose transfers fail on demand, as a copy engine or
 /// a device would partway through: swaps (per layer, or whole plans for backends
 /// without per-layer swaps) and host-block reads and writes (the disk tier's copies).
-/// Used by `tests/transfer_faults.rs`.
+/// Used by `tests/memory/transfer_faults.rs`.
 pub struct FlakyStorage {
     /// Where the copies that do not fail go.
     pub inner: HostStorage,

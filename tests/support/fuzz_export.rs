@@ -2,7 +2,7 @@
 //! (`ExportView::parse`, `import_sequence`, `ExportView::import_into_cache`) and a group
 //! export (`GroupExportView::parse`, `import_group_sequence`,
 //! `GroupExportView::import_into_cache`), shared by `fuzz/fuzz_targets/{export,
-//! group_export}.rs` and `tests/fuzz_replay.rs`.
+//! group_export}.rs` and `tests/cache/fuzz_corpus.rs`.
 //!
 //! Input: one flag byte, then the export. Flag bit 0 makes the harness rewrite every
 //! checksum of the export (header, tables, block hashes, and a group export's header

@@ -1,5 +1,5 @@
 //! Fuzz harness for the GGUF reader (`GgufFile::parse`, `model_info`, `tensor_data`),
-//! shared by `fuzz/fuzz_targets/gguf.rs` and `tests/fuzz_replay.rs`.
+//! shared by `fuzz/fuzz_targets/gguf.rs` and `tests/cache/fuzz_corpus.rs`.
 //!
 //! Checked: no panic; every tensor's data, when the reader returns it, is exactly
 //! `num_bytes` long and lies inside the input at `data_offset + offset`; an accepted

@@ -1,5 +1,5 @@
 //! The manager fuzz harness, shared by `fuzz/fuzz_targets/manager.rs` (coverage-guided)
-//! and `tests/fuzz_replay.rs` (corpus replay and seeded random inputs under `cargo test`).
+//! and `tests/cache/fuzz_corpus.rs` (corpus replay and seeded random inputs under `cargo test`).
 //!
 //! The first input byte picks a configuration, composed with `KvCache::builder`:
 //! the eviction policy (LRU or cost-aware), the block hasher (XXH3 or the chain hash),

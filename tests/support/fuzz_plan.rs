@@ -1,7 +1,7 @@
 //! The capacity planner and the attention entry points under arbitrary numbers: a
 //! config.json whose sizes reach `u64::MAX`, any budget, context and concurrency, and
 //! contiguous-cache shapes whose byte counts overflow. Shared by the fuzz target
-//! `planner` and `tests/fuzz_replay.rs`.
+//! `planner` and `tests/cache/fuzz_corpus.rs`.
 //!
 //! What must hold: nothing panics (the test profile checks overflow, so wrapping
 //! arithmetic panics), every refusal is a typed error, and a plan that says "fits"

@@ -1,6 +1,6 @@
 //! Everything observable about a manager's bookkeeping, as one string, to prove that a
-//! refused or failed call changed nothing (`tests/transfer_faults.rs`,
-//! `tests/broker_model.rs`, the export fuzz harness).
+//! refused or failed call changed nothing (`tests/memory/transfer_faults.rs`,
+//! `tests/memory/broker_model.rs`, the export fuzz harness).
 
 #![allow(dead_code)] // each test binary uses its own part
 
