@@ -4,10 +4,11 @@
 //! refused, a full store evicts least recently used leaves, compaction keeps every
 //! live entry; and a model test against a shadow map.
 
+use crate::support::tiers::{flip, TempDir};
+
 use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use pagedkv::executor::tier::{
     DiskEntry, DiskEviction, DiskPrefixStore, DiskStoreOutcome, DISK_SLOT_ALIGN,
@@ -31,26 +32,6 @@ fn shape(head_dim: usize, kv_dtype: DType) -> ModelShape {
 
 fn layout() -> KvLayout {
     KvLayout::new(shape(8, DType::F16), BLOCK_SIZE).unwrap()
-}
-
-static DIRS: AtomicUsize = AtomicUsize::new(0);
-
-/// A directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Self {
-        let n = DIRS.fetch_add(1, Ordering::Relaxed);
-        let p = std::env::temp_dir().join(format!("pagedkv-disk-cache-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 fn journal(dir: &Path) -> PathBuf {
@@ -92,17 +73,6 @@ fn stored(o: DiskStoreOutcome) -> (u32, Option<DiskEviction>) {
 fn load(s: &mut DiskPrefixStore, h: u64) -> Result<Option<Vec<u8>>, Error> {
     let mut out = vec![0x55; s.block_bytes()];
     Ok(s.load(BlockHash(h), &mut out)?.then_some(out))
-}
-
-fn flip(path: &Path, at: u64) {
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut b = [0u8];
-    f.read_exact_at(&mut b, at).unwrap();
-    f.write_all_at(&[b[0] ^ 0x40], at).unwrap();
 }
 
 fn copy_dir(from: &Path, to: &Path) {

@@ -6,10 +6,11 @@
 //! equal to the store's through evictions. Bytes are checked through the block tables.
 
 use crate::support::kv_bytes;
+use crate::support::tiers::{
+    assert_index_matches, flip, hit_of, layout, prompt, tiers, TempDir, BS,
+};
 
-use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::Path;
 
 use kv_bytes::{check_values, write_values};
 use pagedkv::executor::tier::{
@@ -20,43 +21,10 @@ use pagedkv::ids::DiskSlot;
 use pagedkv::manager::{DiskCacheConfig, DiskPlacement, DiskStorePolicy};
 use pagedkv::pool::prefix::{BlockHash, Medium, PrefixEvent};
 use pagedkv::{
-    AdmitOptions, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, PrefixHit,
-    SeqId, Storage, TierConfig,
+    AdmitOptions, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, SeqId,
+    Storage, TierConfig,
 };
 use proptest::prelude::*;
-
-const BS: usize = 4;
-
-fn layout() -> KvLayout {
-    let shape = ModelShape {
-        num_layers: 2,
-        num_q_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 4,
-        kv_dtype: DType::F32,
-    };
-    KvLayout::new(shape, BS).unwrap()
-}
-
-static DIRS: AtomicUsize = AtomicUsize::new(0);
-
-/// A directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Self {
-        let n = DIRS.fetch_add(1, Ordering::Relaxed);
-        let p = std::env::temp_dir().join(format!("pagedkv-disk-tier-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn setup(blocks: usize, host: usize) -> (KvCache, HostStorage) {
     setup_with(blocks, host)
@@ -75,10 +43,6 @@ fn setup_with(blocks: usize, host: usize) -> (KvCache, HostStorage) {
         .unwrap();
     let storage = HostStorage::with_host_tier(layout(), blocks, host).unwrap();
     (kv, storage)
-}
-
-fn prompt(n: usize, base: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| base + i).collect()
 }
 
 /// Admits `prompt` as `seq`, writes the K/V of every uncached token, frees it (its full
@@ -107,25 +71,6 @@ fn scrub(kv: &mut KvCache, st: &mut HostStorage) {
     for b in 0..st.num_host_blocks() {
         st.write_host_block(pagedkv::BlockId(b as u32), &junk)
             .unwrap();
-    }
-}
-
-fn hit_of(kv: &KvCache, prompt: &[u32]) -> PrefixHit {
-    let mut hit = PrefixHit::default();
-    kv.lookup_prefix(prompt, &AdmitOptions::default(), &mut hit)
-        .unwrap();
-    hit
-}
-
-fn tiers(hit: &PrefixHit) -> (usize, usize, usize) {
-    (hit.device_tokens(), hit.host_tokens(), hit.disk_tokens())
-}
-
-/// The manager's disk index names exactly the store's entries, in the same slots.
-fn assert_index_matches(kv: &KvCache, store: &DiskPrefixStore) {
-    assert_eq!(kv.disk_cache_stats().cached_blocks, store.len());
-    for (slot, e) in store.entries() {
-        assert_eq!(kv.disk_cache_slot(e.hash), Some(slot), "{:?}", e.hash);
     }
 }
 
@@ -582,17 +527,6 @@ fn adopt_checks_layout_and_is_idempotent() {
     assert_eq!(adopt_disk_store(&mut kv, &store).unwrap(), 0);
     kv.check_invariants().unwrap();
     assert_index_matches(&kv, &store);
-}
-
-fn flip(path: &Path, at: u64) {
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut b = [0u8];
-    f.read_exact_at(&mut b, at).unwrap();
-    f.write_all_at(&[b[0] ^ 0x40], at).unwrap();
 }
 
 // ---- model-based interleaving ----------------------------------------------------

@@ -4,22 +4,13 @@
 //! blocks it gives up (content computed again meanwhile, parent gone). Bytes are
 //! checked block by block against what was written before the spill.
 
-use pagedkv::executor::tier::{restore_spilled_prefixes, spill_cached_prefixes};
-use pagedkv::{
-    AdmitOptions, DType, HostStorage, KvCache, KvLayout, ModelShape, SeqId, Storage, TierConfig,
-};
+use crate::support::tiers::{layout, BS};
 
-const BS: usize = 4;
+use pagedkv::executor::tier::{restore_spilled_prefixes, spill_cached_prefixes};
+use pagedkv::{AdmitOptions, HostStorage, KvCache, SeqId, Storage, TierConfig};
 
 fn setup(blocks: usize, host: usize) -> (KvCache, HostStorage) {
-    let shape = ModelShape {
-        num_layers: 2,
-        num_q_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 4,
-        kv_dtype: DType::F32,
-    };
-    let layout = KvLayout::new(shape, BS).unwrap();
+    let layout = layout();
     let kv = KvCache::builder(layout)
         .num_blocks(blocks)
         .watermark_blocks(0)

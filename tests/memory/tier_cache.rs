@@ -7,6 +7,7 @@
 use crate::support::faulty_storage;
 use crate::support::kv_bytes;
 use crate::support::snapshot;
+use crate::support::tiers::{hit_of, layout, prompt, BS};
 
 use std::collections::BTreeMap;
 
@@ -17,23 +18,9 @@ use pagedkv::ids::SwapTicket;
 use pagedkv::manager::{HostCacheConfig, HostCacheStats, HostStorePolicy};
 use pagedkv::pool::prefix::{CostAwarePolicy, Medium, PrefixEvent};
 use pagedkv::{
-    AdmitOptions, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, PrefixHit,
-    SeqId, Storage, TierConfig,
+    AdmitOptions, CopyPlan, Error, HostStorage, KvCache, PrefixHit, SeqId, Storage, TierConfig,
 };
 use proptest::prelude::*;
-
-const BS: usize = 4;
-
-fn layout() -> KvLayout {
-    let shape = ModelShape {
-        num_layers: 2,
-        num_q_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 4,
-        kv_dtype: DType::F32,
-    };
-    KvLayout::new(shape, BS).unwrap()
-}
 
 fn setup(blocks: usize, host: usize, store: HostStorePolicy) -> (KvCache, HostStorage) {
     let mut kv = KvCache::builder(layout())
@@ -80,13 +67,6 @@ fn scrub_free_blocks(kv: &mut KvCache, st: &mut HostStorage) {
     kv.free(SeqId(9_999)).unwrap();
 }
 
-fn hit_of(kv: &KvCache, prompt: &[u32]) -> PrefixHit {
-    let mut hit = PrefixHit::default();
-    kv.lookup_prefix(prompt, &AdmitOptions::default(), &mut hit)
-        .unwrap();
-    hit
-}
-
 /// Everything observable, with the host level's entries and in-flight work (not its
 /// cumulative counters of aborts and hits).
 fn state(kv: &KvCache) -> String {
@@ -100,10 +80,6 @@ fn state(kv: &KvCache) -> String {
         h.stores_in_flight,
         h.loads_in_flight
     )
-}
-
-fn prompt(n: usize, base: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| base + i).collect()
 }
 
 // ---- store, lookup, load ---------------------------------------------------------

@@ -6,10 +6,9 @@
 
 use crate::support::kv_bytes;
 use crate::support::snapshot;
+use crate::support::tiers::{assert_index_matches, flip, hit_of, layout, prompt, tiers, TempDir};
 
-use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,44 +19,7 @@ use pagedkv::executor::tier::{
     TransferEngine, DISK_SLOT_ALIGN,
 };
 use pagedkv::pool::prefix::BlockHash;
-use pagedkv::{
-    AdmitOptions, CopyPlan, DType, Error, HostStorage, KvCache, KvLayout, ModelShape, PrefixHit,
-    SeqId, Storage, TierConfig,
-};
-
-const BS: usize = 4;
-
-fn layout() -> KvLayout {
-    let shape = ModelShape {
-        num_layers: 2,
-        num_q_heads: 2,
-        num_kv_heads: 1,
-        head_dim: 4,
-        kv_dtype: DType::F32,
-    };
-    KvLayout::new(shape, BS).unwrap()
-}
-
-static DIRS: AtomicUsize = AtomicUsize::new(0);
-
-/// A directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Self {
-        let n = DIRS.fetch_add(1, Ordering::Relaxed);
-        let p =
-            std::env::temp_dir().join(format!("pagedkv-tier-engine-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use pagedkv::{AdmitOptions, CopyPlan, Error, HostStorage, KvCache, SeqId, Storage, TierConfig};
 
 fn setup(blocks: usize, host: usize) -> (KvCache, HostStorage) {
     let kv = KvCache::builder(layout())
@@ -71,10 +33,6 @@ fn setup(blocks: usize, host: usize) -> (KvCache, HostStorage) {
         .unwrap();
     let storage = HostStorage::with_host_tier(layout(), blocks, host).unwrap();
     (kv, storage)
-}
-
-fn prompt(n: usize, base: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| base + i).collect()
 }
 
 /// Admits `prompt` as `seq`, writes the K/V of every uncached token, frees it.
@@ -97,17 +55,6 @@ fn step_other<S: Storage + ?Sized>(kv: &mut KvCache, st: &mut S, seq: u64, value
         .unwrap();
     write_values(st, &slots, values);
     kv.commit(SeqId(seq), values.len()).unwrap();
-}
-
-fn hit_of(kv: &KvCache, prompt: &[u32]) -> PrefixHit {
-    let mut hit = PrefixHit::default();
-    kv.lookup_prefix(prompt, &AdmitOptions::default(), &mut hit)
-        .unwrap();
-    hit
-}
-
-fn tiers(hit: &PrefixHit) -> (usize, usize, usize) {
-    (hit.device_tokens(), hit.host_tokens(), hit.disk_tokens())
 }
 
 /// Everything observable, with the host and disk levels' entries and work in flight.
@@ -139,14 +86,6 @@ fn complete_n(
     out
 }
 
-/// The manager's disk index names exactly the store's entries, in the same slots.
-fn assert_index_matches(kv: &KvCache, store: &DiskPrefixStore) {
-    assert_eq!(kv.disk_cache_stats().cached_blocks, store.len());
-    for (slot, e) in store.entries() {
-        assert_eq!(kv.disk_cache_slot(e.hash), Some(slot), "{:?}", e.hash);
-    }
-}
-
 /// Computes `p`, stores it to the host and (synchronously) to a new store in `dir`.
 fn fill_dir(dir: &Path, p: &[u32]) -> Vec<BlockHash> {
     let (mut kv, mut st) = setup(12, 8);
@@ -164,17 +103,6 @@ fn reopen(dir: &Path) -> (KvCache, HostStorage, DiskPrefixStore) {
     let store = DiskPrefixStore::open(dir, &layout()).unwrap();
     adopt_disk_store(&mut kv, &store).unwrap();
     (kv, st, store)
-}
-
-fn flip(path: &Path, at: u64) {
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut b = [0u8];
-    f.read_exact_at(&mut b, at).unwrap();
-    f.write_all_at(&[b[0] ^ 0x40], at).unwrap();
 }
 
 // ---- the worker does the file I/O ----------------------------------------------------

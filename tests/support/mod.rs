@@ -17,6 +17,7 @@ pub mod fuzz_tables;
 pub mod kv_bytes;
 pub mod kv_events;
 pub mod snapshot;
+pub mod tiers;
 
 use proptest::test_runner::{Config as ProptestConfig, FileFailurePersistence};
 
