@@ -7,12 +7,15 @@
 //! `cargo test --features router-check --test kv_events_router`.
 #![cfg(feature = "router-check")]
 
-mod kv_events_common;
+#[path = "support/mod.rs"]
+mod support;
+
+use support::kv_events;
 
 use dynamo_kv_router::protocols::{compute_block_hash_for_seq, BlockHashOptions, WorkerWithDpRank};
 use dynamo_kv_router::zmq_wire::{decode_event_batch, RawKvEvent, ZmqEventNormalizer};
 use dynamo_kv_router::RadixTree;
-use kv_events_common::{admit, cache, prompt, wait_subscribers, Zmtp, BLOCK};
+use kv_events::{admit, cache, prompt, wait_subscribers, Zmtp, BLOCK};
 use pagedkv::events::{ZmqEventPublisher, ZmqPublisherConfig};
 use pagedkv::{AdmitOptions, KvCache, SeqId};
 

@@ -10,10 +10,10 @@
 
 #![cfg(feature = "nixl")]
 
-#[path = "common/kv_bytes.rs"]
-mod kv_bytes;
-#[path = "common/snapshot.rs"]
-mod snapshot;
+#[path = "support/mod.rs"]
+mod support;
+
+use support::{kv_bytes, snapshot};
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -87,7 +87,7 @@ fn values(seed: u32, n: usize) -> Vec<u32> {
     (0..n as u32).map(|i| seed * 100_000 + i).collect()
 }
 
-/// A receiver's bookkeeping (`common/snapshot.rs`) and every arena byte: what must not
+/// A receiver's bookkeeping (`support/snapshot.rs`) and every arena byte: what must not
 /// change after a refused pull (after a failed transfer only the bookkeeping: the
 /// bytes of free blocks are unspecified).
 fn snapshot(side: &Side) -> (String, Vec<u8>) {

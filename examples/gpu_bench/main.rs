@@ -24,14 +24,11 @@
 //! DIR, for a GPU machine without NVRTC (`PAGEDKV_CUBIN_DIR=DIR`).
 
 #[cfg(feature = "cuda")]
-mod cases;
-
-#[cfg(feature = "cuda")]
 mod gpu {
-    use super::cases::{self, shape};
     use cudarc::driver::sys;
     use pagedkv::attention::cuda::{CudaAttention, Outputs, Queries, Tables};
     use pagedkv::attention::AttentionParams;
+    use pagedkv::executor::cuda::bench_cases::{self as cases, shape};
     use pagedkv::executor::cuda::AttentionSpec;
     use pagedkv::executor::storage::{CudaStorage, CudaStorageConfig};
     use pagedkv::layout::plans::SwapDirection;
@@ -227,7 +224,7 @@ mod gpu {
             vec_bytes,
             ..AttentionSpec::for_layout(&layout)
         };
-        debug_assert!(unroll != 0 || vec_bytes != 0 || cases::decode_specs().contains(&spec));
+        debug_assert!(unroll != 0 || vec_bytes != 0 || cases::decode_specs()?.contains(&spec));
         cases::check_prebuilt(&spec)?;
         let mut attn = CudaAttention::with_spec(&storage, spec)?;
         let dts = (0..laps)

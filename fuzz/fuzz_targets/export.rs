@@ -1,9 +1,9 @@
 //! A single KV export received from outside: parse and import, directly or through the
 //! prefix cache, with checksums optionally repaired so mutations reach the import
-//! (the harness is shared with `tests/fuzz_replay.rs`).
+//! (the harness is shared with `tests/cache/fuzz_corpus.rs`).
 #![no_main]
 
-#[path = "../../tests/common/fuzz_export.rs"]
+#[path = "../../tests/support/fuzz_export.rs"]
 mod fuzz_export;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {

@@ -1,9 +1,9 @@
 //! A KV group export received from outside: parse and import into a hybrid cache
 //! (a full and a sliding-window group), directly or through the prefix caches, with
-//! checksums optionally repaired (the harness is shared with `tests/fuzz_replay.rs`).
+//! checksums optionally repaired (the harness is shared with `tests/cache/fuzz_corpus.rs`).
 #![no_main]
 
-#[path = "../../tests/common/fuzz_export.rs"]
+#[path = "../../tests/support/fuzz_export.rs"]
 mod fuzz_export;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {

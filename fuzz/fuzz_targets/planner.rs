@@ -1,8 +1,8 @@
 //! The capacity planner and the attention entry points under arbitrary numbers (the
-//! harness is shared with `tests/fuzz_replay.rs`).
+//! harness is shared with `tests/cache/fuzz_corpus.rs`).
 #![no_main]
 
-#[path = "../../tests/common/fuzz_plan.rs"]
+#[path = "../../tests/support/fuzz_plan.rs"]
 mod fuzz_plan;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| fuzz_plan::run(data));

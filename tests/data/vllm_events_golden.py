@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cross-check of the golden KVEventBatch bytes in tests/vllm_wire.rs with msgspec.
+"""Cross-check of the golden KVEventBatch bytes in tests/io/vllm_wire.rs with msgspec.
 
 The structs below restate the wire schema of vLLM's vllm/distributed/kv_events.py
 (field names, order, defaults, and the msgspec struct options) for the two event

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden vectors for tests/vllm_wire.rs: vLLM's `sha256_cbor` prefix-block hashes.
+"""Golden vectors for tests/io/vllm_wire.rs: vLLM's `sha256_cbor` prefix-block hashes.
 
 This mirrors vLLM's definition (vllm/v1/core/kv_cache_utils.py `hash_block_tokens`,
 `init_none_hash`, `maybe_convert_block_hash`; `sha256_cbor` in vLLM's hashing

@@ -7,7 +7,8 @@
 //! |---|---|---|
 //! | raw | `cudarc::driver::sys`, `cudarc::nvrtc::sys` (dynamically loaded) | cudarc |
 //! | checked | [`driver_present`], [`nvrtc_present`], [`open_device`], [`compile`] | here |
-//! | static model | `sass` (feature `testing`): the decode kernel's main loop read off its SASS, instructions per KV byte, occupancy, modeled bandwidth ceiling (no GPU); a tool for `tests/kernel_speed.rs`, not an engine's | here |
+//! | static model | `sass` (feature `testing`): the decode kernel's main loop read off its SASS, instructions per KV byte, occupancy, modeled bandwidth ceiling (no GPU); a tool for `tests/kernels/speed.rs`, not an engine's | here |
+//! | bench cases | `bench_cases` (feature `testing`): the decode specialisations `examples/gpu_bench` launches | here |
 //! | safe | `CudaStorage` (arena, streams, plans), `CudaAttention` (decode) | `storage::cuda`, `attention::cuda` |
 //!
 //! Nothing here needs a GPU to build: cudarc loads `libcuda` and `libnvrtc` when first
@@ -15,11 +16,15 @@
 //! machine without them gets [`Error::CudaUnavailable`] instead of cudarc's panic.
 
 mod nvrtc;
-// Tooling: only `tests/kernel_speed.rs` (run by `.ci/run`) reads a cubin's SASS; an
+// Tooling: only `tests/kernels/speed.rs` (run by `.ci/run`) reads a cubin's SASS; an
 // engine never does, so it is not compiled into an engine's build. Pure text
 // analysis, so its own unit tests run in every test build of the library.
 #[cfg(any(test, feature = "testing"))]
 pub mod sass;
+// Tooling: the decode specialisations `examples/gpu_bench` launches, which
+// `tests/kernels/compile.rs` holds to the prebuilt catalog.
+#[cfg(feature = "testing")]
+pub mod bench_cases;
 
 pub use nvrtc::{
     catalog, compile, compile_uncached, parse_ptxas_log, prebuilt_prefill, write_cubin, Arch,
