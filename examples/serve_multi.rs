@@ -22,7 +22,7 @@
 //! model's simulation with its own scheduler state threaded through ~1400 lines, and
 //! the broker needs a scheduler per model. This one shares no private code with it.
 //! The models are stepped in lockstep on one thread so the table is reproducible; the
-//! broker's thread safety is tested in `tests/broker.rs`.
+//! broker's thread safety is tested in `tests/memory/broker.rs`.
 //!
 //! With `--shared-prefix-tokens N`, every request starts with one of a few system
 //! prompts of its model and is admitted with token ids, so the prefix cache serves

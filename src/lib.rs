@@ -55,7 +55,7 @@
 //!
 //! # Layers
 //!
-//! Imports run one way, downward (`tests/layering.rs` fails on an upward import):
+//! Imports run one way, downward (`tests/io/layering.rs` fails on an upward import):
 //!
 //! | layer (bottom up) | modules | what it holds |
 //! |---|---|---|
@@ -102,7 +102,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 // The layers, bottom up (the table under "Layers" above); a module names only modules
-// at or below its own layer, which `tests/layering.rs` checks on every file of `src/`.
+// at or below its own layer, which `tests/io/layering.rs` checks on every file of `src/`.
 pub mod error;
 pub mod ids;
 mod sync;
@@ -130,7 +130,7 @@ pub mod metrics;
 pub mod plan;
 
 // The guide's chapters are `src/guide/*.md` (their Rust examples are doc tests). The
-// module is inline rather than `src/guide/mod.rs` because `tests/layering.rs` gives
+// module is inline rather than `src/guide/mod.rs` because `tests/io/layering.rs` gives
 // every `.rs` file under `src/` a layer, and documentation is none.
 pub mod guide {
     #![doc = include_str!("guide/index.md")]

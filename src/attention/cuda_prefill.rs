@@ -13,7 +13,7 @@
 //! the kernel's exact loop structure (tiles, key tiles, masks, base-2 online softmax in
 //! `f32`) on a `HostStorage`, so the tiling is checked against the `f64` reference
 //! without a GPU. The kernel itself has only been compiled here (NVRTC, sm_80/sm_90);
-//! `tests/cuda_prefill.rs` runs it against the reference on a GPU.
+//! `tests/cuda/prefill.rs` runs it against the reference on a GPU.
 //!
 //! # Multi-query decode (speculative verification)
 //!

@@ -709,7 +709,7 @@ mod tests {
             (f.live_blocks, f.cached_blocks, f.moves_to_compact),
             (1, 1, 2)
         );
-        // Bookkeeping only: the bytes are the executor's (tests/defrag.rs checks them).
+        // Bookkeeping only: the bytes are the executor's (tests/memory/defrag.rs checks them).
         let plan = kv
             .plan_defragment(DefragOptions::FULL)
             .unwrap()

@@ -37,7 +37,7 @@
 //!   free device blocks;
 //! - prefix reset and eviction (`reset_prefix_cache`, `evict_cached`): drop only
 //!   cached blocks, never a block a table references, one that a reservation revived
-//!   included (`tests/movers.rs`);
+//!   included (`tests/memory/movers.rs`);
 //! - import (`ExportView::import_into[_cache]`, group exports alike): admits a new
 //!   sequence ([`Error::DuplicateSequence`] rather than replacing one); its evictions,
 //!   on admission or after a failed write, drop only cached blocks;

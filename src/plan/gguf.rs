@@ -9,7 +9,7 @@
 //! bytes that remain before anything is allocated, the number of metadata values and the
 //! nesting are limited ([`MAX_METADATA_VALUES`], [`MAX_ARRAY_DEPTH`]), and tensor ranges
 //! are checked against the file. Hostile bytes give [`Error::ModelConfig`], never a panic
-//! or an outsized allocation (`tests/gguf.rs` feeds it truncations, flipped bytes, huge
+//! or an outsized allocation (`tests/planner/gguf.rs` feeds it truncations, flipped bytes, huge
 //! counts and deep nesting).
 //!
 //! ```no_run

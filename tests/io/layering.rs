@@ -1,4 +1,5 @@
-//! The crate's imports run one way, downward through the layers of DESIGN.md.
+//! The crate's imports run one way, downward through the layers of the table under
+//! "Layers" in `src/lib.rs` (repeated as `LAYERS` below).
 //!
 //! Reads every file of `src/`, resolves each `crate::` and `super::` path to the
 //! top-level module it names, and fails when a module names one of a higher layer, or

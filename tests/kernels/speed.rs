@@ -31,7 +31,7 @@ use pagedkv::executor::cuda::{
 use pagedkv::DType;
 
 /// The floor the bench-shape specialisations must model at, as a fraction of
-/// 4.3 TB/s: the goal (DESIGN.md). The tensor-core path reaches the HBM cap
+/// 4.3 TB/s, the H200's HBM bandwidth (the goal). The tensor-core path reaches the HBM cap
 /// on both bench shapes (bf16 and fp8, GQA 8, d128, page 16); before it the worst
 /// modeled 39.5 %.
 const MIN_MODELED_FRACTION_OF_HBM: f64 = 0.85;

@@ -44,7 +44,7 @@ pub const MMA_WARPS: usize = 4;
 /// page as a compile-time index, right only when the 32 lanes of one copy stay in one
 /// page. So bf16/f16 d32 pages 1-4, d64 pages 1-2, d128 page 1 and fp8 d64 pages 1-4,
 /// d128 pages 1-2, d256 page 1 keep the simple path; the kernel `static_assert`s the
-/// same condition on its tensor-core path, and `tests/kernels_compile.rs` checks that
+/// same condition on its tensor-core path, and `tests/kernels/compile.rs` checks that
 /// the PTX of a specialisation holds `mma.sync` exactly when this says so.
 pub fn uses_mma(dtype: DType, gqa_group: usize, head_dim: usize, block_size: usize) -> bool {
     let row_bytes = head_dim * dtype.size_bytes();

@@ -408,13 +408,13 @@ const SMALL_PAGES: [AttentionSpec; 4] = [
 ];
 
 /// Every attention specialisation the GPU checks launch, the one list they all take
-/// theirs from: `tests/cuda_attention.rs` sweeps all of it, `tests/cuda_prefill.rs` and
+/// theirs from: `tests/cuda/attention.rs` sweeps all of it, `tests/cuda/prefill.rs` and
 /// [`catalog`]'s prefill modules use its 16-token grid, `examples/gpu_bench` (bf16
 /// and fp8 at d128 GQA 8) and `serve --backend cuda` (the scaled llama3 shapes, d64
 /// GQA 4 and 8) launch members of it. [`catalog`] prebuilds each for the GPU machine,
 /// which has no NVRTC; CPU tests hold every fixed case of those users to the catalog
-/// (`tests/cuda_attention.rs`, `tests/cuda_prefill.rs`, `tests/kernels_compile.rs` for
-/// the bench, `tests/serve_prefill_chunks.rs` for serve).
+/// (`tests/cuda/attention.rs`, `tests/cuda/prefill.rs`, `tests/kernels/compile.rs` for
+/// the bench, `tests/attention/serve_prefill_chunks.rs` for serve).
 ///
 /// The grid: f16, bf16, fp8 x head dims 64, 128 x GQA 1, 4, 8 on 16-token pages; then
 /// f32 at d128 GQA 8; then pages of 1, 2, 4 and 8 tokens (`SMALL_PAGES`).
@@ -843,7 +843,7 @@ ptxas info    : Used 137 registers, used 1 barriers, 8768 bytes smem\n";
             assert!(all.contains(&KernelSpec::Attention(a)));
         }
         assert_eq!(prebuilt_prefill().count(), GRID_LEN);
-        // CI compiles each module for two arches (tests/kernels_compile.rs): 45 modules
+        // CI compiles each module for two arches (tests/kernels/compile.rs): 45 modules
         // in the catalog is what it was sized for.
         assert!(all.len() <= 45, "{} modules", all.len());
     }

@@ -148,7 +148,7 @@ impl Clone for Box<dyn PrefixHasher> {
 ///   it in order of position, `offset_in_block: u32 ‖ len(key): u32 ‖ key`
 ///   (see [`crate::AdmitOptions::block_keys`]).
 ///
-/// In Python (the test vectors of `tests/prefix_hash.rs` were made this way):
+/// In Python (the test vectors of `tests/io/prefix_hash.rs` were made this way):
 ///
 /// ```text
 /// import struct, xxhash
