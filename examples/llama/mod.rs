@@ -1,5 +1,5 @@
-//! A Llama-architecture model over pagedkv's paged cache, shared by `examples/generate.rs`
-//! and `tests/real_model.rs` (`#[path]`-included there).
+//! A Llama-architecture model over pagedkv's paged cache for `examples/generate.rs`,
+//! with its tests against Hugging Face transformers in `tests.rs` beside it.
 //!
 //! The weight math (GGUF dequantisation, matmul, RMS norm, SwiGLU MLP, sampling) lives
 //! here, outside the crate: pagedkv is a KV-cache manager, not a model library. What the
@@ -15,7 +15,10 @@
 //! (parallel sampling: the prompt's blocks are shared, the last one copied on write), and
 //! the test drives swaps and defragmentation between steps.
 
-#![allow(dead_code)] // each includer uses a different part
+#![allow(dead_code)] // the example and its tests use different parts
+
+#[cfg(test)]
+mod tests;
 
 use std::path::{Path, PathBuf};
 

@@ -27,6 +27,9 @@
 // Without the `cuda` feature only the tests run a `Checked` cache (over a CPU device).
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
+#[cfg(test)]
+mod tests;
+
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Instant;

@@ -1,9 +1,9 @@
 //! Attention on the CPU: paged decode and prefill against the f64 reference, MLA's
-//! latent slots, and the serve example's GPU path replayed on the CPU.
+//! latent slots. (The serve example's GPU path, replayed on the CPU, is tested by the
+//! example itself: `examples/serve_gpu/tests.rs`.)
 
 #[path = "../support/mod.rs"]
 mod support;
 
 mod cpu;
 mod mla;
-mod serve_prefill_chunks;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Golden outputs of SmolLM2-135M-Instruct for tests/real_model.rs, from an independent
+"""Golden outputs of SmolLM2-135M-Instruct for examples/llama/tests.rs, from an independent
 implementation: Hugging Face transformers on f32 weights dequantised from the GGUF by the
 `gguf` package (transformers' own GGUF loader), with its own tokenizer built from the
 GGUF's vocabulary and merges.

@@ -1,4 +1,5 @@
-//! The serve simulation's GPU path (`examples/serve_gpu`), run on the CPU.
+//! The serve simulation's GPU path (this module's parent), run on the CPU: the `serve`
+//! example's tests (`test = true` in Cargo.toml; `cargo test --example serve`).
 //!
 //! * Chunked prefill: the launches `plan_chunks` builds for a batch (cut contexts,
 //!   `query_start_loc`, the positions each launch's queries hold), run through
@@ -20,12 +21,7 @@
 //! per sequence). `tests/cuda/prefill.rs` and `tests/cuda/attention.rs` run those on a
 //! GPU, and `serve --backend cuda` runs this whole path there.
 
-// The example's own items this test does not use (without `cuda` the module allows
-// dead code itself).
-#[cfg_attr(feature = "cuda", allow(dead_code))]
-#[path = "../../examples/serve_gpu/mod.rs"]
-mod serve_gpu;
-
+use super::{prefill_chunked, rel_err, tolerance, Checked, Device, GpuChecks, ModelCache};
 use pagedkv::attention::cpu::{paged_prefill, reshape_and_cache};
 use pagedkv::attention::cuda_prefill::{kernel_tile_sizes, plan_chunks, replay_tiling};
 use pagedkv::attention::model::{ModelAttention, SplitMix64, TinyModel};
@@ -35,7 +31,6 @@ use pagedkv::layout::convert::encode;
 use pagedkv::layout::Slot;
 use pagedkv::tables::PaddedTables;
 use pagedkv::{BlockId, CopyPlan, DType, HostStorage, KvLayout, ModelShape, Storage};
-use serve_gpu::{prefill_chunked, rel_err, tolerance, Checked, Device, GpuChecks, ModelCache};
 
 fn padded(rows: &[Vec<u32>], ctx: &[usize]) -> PaddedTables {
     let max_blocks = rows.iter().map(Vec::len).max().unwrap_or(0);
@@ -393,8 +388,8 @@ fn tiny() -> (TinyModel, KvLayout) {
     (model, KvLayout::new(shape, 16).unwrap())
 }
 
-fn checked(layout: KvLayout, fault: Fault) -> (Checked<Replay>, serve_gpu::SharedChecks) {
-    let checks = serve_gpu::SharedChecks::default();
+fn checked(layout: KvLayout, fault: Fault) -> (Checked<Replay>, super::SharedChecks) {
+    let checks = super::SharedChecks::default();
     checks.borrow_mut().tolerance = tolerance(2048);
     let dev = Replay {
         store: HostStorage::new(layout, 16).unwrap(),
@@ -466,15 +461,15 @@ fn the_serve_models_kernels_are_in_the_prebuilt_catalog() {
     };
     // llama3-8b is serve's default model, the one .ci/gpu-check runs.
     for name in ["llama3-8b", "llama3-70b"] {
-        let missing = serve_gpu::unprebuilt_kernels(&layout_of(name), false);
+        let missing = super::unprebuilt_kernels(&layout_of(name), false);
         assert!(missing.is_empty(), "{name}: {missing:?} not prebuilt");
     }
     // GQA 7 is not prebuilt: without NVRTC serve refuses it before starting.
     assert_eq!(
-        serve_gpu::unprebuilt_kernels(&layout_of("qwen2.5-7b"), false).len(),
+        super::unprebuilt_kernels(&layout_of("qwen2.5-7b"), false).len(),
         2
     );
-    assert!(serve_gpu::unprebuilt_kernels(&layout_of("qwen2.5-7b"), true).is_empty());
+    assert!(super::unprebuilt_kernels(&layout_of("qwen2.5-7b"), true).is_empty());
 }
 
 #[test]
@@ -490,11 +485,11 @@ fn runs_compare_figure_by_figure() {
     };
     let host = vec![("paged".to_string(), run(500, 9, 1.0))];
     // Timing differs between backends and is not compared.
-    assert!(serve_gpu::compare_runs(&host, &[("paged".into(), run(500, 9, 2.0))]).is_ok());
-    let e = serve_gpu::compare_runs(&host, &[("paged".into(), run(500, 8, 1.0))]).unwrap_err();
+    assert!(super::compare_runs(&host, &[("paged".into(), run(500, 9, 2.0))]).is_ok());
+    let e = super::compare_runs(&host, &[("paged".into(), run(500, 8, 1.0))]).unwrap_err();
     assert!(e.contains("schedule_hash"), "{e}");
-    let e = serve_gpu::compare_runs(&host, &[("paged".into(), run(501, 9, 1.0))]).unwrap_err();
+    let e = super::compare_runs(&host, &[("paged".into(), run(501, 9, 1.0))]).unwrap_err();
     assert!(e.contains("steps"), "{e}");
-    assert!(serve_gpu::compare_runs(&host, &[]).is_err());
-    assert!(serve_gpu::compare_runs(&host, &[("contiguous".into(), run(500, 9, 1.0))]).is_err());
+    assert!(super::compare_runs(&host, &[]).is_err());
+    assert!(super::compare_runs(&host, &[("contiguous".into(), run(500, 9, 1.0))]).is_err());
 }

@@ -9,20 +9,18 @@
 //! mid-generation. Quantised caches (f16, bf16, fp8) are checked teacher-forced: top-1
 //! agreement with the golden tokens and a logit tolerance that follows from the dtype.
 //!
-//! Runs in release (`cargo test --release --test real_model`, as `.ci/run` does): an
+//! The `generate` example's tests (`test = true` in Cargo.toml). Runs in release
+//! (`cargo test --release --example generate`, as `.ci/run` does): an
 //! unoptimised build is too slow for 135M weights, so in debug the tests skip unless
 //! `PAGEDKV_REAL_MODEL_DEBUG=1`. Without the GGUF they skip with a message; with
 //! `PAGEDKV_REQUIRE_MODEL=1` (set by `.ci/run`) a missing GGUF fails them. The GGUF is
 //! found through `PAGEDKV_SMOLLM2_GGUF` or the pip-installed package.
 
-#[path = "../examples/llama/mod.rs"]
-mod llama;
-
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use llama::{argmax, Engine, EngineConfig, Model, Tokenizer};
+use super::{argmax, Engine, EngineConfig, Model, Tokenizer};
 use pagedkv::tables::PaddedTables;
 use pagedkv::{AdmitOptions, DType, SeqId};
 
@@ -38,7 +36,7 @@ struct Golden {
 
 fn goldens() -> Vec<Golden> {
     let v: serde_json::Value =
-        serde_json::from_str(include_str!("data/smollm2_golden.json")).unwrap();
+        serde_json::from_str(include_str!("../../tests/data/smollm2_golden.json")).unwrap();
     let ids = |x: &serde_json::Value| -> Vec<u32> {
         x.as_array()
             .unwrap()
@@ -78,7 +76,7 @@ fn gguf_path() -> Option<PathBuf> {
     std::env::var_os("PAGEDKV_SMOLLM2_GGUF")
         .map(PathBuf::from)
         .filter(|p| p.exists())
-        .or_else(llama::find_pip_gguf)
+        .or_else(super::find_pip_gguf)
 }
 
 /// The model, or `None` (after saying why) when the test must skip.
@@ -86,7 +84,7 @@ fn model_or_skip(test: &str) -> Option<&'static (Model, Tokenizer)> {
     static MODEL: OnceLock<Option<(Model, Tokenizer)>> = OnceLock::new();
     if cfg!(debug_assertions) && std::env::var("PAGEDKV_REAL_MODEL_DEBUG").as_deref() != Ok("1") {
         say(&format!(
-            "SKIPPED {test}: debug build (run `cargo test --release --test real_model`, or set PAGEDKV_REAL_MODEL_DEBUG=1)"
+            "SKIPPED {test}: debug build (run `cargo test --release --example generate`, or set PAGEDKV_REAL_MODEL_DEBUG=1)"
         ));
         return None;
     }
@@ -97,7 +95,7 @@ fn model_or_skip(test: &str) -> Option<&'static (Model, Tokenizer)> {
     if m.is_none() {
         let why = format!(
             "SmolLM2 GGUF not found (set PAGEDKV_SMOLLM2_GGUF or {})",
-            llama::INSTALL_HINT
+            super::INSTALL_HINT
         );
         if std::env::var("PAGEDKV_REQUIRE_MODEL").as_deref() == Ok("1") {
             panic!("{test}: PAGEDKV_REQUIRE_MODEL=1 but {why}");
