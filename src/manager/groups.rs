@@ -98,6 +98,7 @@ pub(super) fn is_hidden(seq: SeqId) -> bool {
 }
 
 mod checkpoints;
+pub use checkpoints::{CheckpointPolicy, StateCheckpoint};
 use checkpoints::{Checkpoints, CHECKPOINTS};
 
 const NOT_LENT: u32 = u32::MAX;
@@ -207,6 +208,10 @@ pub struct GroupStep {
     pub slots: Vec<Vec<Slot>>,
     /// Copy-on-write plan of each group; execute before writing K/V.
     pub copies: Vec<CopyPlan>,
+    /// State checkpoints to take inside this step, by position (an admission under a
+    /// [`CheckpointPolicy`]): compute the tokens up to each one's `position`, run its
+    /// copies, then compute on.
+    pub checkpoints: Vec<StateCheckpoint>,
 }
 
 impl GroupStep {
@@ -221,6 +226,7 @@ impl GroupStep {
         self.copies.resize_with(groups, CopyPlan::new);
         self.slots.iter_mut().for_each(Vec::clear);
         self.copies.iter_mut().for_each(CopyPlan::clear);
+        self.checkpoints.clear();
     }
 }
 
@@ -727,13 +733,17 @@ impl Groups {
         step: &mut GroupStep,
     ) -> Result<Admission> {
         step.reset(self.groups.len());
+        // Where the checkpoint policy checkpoints this prompt (looked up before).
+        let targets = self.admission_targets(tokens, opts)?;
         let done = self.admit_tokens_pinned(seq, tokens, opts, step);
         // Unpins the checkpoint the admission copied, if any.
         match done {
             Ok(_) => self.use_pinned_checkpoint(),
             Err(_) => self.pin_checkpoint(None),
         }
-        done
+        let a = done?;
+        self.checkpoint_admission(seq, a.cached_tokens, &targets, step)?;
+        Ok(a)
     }
 
     /// [`Self::admit_tokens`] with the hit's checkpoint pinned (by `admit_hit`).
@@ -1251,6 +1261,7 @@ impl Groups {
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
         self.check_id(seq)?;
         self.groups[0].free(seq)?;
+        self.forget_rolling(seq);
         let mut result = Ok(());
         for kv in &mut self.groups[1..] {
             if let Err(e) = kv.free(seq) {
