@@ -296,7 +296,8 @@ impl KvCache {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] without a recurrent-state group (a one-group cache
-    /// included), or with `max_per_chain` 0. Nothing changed on error.
+    /// included), with `max_per_chain` 0, or `every_tokens` not a multiple of group
+    /// 0's block size. Nothing changed on error.
     pub fn set_checkpoint_policy(&mut self, policy: CheckpointPolicy) -> Result<()> {
         match &mut self.hybrid {
             Some(h) => h.set_checkpoint_policy(policy),

@@ -15,7 +15,10 @@
 //! them. Checkpoint pages count as free for every allocation (as cached blocks do):
 //! when the arena runs short, a checkpoint whose prefix group 0's cache no longer
 //! holds goes first (it can serve no hit), then the least recently used (never the
-//! one an admission is copying from).
+//! one an admission is copying from). Each admission and each new checkpoint also
+//! drops the checkpoints whose prefix group 0's cache evicted (they can serve no
+//! hit), so that the attention groups' cache and the checkpoints share the arena
+//! instead of the checkpoints taking all of it.
 //!
 //! Where checkpoints are taken is the [`CheckpointPolicy`]'s choice (off by default:
 //! only where the engine calls `checkpoint_grouped`). The useful positions in a chat
@@ -29,10 +32,12 @@
 //!   conversation extends;
 //! * the **turn end**: the last block boundary the sequence's decode reached. The
 //!   state there is gone once the next token is computed, so the policy keeps one
-//!   *rolling* checkpoint per sequence: each `checkpoint_grouped` call on a block
-//!   boundary overwrites the sequence's previous rolling checkpoint in place (the
-//!   same pages: one state copy per block decoded, no allocation), and the one left
-//!   when the sequence is freed is its turn end.
+//!   *rolling* checkpoint per sequence (its prompt end's, when taken): each
+//!   `checkpoint_grouped` call on a block boundary overwrites it in place (the same
+//!   pages: one state copy per block decoded, no allocation), and the one left when
+//!   the sequence is freed is its turn end. A turn so costs one checkpoint's pages,
+//!   not two: a state is large (74 MiB a sequence for Qwen3-Next-80B-A3B, the K/V of
+//!   3,000 tokens).
 //!
 //! The first two are taken inside the admission's step: the engine computes the
 //! prompt up to each [`StateCheckpoint::position`], runs its copies, then computes
@@ -62,9 +67,15 @@ pub struct CheckpointPolicy {
     pub shared_prefix_end: bool,
     /// At admission: checkpoint at the end of the prompt's last full block of group 0.
     pub prompt_end: bool,
-    /// [`KvCache::checkpoint_grouped`] keeps one rolling checkpoint per sequence,
-    /// overwritten in place at each block boundary its decode reaches: the one left at
-    /// the sequence's free is the turn end's.
+    /// At admission: checkpoint at every multiple of `every_tokens` tokens past the hit
+    /// (0: none; else a multiple of group 0's block size), as vLLM's
+    /// `mamba_cache_mode="align"` does at every block of a block size raised to the
+    /// state's page (528 to 8,320 tokens). For comparisons (`benches/checkpoints.rs`):
+    /// at small multiples it costs one state copy per multiple.
+    pub every_tokens: usize,
+    /// [`KvCache::checkpoint_grouped`] keeps one rolling checkpoint per sequence (with
+    /// `prompt_end`, the prompt end's), overwritten in place at each block boundary
+    /// its decode reaches: the one left at the sequence's free is the turn end's.
     pub turn_end: bool,
     /// Most checkpoints kept on one chain (the checkpoints on one sequence's prefix);
     /// at least 1. A new checkpoint evicts the chain's least recently used first.
@@ -76,6 +87,7 @@ impl Default for CheckpointPolicy {
         CheckpointPolicy {
             shared_prefix_end: false,
             prompt_end: false,
+            every_tokens: 0,
             turn_end: false,
             max_per_chain: usize::MAX,
         }
@@ -89,6 +101,7 @@ impl CheckpointPolicy {
         CheckpointPolicy {
             shared_prefix_end: true,
             prompt_end: true,
+            every_tokens: 0,
             turn_end: true,
             max_per_chain,
         }
@@ -355,6 +368,16 @@ impl Groups {
                 "the cache has no recurrent-state group",
             ));
         }
+        let bs = self.groups[0].block_size();
+        if !policy.every_tokens.is_multiple_of(bs) {
+            return Err(Error::config(
+                "checkpoint policy every_tokens",
+                format!(
+                    "{} is not a multiple of the block size {bs}",
+                    policy.every_tokens
+                ),
+            ));
+        }
         if policy.max_per_chain == 0 {
             return Err(Error::config(
                 "checkpoint policy max_per_chain",
@@ -384,7 +407,9 @@ impl Groups {
     ) -> Result<AdmissionTargets> {
         let policy = self.checkpoints.policy;
         let mut targets = AdmissionTargets::new();
-        if !(policy.shared_prefix_end || policy.prompt_end) || !self.checkpoints_apply() {
+        if !(policy.shared_prefix_end || policy.prompt_end || policy.every_tokens > 0)
+            || !self.checkpoints_apply()
+        {
             return Ok(targets);
         }
         let kv0 = &self.groups[0];
@@ -401,7 +426,13 @@ impl Groups {
             targets.push((shared, hash_at(shared)));
         }
         let last = tokens.len() / bs * bs;
-        if policy.prompt_end && last > 0 && last != shared {
+        if policy.every_tokens > 0 {
+            let every = policy.every_tokens;
+            for pos in (every..=last).step_by(every).filter(|&p| p != shared) {
+                targets.push((pos, hash_at(pos)));
+            }
+            targets.sort_unstable_by_key(|t| t.0);
+        } else if policy.prompt_end && last > 0 && last != shared {
             targets.push((last, hash_at(last)));
         }
         Ok(targets)
@@ -417,6 +448,10 @@ impl Groups {
         targets: &AdmissionTargets,
         step: &mut GroupStep,
     ) -> Result<()> {
+        // The admission may have evicted cached blocks that checkpoints stand on.
+        self.drop_orphan_checkpoints()?;
+        let bs = self.groups[0].block_size();
+        let last = self.groups[0].num_tokens(seq)? / bs * bs;
         for &(position, hash) in targets.iter().filter(|t| t.0 > cached) {
             let hash = match hash {
                 Some(h) => Some(h),
@@ -425,9 +460,38 @@ impl Groups {
             let Some(hash) = hash else { continue };
             let mut copies = vec![CopyPlan::new(); self.groups.len()];
             match self.checkpoint_keyed(seq, position, hash, &mut copies) {
-                Ok(true) => step.checkpoints.push(StateCheckpoint { position, copies }),
+                Ok(true) => {
+                    // With turn ends, the prompt end's checkpoint is the sequence's
+                    // rolling one: its decode moves it to the turn end.
+                    if self.checkpoints.policy.turn_end && position == last {
+                        self.checkpoints.rolling.insert(seq, hash);
+                    }
+                    step.checkpoints.push(StateCheckpoint { position, copies });
+                }
                 Ok(false) | Err(Error::OutOfBlocks { .. }) => {}
                 Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the checkpoints whose prefix group 0's cache no longer holds: they can
+    /// serve no hit, and a state is the K/V of thousands of tokens. Without this, the
+    /// attention groups' cache would give up every page before a checkpoint did (a
+    /// checkpoint is the last page an allocation takes), leaving checkpoints no hit
+    /// can reach. O(checkpoints).
+    pub(in crate::manager) fn drop_orphan_checkpoints(&mut self) -> Result<()> {
+        let mut s = 0;
+        while s < self.checkpoints.slots.len() {
+            let orphan = self.groups[0]
+                .prefix
+                .block_of(self.checkpoints.slots[s].hash)
+                .is_none();
+            if orphan && Some(s) != self.checkpoints.pinned {
+                // The last slot moves into `s`: look at `s` again.
+                self.remove_checkpoint(s)?;
+            } else {
+                s += 1;
             }
         }
         Ok(())
@@ -548,6 +612,7 @@ impl Groups {
         if self.touch_checkpoint(hash) {
             return Ok(false);
         }
+        self.drop_orphan_checkpoints()?;
         for (need, state) in self.needs.iter_mut().zip(&self.state_pages) {
             *need = state.unwrap_or(0);
         }
