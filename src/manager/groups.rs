@@ -69,7 +69,9 @@
 //!   `groups/checkpoints.rs`): a hit stops at the deepest position where the attention
 //!   groups' cached chain and a checkpoint agree, and without a checkpoint there is no
 //!   hit (`cached_tokens` 0, every prompt token computed);
-//! * export and import of a sequence refuse ([`Error::NotOnHybrid`]).
+//! * export and import of a sequence carry the state pages byte for byte
+//!   ([`crate::export::groups`]); the import through the prefix caches refuses
+//!   ([`Error::NotOnHybrid`]).
 //!
 //! The state takes whole pages of the arena: a state of `B` bytes per sequence takes
 //! `ceil(B / page_bytes)` pages ([`GroupSpec::state_for_bytes`]) and wastes less than
@@ -595,7 +597,9 @@ impl Groups {
     /// Admits `seq` with `num_tokens` tokens, all computed, whose first `holes[g]`
     /// blocks in group `g` are holes (blocks a window group gave back): `step.slots[g]`
     /// gets the slots of the tokens after the holes, which the caller writes. For an
-    /// import ([`crate::export::groups`]); registers nothing in a prefix cache.
+    /// import ([`crate::export::groups`]); registers nothing in a prefix cache. A
+    /// state group's pages are allocated (its slots stay empty; the caller writes
+    /// the pages through the group's block table).
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] when `holes` does not have one entry per group, or a
@@ -609,13 +613,6 @@ impl Groups {
         holes: &[usize],
         step: &mut GroupStep,
     ) -> Result<()> {
-        if self.has_state_group() {
-            step.reset(self.groups.len());
-            return Err(Error::NotOnHybrid {
-                operation: "import of a sequence into a cache with a recurrent-state group",
-                groups: self.groups.len(),
-            });
-        }
         if holes.len() != self.groups.len() {
             step.reset(self.groups.len());
             return Err(Error::ShapeMismatch {

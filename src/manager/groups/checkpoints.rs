@@ -41,7 +41,10 @@
 //!
 //! The first two are taken inside the admission's step: the engine computes the
 //! prompt up to each [`StateCheckpoint::position`], runs its copies, then computes
-//! on. Each chain (the checkpoints on one sequence's prefix) keeps at most
+//! on. A checkpoint is keyed by a registered block's hash, so a position past blocks
+//! the admission recomputed as duplicates of cached ones (an attention hit longer
+//! than the state's) is skipped: those blocks are registered as the sequence's next
+//! calls settle them, and the turn end's checkpoint is taken then. Each chain (the checkpoints on one sequence's prefix) keeps at most
 //! [`CheckpointPolicy::max_per_chain`]: a new checkpoint evicts its chain's least
 //! recently used first, the shallower of two used at once.
 
