@@ -516,3 +516,30 @@ fn policy_errors_change_nothing() {
     kv.set_checkpoint_policy(CheckpointPolicy::chat(4)).unwrap();
     assert_eq!(kv.checkpoint_policy(), CheckpointPolicy::chat(4));
 }
+
+#[test]
+fn a_checkpoint_whose_prefix_was_evicted_is_dropped() {
+    let mut e = Engine::new(CheckpointPolicy::chat(8));
+    let first = words(1, 37);
+    e.admit(SeqId(1), &first);
+    e.kv.free(SeqId(1)).unwrap();
+    // 9 cached K/V pages and a checkpoint of 3 pages (both count as cached).
+    assert_eq!(e.kv.num_state_checkpoints(), 1);
+    assert_eq!(e.kv.group_stats().cached_pages, 12);
+    // The next admission takes no checkpoint of its own (no shared prefix).
+    let shared_only = CheckpointPolicy {
+        shared_prefix_end: true,
+        ..CheckpointPolicy::default()
+    };
+    e.kv.set_checkpoint_policy(shared_only).unwrap();
+    // 50 K/V pages and 3 state pages: one cached page of the first prompt goes, the
+    // last of its chain, which the checkpoint at 36 stands on.
+    let (a, _) = e.admit(SeqId(2), &words(10_000, 200));
+    assert_eq!(a.cached_tokens, 0);
+    let opts = AdmitOptions::default();
+    assert_eq!(e.kv.group(0).cached_prefix_len(&first, &opts).unwrap(), 32);
+    // The checkpoint could serve no hit: it is gone, its pages back in the arena.
+    assert_eq!(e.kv.num_state_checkpoints(), 0);
+    assert_eq!(e.kv.group_stats().cached_pages, 8);
+    e.kv.check_invariants().unwrap();
+}
