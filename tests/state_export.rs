@@ -279,11 +279,10 @@ fn bad_state_exports_are_typed_errors_and_change_nothing() {
             ..
         }
     ));
-    // A receiver whose state pages have another layout (8-token pages of 1 layer: the
-    // same page bytes, another block size).
-    let other = KvLayout::new(
+    // A receiver whose pages hold 8 tokens, not 4: 3 pages of other bytes.
+    let wide = KvLayout::new(
         ModelShape {
-            num_layers: 1,
+            num_layers: LAYERS,
             num_q_heads: 2,
             num_kv_heads: 1,
             head_dim: HEAD_DIM,
@@ -292,14 +291,17 @@ fn bad_state_exports_are_typed_errors_and_change_nothing() {
         2 * BS,
     )
     .unwrap();
-    let specs = [GroupSpec::full(other), GroupSpec::state(other, STATE_PAGES)];
+    let specs = [GroupSpec::full(wide), GroupSpec::state(wide, STATE_PAGES)];
     let (mut rx4, mut rx4_store) = (
         KvCache::hybrid(&specs, PAGES).unwrap(),
-        HostStorage::new(other, PAGES).unwrap(),
+        HostStorage::new(wide, PAGES).unwrap(),
     );
     assert!(matches!(
         check(&mut rx4, &mut rx4_store, &wire),
-        Error::ExportShape { .. }
+        Error::ExportShape {
+            what: "state page tokens (block size of the state group)",
+            ..
+        }
     ));
     // A receiver without room for the state pages: 4 K/V pages fit, 3 more do not.
     let (mut rx5, mut rx5_store) = cache();
