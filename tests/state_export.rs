@@ -545,3 +545,22 @@ fn a_checkpoint_whose_prefix_was_evicted_is_dropped() {
     assert_eq!(e.kv.group_stats().cached_pages, 8);
     e.kv.check_invariants().unwrap();
 }
+
+#[test]
+fn a_freed_sequence_id_reused_keeps_the_turn_end_of_its_last_owner() {
+    let mut e = Engine::new(CheckpointPolicy::chat(8));
+    let mut a = words(1, 21);
+    e.admit(SeqId(1), &a);
+    e.decode(SeqId(1), &words(500, 6));
+    a.extend(words(500, 6));
+    e.kv.free(SeqId(1)).unwrap();
+    // Another conversation under the same id, of a prompt shorter than a block (no
+    // prompt end's checkpoint): the checkpoints its decode takes are its own.
+    e.admit(SeqId(1), &words(9_000, 3));
+    e.decode(SeqId(1), &words(9_500, 8));
+    e.kv.free(SeqId(1)).unwrap();
+    a.extend(words(700, 3));
+    let (hit, resumed) = e.admit(SeqId(2), &a);
+    assert_eq!(hit.cached_tokens, 24, "the first conversation's turn end");
+    assert_eq!(resumed, fold(H0, &a[..24]));
+}
