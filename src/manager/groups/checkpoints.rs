@@ -114,7 +114,10 @@ impl CheckpointPolicy {
 /// A checkpoint taken inside a step ([`GroupStep::checkpoints`]): after computing the
 /// tokens up to `position`, and before computing the next one, run `copies[g]` (the
 /// sequence's state pages to the checkpoint's, in each state group; empty for a KV
-/// group).
+/// group). The checkpoint serves hits from the call's return on, as the prompt's
+/// blocks do: an admission later in the same step that resumes from it copies pages
+/// this step has not written yet, so an engine runs such an admission's step after
+/// this one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StateCheckpoint {
     /// The position, in tokens, whose state the copies save.
@@ -699,6 +702,14 @@ impl Groups {
         }
         if self.checkpoints.pinned.is_some() {
             return Err("a checkpoint is pinned between calls".into());
+        }
+        if let Some(seq) = self
+            .checkpoints
+            .rolling
+            .keys()
+            .find(|&&s| !self.groups[0].contains(s))
+        {
+            return Err(format!("rolling checkpoint of {seq}, which is gone"));
         }
         for g in 0..self.groups.len() {
             let Some(p) = self.state_pages(g) else {
