@@ -25,7 +25,9 @@
 //! admission (`admit_tokens_grouped`), the reply decoded one token at a time
 //! (`append_tokens_grouped`, then `checkpoint_grouped`), then its free.
 //!
-//! Printed: the hit rate (prompt tokens served from the cache / prompt tokens), the
+//! Printed: the hit rate (prompt tokens served from the cache / prompt tokens) beside
+//! its bound (the attention layers alone, as a model without recurrent layers would
+//! hit, same arena), the
 //! prompt tokens recomputed, the state copies into checkpoints (a rolling turn-end
 //! checkpoint is one copy per block decoded), and the hit rate of first and later
 //! turns and by prompt length (the whole prompt: system prompt and history
@@ -153,6 +155,10 @@ struct Model {
     name: &'static str,
     kv_bytes_per_token: usize,
     state_bytes: u64,
+    /// One recurrent layer's state and one attention layer's K/V of one token: the
+    /// inputs of vLLM's rule.
+    mamba_page: u64,
+    attn_token: u64,
     aligned_block: usize,
     arena_bytes: u64,
 }
@@ -170,6 +176,8 @@ fn model(name: &'static str, file: &str) -> Model {
         name,
         kv_bytes_per_token: plan.kv_bytes_per_token as usize,
         state_bytes: st.bytes_per_sequence,
+        mamba_page,
+        attn_token,
         aligned_block,
         arena_bytes: ARENA_BYTES,
     }
@@ -199,6 +207,24 @@ fn cache(m: &Model, block: usize) -> KvCache {
     let pages = (m.arena_bytes / layout.block_bytes() as u64) as usize;
     let state = GroupSpec::state_for_bytes(layout, m.state_bytes).expect("state group");
     KvCache::hybrid(&[GroupSpec::full(layout), state], pages).expect("cache")
+}
+
+/// The attention group of [`cache`] alone (16-token blocks, the same arena): the hit
+/// rate a model without recurrent layers would get, the bound of both runs.
+fn attention_only(m: &Model) -> KvCache {
+    let layout = KvLayout::new(
+        ModelShape {
+            num_layers: 1,
+            num_q_heads: 1,
+            num_kv_heads: 1,
+            head_dim: m.kv_bytes_per_token / 8,
+            kv_dtype: DType::F32,
+        },
+        SMALL_BLOCK,
+    )
+    .expect("layout");
+    let pages = (m.arena_bytes / layout.block_bytes() as u64) as usize;
+    KvCache::hybrid(&[GroupSpec::full(layout)], pages).expect("cache")
 }
 
 #[derive(Default, Clone, Copy)]
@@ -305,14 +331,18 @@ fn main() {
             .expect("policy");
         let a = run(&t, &mut paged, SMALL_BLOCK);
         let b = run(&t, &mut aligned, m.aligned_block);
+        let bound = run(&t, &mut attention_only(&m), SMALL_BLOCK);
         println!();
         println!(
-            "{}: state {:.2} MiB/seq, K/V {} B/token, arena {:.1} GiB; vLLM-aligned block {} tokens",
+            "{}: state {:.2} MiB/seq, K/V {} B/token, arena {:.1} GiB; vLLM-aligned block \
+             {} tokens = 16 x ceil({} B state per layer / (16 x {} B K/V per token and layer))",
             m.name,
             m.state_bytes as f64 / (1 << 20) as f64,
             m.kv_bytes_per_token,
             m.arena_bytes as f64 / (1u64 << 30) as f64,
-            m.aligned_block
+            m.aligned_block,
+            m.mamba_page,
+            m.attn_token
         );
         println!(
             "| | pagedkv (16-token blocks, chat checkpoints) | vLLM-aligned ({}-token blocks) |",
@@ -323,6 +353,10 @@ fn main() {
             "| hit rate (cached / prompt tokens) | {:.1} % | {:.1} % |",
             a.all.rate(),
             b.all.rate()
+        );
+        println!(
+            "| bound: the attention layers alone, 16-token blocks | {:.1} % | |",
+            bound.all.rate()
         );
         println!(
             "| prompt tokens recomputed | {} | {} |",

@@ -68,7 +68,9 @@
 //! * prefix hits resume from **checkpoints** of the state ([`KvCache::checkpoint_grouped`],
 //!   `groups/checkpoints.rs`): a hit stops at the deepest position where the attention
 //!   groups' cached chain and a checkpoint agree, and without a checkpoint there is no
-//!   hit (`cached_tokens` 0, every prompt token computed);
+//!   hit (`cached_tokens` 0, every prompt token computed). A [`CheckpointPolicy`]
+//!   places them: at shared prefix ends and prompt ends during the admission's step
+//!   ([`GroupStep::checkpoints`]), and at turn ends;
 //! * export and import of a sequence carry the state pages byte for byte
 //!   ([`crate::export::groups`]); the import through the prefix caches refuses
 //!   ([`Error::NotOnHybrid`]).

@@ -370,6 +370,9 @@ impl KvCache {
     /// group serves which hit): `step.slots[g]` gets the slots of
     /// `tokens[cached_tokens..]` in group `g`. `cached_tokens` is common to all groups;
     /// `cached_blocks`, `new_blocks` and `registered_blocks` are summed over them.
+    /// Under a [`CheckpointPolicy`], `step.checkpoints` lists the state checkpoints to
+    /// take inside the step (see [`Self::set_checkpoint_policy`]); a checkpoint the
+    /// arena has no room for is skipped, the admission stands.
     ///
     /// # Errors
     /// [`Error::DuplicateSequence`], [`Error::TooLong`], [`Error::PrefixKeyTooLong`],

@@ -618,10 +618,13 @@ impl Groups {
         if self.touch_checkpoint(hash) {
             return Ok(false);
         }
-        self.drop_orphan_checkpoints()?;
         for (need, state) in self.needs.iter_mut().zip(&self.state_pages) {
             *need = state.unwrap_or(0);
         }
+        // Checked before the orphans go, so that a refusal changes nothing (the check
+        // counts every evictable checkpoint, orphans included).
+        self.check_needs()?;
+        self.drop_orphan_checkpoints()?;
         self.give_pages()?;
         let slot = self.checkpoints.slots.len();
         for (g, plan) in copies.iter_mut().enumerate() {
