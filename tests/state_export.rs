@@ -564,3 +564,99 @@ fn a_freed_sequence_id_reused_keeps_the_turn_end_of_its_last_owner() {
     assert_eq!(hit.cached_tokens, 24, "the first conversation's turn end");
     assert_eq!(resumed, fold(H0, &a[..24]));
 }
+
+#[test]
+fn a_checkpoint_without_room_is_skipped_or_refused_and_changes_nothing() {
+    let mut e = Engine::new(CheckpointPolicy::chat(8));
+    // Sequence 7 holds 8 + 3 pages; sequence 1's prompt of 199 tokens takes the other
+    // 53 (50 K/V, 3 state), and its checkpoint at 196 would need 3 more.
+    let mut step = GroupStep::default();
+    e.kv.admit_grouped(SeqId(7), 8 * BS, &mut step).unwrap();
+    let prompt = words(1, 199);
+    let a =
+        e.kv.admit_tokens_grouped(SeqId(1), &prompt, &AdmitOptions::default(), &mut step)
+            .unwrap();
+    // 11 + 53 = 64: the admission fits only without its checkpoint.
+    assert_eq!(a.cached_tokens, 0);
+    assert!(step.checkpoints.is_empty(), "no room: skipped");
+    assert_eq!(e.kv.num_state_checkpoints(), 0);
+    e.kv.check_invariants().unwrap();
+    // The decode reaches 200, a block boundary: no room, a typed refusal.
+    e.kv.append_tokens_grouped(SeqId(1), &[5], &mut step)
+        .unwrap();
+    let before = snapshot(&e.kv);
+    let r = e.kv.checkpoint_grouped(SeqId(1), &mut step);
+    assert!(matches!(r, Err(Error::OutOfBlocks { .. })), "{r:?}");
+    assert_eq!(snapshot(&e.kv), before);
+    // With room again, it is taken.
+    e.kv.free(SeqId(7)).unwrap();
+    assert!(e.kv.checkpoint_grouped(SeqId(1), &mut step).unwrap());
+    e.kv.check_invariants().unwrap();
+}
+
+mod model {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Turns of 3 conversations over 2 system prompts, in a small arena (evictions of
+    /// cached blocks and checkpoints): every admission resumes from the state of its
+    /// hit's prefix, every state ends as the fold of its prompt and reply.
+    #[derive(Debug, Clone)]
+    struct Turn {
+        conv: usize,
+        message: usize,
+        reply: usize,
+    }
+
+    fn turn() -> impl Strategy<Value = Turn> {
+        (0..3usize, 1..14usize, 0..11usize).prop_map(|(conv, message, reply)| Turn {
+            conv,
+            message,
+            reply,
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+        #[test]
+        fn every_hit_resumes_from_the_state_of_its_prefix(
+            turns in proptest::collection::vec(turn(), 1..24),
+            max_per_chain in 1..4usize,
+        ) {
+            let mut e = Engine::new(CheckpointPolicy::chat(max_per_chain));
+            let systems = [words(1, 9), words(1, 6)];
+            let mut history: Vec<Vec<u32>> =
+                (0..3).map(|c| systems[c % 2].clone()).collect();
+            for (i, t) in turns.iter().enumerate() {
+                let seq = SeqId(i as u64);
+                let tag = 1_000 * (i as u32 + 1);
+                let h = &mut history[t.conv];
+                h.extend(words(tag, t.message));
+                if h.len() > 120 {
+                    // The conversation is over; a new one starts on its system prompt.
+                    *h = systems[t.conv % 2].clone();
+                    h.extend(words(tag, t.message));
+                }
+                let (a, resumed) = e.admit(seq, h);
+                prop_assert_eq!(resumed, if a.cached_tokens == 0 {
+                    H0
+                } else {
+                    fold(H0, &h[..a.cached_tokens])
+                });
+                prop_assert_eq!(
+                    read_state(&e.store, &state_pages(&e.kv, seq)),
+                    fold(H0, h)
+                );
+                let reply = words(tag + 500, t.reply);
+                e.decode(seq, &reply);
+                h.extend(&reply);
+                prop_assert_eq!(
+                    read_state(&e.store, &state_pages(&e.kv, seq)),
+                    fold(H0, h)
+                );
+                e.kv.free(seq).unwrap();
+                e.kv.check_invariants().unwrap();
+            }
+        }
+    }
+}
