@@ -660,3 +660,49 @@ mod model {
         }
     }
 }
+
+/// Rewrites the group header's checksums after an edit of its fields.
+fn repair_group_header(buf: &mut [u8], groups: usize) {
+    let head = 40 + 24 * groups;
+    let table = pagedkv::export::xxh64(&buf[40..head]);
+    buf[32..40].copy_from_slice(&table.to_le_bytes());
+    buf[16..24].fill(0);
+    let fixed = pagedkv::export::xxh64(&buf[..40]);
+    buf[16..24].copy_from_slice(&fixed.to_le_bytes());
+}
+
+#[test]
+fn a_state_entry_that_contradicts_its_record_is_a_format_error() {
+    let (kv, store) = sender();
+    let wire = export(&kv, &store, SeqId(1));
+    let field = |g: usize, i: usize| 40 + 24 * g + 8 * i;
+    let edits: [(&str, usize, u64); 3] = [
+        // The state group with a hole.
+        ("state holes", field(1, 1), 1),
+        // The state group claimed a KV group: 12 "tokens" for a sequence of 13.
+        ("state as KV", field(1, 0), 0),
+        // The KV group claimed a state group: 13 tokens are not whole pages of 4.
+        ("KV as state", field(0, 0), u64::MAX),
+    ];
+    for (what, at, value) in edits {
+        let mut bad = wire.clone();
+        bad[at..at + 8].copy_from_slice(&value.to_le_bytes());
+        repair_group_header(&mut bad, 2);
+        let (mut rx, mut rx_store) = fragmented();
+        let before = (snapshot(&rx), rx_store.region(0).to_vec());
+        let e = import_group_sequence(&mut rx, &mut rx_store, SeqId(9), &bad);
+        assert!(
+            matches!(e, Err(Error::ExportFormat { .. })),
+            "{what}: {e:?}"
+        );
+        assert_eq!(
+            (snapshot(&rx), rx_store.region(0).to_vec()),
+            before,
+            "{what}"
+        );
+    }
+    // The repair alone leaves a valid buffer.
+    let mut same = wire.clone();
+    repair_group_header(&mut same, 2);
+    assert_eq!(same, wire);
+}
