@@ -3,14 +3,18 @@
 //!
 //! * export and import carry every K/V byte and every state byte into a second cache
 //!   whose arena is fragmented (the pages land elsewhere, the bytes are equal);
-//! * a corrupted buffer, a receiver of another state size or layout, a receiver
-//!   without a state group and a full receiver are typed errors that change nothing;
+//! * a corrupted buffer, a group entry that contradicts its record, a receiver of
+//!   another state size or block size, a receiver without a state group and a full
+//!   receiver are typed errors that change nothing;
 //! * the checkpoint policy: a simulated engine whose state is a fold of the token
 //!   history computes each step from the bytes in its state pages, and a shadow folds
 //!   the whole history; the turn end's checkpoint serves the next turn, and the state
 //!   the hit resumes from equals the recomputed one byte for byte; shared prefix ends
-//!   serve other conversations; a chain keeps at most `max_per_chain` checkpoints;
-//!   policy errors change nothing.
+//!   serve other conversations; a chain keeps at most `max_per_chain` checkpoints; a
+//!   checkpoint whose prefix was evicted is dropped; one without room is skipped (at
+//!   admission) or refused; a reused sequence id keeps its last owner's turn end;
+//!   policy errors change nothing; a proptest of chat turns in a small arena checks
+//!   every hit's state against the shadow.
 
 use pagedkv::export::groups::{
     export_group_sequence, exported_group_len, import_group_sequence, GroupExportView,
