@@ -66,7 +66,8 @@ use crate::manager::{KvCache, PrefixHit, Sequence};
 pub struct CheckpointPolicy {
     /// At admission ([`KvCache::admit_tokens_grouped`]): checkpoint where the attention
     /// groups' cached prefix ends, when no checkpoint reaches it (the end of a shared
-    /// system prompt).
+    /// system prompt). The admission positions cost one more prefix lookup of group 0
+    /// per admission (the prompt's block hashes once more).
     pub shared_prefix_end: bool,
     /// At admission: checkpoint at the end of the prompt's last full block of group 0.
     pub prompt_end: bool,
