@@ -173,7 +173,7 @@ pub use ids::{BlockId, SeqHandle, SeqId};
 pub use layout::plans::{CopyPlan, MovePlan, SwapPlan};
 pub use layout::shape::{DType, KvKind, ModelShape};
 pub use layout::KvLayout;
-pub use manager::groups::{GroupSpec, GroupStep};
+pub use manager::groups::{CheckpointPolicy, GroupSpec, GroupStep, StateCheckpoint};
 pub use manager::preempt::PreemptPolicy;
 pub use manager::{
     CacheBuilder, CacheConfig, CacheStats, KvCache, PrefixHit, StepBuffers, StepEntry, TierConfig,

@@ -51,7 +51,7 @@
 //! | 16 | `u64` | fixed checksum: XXH64 (seed 0) of bytes 0..40 with this field zeroed |
 //! | 24 | `u64` | `num_tokens` of the sequence |
 //! | 32 | `u64` | group table checksum: XXH64 of bytes 40 to the end of the group header |
-//! | 40 + 24 g | `u64` x 3 | group `g`: sliding window in tokens (0: none), hole blocks, record bytes |
+//! | 40 + 24 g | `u64` x 3 | group `g`: sliding window in tokens (0: none; `u64::MAX`: a recurrent-state group), hole blocks, record bytes |
 //!
 //! As in the single-manager format, no count is trusted before the checksum that
 //! covers it passed: a flipped `num_groups` fails the fixed checksum, not a length check.
@@ -59,20 +59,27 @@
 //! then one record per group, in group order: an export of the
 //! [single-manager format](super) of the tokens the group holds, from its first held
 //! block to `num_tokens` (`num_tokens - holes x block_size` tokens). A window group's
-//! holes (blocks it gave back) are holes here too: only held blocks carry bytes. Each
-//! record keeps its own header checksum, tables checksum and block hashes, so every
-//! byte of the buffer is covered by a checksum.
+//! holes (blocks it gave back) are holes here too: only held blocks carry bytes. A
+//! recurrent-state group's record is its state pages whole, as the group's own
+//! `pages x block_size` "tokens" of its layout (every byte of every page; no holes,
+//! no token ids). Each record keeps its own header checksum, tables checksum and
+//! block hashes, so every byte of the buffer is covered by a checksum. A reader
+//! older than state records refuses one (its token count disagrees, or its window
+//! matches no receiver group).
 //!
 //! Import checks, before anything is allocated: the group header and its checksum,
 //! every record (as [`ExportView::parse`]) and its agreement with the group header,
 //! then the receiver: the same number of groups, the same window per group, each
 //! record compatible with its group's layout ([`super::ExportHeader::check_compatible`];
 //! block sizes may differ, but a window group's holes must be whole blocks of the
-//! receiver), then the pages of every group against the arena
-//! ([`Error::OutOfBlocks`]). With token ids (in every record, each carrying its
+//! receiver; a state group only into a state group of the same page layout, block
+//! size and pages per sequence, [`Error::ExportShape`]), then the pages of every
+//! group against the arena ([`Error::OutOfBlocks`]). With token ids (in every record, each carrying its
 //! tokens' ids, checked to agree), [`GroupExportView::import_into_cache`] imports
 //! through the receiver's prefix caches, for a sequence without window holes (an
-//! export right after the prefill).
+//! export right after the prefill) into a cache without a state group (its admission
+//! would resume from a checkpoint, and checkpoint positions whose state the export
+//! does not hold).
 
 use crate::error::{Error, Result};
 use crate::executor::storage::Storage;
@@ -103,15 +110,19 @@ fn header_len(num_groups: usize) -> usize {
 
 /// One group's part of a sequence: its held blocks and the tokens they hold.
 struct Part<'a> {
-    window: usize,
+    /// The window in tokens (0: none), or [`STATE_WINDOW`] for a state group.
+    window: u64,
     holes: usize,
     held: &'a [BlockId],
     tokens: usize,
     record_len: usize,
 }
 
-/// A recurrent-state group's pages are not carried by the format yet: refuse rather
-/// than move a sequence without its state.
+/// The window field of a recurrent-state group's entry.
+const STATE_WINDOW: u64 = u64::MAX;
+
+/// The import through the prefix caches cannot carry a state: its admission may resume
+/// from a checkpoint and checkpoint positions whose state the export does not hold.
 fn refuse_state_groups(groups: &KvCache, operation: &'static str) -> Result<()> {
     match (0..groups.num_groups()).any(|g| groups.group_state_pages(g).is_some()) {
         true => Err(Error::NotOnHybrid {
@@ -128,27 +139,33 @@ fn parts<'a, S: Storage + ?Sized>(
     seq: SeqId,
     with_token_ids: bool,
 ) -> Result<(usize, Vec<Part<'a>>)> {
-    refuse_state_groups(
-        groups,
-        "export of a sequence of a cache with a recurrent-state group",
-    )?;
     if !groups.contains(seq) {
         return Err(Error::UnknownSequence(seq));
     }
-    let mut num_tokens = 0;
+    let num_tokens = groups.group(0).readable_blocks(seq)?.1;
     let mut out = Vec::with_capacity(groups.num_groups());
     for g in 0..groups.num_groups() {
         let kv = groups.group(g);
         check_storage(kv, storage)?;
         let (table, computed) = kv.readable_blocks(seq)?;
-        num_tokens = computed;
+        if groups.group_state_pages(g).is_some() {
+            // The state pages, whole: the group's own count of "tokens".
+            out.push(Part {
+                window: STATE_WINDOW,
+                holes: 0,
+                held: table,
+                tokens: computed,
+                record_len: exported_len(kv.layout(), computed, false)?,
+            });
+            continue;
+        }
         let holes = table
             .iter()
             .take_while(|&&b| b == BlockId::RELEASED)
             .count();
         let tokens = computed.saturating_sub(holes * kv.block_size());
         out.push(Part {
-            window: kv.sliding_window().unwrap_or(0),
+            window: kv.sliding_window().unwrap_or(0) as u64,
             holes,
             held: &table[holes..],
             tokens,
@@ -218,7 +235,9 @@ pub fn export_group_sequence<S: Storage + ?Sized>(
     let (head, mut rest) = out[..total].split_at_mut(header_len(parts.len()));
     for p in &parts {
         let (record, tail) = rest.split_at_mut(p.record_len);
-        let ids = token_ids.map(|ids| &ids[num_tokens - p.tokens..]);
+        let ids = token_ids
+            .filter(|_| p.window != STATE_WINDOW)
+            .map(|ids| &ids[num_tokens - p.tokens..]);
         export_blocks(storage, p.held, p.tokens, ids, record)?;
         rest = tail;
     }
@@ -229,8 +248,11 @@ pub fn export_group_sequence<S: Storage + ?Sized>(
     head[12..16].copy_from_slice(&(parts.len() as u32).to_le_bytes());
     head[24..32].copy_from_slice(&(num_tokens as u64).to_le_bytes());
     for (p, dst) in parts.iter().zip(head[FIXED..].chunks_exact_mut(PER_GROUP)) {
-        for (i, v) in [p.window, p.holes, p.record_len].into_iter().enumerate() {
-            dst[8 * i..8 * i + 8].copy_from_slice(&(v as u64).to_le_bytes());
+        for (i, v) in [p.window, p.holes as u64, p.record_len as u64]
+            .into_iter()
+            .enumerate()
+        {
+            dst[8 * i..8 * i + 8].copy_from_slice(&v.to_le_bytes());
         }
     }
     let table = xxh64(&head[FIXED..]);
@@ -243,8 +265,11 @@ pub fn export_group_sequence<S: Storage + ?Sized>(
 /// One group's part of a validated group export.
 #[derive(Debug, Clone, Copy)]
 pub struct GroupRecord<'a> {
-    /// The sender group's sliding window (`None`: full or latent).
+    /// The sender group's sliding window (`None`: full, latent or state).
     pub window: Option<usize>,
+    /// A recurrent-state group's pages per sequence (`None`: a KV group); the record
+    /// holds every byte of them, as `pages x block_size` "tokens" of its layout.
+    pub state_pages: Option<usize>,
     /// Blocks (of the sender's block size) before the first held one.
     pub holes: usize,
     /// The held tokens' K/V, validated.
@@ -330,7 +355,10 @@ impl<'a> GroupExportView<'a> {
         let mut sum = head_len;
         let mut fields = Vec::with_capacity(num_groups);
         for f in head[FIXED..].chunks_exact(PER_GROUP) {
-            let window = usize_field("window", read_u64(f))?;
+            let window = match read_u64(f) {
+                STATE_WINDOW => None,
+                w => Some(usize_field("window", w)?),
+            };
             let holes = usize_field("holes", read_u64(&f[8..]))?;
             let len = usize_field("record_len", read_u64(&f[16..]))?;
             sum =
@@ -353,6 +381,26 @@ impl<'a> GroupExportView<'a> {
             if h.total_len() != len {
                 return Err(format_err("record_len", h.total_len() as u64, len as u64));
             }
+            let Some(window) = window else {
+                // A state group: whole pages, no holes, no token ids.
+                let bs = h.layout().block_size();
+                if holes > 0 || h.has_token_ids() || h.num_tokens() == 0 || h.num_tokens() % bs != 0
+                {
+                    return Err(format_err(
+                        "state record (whole pages, no holes, no token ids)",
+                        0,
+                        h.num_tokens() as u64,
+                    ));
+                }
+                records.push(GroupRecord {
+                    window: None,
+                    state_pages: Some(h.num_tokens() / bs),
+                    holes,
+                    view,
+                });
+                at += len;
+                continue;
+            };
             let hole_tokens = holes
                 .checked_mul(h.layout().block_size())
                 .ok_or(format_err("holes (overflow)", 0, holes as u64))?;
@@ -372,15 +420,20 @@ impl<'a> GroupExportView<'a> {
             }
             records.push(GroupRecord {
                 window: (window > 0).then_some(window),
+                state_pages: None,
                 holes,
                 view,
             });
             at += len;
         }
-        let with_ids = records[0].view.header().has_token_ids();
+        let Some(first_kv) = records.iter().find(|r| r.state_pages.is_none()) else {
+            return Err(format_err("KV groups (at least one)", 1, 0));
+        };
+        let with_ids = first_kv.view.header().has_token_ids();
         // Every record's ids are the tail of a whole record's (when one has no holes).
-        let whole = records.iter().find(|r| r.holes == 0);
-        for r in &records {
+        let kv_records = || records.iter().filter(|r| r.state_pages.is_none());
+        let whole = kv_records().find(|r| r.holes == 0);
+        for r in kv_records() {
             let agree = r.view.header().has_token_ids() == with_ids
                 && whole.is_none_or(|w| {
                     let skip = num_tokens - r.view.header().num_tokens();
@@ -438,6 +491,7 @@ impl<'a> GroupExportView<'a> {
     ///
     /// # Errors
     /// [`Error::ExportFormat`] when the export carries no token ids;
+    /// [`Error::NotOnHybrid`] when the receiver has a recurrent-state group;
     /// [`Error::Unsupported`] when a window group's part has holes (the prefix caches
     /// admit whole prompts: export right after the prefill, before the window moves);
     /// otherwise as [`Self::import_into`] and [`KvCache::admit_tokens_grouped`], all
@@ -451,6 +505,10 @@ impl<'a> GroupExportView<'a> {
         seq: SeqId,
         opts: &AdmitOptions<'_>,
     ) -> Result<Admission> {
+        refuse_state_groups(
+            groups,
+            "import through the prefix caches into a cache with a recurrent-state group",
+        )?;
         let Some(first) = self
             .records
             .first()
@@ -487,10 +545,6 @@ impl<'a> GroupExportView<'a> {
         groups: &KvCache,
         storage: &S,
     ) -> Result<Vec<usize>> {
-        refuse_state_groups(
-            groups,
-            "import of a sequence into a cache with a recurrent-state group",
-        )?;
         if self.records.len() != groups.num_groups() {
             return Err(Error::ExportShape {
                 what: "num_groups",
@@ -501,6 +555,36 @@ impl<'a> GroupExportView<'a> {
         let mut holes = Vec::with_capacity(self.records.len());
         for (g, r) in self.records.iter().enumerate() {
             let kv = groups.group(g);
+            let state = groups.group_state_pages(g);
+            if r.state_pages.is_some() != state.is_some() {
+                return Err(Error::ExportShape {
+                    what: "recurrent-state group (1) or KV group (0)",
+                    sender: usize::from(r.state_pages.is_some()),
+                    receiver: usize::from(state.is_some()),
+                });
+            }
+            if let (Some(sent), Some(pages)) = (r.state_pages, state) {
+                // Byte for byte: the same page layout and the same pages.
+                r.view.header().check_compatible(kv.layout())?;
+                check_storage(kv, storage)?;
+                let bs = r.view.header().layout().block_size();
+                if bs != kv.block_size() {
+                    return Err(Error::ExportShape {
+                        what: "state page tokens (block size of the state group)",
+                        sender: bs,
+                        receiver: kv.block_size(),
+                    });
+                }
+                if sent != pages {
+                    return Err(Error::ExportShape {
+                        what: "state pages per sequence",
+                        sender: sent,
+                        receiver: pages,
+                    });
+                }
+                holes.push(0);
+                continue;
+            }
             let receiver = kv.sliding_window();
             if r.window != receiver {
                 return Err(Error::ExportShape {
@@ -534,10 +618,29 @@ impl<'a> GroupExportView<'a> {
         step: &GroupStep,
         skip: usize,
     ) -> Result<()> {
-        for (r, slots) in self.records.iter().zip(&step.slots) {
+        let mut state_slots = Vec::new();
+        for (g, (r, slots)) in self.records.iter().zip(&step.slots).enumerate() {
             let layout = r.view.header().layout();
-            let first = self.num_tokens - r.view.header().num_tokens();
-            let at = skip.saturating_sub(first) * row_bytes(layout);
+            let slots =
+                match r.state_pages {
+                    // Every token place of every state page, in order: the whole pages.
+                    Some(_) => {
+                        let kv = groups.group(g);
+                        let pages = kv.block_table(seq)?;
+                        state_slots.clear();
+                        state_slots.extend(pages.iter().flat_map(|&b| {
+                            (0..kv.block_size()).map(move |o| kv.layout().slot(b, o))
+                        }));
+                        &state_slots
+                    }
+                    None => slots,
+                };
+            // A state record is written whole (its "tokens" are its pages').
+            let first = self.num_tokens.saturating_sub(r.view.header().num_tokens());
+            let at = match r.state_pages {
+                Some(_) => 0,
+                None => skip.saturating_sub(first) * row_bytes(layout),
+            };
             for layer in 0..layout.num_layers() {
                 let written = match r.view.layer(layer) {
                     // A latent layout's V is empty.

@@ -68,13 +68,17 @@
 //! * prefix hits resume from **checkpoints** of the state ([`KvCache::checkpoint_grouped`],
 //!   `groups/checkpoints.rs`): a hit stops at the deepest position where the attention
 //!   groups' cached chain and a checkpoint agree, and without a checkpoint there is no
-//!   hit (`cached_tokens` 0, every prompt token computed);
-//! * export and import of a sequence refuse ([`Error::NotOnHybrid`]).
+//!   hit (`cached_tokens` 0, every prompt token computed). A [`CheckpointPolicy`]
+//!   places them: at shared prefix ends and prompt ends during the admission's step
+//!   ([`GroupStep::checkpoints`]), and at turn ends;
+//! * export and import of a sequence carry the state pages byte for byte
+//!   ([`crate::export::groups`]); the import through the prefix caches refuses
+//!   ([`Error::NotOnHybrid`]).
 //!
 //! The state takes whole pages of the arena: a state of `B` bytes per sequence takes
 //! `ceil(B / page_bytes)` pages ([`GroupSpec::state_for_bytes`]) and wastes less than
 //! one page per sequence ([`GroupSpec::state_waste_bytes`]; `cargo test --test
-//! state_groups page_waste -- --nocapture` prints it for the hybrid models of
+//! cache state_groups::page_waste -- --nocapture` prints it for the hybrid models of
 //! `tests/data`).
 
 use crate::error::{Error, Result};
@@ -98,6 +102,7 @@ pub(super) fn is_hidden(seq: SeqId) -> bool {
 }
 
 mod checkpoints;
+pub use checkpoints::{CheckpointPolicy, StateCheckpoint};
 use checkpoints::{Checkpoints, CHECKPOINTS};
 
 const NOT_LENT: u32 = u32::MAX;
@@ -207,6 +212,10 @@ pub struct GroupStep {
     pub slots: Vec<Vec<Slot>>,
     /// Copy-on-write plan of each group; execute before writing K/V.
     pub copies: Vec<CopyPlan>,
+    /// State checkpoints to take inside this step, by position (an admission under a
+    /// [`CheckpointPolicy`]): compute the tokens up to each one's `position`, run its
+    /// copies, then compute on.
+    pub checkpoints: Vec<StateCheckpoint>,
 }
 
 impl GroupStep {
@@ -221,6 +230,7 @@ impl GroupStep {
         self.copies.resize_with(groups, CopyPlan::new);
         self.slots.iter_mut().for_each(Vec::clear);
         self.copies.iter_mut().for_each(CopyPlan::clear);
+        self.checkpoints.clear();
     }
 }
 
@@ -589,7 +599,9 @@ impl Groups {
     /// Admits `seq` with `num_tokens` tokens, all computed, whose first `holes[g]`
     /// blocks in group `g` are holes (blocks a window group gave back): `step.slots[g]`
     /// gets the slots of the tokens after the holes, which the caller writes. For an
-    /// import ([`crate::export::groups`]); registers nothing in a prefix cache.
+    /// import ([`crate::export::groups`]); registers nothing in a prefix cache. A
+    /// state group's pages are allocated (its slots stay empty; the caller writes
+    /// the pages through the group's block table).
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] when `holes` does not have one entry per group, or a
@@ -603,13 +615,6 @@ impl Groups {
         holes: &[usize],
         step: &mut GroupStep,
     ) -> Result<()> {
-        if self.has_state_group() {
-            step.reset(self.groups.len());
-            return Err(Error::NotOnHybrid {
-                operation: "import of a sequence into a cache with a recurrent-state group",
-                groups: self.groups.len(),
-            });
-        }
         if holes.len() != self.groups.len() {
             step.reset(self.groups.len());
             return Err(Error::ShapeMismatch {
@@ -727,13 +732,17 @@ impl Groups {
         step: &mut GroupStep,
     ) -> Result<Admission> {
         step.reset(self.groups.len());
+        // Where the checkpoint policy checkpoints this prompt (looked up before).
+        let targets = self.admission_targets(tokens, opts)?;
         let done = self.admit_tokens_pinned(seq, tokens, opts, step);
         // Unpins the checkpoint the admission copied, if any.
         match done {
             Ok(_) => self.use_pinned_checkpoint(),
             Err(_) => self.pin_checkpoint(None),
         }
-        done
+        let a = done?;
+        self.checkpoint_admission(seq, a.cached_tokens, &targets, step)?;
+        Ok(a)
     }
 
     /// [`Self::admit_tokens`] with the hit's checkpoint pinned (by `admit_hit`).
@@ -1251,6 +1260,7 @@ impl Groups {
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
         self.check_id(seq)?;
         self.groups[0].free(seq)?;
+        self.forget_rolling(seq);
         let mut result = Ok(());
         for kv in &mut self.groups[1..] {
             if let Err(e) = kv.free(seq) {

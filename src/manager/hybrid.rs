@@ -14,7 +14,9 @@ use crate::error::{Error, Result};
 use crate::ids::SeqId;
 use crate::pool::prefix::{Admission, AdmitOptions};
 
-use super::groups::{GroupSpec, GroupStats, GroupStep, GroupSwapJob, Groups, PendingGroupDefrag};
+use super::groups::{
+    CheckpointPolicy, GroupSpec, GroupStats, GroupStep, GroupSwapJob, Groups, PendingGroupDefrag,
+};
 use super::{CacheConfig, KvCache};
 
 impl KvCache {
@@ -215,7 +217,11 @@ impl KvCache {
     /// reaches and a checkpoint sits at exactly that position: its `cached_tokens`
     /// stop there, and `step.copies[g]` copies the checkpoint into the new sequence's
     /// state pages. Checkpoint pages count as free (as cached pages do): the least
-    /// recently used is evicted when the arena needs pages. [`Self::admit_prompt_grouped`]
+    /// recently used is evicted when the arena needs pages. Under a
+    /// [`CheckpointPolicy`] with `turn_end`, the sequence keeps one rolling
+    /// checkpoint, overwritten in place at each call that makes one (the copies then
+    /// write over its pages), and the admission checkpoints itself
+    /// ([`Self::set_checkpoint_policy`]). [`Self::admit_prompt_grouped`]
     /// (which hands out no copies) serves no hit on a cache with a state group, nor
     /// does a cache that also has a window group or attention groups of another
     /// block size than group 0's.
@@ -253,6 +259,61 @@ impl KvCache {
                 self.resident(seq).map(|_| false)
             }
         }
+    }
+
+    /// Sets where the cache checkpoints its recurrent state on its own (see
+    /// [`CheckpointPolicy`] and the [hybrid guide](crate::guide::hybrid)): at
+    /// admission ([`Self::admit_tokens_grouped`] hands the checkpoints out in
+    /// [`GroupStep::checkpoints`]), and whether [`Self::checkpoint_grouped`] keeps one
+    /// rolling checkpoint per sequence (the turn end's). The checkpoints held stay.
+    ///
+    /// ```
+    /// use pagedkv::{AdmitOptions, CheckpointPolicy, DType, GroupSpec, GroupStep, KvCache,
+    ///               KvLayout, ModelShape, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 8,
+    ///                          kv_dtype: DType::BF16 };
+    /// let l = KvLayout::new(shape, 16)?;
+    /// let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::state(l, 2)], 64)?;
+    /// kv.set_checkpoint_policy(CheckpointPolicy::chat(4))?;
+    /// let (opts, mut step) = (AdmitOptions::default(), GroupStep::default());
+    /// let prompt: Vec<u32> = (0..40).collect();
+    /// kv.admit_tokens_grouped(SeqId(1), &prompt, &opts, &mut step)?;
+    /// // Compute tokens 0..32, run the copies, compute 32..40.
+    /// assert_eq!(step.checkpoints.len(), 1);
+    /// assert_eq!(step.checkpoints[0].position, 32);
+    /// assert_eq!(step.checkpoints[0].copies[1].len(), 2);
+    /// for t in 40..48 {                               // decode to the next block boundary
+    ///     kv.append_tokens_grouped(SeqId(1), &[t], &mut step)?;
+    ///     kv.checkpoint_grouped(SeqId(1), &mut step)?; // rolling: true at 48 only
+    /// }
+    /// kv.free(SeqId(1))?;                              // 48 stays: the turn end
+    /// let next: Vec<u32> = (0..60).collect();
+    /// let a = kv.admit_tokens_grouped(SeqId(2), &next, &opts, &mut step)?;
+    /// assert_eq!(a.cached_tokens, 48);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] without a recurrent-state group (a one-group cache
+    /// included), with `max_per_chain` 0, or `every_tokens` not a multiple of group
+    /// 0's block size. Nothing changed on error.
+    pub fn set_checkpoint_policy(&mut self, policy: CheckpointPolicy) -> Result<()> {
+        match &mut self.hybrid {
+            Some(h) => h.set_checkpoint_policy(policy),
+            None => Err(Error::config(
+                "checkpoint policy",
+                "the cache has no recurrent-state group",
+            )),
+        }
+    }
+
+    /// The checkpoint policy ([`Self::set_checkpoint_policy`]; the default on a cache
+    /// without a state group).
+    pub fn checkpoint_policy(&self) -> CheckpointPolicy {
+        self.hybrid
+            .as_ref()
+            .map_or_else(CheckpointPolicy::default, |h| h.checkpoint_policy())
     }
 
     /// State checkpoints held for prefix caching ([`Self::checkpoint_grouped`]).
@@ -309,6 +370,9 @@ impl KvCache {
     /// group serves which hit): `step.slots[g]` gets the slots of
     /// `tokens[cached_tokens..]` in group `g`. `cached_tokens` is common to all groups;
     /// `cached_blocks`, `new_blocks` and `registered_blocks` are summed over them.
+    /// Under a [`CheckpointPolicy`], `step.checkpoints` lists the state checkpoints to
+    /// take inside the step (see [`Self::set_checkpoint_policy`]); a checkpoint the
+    /// arena has no room for is skipped, the admission stands.
     ///
     /// # Errors
     /// [`Error::DuplicateSequence`], [`Error::TooLong`], [`Error::PrefixKeyTooLong`],

@@ -18,5 +18,6 @@ mod out_of_range;
 mod prefix;
 mod readable_state;
 mod scenarios;
+mod state_export;
 mod state_groups;
 mod window;

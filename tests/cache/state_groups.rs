@@ -7,7 +7,7 @@
 //! * a fork copies the state (the copy plan run on the storage), never shares it: the
 //!   child's state changes, the parent's bytes stay;
 //! * swap out and in carry the state byte for byte; recompute preemption frees it;
-//! * truncation below the computed tokens, the plain fork and export are refused; a
+//! * truncation below the computed tokens and the plain fork are refused; a
 //!   prefix hit without a checkpoint is cut to 0, never answered wrongly; every
 //!   failed call changes nothing;
 //! * checkpoints: a hit resumes at the deepest position where the attention groups'
@@ -437,11 +437,11 @@ fn failed_calls_change_nothing_and_refusals_are_typed() {
     assert_eq!(snapshot(&kv), reserved);
     kv.commit(SeqId(1), 1).unwrap();
 
-    // Export of a sequence with a state refuses (the format carries no state yet).
+    // Export carries the state (tests/state_export.rs); a short buffer is refused.
     let store = HostStorage::with_host_tier(layout(), 8, 4).unwrap();
     assert!(matches!(
         pagedkv::export::groups::export_group_sequence(&kv, &store, SeqId(1), None, &mut []),
-        Err(Error::NotOnHybrid { .. })
+        Err(Error::ShapeMismatch { .. })
     ));
     kv.check_invariants().unwrap();
 }
