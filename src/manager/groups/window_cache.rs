@@ -1,0 +1,512 @@
+//! The sliding-window groups' cache of given-back blocks, so that a prefix hit does
+//! not need a live sequence that still holds the window.
+//!
+//! A window group's block leaves its sequence when it falls out of the window of the
+//! next query, or when the sequence is freed. If no other sequence holds it, and the
+//! first full (or latent) group holds the sequence's block at the same index
+//! registered under chain hash `H` (the hash of the whole prefix up to the block's
+//! end, salt and extra keys included), the page is kept, keyed by `H`: it holds the
+//! window layers' K/V of exactly that prefix's last block. A hit of `h` blocks then
+//! needs, in every window group, only the blocks inside the window of the query at
+//! `h * block_size` (the first token it computes), each found cached by its hash or
+//! held by a live sequence whose full-group block at that index is the hit's; the
+//! blocks before are holes of the new sequence (as vLLM's `SlidingWindowManager`
+//! does with its null blocks).
+//!
+//! Why not the group's own prefix index: the index is a tree whose parents outlive
+//! their children (a block with registered children is never evicted, and a live
+//! block's parent is live), which a window breaks: it gives back the oldest blocks
+//! of a prefix first, while the newer ones stay live. The pages are instead held, in
+//! the window group's manager, by one hidden sequence ([`WINDOW_CACHE`]) whose table
+//! is the cache's pages slot after slot (removing a slot moves the last one into
+//! it), as the state groups' checkpoints are: compaction moves them like any page,
+//! the group's invariants count them, and each holds one reference (the holder's)
+//! until it is revived or evicted. They count as free for every allocation, as
+//! cached blocks do: when the arena runs short the least recently cached goes first.
+//!
+//! Only the one-sequence calls keep blocks ([`Groups::commit`], the appends and
+//! reservations, [`Groups::free`]); the batch step path (`manager/step.rs`) and a
+//! swap-out give them back to the free list as before.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::error::{Error, Result};
+use crate::ids::{BlockId, SeqId};
+use crate::pool::prefix::BlockHash;
+use crate::pool::BlockState;
+
+use super::{is_hidden, Groups};
+use crate::manager::{KvCache, PrefixHit, Sequence};
+
+/// The hidden sequence of each window group that holds its cached pages.
+pub(in crate::manager) const WINDOW_CACHE: SeqId = SeqId(u64::MAX - 3);
+
+/// The window groups' cached pages.
+#[derive(Debug, Clone, Default)]
+pub(in crate::manager) struct WindowCache {
+    /// By group: the slot (index in the holder's table) of each cached hash.
+    by_hash: Vec<HashMap<BlockHash, usize>>,
+    /// By group and slot: the page's hash and when it was cached.
+    slots: Vec<Vec<(BlockHash, u64)>>,
+    /// When each page was cached: `(group, slot)`, oldest first.
+    lru: BTreeMap<u64, (usize, usize)>,
+    clock: u64,
+}
+
+impl WindowCache {
+    /// An empty cache for `groups` groups.
+    pub(in crate::manager) fn new(groups: usize) -> Self {
+        WindowCache {
+            by_hash: vec![HashMap::new(); groups],
+            slots: vec![Vec::new(); groups],
+            ..Self::default()
+        }
+    }
+
+    /// Pages cached, all window groups together.
+    pub(in crate::manager) fn len(&self) -> usize {
+        self.lru.len()
+    }
+}
+
+/// A window block that a call may give back: its group, its index in the
+/// sequence's table, its page, and the full group's chain hash at that index when
+/// it is known before the call.
+#[derive(Debug, Clone, Copy)]
+pub(in crate::manager) struct Leaving {
+    g: usize,
+    index: usize,
+    page: BlockId,
+    hash: Option<BlockHash>,
+}
+
+/// Where a window hit finds one of its blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::manager) enum WindowSource {
+    /// Cached under this chain hash.
+    Cached(BlockHash),
+    /// Held by a live sequence.
+    Live(BlockId),
+}
+
+/// A hit's window blocks: for every window group `g`, the sources of table indices
+/// `first[g]..` up to the hit's end (the indices before are holes).
+#[derive(Debug, Clone, Default)]
+pub(in crate::manager) struct WindowHit {
+    first: Vec<usize>,
+    sources: Vec<Vec<WindowSource>>,
+}
+
+impl WindowHit {
+    /// Cached pages the hit revives in group `g` (they stop being free).
+    pub(in crate::manager) fn revived(&self, g: usize) -> usize {
+        self.sources.get(g).map_or(0, |s| {
+            s.iter()
+                .filter(|s| matches!(s, WindowSource::Cached(_)))
+                .count()
+        })
+    }
+}
+
+impl KvCache {
+    /// Adds the hidden holder of cached window pages (a window group's manager).
+    pub(in crate::manager) fn insert_window_cache_holder(&mut self) -> Result<()> {
+        self.seqs.reserve_room(1)?;
+        self.seqs
+            .insert(WINDOW_CACHE, Sequence::default())
+            .map(|_| ())
+    }
+}
+
+impl Groups {
+    /// The full (or latent) group whose registered chain keys the window groups'
+    /// blocks: the first one, when every KV group has its block size (else window
+    /// groups keep nothing and serve no hit).
+    fn window_key_group(&self) -> Option<usize> {
+        let f = self
+            .groups
+            .iter()
+            .zip(&self.state_pages)
+            .position(|(kv, s)| kv.window.is_none() && s.is_none())?;
+        let bs = self.groups[f].block_size();
+        self.groups
+            .iter()
+            .zip(&self.state_pages)
+            .all(|(kv, s)| s.is_some() || kv.block_size() == bs)
+            .then_some(f)
+    }
+
+    /// Cached window pages an allocation may evict now, all groups together.
+    pub(in crate::manager) fn window_cached_pages(&self) -> usize {
+        self.window_cache.len()
+    }
+
+    /// Cached window pages group `g` holds.
+    pub(in crate::manager) fn window_cache_pages_of(&self, g: usize) -> usize {
+        self.window_cache.slots.get(g).map_or(0, Vec::len)
+    }
+
+    /// The chain hash under which group `f` registered `seq`'s block `index`.
+    fn chain_hash(&self, f: usize, seq: SeqId, index: usize) -> Option<BlockHash> {
+        let kv = &self.groups[f];
+        let b = *kv.seq(seq).ok()?.table.get(index)?;
+        kv.prefix.hash_of(b)
+    }
+
+    /// Pushes onto `out` the window blocks of `seq` a call gives back when the next
+    /// query reaches `query` (`None`: every computed block, the sequence is freed).
+    pub(in crate::manager) fn leaving_window_blocks(
+        &self,
+        seq: SeqId,
+        query: Option<usize>,
+        out: &mut Vec<Leaving>,
+    ) {
+        let Some(f) = self.window_key_group() else {
+            return;
+        };
+        for (g, kv) in self.groups.iter().enumerate() {
+            if kv.window.is_none() {
+                continue;
+            }
+            let Ok(s) = kv.seq(seq) else { continue };
+            if s.in_flight.is_some() {
+                continue;
+            }
+            let end = match query {
+                Some(q) => kv.first_block_in_window(q),
+                None => s.computed / kv.block_size(),
+            }
+            .min(s.table.len());
+            for index in s.released..end {
+                out.push(Leaving {
+                    g,
+                    index,
+                    page: s.table[index],
+                    hash: self.chain_hash(f, seq, index),
+                });
+            }
+        }
+    }
+
+    /// After the call that [`Self::leaving_window_blocks`] noted `leaving` for: keeps
+    /// in the cache each page the call gave back to the free list (no other sequence
+    /// held it) whose chain hash is known and not cached yet. Keeps nothing after an
+    /// allocation could have reused a page: callers run it before any.
+    pub(in crate::manager) fn keep_left_window_blocks(
+        &mut self,
+        seq: SeqId,
+        leaving: &[Leaving],
+    ) -> Result<()> {
+        let Some(f) = self.window_key_group() else {
+            return Ok(());
+        };
+        for l in leaving {
+            let Some(hash) = l.hash.or_else(|| self.chain_hash(f, seq, l.index)) else {
+                continue;
+            };
+            let kv = &self.groups[l.g];
+            if kv.pool.state(l.page)? != BlockState::Free
+                || self.window_cache.by_hash[l.g].contains_key(&hash)
+            {
+                continue;
+            }
+            self.cache_page(l.g, l.page, hash)?;
+        }
+        Ok(())
+    }
+
+    /// Takes free page `page` of window group `g` into the cache under `hash`.
+    fn cache_page(&mut self, g: usize, page: BlockId, hash: BlockHash) -> Result<()> {
+        let kv = &mut self.groups[g];
+        let bs = kv.block_size();
+        kv.pool.take(page)?;
+        if let Some(fill) = kv.pool.fill_mut(page) {
+            *fill = 0;
+        }
+        kv.set_fill(page, bs);
+        let holder = kv
+            .seqs
+            .get_mut(&WINDOW_CACHE)
+            .ok_or(Error::UnknownSequence(WINDOW_CACHE))?;
+        let slot = holder.table.len();
+        holder.table.push(page);
+        holder.num_tokens += bs;
+        holder.computed += bs;
+        let c = &mut self.window_cache;
+        c.clock += 1;
+        c.slots[g].push((hash, c.clock));
+        c.by_hash[g].insert(hash, slot);
+        c.lru.insert(c.clock, (g, slot));
+        Ok(())
+    }
+
+    /// Removes slot `slot` of group `g` from the cache and returns its page, still
+    /// holding the holder's reference (the caller hands it on or releases it); the
+    /// last slot moves into it.
+    fn uncache_slot(&mut self, g: usize, slot: usize) -> Result<BlockId> {
+        let kv = &mut self.groups[g];
+        let bs = kv.block_size();
+        let holder = kv
+            .seqs
+            .get_mut(&WINDOW_CACHE)
+            .ok_or(Error::UnknownSequence(WINDOW_CACHE))?;
+        let c = &mut self.window_cache;
+        if holder.table.len() != c.slots[g].len() || slot >= holder.table.len() {
+            return Err(Error::CorruptBlockTable(format!(
+                "group {g}: cached window slot {slot} of {} pages, {} slots",
+                holder.table.len(),
+                c.slots[g].len()
+            )));
+        }
+        let page = holder.table.swap_remove(slot);
+        holder.num_tokens -= bs;
+        holder.computed -= bs;
+        kv.tables_changed();
+        let (hash, tick) = c.slots[g].swap_remove(slot);
+        c.by_hash[g].remove(&hash);
+        c.lru.remove(&tick);
+        if let Some(&(moved, moved_tick)) = c.slots[g].get(slot) {
+            c.by_hash[g].insert(moved, slot);
+            c.lru.insert(moved_tick, (g, slot));
+        }
+        Ok(page)
+    }
+
+    /// Evicts the least recently cached window page; false when none is cached.
+    pub(in crate::manager) fn evict_window_page(&mut self) -> Result<bool> {
+        let Some((_, &(g, slot))) = self.window_cache.lru.iter().next() else {
+            return Ok(false);
+        };
+        let page = self.uncache_slot(g, slot)?;
+        self.groups[g].release_block(page)?;
+        Ok(true)
+    }
+
+    /// Evicts up to `max_pages` cached window pages; returns how many.
+    pub(in crate::manager) fn evict_window_pages(&mut self, max_pages: usize) -> Result<usize> {
+        let mut evicted = 0;
+        while evicted < max_pages && self.evict_window_page()? {
+            evicted += 1;
+        }
+        Ok(evicted)
+    }
+
+    /// The deepest hit of at most `cached` tokens (whole blocks of the full groups'
+    /// hit `hits`) whose window every window group serves, cached or live, and where
+    /// each block comes from; `(0, None)` when none (or no window group).
+    pub(in crate::manager) fn window_hit(
+        &self,
+        hits: &[PrefixHit],
+        cached: usize,
+    ) -> (usize, Option<WindowHit>) {
+        let Some(f) = self.window_key_group() else {
+            return (0, None);
+        };
+        let full = &self.groups[f];
+        let bs = full.block_size();
+        let top = (cached / bs).min(hits[f].blocks().len());
+        let hit = &hits[f].blocks()[..top];
+        // The hit's blocks are registered: their hashes are the prompt's chain.
+        let hashes: Vec<Option<BlockHash>> = hit.iter().map(|&b| full.prefix.hash_of(b)).collect();
+        let mut found: Vec<Vec<Option<WindowSource>>> = vec![Vec::new(); self.groups.len()];
+        for (g, kv) in self.groups.iter().enumerate() {
+            if kv.window.is_none() {
+                continue;
+            }
+            let cache = &self.window_cache.by_hash[g];
+            let mut src: Vec<Option<WindowSource>> = hashes
+                .iter()
+                .map(|h| {
+                    h.filter(|h| cache.contains_key(h))
+                        .map(WindowSource::Cached)
+                })
+                .collect();
+            // A live sequence holding the hit's full block at index `i` holds the
+            // prompt's tokens up to there (a registered block is keyed by its whole
+            // prefix), so its window block `i` holds the prompt's K/V.
+            for (&id, s) in full.seqs.iter() {
+                if is_hidden(id) || s.in_flight.is_some() {
+                    continue;
+                }
+                let Ok(w) = kv.seq(id) else { continue };
+                if w.in_flight.is_some() {
+                    continue;
+                }
+                let end = top
+                    .min(w.table.len())
+                    .min(w.computed / bs)
+                    .min(s.table.len());
+                for i in w.released..end {
+                    if src[i].is_none() && s.table[i] == hit[i] {
+                        src[i] = Some(WindowSource::Live(w.table[i]));
+                    }
+                }
+            }
+            found[g] = src;
+        }
+        // missing[g][k]: blocks before index `k` no source serves.
+        let missing: Vec<Vec<usize>> = found
+            .iter()
+            .map(|src| {
+                let mut m = Vec::with_capacity(src.len() + 1);
+                m.push(0);
+                for s in src {
+                    m.push(m[m.len() - 1] + usize::from(s.is_none()));
+                }
+                m
+            })
+            .collect();
+        for h in (1..=top).rev() {
+            let serves = |g: usize, kv: &KvCache| {
+                let first = kv.first_block_in_window(h * bs).min(h);
+                missing[g][h] == missing[g][first]
+            };
+            let all = self
+                .groups
+                .iter()
+                .enumerate()
+                .all(|(g, kv)| kv.window.is_none() || serves(g, kv));
+            if !all {
+                continue;
+            }
+            let mut wh = WindowHit {
+                first: vec![0; self.groups.len()],
+                sources: vec![Vec::new(); self.groups.len()],
+            };
+            for (g, kv) in self.groups.iter().enumerate() {
+                if kv.window.is_some() {
+                    let first = kv.first_block_in_window(h * bs).min(h);
+                    wh.first[g] = first;
+                    wh.sources[g] = found[g][first..h].iter().flatten().copied().collect();
+                }
+            }
+            return (h * bs, Some(wh));
+        }
+        (0, None)
+    }
+
+    /// Admits `seq` in window group `g` with the first `cached` tokens computed: the
+    /// blocks of `hit` (cached ones revived, live ones shared), holes before them.
+    /// Registers nothing. Checks every source before it changes anything.
+    pub(in crate::manager) fn admit_window_hit(
+        &mut self,
+        g: usize,
+        seq: SeqId,
+        cached: usize,
+        hit: &WindowHit,
+    ) -> Result<crate::pool::prefix::Admission> {
+        let (first, sources) = (hit.first[g], &hit.sources[g]);
+        let kv = &self.groups[g];
+        if kv.contains(seq) {
+            return Err(Error::DuplicateSequence(seq));
+        }
+        if first + sources.len() != cached / kv.block_size() {
+            return Err(Error::CorruptBlockTable(format!(
+                "group {g}: a window hit of {cached} tokens with {} blocks after {first}",
+                sources.len()
+            )));
+        }
+        for src in sources {
+            let ok = match *src {
+                WindowSource::Cached(h) => self.window_cache.by_hash[g].contains_key(&h),
+                WindowSource::Live(p) => kv.pool.state(p).is_ok_and(|s| s == BlockState::Live),
+            };
+            if !ok {
+                return Err(Error::CorruptBlockTable(format!(
+                    "group {g}: the window block {src:?} of a hit is gone"
+                )));
+            }
+        }
+        self.groups[g].seqs.reserve_room(1)?;
+        let mut table = Vec::with_capacity(first + sources.len() + 1);
+        table.resize(first, BlockId::RELEASED);
+        for src in sources {
+            let page = match *src {
+                WindowSource::Cached(h) => {
+                    let slot = self.window_cache.by_hash[g][&h];
+                    // The holder's reference passes to the sequence.
+                    self.uncache_slot(g, slot)?
+                }
+                WindowSource::Live(p) => {
+                    self.groups[g].pool.incref(p)?;
+                    p
+                }
+            };
+            table.push(page);
+        }
+        let kv = &mut self.groups[g];
+        let s = Sequence {
+            table,
+            released: first,
+            num_tokens: cached,
+            computed: cached,
+            admission: kv.tiers.next_admission(),
+            ..Sequence::default()
+        };
+        kv.seqs.insert(seq, s)?;
+        Ok(crate::pool::prefix::Admission {
+            cached_tokens: cached,
+            cached_blocks: sources.len(),
+            new_blocks: 0,
+            registered_blocks: 0,
+            loading_tokens: 0,
+        })
+    }
+
+    /// The cache's invariants: each window group's holder holds exactly the cached
+    /// pages, each once and by it alone, and the index and order match the slots.
+    pub(in crate::manager) fn check_window_cache(&self) -> std::result::Result<(), String> {
+        let c = &self.window_cache;
+        let mut total = 0;
+        for (g, kv) in self.groups.iter().enumerate() {
+            let slots = &c.slots[g];
+            total += slots.len();
+            if kv.window.is_none() {
+                if !slots.is_empty() || !c.by_hash[g].is_empty() {
+                    return Err(format!("group {g}: window pages cached in a full group"));
+                }
+                continue;
+            }
+            let holder = kv
+                .seq(WINDOW_CACHE)
+                .map_err(|e| format!("group {g}: {e}"))?;
+            if holder.table.len() != slots.len()
+                || holder.computed != slots.len() * kv.block_size()
+                || holder.num_tokens != holder.computed
+                || holder.released != 0
+            {
+                return Err(format!(
+                    "group {g}: {} cached window pages ({} tokens) for {} slots",
+                    holder.table.len(),
+                    holder.computed,
+                    slots.len()
+                ));
+            }
+            if let Some(&b) = holder
+                .table
+                .iter()
+                .find(|&&b| kv.pool.refcount(b).unwrap_or(0) != 1)
+            {
+                return Err(format!(
+                    "group {g}: cached window page {b} is shared or free"
+                ));
+            }
+            if c.by_hash[g].len() != slots.len()
+                || slots.iter().enumerate().any(|(i, (h, t))| {
+                    c.by_hash[g].get(h) != Some(&i) || c.lru.get(t) != Some(&(g, i))
+                })
+            {
+                return Err(format!(
+                    "group {g}: window cache index disagrees with its slots"
+                ));
+            }
+        }
+        if c.lru.len() != total {
+            return Err(format!(
+                "window cache order holds {} pages, the slots {total}",
+                c.lru.len()
+            ));
+        }
+        Ok(())
+    }
+}
