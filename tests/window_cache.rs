@@ -441,3 +441,30 @@ fn the_property_test_serves_window_hits_from_the_cache() {
     // full blocks, and a live sequence holds the window at 32.
     assert_eq!(m.hits, 28 + 32);
 }
+
+#[test]
+fn the_batch_step_path_keeps_the_window_blocks_it_gives_back() {
+    let mut b = Bench::new(64);
+    b.admit(1, 7, 30);
+    let h = b.kv.handle(SeqId(1)).unwrap();
+    let mut bufs = [
+        pagedkv::StepBuffers::new(4, 64, 64),
+        pagedkv::StepBuffers::new(4, 64, 64),
+    ];
+    for _ in 0..20 {
+        let e = [pagedkv::StepEntry {
+            seq: h,
+            new_tokens: 1,
+            lookahead: 0,
+        }];
+        b.kv.reserve_step_grouped(&e, &mut bufs).unwrap();
+        b.kv.commit_step(&[(h, 1)]).unwrap();
+        b.kv.check_invariants().unwrap();
+    }
+    assert!(b.window_table(1)[..7]
+        .iter()
+        .all(|&p| p == BlockId::RELEASED));
+    b.kv.free(SeqId(1)).unwrap();
+    assert_eq!(b.admit(2, 7, 30), 28);
+    check(&b.kv, &b.store, SeqId(2), &[7; 30]);
+}

@@ -510,3 +510,40 @@ impl Groups {
         Ok(())
     }
 }
+
+/// The batch step path (`manager/step.rs`).
+impl Groups {
+    /// Notes the window blocks the commit of `accepted` (group 0's handles and
+    /// accepted counts) gives back, for [`Self::keep_step_leaving`]; empty (no
+    /// allocation) when there is no window group or nothing leaves.
+    pub(in crate::manager) fn note_step_leaving(
+        &self,
+        accepted: &[(crate::ids::SeqHandle, usize)],
+    ) -> Vec<(SeqId, Leaving)> {
+        let mut out = Vec::new();
+        if self.window_key_group().is_none() || self.groups.iter().all(|kv| kv.window.is_none()) {
+            return out;
+        }
+        let mut one = Vec::new();
+        for &(h, n) in accepted {
+            let Some((id, s)) = self.groups[0].seqs.at(h) else {
+                continue;
+            };
+            one.clear();
+            self.leaving_window_blocks(id, Some(s.computed + n), &mut one);
+            out.extend(one.iter().map(|&l| (id, l)));
+        }
+        out
+    }
+
+    /// [`Self::keep_left_window_blocks`] for what [`Self::note_step_leaving`] noted.
+    pub(in crate::manager) fn keep_step_leaving(
+        &mut self,
+        leaving: Vec<(SeqId, Leaving)>,
+    ) -> Result<()> {
+        for (id, l) in leaving {
+            self.keep_left_window_blocks(id, std::slice::from_ref(&l))?;
+        }
+        Ok(())
+    }
+}
