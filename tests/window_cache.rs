@@ -10,8 +10,9 @@
 //!   and a window group takes the full group's cached pages;
 //! * refusals change nothing (full `Debug` snapshots of every group);
 //! * a model-based property test: admissions of shared prompts, decodes, frees,
-//!   evictions, forks and chunked prefills against a byte shadow keyed by token
-//!   position, with `check_invariants` after every step.
+//!   evictions, forks, chunked prefills, swaps and compactions against a byte shadow
+//!   keyed by token position, with `check_invariants` after every step and every
+//!   refused call changing nothing.
 
 use pagedkv::{
     AdmitOptions, BlockId, DType, Error, GroupSpec, GroupStep, HostStorage, KvCache, KvLayout,
@@ -99,11 +100,13 @@ struct Bench {
     step: GroupStep,
 }
 
+const HOST_BLOCKS: usize = 32;
+
 impl Bench {
     fn new(pages: usize) -> Self {
         Bench {
-            kv: KvCache::hybrid(&specs(), pages).unwrap(),
-            store: HostStorage::new(specs()[0].layout, pages).unwrap(),
+            kv: KvCache::hybrid_with_host_tier(&specs(), pages, HOST_BLOCKS).unwrap(),
+            store: HostStorage::with_host_tier(specs()[0].layout, pages, HOST_BLOCKS).unwrap(),
             step: GroupStep::default(),
         }
     }
@@ -263,6 +266,11 @@ enum Action {
     Free(usize),
     Fork(usize),
     Evict(usize),
+    /// Swap a live sequence out (plans run on the storage), or one back in.
+    SwapOut(usize),
+    SwapIn(usize),
+    /// Compact the arena (the cached window pages move like any page).
+    Defrag,
 }
 
 fn action() -> impl Strategy<Value = Action> {
@@ -272,6 +280,9 @@ fn action() -> impl Strategy<Value = Action> {
         2 => (0usize..8).prop_map(Action::Free),
         1 => (0usize..8).prop_map(Action::Fork),
         1 => (0usize..12).prop_map(Action::Evict),
+        1 => (0usize..8).prop_map(Action::SwapOut),
+        1 => (0usize..8).prop_map(Action::SwapIn),
+        1 => Just(Action::Defrag),
     ]
 }
 
@@ -279,11 +290,23 @@ struct Model {
     b: Bench,
     /// Live sequences and the owner of each of their positions.
     seqs: Vec<(u64, Vec<u32>)>,
+    /// Swapped-out sequences, as `seqs`.
+    swapped: Vec<(u64, Vec<u32>)>,
     next: u64,
     hits: usize,
 }
 
 impl Model {
+    fn new(pages: usize) -> Self {
+        Model {
+            b: Bench::new(pages),
+            seqs: Vec::new(),
+            swapped: Vec::new(),
+            next: 1,
+            hits: 0,
+        }
+    }
+
     fn apply(&mut self, a: &Action) {
         let before = snapshot(&self.b.kv);
         let opts = AdmitOptions::default();
@@ -360,6 +383,44 @@ impl Model {
                 self.b.kv.evict_cached(n);
                 Ok(())
             }
+            Action::SwapOut(s) => {
+                if self.seqs.is_empty() {
+                    return;
+                }
+                let i = s % self.seqs.len();
+                let r = self.b.kv.swap_out_grouped(SeqId(self.seqs[i].0));
+                r.map(|job| {
+                    for plan in &job.plans {
+                        self.b.store.swap(plan).unwrap();
+                    }
+                    self.b.kv.complete_swap_grouped(&job).unwrap();
+                    let w = self.seqs.swap_remove(i);
+                    self.swapped.push(w);
+                })
+            }
+            Action::SwapIn(s) => {
+                if self.swapped.is_empty() {
+                    return;
+                }
+                let i = s % self.swapped.len();
+                let r = self.b.kv.swap_in_grouped(SeqId(self.swapped[i].0));
+                r.map(|job| {
+                    for plan in &job.plans {
+                        self.b.store.swap(plan).unwrap();
+                    }
+                    self.b.kv.complete_swap_grouped(&job).unwrap();
+                    let w = self.swapped.swap_remove(i);
+                    self.seqs.push(w);
+                })
+            }
+            Action::Defrag => {
+                let pending = self.b.kv.plan_defragment_grouped().unwrap();
+                self.b
+                    .store
+                    .copy_blocks(&pending.plan().to_copy_plan())
+                    .unwrap();
+                pending.commit().map(drop)
+            }
         };
         if result.is_err() {
             assert_eq!(
@@ -404,11 +465,12 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
     fn window_hits_read_the_prompts_true_bytes(actions in prop::collection::vec(action(), 1..60)) {
-        let mut m = Model { b: Bench::new(48), seqs: Vec::new(), next: 1, hits: 0 };
+        let mut m = Model::new(48);
         for a in &actions {
             m.apply(a);
         }
-        for (id, _) in std::mem::take(&mut m.seqs) {
+        let all = std::mem::take(&mut m.seqs).into_iter().chain(std::mem::take(&mut m.swapped));
+        for (id, _) in all {
             m.b.kv.free(SeqId(id)).unwrap();
         }
         m.b.kv.check_invariants().unwrap();
@@ -419,12 +481,7 @@ proptest! {
 #[test]
 fn the_property_test_serves_window_hits_from_the_cache() {
     // A fixed run of the model: a prompt decoded past its window and freed, then hit.
-    let mut m = Model {
-        b: Bench::new(48),
-        seqs: Vec::new(),
-        next: 1,
-        hits: 0,
-    };
+    let mut m = Model::new(48);
     for a in [
         Action::Admit(1, 30, false),
         Action::Decode(0, 11),

@@ -718,9 +718,8 @@ impl Groups {
     /// before them, so a shared system prompt keeps hitting after its holders decoded
     /// past it or left. With no full group, or block sizes unlike the full group's, a
     /// window group keeps and serves nothing. A block is kept only when the full
-    /// group's block at its index is registered (a duplicate's is not), and only by
-    /// the one-sequence calls (the batch step path and swap-out give blocks back to the
-    /// free list).
+    /// group's block at its index is registered (a duplicate's is not), and not by a
+    /// swap-out or a truncation.
     ///
     /// Cached blocks count as free pages for every group: when a group needs a page
     /// and only cached pages of another group are left, that group's prefix cache

@@ -24,9 +24,10 @@
 //! until it is revived or evicted. They count as free for every allocation, as
 //! cached blocks do: when the arena runs short the least recently cached goes first.
 //!
-//! Only the one-sequence calls keep blocks ([`Groups::commit`], the appends and
-//! reservations, [`Groups::free`]); the batch step path (`manager/step.rs`) and a
-//! swap-out give them back to the free list as before.
+//! The calls that give window blocks back keep them: [`Groups::commit`], the appends
+//! and reservations, [`Groups::free`] and the batch step's commit
+//! (`manager/step.rs`). A swap-out, a truncation and a window block whose full-group
+//! block is not registered (a duplicate's) give them to the free list as before.
 
 use std::collections::{BTreeMap, HashMap};
 
