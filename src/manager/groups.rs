@@ -438,7 +438,10 @@ impl Groups {
             page_moves: 0,
             state_pages: specs.iter().map(|s| s.state_pages).collect(),
             checkpoints: Checkpoints::default(),
-            window_cache: WindowCache::new(specs.len()),
+            window_cache: WindowCache::new(
+                &specs.iter().map(|s| s.window.is_some()).collect::<Vec<_>>(),
+                num_pages,
+            ),
         })
     }
 
@@ -1010,17 +1013,18 @@ impl Groups {
         // more *before* allocating, so that a group sized to its steady state does
         // not need a page more for the instant between allocation and release. The
         // pages given back stay cached (counted free) until an allocation evicts them.
-        let mut leaving = Vec::new();
-        self.leaving_window_blocks(seq, Some(kv0.num_computed_tokens(seq)?), &mut leaving);
+        let computed = kv0.num_computed_tokens(seq)?;
+        self.forget_leaving();
+        self.note_leaving(seq, Some(computed));
         if back > 0 {
             for kv in &mut self.groups {
                 kv.release_dead_window(seq)?;
             }
-            self.keep_left_window_blocks(seq, &leaving)?;
+            self.keep_leaving()?;
         }
         self.give_and_reserve(seq, n, lookahead, commit_now, tokens, step)?;
         // Shared blocks the reservation gave back (no allocation follows it there).
-        self.keep_left_window_blocks(seq, &leaving)?;
+        self.keep_leaving()?;
         self.note_usage();
         Ok(())
     }
@@ -1117,9 +1121,9 @@ impl Groups {
     /// [`Error::CommitPastReservation`]. Nothing changed on error.
     pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<usize> {
         self.check_id(seq)?;
-        let mut leaving = Vec::new();
+        self.forget_leaving();
         if let Ok(computed) = self.groups[0].num_computed_tokens(seq) {
-            self.leaving_window_blocks(seq, Some(computed + n), &mut leaving);
+            self.note_leaving(seq, Some(computed + n));
         }
         // Group 0 checks; the others hold the same sequence state.
         let mut registered = self.groups[0].commit(seq, n)?;
@@ -1128,7 +1132,7 @@ impl Groups {
                 registered += kv.commit(seq, n)?;
             }
         }
-        self.keep_left_window_blocks(seq, &leaving)?;
+        self.keep_leaving()?;
         Ok(registered)
     }
 
@@ -1275,8 +1279,8 @@ impl Groups {
     /// [`Error::UnknownSequence`]. Nothing changed on error.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
         self.check_id(seq)?;
-        let mut leaving = Vec::new();
-        self.leaving_window_blocks(seq, None, &mut leaving);
+        self.forget_leaving();
+        self.note_leaving(seq, None);
         self.groups[0].free(seq)?;
         let mut result = Ok(());
         for kv in &mut self.groups[1..] {
@@ -1284,7 +1288,7 @@ impl Groups {
                 result = result.and(Err(e));
             }
         }
-        result.and(self.keep_left_window_blocks(seq, &leaving))
+        result.and(self.keep_leaving())
     }
 
     /// Plans the swap-out of `seq` in every group at once: each group's plan copies

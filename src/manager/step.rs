@@ -878,14 +878,14 @@ impl Groups {
                 }
             }
             // The window blocks the commits give back stay cached.
-            let leaving = self.note_step_leaving(accepted);
+            self.note_step_leaving(accepted);
             let mut registered = 0;
             for (g, list) in scratch.iter().enumerate() {
                 if self.state_pages(g).is_none() {
                     registered += self.group_mut(g).commit_step_checked(list)?;
                 }
             }
-            self.keep_step_leaving(leaving)?;
+            self.keep_leaving()?;
             Ok(registered)
         })();
         self.step_accepted = scratch;

@@ -29,7 +29,7 @@
 //! (`manager/step.rs`). A swap-out, a truncation and a window block whose full-group
 //! block is not registered (a duplicate's) give them to the free list as before.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{HashMap, VecDeque};
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqId};
@@ -47,34 +47,68 @@ pub(in crate::manager) const WINDOW_CACHE: SeqId = SeqId(u64::MAX - 3);
 pub(in crate::manager) struct WindowCache {
     /// By group: the slot (index in the holder's table) of each cached hash.
     by_hash: Vec<HashMap<BlockHash, usize>>,
-    /// By group and slot: the page's hash and when it was cached.
-    slots: Vec<Vec<(BlockHash, u64)>>,
-    /// When each page was cached: `(group, slot)`, oldest first.
-    lru: BTreeMap<u64, (usize, usize)>,
+    /// By group and slot: what the page holds and when it was cached.
+    slots: Vec<Vec<Kept>>,
+    /// Pages cached, all groups together.
+    count: usize,
+    /// `(tick, group, hash)` of the pages in the order they were cached, oldest
+    /// first; an entry whose page left the cache since (revived) is stale, skipped by
+    /// eviction and dropped when the queue is full. Sized at creation, so keeping a
+    /// page allocates nothing (the step path allocates nothing once admitted).
+    order: VecDeque<(u64, usize, BlockHash)>,
     clock: u64,
+    /// Scratch of the calls that give window blocks back (`note_leaving`).
+    leaving: Vec<Leaving>,
 }
 
 impl WindowCache {
-    /// An empty cache for `groups` groups.
-    pub(in crate::manager) fn new(groups: usize) -> Self {
+    /// An empty cache for the window groups among `windows` (one flag per group) of
+    /// an arena of `pages` pages.
+    pub(in crate::manager) fn new(windows: &[bool], pages: usize) -> Self {
+        let room = |w: bool| if w { pages } else { 0 };
+        let any = windows.iter().any(|&w| w);
         WindowCache {
-            by_hash: vec![HashMap::new(); groups],
-            slots: vec![Vec::new(); groups],
+            by_hash: windows
+                .iter()
+                .map(|&w| HashMap::with_capacity(room(w)))
+                .collect(),
+            slots: windows
+                .iter()
+                .map(|&w| Vec::with_capacity(room(w)))
+                .collect(),
+            order: VecDeque::with_capacity(if any { 2 * pages } else { 0 }),
             ..Self::default()
         }
     }
 
     /// Pages cached, all window groups together.
     pub(in crate::manager) fn len(&self) -> usize {
-        self.lru.len()
+        self.count
+    }
+
+    /// Where `(g, hash)` cached at `tick` is now, if it still is.
+    fn live(&self, tick: u64, g: usize, hash: BlockHash) -> Option<usize> {
+        let &slot = self.by_hash[g].get(&hash)?;
+        (self.slots[g][slot].tick == tick).then_some(slot)
     }
 }
 
-/// A window block that a call may give back: its group, its index in the
-/// sequence's table, its page, and the full group's chain hash at that index when
-/// it is known before the call.
+/// One cached window page: the chain hash of its prefix, its block index in the
+/// sequences that hold that prefix (a hit checks it, as the checkpoints check their
+/// position: a hash met at another depth is a collision), and when it was cached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Kept {
+    hash: BlockHash,
+    index: usize,
+    tick: u64,
+}
+
+/// A window block that a call may give back: its sequence and group, its index in
+/// the sequence's table, its page, and the full group's chain hash at that index
+/// when it is known before the call.
 #[derive(Debug, Clone, Copy)]
 pub(in crate::manager) struct Leaving {
+    seq: SeqId,
     g: usize,
     index: usize,
     page: BlockId,
@@ -154,17 +188,25 @@ impl Groups {
         kv.prefix.hash_of(b)
     }
 
-    /// Pushes onto `out` the window blocks of `seq` a call gives back when the next
-    /// query reaches `query` (`None`: every computed block, the sequence is freed).
-    pub(in crate::manager) fn leaving_window_blocks(
-        &self,
-        seq: SeqId,
-        query: Option<usize>,
-        out: &mut Vec<Leaving>,
-    ) {
+    /// Forgets the window blocks noted for the last call: a call that gives window
+    /// blocks back calls it first, then [`Self::note_leaving`], then does its work,
+    /// then [`Self::keep_leaving`].
+    pub(in crate::manager) fn forget_leaving(&mut self) {
+        self.window_cache.leaving.clear();
+    }
+
+    /// Notes the window blocks of `seq` a call gives back when the next query reaches
+    /// `query` (`None`: every computed block, the sequence is freed). Notes nothing
+    /// for a sequence whose ids the key group does not track (it registers nothing).
+    pub(in crate::manager) fn note_leaving(&mut self, seq: SeqId, query: Option<usize>) {
         let Some(f) = self.window_key_group() else {
             return;
         };
+        if self.groups[f].seq(seq).map_or(true, |s| s.prefix.is_none()) {
+            return;
+        }
+        // Out of the cache while the groups are read (no allocation: an empty Vec).
+        let mut out = std::mem::take(&mut self.window_cache.leaving);
         for (g, kv) in self.groups.iter().enumerate() {
             if kv.window.is_none() {
                 continue;
@@ -180,6 +222,7 @@ impl Groups {
             .min(s.table.len());
             for index in s.released..end {
                 out.push(Leaving {
+                    seq,
                     g,
                     index,
                     page: s.table[index],
@@ -187,22 +230,26 @@ impl Groups {
                 });
             }
         }
+        self.window_cache.leaving = out;
     }
 
-    /// After the call that [`Self::leaving_window_blocks`] noted `leaving` for: keeps
-    /// in the cache each page the call gave back to the free list (no other sequence
-    /// held it) whose chain hash is known and not cached yet. Keeps nothing after an
-    /// allocation could have reused a page: callers run it before any.
-    pub(in crate::manager) fn keep_left_window_blocks(
-        &mut self,
-        seq: SeqId,
-        leaving: &[Leaving],
-    ) -> Result<()> {
+    /// After the call [`Self::note_leaving`] noted blocks for: keeps in the cache each
+    /// page the call gave back to the free list (no other sequence held it) whose
+    /// chain hash is known and not cached yet. Callers run it before an allocation
+    /// could reuse a page (a page taken since is not free, and is skipped).
+    pub(in crate::manager) fn keep_leaving(&mut self) -> Result<()> {
         let Some(f) = self.window_key_group() else {
             return Ok(());
         };
+        let leaving = std::mem::take(&mut self.window_cache.leaving);
+        let done = self.keep_each(f, &leaving);
+        self.window_cache.leaving = leaving;
+        done
+    }
+
+    fn keep_each(&mut self, f: usize, leaving: &[Leaving]) -> Result<()> {
         for l in leaving {
-            let Some(hash) = l.hash.or_else(|| self.chain_hash(f, seq, l.index)) else {
+            let Some(hash) = l.hash.or_else(|| self.chain_hash(f, l.seq, l.index)) else {
                 continue;
             };
             let kv = &self.groups[l.g];
@@ -211,13 +258,14 @@ impl Groups {
             {
                 continue;
             }
-            self.cache_page(l.g, l.page, hash)?;
+            self.cache_page(l.g, l.page, hash, l.index)?;
         }
         Ok(())
     }
 
-    /// Takes free page `page` of window group `g` into the cache under `hash`.
-    fn cache_page(&mut self, g: usize, page: BlockId, hash: BlockHash) -> Result<()> {
+    /// Takes free page `page` of window group `g`, block `index` of the prefix whose
+    /// chain hash is `hash`, into the cache.
+    fn cache_page(&mut self, g: usize, page: BlockId, hash: BlockHash, index: usize) -> Result<()> {
         let kv = &mut self.groups[g];
         let bs = kv.block_size();
         kv.pool.take(page)?;
@@ -235,9 +283,20 @@ impl Groups {
         holder.computed += bs;
         let c = &mut self.window_cache;
         c.clock += 1;
-        c.slots[g].push((hash, c.clock));
+        c.slots[g].push(Kept {
+            hash,
+            index,
+            tick: c.clock,
+        });
         c.by_hash[g].insert(hash, slot);
-        c.lru.insert(c.clock, (g, slot));
+        c.count += 1;
+        if c.order.len() == c.order.capacity() {
+            // Full: drop the stale entries (at most `pages` are live), in place.
+            let (by_hash, slots) = (&c.by_hash, &c.slots);
+            c.order
+                .retain(|&(t, g, h)| by_hash[g].get(&h).is_some_and(|&s| slots[g][s].tick == t));
+        }
+        c.order.push_back((c.clock, g, hash));
         Ok(())
     }
 
@@ -263,24 +322,25 @@ impl Groups {
         holder.num_tokens -= bs;
         holder.computed -= bs;
         kv.tables_changed();
-        let (hash, tick) = c.slots[g].swap_remove(slot);
-        c.by_hash[g].remove(&hash);
-        c.lru.remove(&tick);
-        if let Some(&(moved, moved_tick)) = c.slots[g].get(slot) {
-            c.by_hash[g].insert(moved, slot);
-            c.lru.insert(moved_tick, (g, slot));
+        let gone = c.slots[g].swap_remove(slot);
+        c.by_hash[g].remove(&gone.hash);
+        c.count -= 1;
+        if let Some(moved) = c.slots[g].get(slot) {
+            c.by_hash[g].insert(moved.hash, slot);
         }
         Ok(page)
     }
 
     /// Evicts the least recently cached window page; false when none is cached.
     pub(in crate::manager) fn evict_window_page(&mut self) -> Result<bool> {
-        let Some((_, &(g, slot))) = self.window_cache.lru.iter().next() else {
-            return Ok(false);
-        };
-        let page = self.uncache_slot(g, slot)?;
-        self.groups[g].release_block(page)?;
-        Ok(true)
+        while let Some((tick, g, hash)) = self.window_cache.order.pop_front() {
+            if let Some(slot) = self.window_cache.live(tick, g, hash) {
+                let page = self.uncache_slot(g, slot)?;
+                self.groups[g].release_block(page)?;
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Evicts up to `max_pages` cached window pages; returns how many.
@@ -314,11 +374,12 @@ impl Groups {
             if kv.window.is_none() {
                 continue;
             }
-            let cache = &self.window_cache.by_hash[g];
+            let (cache, kept) = (&self.window_cache.by_hash[g], &self.window_cache.slots[g]);
             let mut src: Vec<Option<WindowSource>> = hashes
                 .iter()
-                .map(|h| {
-                    h.filter(|h| cache.contains_key(h))
+                .enumerate()
+                .map(|(i, h)| {
+                    h.filter(|h| cache.get(h).is_some_and(|&slot| kept[slot].index == i))
                         .map(WindowSource::Cached)
                 })
                 .collect();
@@ -493,19 +554,28 @@ impl Groups {
                 ));
             }
             if c.by_hash[g].len() != slots.len()
-                || slots.iter().enumerate().any(|(i, (h, t))| {
-                    c.by_hash[g].get(h) != Some(&i) || c.lru.get(t) != Some(&(g, i))
-                })
+                || slots
+                    .iter()
+                    .enumerate()
+                    .any(|(i, k)| c.by_hash[g].get(&k.hash) != Some(&i))
             {
                 return Err(format!(
                     "group {g}: window cache index disagrees with its slots"
                 ));
             }
         }
-        if c.lru.len() != total {
+        // Every cached page is in the order once, oldest first.
+        let live: Vec<u64> = c
+            .order
+            .iter()
+            .filter(|&&(t, g, h)| c.live(t, g, h).is_some())
+            .map(|&(t, _, _)| t)
+            .collect();
+        if live.len() != total || c.count != total || live.windows(2).any(|w| w[0] >= w[1]) {
             return Err(format!(
-                "window cache order holds {} pages, the slots {total}",
-                c.lru.len()
+                "window cache order holds {} of {total} pages ({} counted), or out of order",
+                live.len(),
+                c.count
             ));
         }
         Ok(())
@@ -514,37 +584,21 @@ impl Groups {
 
 /// The batch step path (`manager/step.rs`).
 impl Groups {
-    /// Notes the window blocks the commit of `accepted` (group 0's handles and
-    /// accepted counts) gives back, for [`Self::keep_step_leaving`]; empty (no
-    /// allocation) when there is no window group or nothing leaves.
+    /// [`Self::forget_leaving`], then [`Self::note_leaving`] for the commit of
+    /// `accepted` (group 0's handles and accepted counts).
     pub(in crate::manager) fn note_step_leaving(
-        &self,
-        accepted: &[(crate::ids::SeqHandle, usize)],
-    ) -> Vec<(SeqId, Leaving)> {
-        let mut out = Vec::new();
-        if self.window_key_group().is_none() || self.groups.iter().all(|kv| kv.window.is_none()) {
-            return out;
-        }
-        let mut one = Vec::new();
-        for &(h, n) in accepted {
-            let Some((id, s)) = self.groups[0].seqs.at(h) else {
-                continue;
-            };
-            one.clear();
-            self.leaving_window_blocks(id, Some(s.computed + n), &mut one);
-            out.extend(one.iter().map(|&l| (id, l)));
-        }
-        out
-    }
-
-    /// [`Self::keep_left_window_blocks`] for what [`Self::note_step_leaving`] noted.
-    pub(in crate::manager) fn keep_step_leaving(
         &mut self,
-        leaving: Vec<(SeqId, Leaving)>,
-    ) -> Result<()> {
-        for (id, l) in leaving {
-            self.keep_left_window_blocks(id, std::slice::from_ref(&l))?;
+        accepted: &[(crate::ids::SeqHandle, usize)],
+    ) {
+        self.forget_leaving();
+        if self.groups.iter().all(|kv| kv.window.is_none()) {
+            return;
         }
-        Ok(())
+        for &(h, n) in accepted {
+            if let Some((id, s)) = self.groups[0].seqs.at(h) {
+                let query = s.computed + n;
+                self.note_leaving(id, Some(query));
+            }
+        }
     }
 }
