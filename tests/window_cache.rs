@@ -294,6 +294,8 @@ struct Model {
     swapped: Vec<(u64, Vec<u32>)>,
     next: u64,
     hits: usize,
+    /// Tokens per chunk of a chunked prefill.
+    chunk: usize,
 }
 
 impl Model {
@@ -304,6 +306,7 @@ impl Model {
             swapped: Vec::new(),
             next: 1,
             hits: 0,
+            chunk: 8,
         }
     }
 
@@ -435,12 +438,12 @@ impl Model {
         }
     }
 
-    /// Chunked prefill of `owner`'s prompt from `from`, in chunks of 8 tokens; frees
+    /// Chunked prefill of `owner`'s prompt from `from`, in chunks of `chunk` tokens; frees
     /// the sequence when a chunk does not fit.
     fn prefill(&mut self, id: u64, owner: &[u32], from: usize) {
         let mut at = from;
         while at < owner.len() {
-            let n = (owner.len() - at).min(8);
+            let n = (owner.len() - at).min(self.chunk);
             if self
                 .b
                 .kv
@@ -464,8 +467,12 @@ impl Model {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     #[test]
-    fn window_hits_read_the_prompts_true_bytes(actions in prop::collection::vec(action(), 1..60)) {
+    fn window_hits_read_the_prompts_true_bytes(
+        actions in prop::collection::vec(action(), 1..60),
+        chunk in 1usize..20,
+    ) {
         let mut m = Model::new(48);
+        m.chunk = chunk;
         for a in &actions {
             m.apply(a);
         }
@@ -524,4 +531,21 @@ fn the_batch_step_path_keeps_the_window_blocks_it_gives_back() {
     b.kv.free(SeqId(1)).unwrap();
     assert_eq!(b.admit(2, 7, 30), 28);
     check(&b.kv, &b.store, SeqId(2), &[7; 30]);
+}
+
+#[test]
+fn a_chunk_longer_than_the_window_keeps_the_blocks_it_computes_and_gives_back() {
+    // Chunks of 16 tokens under a window of 8: each commit computes 4 blocks, registers
+    // them in the full group and gives back the window blocks before the next query,
+    // some of them computed by that very chunk.
+    let mut m = Model::new(48);
+    m.chunk = 16;
+    m.apply(&Action::Admit(3, 40, true));
+    assert_eq!(m.b.kv.num_computed_tokens(SeqId(1)).unwrap(), 40);
+    m.apply(&Action::Free(0));
+    // A prompt of 25 of those tokens hits 24: the query at 24 reads from 17, blocks 4
+    // and 5, computed by the second chunk and given back by its own commit (at 32,
+    // the window starts at 25), before their hash was known.
+    m.apply(&Action::Admit(3, 25, false));
+    assert_eq!(m.hits, 24);
 }
