@@ -438,10 +438,7 @@ impl Groups {
             page_moves: 0,
             state_pages: specs.iter().map(|s| s.state_pages).collect(),
             checkpoints: Checkpoints::default(),
-            window_cache: WindowCache::new(
-                &specs.iter().map(|s| s.window.is_some()).collect::<Vec<_>>(),
-                num_pages,
-            ),
+            window_cache: WindowCache::new(specs, num_pages),
         })
     }
 

@@ -36,7 +36,7 @@ use crate::ids::{BlockId, SeqId};
 use crate::pool::prefix::BlockHash;
 use crate::pool::BlockState;
 
-use super::{is_hidden, Groups};
+use super::{is_hidden, GroupSpec, Groups};
 use crate::manager::{KvCache, PrefixHit, Sequence};
 
 /// The hidden sequence of each window group that holds its cached pages.
@@ -59,24 +59,44 @@ pub(in crate::manager) struct WindowCache {
     clock: u64,
     /// Scratch of the calls that give window blocks back (`note_leaving`).
     leaving: Vec<Leaving>,
+    /// The full (or latent) group whose registered chain keys the window groups'
+    /// blocks: the first one, when there is a window group, no state group, and every
+    /// group has its block size (else window groups keep nothing and serve no hit).
+    key: Option<usize>,
 }
 
 impl WindowCache {
-    /// An empty cache for the window groups among `windows` (one flag per group) of
-    /// an arena of `pages` pages.
-    pub(in crate::manager) fn new(windows: &[bool], pages: usize) -> Self {
-        let room = |w: bool| if w { pages } else { 0 };
-        let any = windows.iter().any(|&w| w);
+    /// An empty cache for the window groups among `specs`, over an arena of `pages`
+    /// pages.
+    pub(in crate::manager) fn new(specs: &[GroupSpec], pages: usize) -> Self {
+        let kv_group = |s: &GroupSpec| s.state_pages.is_none();
+        let key = specs
+            .iter()
+            .position(|s| kv_group(s) && s.window.is_none())
+            .filter(|&f| {
+                // With a state group, a hit resumes only from a checkpoint, and no
+                // checkpoint serves a cache with a window group (`checkpoints.rs`):
+                // nothing kept could serve a hit.
+                let bs = specs[f].layout.block_size();
+                specs.iter().any(|s| s.window.is_some())
+                    && specs
+                        .iter()
+                        .all(|s| kv_group(s) && s.layout.block_size() == bs)
+            });
+        // Room for every page of the arena, allocated once: keeping a page allocates
+        // nothing. None at all when nothing is ever kept.
+        let room = |s: &GroupSpec| match (key, s.window) {
+            (Some(_), Some(_)) => pages,
+            _ => 0,
+        };
         WindowCache {
-            by_hash: windows
+            by_hash: specs
                 .iter()
-                .map(|&w| HashMap::with_capacity(room(w)))
+                .map(|s| HashMap::with_capacity(room(s)))
                 .collect(),
-            slots: windows
-                .iter()
-                .map(|&w| Vec::with_capacity(room(w)))
-                .collect(),
-            order: VecDeque::with_capacity(if any { 2 * pages } else { 0 }),
+            slots: specs.iter().map(|s| Vec::with_capacity(room(s))).collect(),
+            order: VecDeque::with_capacity(if key.is_some() { 2 * pages } else { 0 }),
+            key,
             ..Self::default()
         }
     }
@@ -154,21 +174,9 @@ impl KvCache {
 }
 
 impl Groups {
-    /// The full (or latent) group whose registered chain keys the window groups'
-    /// blocks: the first one, when every KV group has its block size (else window
-    /// groups keep nothing and serve no hit).
+    /// See [`WindowCache::key`].
     fn window_key_group(&self) -> Option<usize> {
-        let f = self
-            .groups
-            .iter()
-            .zip(&self.state_pages)
-            .position(|(kv, s)| kv.window.is_none() && s.is_none())?;
-        let bs = self.groups[f].block_size();
-        self.groups
-            .iter()
-            .zip(&self.state_pages)
-            .all(|(kv, s)| s.is_some() || kv.block_size() == bs)
-            .then_some(f)
+        self.window_cache.key
     }
 
     /// Cached window pages an allocation may evict now, all groups together.
@@ -241,6 +249,9 @@ impl Groups {
         let Some(f) = self.window_key_group() else {
             return Ok(());
         };
+        if self.window_cache.leaving.is_empty() {
+            return Ok(());
+        }
         let leaving = std::mem::take(&mut self.window_cache.leaving);
         let done = self.keep_each(f, &leaving);
         self.window_cache.leaving = leaving;
@@ -591,7 +602,7 @@ impl Groups {
         accepted: &[(crate::ids::SeqHandle, usize)],
     ) {
         self.forget_leaving();
-        if self.groups.iter().all(|kv| kv.window.is_none()) {
+        if self.window_key_group().is_none() {
             return;
         }
         for &(h, n) in accepted {
