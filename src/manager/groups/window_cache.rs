@@ -53,8 +53,8 @@ pub(in crate::manager) struct WindowCache {
     count: usize,
     /// `(tick, group, hash)` of the pages in the order they were cached, oldest
     /// first; an entry whose page left the cache since (revived) is stale, skipped by
-    /// eviction and dropped when the queue is full. Sized at creation, so keeping a
-    /// page allocates nothing (the step path allocates nothing once admitted).
+    /// eviction and dropped in place when the queue is full. Sized at creation to
+    /// twice the arena, so it never grows.
     order: VecDeque<(u64, usize, BlockHash)>,
     clock: u64,
     /// Scratch of the calls that give window blocks back (`note_leaving`).
@@ -83,8 +83,8 @@ impl WindowCache {
                         .iter()
                         .all(|s| kv_group(s) && s.layout.block_size() == bs)
             });
-        // Room for every page of the arena, allocated once: keeping a page allocates
-        // nothing. None at all when nothing is ever kept.
+        // Room for every page of the arena, allocated once (none at all when nothing
+        // is ever kept).
         let room = |s: &GroupSpec| match (key, s.window) {
             (Some(_), Some(_)) => pages,
             _ => 0,
