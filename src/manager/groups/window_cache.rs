@@ -22,12 +22,14 @@
 //! it), as the state groups' checkpoints are: compaction moves them like any page,
 //! the group's invariants count them, and each holds one reference (the holder's)
 //! until it is revived or evicted. They count as free for every allocation, as
-//! cached blocks do: when the arena runs short the least recently cached goes first.
+//! cached blocks do: when the arena runs short they go after the groups' prefix
+//! caches' pages, the least recently kept first.
 //!
 //! The calls that give window blocks back keep them: [`Groups::commit`], the appends
 //! and reservations, [`Groups::free`] and the batch step's commit
-//! (`manager/step.rs`). A swap-out, a truncation and a window block whose full-group
-//! block is not registered (a duplicate's) give them to the free list as before.
+//! (`manager/step.rs`). A swap-out, a truncation, a sequence whose ids the full group
+//! does not track, and a window block whose full-group block is not registered (a
+//! duplicate's) give them to the free list as before.
 
 use std::collections::{HashMap, VecDeque};
 
