@@ -26,11 +26,14 @@
 //!
 //! Prefix caching ([`KvCache::admit_tokens_grouped`]): every full or latent group
 //! registers its prompt blocks in its own manager's prefix cache, and a hit is served
-//! only as far as every group holds it. A sliding-window group serves a hit only from
-//! a live sequence that still holds the window blocks at the hit's end (window blocks
-//! are not cached once given back). Cached pages count as free for every group: a
-//! group that needs a page takes it from another group's cache, evicted by that
-//! group's policy.
+//! only as far as every group holds it. A sliding-window group keeps the blocks it
+//! gives back (out of the window, or at the sequence's free), keyed by the full
+//! group's chain hash of the same block (`groups/window_cache.rs`), and serves a hit
+//! when it holds, cached or in a live sequence, the blocks inside the window of the
+//! query at the hit's end; the blocks before are holes. Cached pages (a group's prefix
+//! cache, a window group's kept blocks) count as free for every group: a group that
+//! needs a page takes it from another group's cache, the prefix caches first (each by
+//! its group's policy), then the window blocks (least recently kept first).
 //!
 //! Swap ([`KvCache::swap_out_grouped`], [`KvCache::swap_in_grouped`]): one plan per
 //! group, over one host tier shared the way the arena is (each group's host pool
@@ -98,12 +101,14 @@ const LENDER: SeqId = SeqId(u64::MAX);
 const HOST_LENDER: SeqId = SeqId(u64::MAX - 1);
 
 pub(super) fn is_hidden(seq: SeqId) -> bool {
-    seq == LENDER || seq == HOST_LENDER || seq == CHECKPOINTS
+    seq == LENDER || seq == HOST_LENDER || seq == CHECKPOINTS || seq == WINDOW_CACHE
 }
 
 mod checkpoints;
 pub use checkpoints::{CheckpointPolicy, StateCheckpoint};
 use checkpoints::{Checkpoints, CHECKPOINTS};
+mod window_cache;
+use window_cache::{WindowCache, WindowHit, WINDOW_CACHE};
 
 const NOT_LENT: u32 = u32::MAX;
 
@@ -287,6 +292,8 @@ pub(crate) struct Groups {
     state_pages: Vec<Option<usize>>,
     /// The state groups' prefix checkpoints (`groups/checkpoints.rs`).
     checkpoints: Checkpoints,
+    /// The window groups' given-back blocks (`groups/window_cache.rs`).
+    window_cache: WindowCache,
 }
 
 impl Groups {
@@ -404,6 +411,9 @@ impl Groups {
             if spec.state_pages.is_some() {
                 kv.insert_checkpoint_holder()?;
             }
+            if spec.window.is_some() {
+                kv.insert_window_cache_holder()?;
+            }
             let mut pos = vec![NOT_LENT; num_pages];
             let mut host_pos = vec![NOT_LENT; num_host_blocks];
             if g > 0 {
@@ -438,6 +448,7 @@ impl Groups {
             page_moves: 0,
             state_pages: specs.iter().map(|s| s.state_pages).collect(),
             checkpoints: Checkpoints::default(),
+            window_cache: WindowCache::new(specs, num_pages),
         })
     }
 
@@ -510,7 +521,7 @@ impl Groups {
 
     /// The sequences on the device (not the swapped-out ones), in no particular order.
     pub fn sequence_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
-        self.groups[0].sequence_ids().filter(|&s| s != LENDER)
+        self.groups[0].sequence_ids().filter(|&s| !is_hidden(s))
     }
 
     /// Tokens of `seq` whose K/V is written (the same in every group).
@@ -548,6 +559,7 @@ impl Groups {
             .map(|kv| kv.num_available_blocks())
             .sum::<usize>()
             + self.evictable_checkpoint_pages()
+            + self.window_cached_pages()
     }
 
     /// Whether a new sequence of `num_tokens` tokens fits in every group at once while
@@ -701,17 +713,18 @@ impl Groups {
     ///
     /// The hit is the same number of tokens in every group: the longest prefix each
     /// group's cache holds, rounded down to whole blocks of every group (groups may
-    /// have different block sizes). **A sliding-window group serves a hit only from a
-    /// live sequence** that still holds the blocks inside the window of the query at
-    /// the hit's end (and holds the hit's registered block at its last index in the
-    /// first full group, which proves its tokens up to there are the prompt's); the new
-    /// sequence shares those blocks and starts with holes before them. Window blocks
-    /// are not kept in a cache once a sequence gives them back (its manager registers
-    /// nothing), so a prefix whose holders are gone, or have decoded past the hit's
-    /// window, is served only as far as some live holder still reaches, and with no
-    /// full group, or window block sizes unlike the full group's, a window group
-    /// serves nothing. A sequence that recomputed blocks already registered (a
-    /// duplicate) serves no window hit.
+    /// have different block sizes). **A sliding-window group serves a hit when it holds
+    /// every block inside the window of the query at the hit's end** (the first token
+    /// the new sequence computes), each either kept from a sequence that gave it back
+    /// (fell out of its window, or freed), under the full group's chain hash of that
+    /// block, or held by a live sequence that holds the hit's registered block at the
+    /// same index in the first full group (which proves its tokens up to there are the
+    /// prompt's). The new sequence revives or shares those blocks and starts with holes
+    /// before them, so a shared system prompt keeps hitting after its holders decoded
+    /// past it or left. With no full group, or block sizes unlike the full group's, a
+    /// window group keeps and serves nothing. A block is kept only when the full
+    /// group's block at its index is registered (a duplicate's is not), and not by a
+    /// swap-out or a truncation.
     ///
     /// Cached blocks count as free pages for every group: when a group needs a page
     /// and only cached pages of another group are left, that group's prefix cache
@@ -839,13 +852,15 @@ impl Groups {
         self.pin_checkpoint(checkpoint);
         // Every group's need, revivals of cached hit pages included, against the
         // arena's free and evictable pages, before anything changes. A window group's
-        // hit blocks are held by `source` already; its holes need no page.
-        for (((need, kv), hit), state) in self
+        // hit blocks are cached (revived: counted) or held by a live sequence already;
+        // its holes need no page.
+        for (g, (((need, kv), hit), state)) in self
             .needs
             .iter_mut()
             .zip(&self.groups)
             .zip(&hits)
             .zip(&self.state_pages)
+            .enumerate()
         {
             if let Some(pages) = state {
                 // The state exists from admission on, whatever is reserved.
@@ -853,8 +868,8 @@ impl Groups {
                 continue;
             }
             let rest = kv.layout.blocks_for_tokens(tokens.len()) - cached / kv.block_size();
-            let revived = match (kv.window, source) {
-                (Some(_), Some(_)) => 0,
+            let revived = match (kv.window, &source) {
+                (Some(_), Some(wh)) => wh.revived(g),
                 _ => kv.hit_admission_blocks(hit) - rest,
             };
             *need = revived + if whole_prompt { rest } else { 0 };
@@ -867,10 +882,9 @@ impl Groups {
             if self.state_pages[g].is_some() {
                 continue;
             }
-            let kv = &mut self.groups[g];
-            let done = match (kv.window, source) {
-                (Some(_), Some(src)) => kv.admit_window_hit(seq, src, cached),
-                _ => kv.admit_prompt(seq, tokens, hit),
+            let done = match (self.groups[g].window, &source) {
+                (Some(_), Some(wh)) => self.admit_window_hit(g, seq, cached, wh),
+                _ => self.groups[g].admit_prompt(seq, tokens, hit),
             };
             let done = match done {
                 Ok(a) if a.cached_tokens == cached => Ok(a),
@@ -1003,13 +1017,20 @@ impl Groups {
         }
         // The call succeeds from here: give back the window pages no query reads any
         // more *before* allocating, so that a group sized to its steady state does
-        // not need a page more for the instant between allocation and release.
+        // not need a page more for the instant between allocation and release. The
+        // pages given back stay cached (counted free) until an allocation evicts them.
+        let computed = kv0.num_computed_tokens(seq)?;
+        self.forget_leaving();
+        self.note_leaving(seq, Some(computed));
         if back > 0 {
             for kv in &mut self.groups {
                 kv.release_dead_window(seq)?;
             }
+            self.keep_leaving()?;
         }
         self.give_and_reserve(seq, n, lookahead, commit_now, tokens, step)?;
+        // Shared blocks the reservation gave back (no allocation follows it there).
+        self.keep_leaving()?;
         self.note_usage();
         Ok(())
     }
@@ -1106,6 +1127,10 @@ impl Groups {
     /// [`Error::CommitPastReservation`]. Nothing changed on error.
     pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<usize> {
         self.check_id(seq)?;
+        self.forget_leaving();
+        if let Ok(computed) = self.groups[0].num_computed_tokens(seq) {
+            self.note_leaving(seq, Some(computed + n));
+        }
         // Group 0 checks; the others hold the same sequence state.
         let mut registered = self.groups[0].commit(seq, n)?;
         for (kv, state) in self.groups.iter_mut().zip(&self.state_pages).skip(1) {
@@ -1113,6 +1138,7 @@ impl Groups {
                 registered += kv.commit(seq, n)?;
             }
         }
+        self.keep_leaving()?;
         Ok(registered)
     }
 
@@ -1259,6 +1285,8 @@ impl Groups {
     /// [`Error::UnknownSequence`]. Nothing changed on error.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
         self.check_id(seq)?;
+        self.forget_leaving();
+        self.note_leaving(seq, None);
         self.groups[0].free(seq)?;
         self.forget_rolling(seq);
         let mut result = Ok(());
@@ -1267,7 +1295,7 @@ impl Groups {
                 result = result.and(Err(e));
             }
         }
-        result
+        result.and(self.keep_leaving())
     }
 
     /// Plans the swap-out of `seq` in every group at once: each group's plan copies
@@ -1362,7 +1390,9 @@ impl Groups {
         for kv in &mut self.groups {
             evicted += kv.evict_cached(max_pages - evicted);
         }
-        // Then the state groups' checkpoints (whole ones only).
+        // Then the window groups' cached pages, then the state groups' checkpoints
+        // (whole ones only).
+        evicted += self.evict_window_pages(max_pages - evicted).unwrap_or(0);
         evicted + self.evict_checkpoints(max_pages - evicted).unwrap_or(0)
     }
 
@@ -1389,12 +1419,13 @@ impl Groups {
                 .iter()
                 .map(|kv| kv.pool.num_cached())
                 .sum::<usize>()
-                + self.evictable_checkpoint_pages(),
+                + self.evictable_checkpoint_pages()
+                + self.window_cached_pages(),
             peak_used_pages: self.peak_used_pages.max(used_pages),
             owned_per_group: self.lent.iter().map(|l| self.num_pages - l).collect(),
             used_per_group,
             page_moves: self.page_moves,
-            num_sequences: self.groups[0].seqs.len() - 1,
+            num_sequences: self.sequence_ids().count(),
         }
     }
 
@@ -1405,11 +1436,12 @@ impl Groups {
         let mut live = 0;
         let mut slots = 0;
         for (g, kv) in self.groups.iter().enumerate() {
-            // The lender holds each page it lends as a full block of its own.
-            // The lender holds each page it lends as a full block of its own, and a
-            // state group's checkpoint holder each checkpoint page.
+            // The lender holds each page it lends as a full block of its own, a state
+            // group's checkpoint holder each checkpoint page, and a window group's
+            // cache holder each cached page.
             live += kv.live_token_slots
-                - (self.lent[g] + self.checkpoint_pages_of(g)) * kv.block_size();
+                - (self.lent[g] + self.checkpoint_pages_of(g) + self.window_cache_pages_of(g))
+                    * kv.block_size();
             slots += self.own_used(g) * kv.block_size();
         }
         super::CacheStats {
@@ -1531,13 +1563,18 @@ impl Groups {
             }
         }
         self.check_state_groups()?;
-        // A state group holds its checkpoints' hidden holder besides.
-        let seqs =
-            |g: usize| self.groups[g].seqs.len() - usize::from(self.state_pages[g].is_some());
+        // A state group holds its checkpoints' hidden holder besides, a window group
+        // its cache's.
+        let seqs = |g: usize| {
+            self.groups[g].seqs.len()
+                - usize::from(self.state_pages[g].is_some())
+                - usize::from(self.groups[g].window.is_some())
+        };
         if (0..self.groups.len()).any(|g| seqs(g) != seqs(0)) {
             return Err("groups hold different numbers of sequences".into());
         }
         self.check_checkpoints()?;
+        self.check_window_cache()?;
         Ok(())
     }
 
@@ -1737,15 +1774,15 @@ impl Groups {
 
     /// Looks `tokens` up in every group (`hits[g]`) and cuts every hit to the tokens
     /// all groups serve, in whole blocks of each; returns those tokens and, when a
-    /// window group is among the groups and the hit is not empty, the live sequence
-    /// whose window blocks serve it.
+    /// window group is among the groups and the hit is not empty, where its window
+    /// blocks come from (see `groups/window_cache.rs`).
     fn common_hit(
         &self,
         tokens: &[u32],
         opts: &AdmitOptions<'_>,
         state_hits: bool,
         hits: &mut Vec<PrefixHit>,
-    ) -> Result<(usize, Option<SeqId>, Option<usize>)> {
+    ) -> Result<(usize, Option<WindowHit>, Option<usize>)> {
         hits.resize_with(self.groups.len(), PrefixHit::default);
         let mut cached = usize::MAX;
         for ((kv, hit), state) in self
@@ -1801,55 +1838,6 @@ impl Groups {
         Ok((cached, source, checkpoint))
     }
 
-    /// The longest hit of at most `cached` tokens the window groups can serve, and the
-    /// live sequence that serves it: one that holds, in the first full group, the hit's
-    /// block at the hit's last index (so its tokens up to there are the prompt's: a
-    /// registered block is keyed by its whole prefix) and, in every window group, the
-    /// blocks inside the window of the query at the hit's end. Sequences with a swap
-    /// in flight are skipped. Needs every window group's block size equal to the full
-    /// group's (else no hit). O(live sequences x hit blocks) at worst, per admission.
-    fn window_hit(&self, hits: &[PrefixHit], cached: usize) -> (usize, Option<SeqId>) {
-        let Some(f) = self.groups.iter().position(|kv| kv.window.is_none()) else {
-            return (0, None);
-        };
-        let full = &self.groups[f];
-        let bs = full.block_size();
-        if self.groups.iter().any(|kv| kv.block_size() != bs) {
-            return (0, None);
-        }
-        let hit = &hits[f].blocks()[..cached / bs];
-        let mut best = (0, None);
-        for (&id, s) in full.seqs.iter() {
-            if is_hidden(id) || s.in_flight.is_some() || s.table.first() != hit.first() {
-                continue;
-            }
-            let top = hit.len().min(s.table.len()).min(s.computed / bs);
-            for l in (best.0 + 1..=top).rev() {
-                if s.table[l - 1] == hit[l - 1] && self.window_blocks_held(id, l * bs) {
-                    best = (l, Some(id));
-                    break;
-                }
-            }
-        }
-        (best.0 * bs, best.1)
-    }
-
-    /// Whether `id` holds, in every window group, the computed blocks the query at
-    /// position `end` reads before `end`.
-    fn window_blocks_held(&self, id: SeqId, end: usize) -> bool {
-        self.groups
-            .iter()
-            .filter(|kv| kv.window.is_some())
-            .all(|kv| {
-                kv.seq(id).is_ok_and(|s| {
-                    s.in_flight.is_none()
-                        && s.computed >= end
-                        && s.released <= kv.first_block_in_window(end)
-                        && s.table.len() * kv.block_size() >= end
-                })
-            })
-    }
-
     /// Fails with [`Error::OutOfBlocks`] when the arena's free (and evictable) pages
     /// are fewer than all groups' `needs`; returns both counts.
     fn check_needs(&self) -> Result<(usize, usize)> {
@@ -1874,7 +1862,9 @@ impl Groups {
                     .find(|&h| h != to && self.groups[h].num_available_blocks() > self.needs[h]);
                 match from {
                     Some(from) => self.move_page(from, to)?,
-                    // The state groups' checkpoints are the last pages to take.
+                    // Then the window groups' cached pages, then the state groups'
+                    // checkpoints, the last pages to take.
+                    None if self.evict_window_page()? => {}
                     None if self.evict_checkpoint()? => {}
                     None => {
                         return Err(Error::OutOfBlocks {
@@ -1932,7 +1922,10 @@ impl Groups {
 
     /// Pages group `g`'s sequences hold.
     fn own_used(&self, g: usize) -> usize {
-        self.groups[g].pool.num_live() - self.lent[g] - self.checkpoint_pages_of(g)
+        self.groups[g].pool.num_live()
+            - self.lent[g]
+            - self.checkpoint_pages_of(g)
+            - self.window_cache_pages_of(g)
     }
 
     fn note_usage(&mut self) {
@@ -2049,49 +2042,6 @@ impl KvCache {
         self.seqs.insert(seq, s)?;
         self.note_usage();
         Ok(())
-    }
-
-    /// Admits `seq` with the first `cached` tokens computed, sharing `source`'s blocks
-    /// inside the window of the query at `cached` (the blocks before are holes), for a
-    /// prefix hit of the KV-cache groups. Registers nothing (a window manager does not).
-    fn admit_window_hit(&mut self, seq: SeqId, source: SeqId, cached: usize) -> Result<Admission> {
-        if self.contains(seq) {
-            return Err(Error::DuplicateSequence(seq));
-        }
-        let bs = self.block_size();
-        let end = cached / bs;
-        let keep = self.first_block_in_window(cached).min(end);
-        let src = self.seq(source)?;
-        let shared = src.table.get(keep..end).ok_or_else(|| {
-            Error::CorruptBlockTable(format!("{source} holds no blocks {keep}..{end}"))
-        })?;
-        if src.released > keep || src.computed < cached {
-            return Err(Error::CorruptBlockTable(format!(
-                "{source} no longer holds the window of a hit of {cached} tokens"
-            )));
-        }
-        let mut table = vec![BlockId::RELEASED; keep];
-        table.extend_from_slice(shared);
-        self.seqs.reserve_room(1)?;
-        // Full computed blocks: their fill is already the whole block.
-        self.pool.incref_all(&table[keep..])?;
-        let s = Sequence {
-            table,
-            released: keep,
-            num_tokens: cached,
-            computed: cached,
-            admission: self.tiers.next_admission(),
-            ..Sequence::default()
-        };
-        self.seqs.insert(seq, s)?;
-        self.note_usage();
-        Ok(Admission {
-            cached_tokens: cached,
-            cached_blocks: end - keep,
-            new_blocks: 0,
-            registered_blocks: 0,
-            loading_tokens: 0,
-        })
     }
 
     /// Releases `seq`'s blocks before the window of its next query (no query reads

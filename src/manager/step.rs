@@ -877,12 +877,15 @@ impl Groups {
                     self.group_mut(g).check_commit_step(list)?;
                 }
             }
+            // The window blocks the commits give back stay cached.
+            self.note_step_leaving(accepted);
             let mut registered = 0;
             for (g, list) in scratch.iter().enumerate() {
                 if self.state_pages(g).is_none() {
                     registered += self.group_mut(g).commit_step_checked(list)?;
                 }
             }
+            self.keep_leaving()?;
             Ok(registered)
         })();
         self.step_accepted = scratch;
