@@ -21,3 +21,4 @@ mod scenarios;
 mod state_export;
 mod state_groups;
 mod window;
+mod window_cache;

@@ -20,8 +20,7 @@ use pagedkv::{
 };
 use proptest::prelude::*;
 
-#[path = "common/kv_bytes.rs"]
-mod kv_bytes;
+use crate::support::kv_bytes;
 use kv_bytes::{check_values, write_values};
 
 const BS: usize = 4;
@@ -465,7 +464,7 @@ impl Model {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
+    #![proptest_config(crate::support::proptest_config(64))]
     #[test]
     fn window_hits_read_the_prompts_true_bytes(
         actions in prop::collection::vec(action(), 1..60),
