@@ -5,7 +5,7 @@
 //! every model.
 //!
 //! A hybrid cache keeps no tables of its own: its calls go to its groups (each a
-//! one-group `KvCache`, see `manager/groups.rs` for the page lending between them).
+//! one-group `KvCache`, see `manager/groups/` for the page lending between them).
 //! The calls of the one-group API that are not yet carried across groups refuse with
 //! [`Error::NotOnHybrid`], naming the call; none of them answers for one group alone
 //! where the answer would be the whole cache's.

@@ -42,7 +42,7 @@
 //!   sequence ([`Error::DuplicateSequence`] rather than replacing one); its evictions,
 //!   on admission or after a failed write, drop only cached blocks;
 //! - group page lending (`give_pages`, `move_page`, `reclaim_page` in
-//!   `manager/groups.rs`): lends only free pages and reclaims only pages the hidden
+//!   `manager/groups/`): lends only free pages and reclaims only pages the hidden
 //!   lender holds, which reserves nothing, so no mid-step table names either.
 //!
 //! `free` of a sequence mid-step is its owner abandoning the step, not a mover: it

@@ -326,7 +326,7 @@ pub struct KvCache {
     pub(crate) table_epoch: u64,
     /// The KV-cache groups of a hybrid model ([`KvCache::hybrid`]); `None` for one
     /// group, the common case. A hybrid cache keeps no tables of its own: every call
-    /// goes to its groups, each a one-group `KvCache` (see `manager/groups.rs`).
+    /// goes to its groups, each a one-group `KvCache` (see `manager/groups/`).
     pub(crate) hybrid: Option<Box<groups::Groups>>,
 }
 
