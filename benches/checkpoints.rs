@@ -198,19 +198,7 @@ fn cache(m: &Model, block: usize) -> KvCache {
         .find(|k| block.is_multiple_of(k * SMALL_BLOCK) && block / k <= 1_024)
         .unwrap_or(1);
     let block = block / parts;
-    // A page-sized layout: one layer of `kv_bytes_per_token / 8` f32 elements per
-    // token (K and V).
-    let layout = KvLayout::new(
-        ModelShape {
-            num_layers: 1,
-            num_q_heads: 1,
-            num_kv_heads: 1,
-            head_dim: m.kv_bytes_per_token / 8,
-            kv_dtype: DType::F32,
-        },
-        block,
-    )
-    .expect("layout");
+    let layout = page_layout(m, block);
     let pages = (m.arena_bytes / layout.block_bytes() as u64) as usize;
     let state = GroupSpec::state_for_bytes(layout, m.state_bytes).expect("state group");
     KvCache::hybrid(&[GroupSpec::full(layout), state], pages).expect("cache")
@@ -219,17 +207,7 @@ fn cache(m: &Model, block: usize) -> KvCache {
 /// The attention group of [`cache`] alone (16-token blocks, the same arena): the hit
 /// rate a model without recurrent layers would get, the bound of both runs.
 fn attention_only(m: &Model) -> KvCache {
-    let layout = KvLayout::new(
-        ModelShape {
-            num_layers: 1,
-            num_q_heads: 1,
-            num_kv_heads: 1,
-            head_dim: m.kv_bytes_per_token / 8,
-            kv_dtype: DType::F32,
-        },
-        SMALL_BLOCK,
-    )
-    .expect("layout");
+    let layout = page_layout(m, SMALL_BLOCK);
     let pages = (m.arena_bytes / layout.block_bytes() as u64) as usize;
     KvCache::hybrid(&[GroupSpec::full(layout)], pages).expect("cache")
 }
@@ -399,4 +377,20 @@ fn main() {
             lo = hi;
         }
     }
+}
+
+/// A page-sized layout of `block` tokens: one layer of `kv_bytes_per_token / 8` f32
+/// elements per token (K and V), so a page holds the model's K/V bytes of its tokens.
+fn page_layout(m: &Model, block: usize) -> KvLayout {
+    KvLayout::new(
+        ModelShape {
+            num_layers: 1,
+            num_q_heads: 1,
+            num_kv_heads: 1,
+            head_dim: m.kv_bytes_per_token / 8,
+            kv_dtype: DType::F32,
+        },
+        block,
+    )
+    .expect("layout")
 }
