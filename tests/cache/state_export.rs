@@ -16,6 +16,7 @@
 //!   policy errors change nothing; a proptest of chat turns in a small arena checks
 //!   every hit's state against the shadow.
 
+use crate::state_groups::{layout, BS, HEAD_DIM, LAYERS, STATE_PAGES};
 use pagedkv::export::groups::{
     export_group_sequence, exported_group_len, import_group_sequence, GroupExportView,
 };
@@ -26,24 +27,9 @@ use pagedkv::{
     KvCache, KvLayout, ModelShape, SeqId, Storage,
 };
 
-const HEAD_DIM: usize = 2;
-const BS: usize = 4;
-const LAYERS: usize = 2;
-const STATE_PAGES: usize = 3;
 /// Bytes of one token's K (or V) row in one layer.
 const ROW: usize = HEAD_DIM * 4;
 const PAGES: usize = 64;
-
-fn layout() -> KvLayout {
-    let shape = ModelShape {
-        num_layers: LAYERS,
-        num_q_heads: 2,
-        num_kv_heads: 1,
-        head_dim: HEAD_DIM,
-        kv_dtype: DType::F32,
-    };
-    KvLayout::new(shape, BS).unwrap()
-}
 
 fn cache_with(state_pages: usize) -> (KvCache, HostStorage) {
     let specs = [

@@ -26,12 +26,13 @@ use pagedkv::{
 };
 use proptest::prelude::*;
 
-const HEAD_DIM: usize = 2;
-const BS: usize = 4;
-const LAYERS: usize = 2;
-const STATE_PAGES: usize = 3;
+// The fixture `state_export.rs` shares.
+pub(crate) const HEAD_DIM: usize = 2;
+pub(crate) const BS: usize = 4;
+pub(crate) const LAYERS: usize = 2;
+pub(crate) const STATE_PAGES: usize = 3;
 
-fn layout() -> KvLayout {
+pub(crate) fn layout() -> KvLayout {
     let shape = ModelShape {
         num_layers: LAYERS,
         num_q_heads: 2,
