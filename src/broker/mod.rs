@@ -727,7 +727,6 @@ impl<S: Storage> Broker<S> {
         limits: ModelLimits,
     ) -> Result<ModelId> {
         let name = name.into();
-        kv.one_group("Broker::register")?;
         let bpc = self.blocks_per_chunk(kv.layout())?;
         let layout = *kv.layout();
         // The storage's own granule where it has one (CUDA), else the declared one.

@@ -372,7 +372,14 @@ impl KvCache {
     /// reservation holds a block at or above `num_blocks` (the step is writing into
     /// it: commit first). Nothing changed.
     pub fn plan_shrink(&mut self, num_blocks: usize) -> Result<PendingResize<'_>> {
-        self.one_group("plan_shrink")?;
+        if let Some(h) = &self.hybrid {
+            let plan = h.plan_shrink(num_blocks)?;
+            return Ok(PendingResize {
+                manager: self,
+                num_blocks,
+                plan,
+            });
+        }
         self.check_no_transfers()?;
         let old = self.num_blocks();
         if num_blocks > old {
@@ -414,7 +421,6 @@ impl KvCache {
     /// space); [`Error::InvalidConfig`] when `num_blocks` is below the arena. Nothing
     /// changed.
     pub fn plan_grow(&mut self, num_blocks: usize) -> Result<PendingResize<'_>> {
-        self.one_group("plan_grow")?;
         let old = self.num_blocks();
         if num_blocks < old {
             return Err(Error::config(
@@ -442,9 +448,17 @@ impl KvCache {
         if num_blocks == self.num_blocks() {
             return Ok(());
         }
+        if let Some(h) = &mut self.hybrid {
+            return h.commit_resize(num_blocks, plan);
+        }
         // Nothing below can fail: the plan was made from this state and, once it is
         // applied, every block at or above `num_blocks` is free.
         self.commit_moves(plan)?;
+        self.resize_arena(num_blocks)
+    }
+
+    /// Sets the arena to `num_blocks`; every block at or above a smaller size is free.
+    pub(crate) fn resize_arena(&mut self, num_blocks: usize) -> Result<()> {
         self.pool.resize(num_blocks)?;
         self.prefix.resize(num_blocks)?;
         self.fill_dirty.resize(num_blocks);
