@@ -179,8 +179,8 @@ fn full_window() -> Vec<GroupSpec> {
     ]
 }
 
-/// Fills a cache of 48 pages from the bottom, then frees the low sequences: the
-/// pages still held (live, a cached prompt, kept window pages) sit high in the arena.
+/// Fills a cache of 48 pages from the bottom, then frees two sequences: the pages
+/// still held (live, a cached prompt, kept window pages) sit around holes.
 fn fragmented(specs: &[GroupSpec]) -> Fixture {
     let mut f = Fixture::new(specs, 48);
     f.admit(1, 10);
@@ -189,8 +189,7 @@ fn fragmented(specs: &[GroupSpec]) -> Fixture {
     f.admit(4, 7);
     f.append(4, 6); // the window group gives 4's first pages back
     f.admit(5, 5);
-    f.free(1);
-    f.free(2);
+    f.free(2); // holes between held pages
     f.free(3); // its prompt pages stay cached
     f.check();
     f
@@ -251,7 +250,11 @@ fn grow_adds_pages_every_group_can_take() {
 
 #[test]
 fn state_pages_move_with_a_shrink_and_bound_it() {
-    let specs = vec![GroupSpec::full(layout()), GroupSpec::state(layout(), 2)];
+    let specs = vec![
+        GroupSpec::full(layout()),
+        GroupSpec::window(layout(), WINDOW),
+        GroupSpec::state(layout(), 2),
+    ];
     let mut f = Fixture::new(&specs, 24);
     f.admit(1, 12);
     f.admit(2, 6);
@@ -363,18 +366,20 @@ fn broker_moves_memory_between_a_hybrid_and_a_one_group_model() {
         .unwrap();
     broker.check_invariants().unwrap();
 
-    // The hybrid model holds a sequence with bytes, high in its arena.
+    // The hybrid model holds sequence 2 low in its arena and 9 at its top, with bytes.
     let mut step = GroupStep::default();
     {
         let mut g = broker.lock(h).unwrap();
         let (kv, store) = g.parts_mut();
-        kv.admit_grouped(SeqId(1), 5 * BS, &mut step).unwrap();
-        kv.admit_grouped(SeqId(2), 2 * BS, &mut step).unwrap();
-        for gr in 0..2 {
-            let (k, v) = rows((0..step.slots[gr].len()).map(|i| value(gr, 2, i)));
-            store.write_slots(0, &step.slots[gr], &k, &v).unwrap();
+        for (id, tokens) in [(2, 2 * BS), (1, 5 * BS), (9, 1)] {
+            kv.admit_grouped(SeqId(id), tokens, &mut step).unwrap();
+            for gr in 0..2 {
+                let (k, v) = rows((0..step.slots[gr].len()).map(|i| value(gr, id, i)));
+                store.write_slots(0, &step.slots[gr], &k, &v).unwrap();
+            }
         }
         kv.free(SeqId(1)).unwrap();
+        assert_eq!(kv.high_water_blocks(), 4 * bpc);
     }
     // While a step of the hybrid model is writing (in any group), it gives nothing.
     broker
@@ -398,12 +403,12 @@ fn broker_moves_memory_between_a_hybrid_and_a_one_group_model() {
     broker.check_invariants().unwrap();
     let hybrid_pages = broker.lock(h).unwrap().kv().num_blocks();
     assert!(hybrid_pages < 4 * bpc, "{hybrid_pages}");
-    // The hybrid sequence's bytes followed the shrink.
-    {
-        let g = broker.lock(h).unwrap();
-        for gr in 0..2 {
+    // The hybrid sequences' bytes followed the shrink.
+    let g = broker.lock(h).unwrap();
+    for (id, gr) in [(2, 0), (2, 1), (9, 0), (9, 1)] {
+        {
             let kv = g.kv().group(gr);
-            let (table, len) = kv.readable_blocks(SeqId(2)).unwrap();
+            let (table, len) = kv.readable_blocks(SeqId(id)).unwrap();
             let from = kv
                 .sliding_window()
                 .map_or(0, |w| (len + 1).saturating_sub(w));
@@ -415,10 +420,11 @@ fn broker_moves_memory_between_a_hybrid_and_a_one_group_model() {
                     .unwrap();
                 let off = (pos % BS) * HEAD_DIM * 4;
                 let got = f32::from_le_bytes(k[off..off + 4].try_into().unwrap());
-                assert_eq!(got, value(gr, 2, pos), "group {gr} pos {pos}");
+                assert_eq!(got, value(gr, id, pos), "{id} group {gr} pos {pos}");
             }
         }
     }
+    drop(g);
     // And back: the one-group model frees its memory, the hybrid one takes it.
     {
         let mut g = broker.lock(h).unwrap();
