@@ -7,7 +7,7 @@
 //! * refused shrinks and grows, and dropped plans, change nothing;
 //! * a broker grows a hybrid model by shrinking a one-group one, and back.
 
-use pagedkv::broker::{Broker, BrokerConfig, ModelLimits};
+use pagedkv::broker::{Broker, BrokerConfig, ModelLimits, SleepOptions};
 use pagedkv::executor::{grow_to, shrink_to};
 use pagedkv::layout::Slot;
 use pagedkv::{
@@ -435,5 +435,30 @@ fn broker_moves_memory_between_a_hybrid_and_a_one_group_model() {
             .unwrap();
     }
     broker.check_invariants().unwrap();
-    assert!(broker.lock(h).unwrap().kv().num_blocks() > 4 * bpc);
+    let pages = broker.lock(h).unwrap().kv().num_blocks();
+    assert!(pages > 4 * bpc, "{pages}");
+    // Sleep cannot swap a hybrid model out nor spill its prefixes: refused whole.
+    let refused = |swap: bool, spill: bool| {
+        let before = snapshot(broker.lock(h).unwrap().kv());
+        let opts = SleepOptions {
+            swap_out_sequences: swap,
+            spill_cached_prefixes: spill,
+        };
+        let e = broker.sleep(h, opts).unwrap_err();
+        assert!(matches!(e, Error::NotOnHybrid { .. }), "{e:?}");
+        assert_eq!(snapshot(broker.lock(h).unwrap().kv()), before);
+        broker.check_invariants().unwrap();
+    };
+    refused(true, false);
+    for id in [2, 3, 9] {
+        broker.lock(h).unwrap().kv_mut().free(SeqId(id)).unwrap();
+    }
+    refused(false, true);
+    // A plain sleep shrinks it to its floor, and it wakes.
+    broker.sleep(h, SleepOptions::default()).unwrap();
+    assert_eq!(broker.lock(h).unwrap().kv().num_blocks(), bpc);
+    broker.check_invariants().unwrap();
+    broker.wake(h, 3 * chunk).unwrap();
+    assert_eq!(broker.lock(h).unwrap().kv().num_blocks(), 3 * bpc);
+    broker.check_invariants().unwrap();
 }

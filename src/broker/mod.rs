@@ -708,7 +708,11 @@ impl<S: Storage> Broker<S> {
     }
 
     /// Registers a model whose arena (`kv` and `storage`, of equal size) is a whole
-    /// number of chunks, taken from the free budget ([`MoveReason::Register`]).
+    /// number of chunks, taken from the free budget ([`MoveReason::Register`]). A
+    /// hybrid cache ([`KvCache::hybrid`]) registers with the one storage of its pages
+    /// and resizes across its groups; its [`Broker::sleep`] with
+    /// `swap_out_sequences` or `spill_cached_prefixes` refuses
+    /// ([`Error::NotOnHybrid`], nothing changed).
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] when the arena is not a whole number of chunks, lies

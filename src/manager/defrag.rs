@@ -44,6 +44,12 @@
 //! into holes below it, then releases the tail in the storage and the manager.
 //! [`crate::executor::grow_to`] adds free blocks at the tail; since a block's address
 //! does not depend on the arena size (see [`crate::layout`]), no live data moves.
+//!
+//! A hybrid cache resizes its one arena across groups (`manager/groups/`): a shrink
+//! moves every page any group holds at or above the new size (live, cached, kept
+//! window pages, checkpoints) into the lowest free pages below it, whichever group
+//! owns them, and every group's pool loses the tail; grown pages start in group 0, as
+//! at construction. [`PendingResize`] serves both.
 
 use super::KvCache;
 use crate::error::{Error, Result};
@@ -362,7 +368,8 @@ impl KvCache {
     /// ([`crate::executor::shrink_to`] does all three).
     ///
     /// Cached (prefix-cache) blocks count as resident: evict them first to shrink
-    /// further.
+    /// further. On a hybrid cache, every page any group holds is resident (see the
+    /// module docs), and the arena cannot go below a state group's pages per sequence.
     ///
     /// # Errors
     /// [`Error::ShrinkBelowResident`] when the live and cached blocks need more than
