@@ -355,6 +355,18 @@ fn broker_moves_memory_between_a_hybrid_and_a_one_group_model() {
             ModelLimits::new(chunk, 8 * chunk),
         )
         .unwrap();
+    // A floor at or below the hybrid cache's watermark is refused.
+    let watermarked = KvCache::hybrid(&full_window(), 4 * bpc)
+        .unwrap()
+        .with_watermark_blocks(bpc)
+        .unwrap();
+    let e = broker.register(
+        "watermarked",
+        watermarked,
+        HostStorage::new(l, 4 * bpc).unwrap(),
+        ModelLimits::new(chunk, 8 * chunk),
+    );
+    assert!(matches!(e, Err(Error::InvalidConfig { .. })), "{e:?}");
     let one = KvCache::builder(l).num_blocks(4 * bpc).build().unwrap();
     let o = broker
         .register(

@@ -784,13 +784,13 @@ impl<S: Storage> Broker<S> {
         let chunks = kv.num_blocks() / bpc;
         let floor_chunks = limits.floor_bytes.div_ceil(chunk).max(1);
         let ceiling_chunks = (limits.ceiling_bytes / chunk).min(kv.max_num_blocks() / bpc);
-        if floor_chunks * bpc <= kv.config().watermark_blocks {
+        let watermark = kv.arena_watermark();
+        if floor_chunks * bpc <= watermark {
             return Err(Error::config(
                 "floor_bytes",
                 format!(
-                    "{name}: a floor of {} blocks must be above the watermark of {}",
+                    "{name}: a floor of {} blocks must be above the watermark of {watermark}",
                     floor_chunks * bpc,
-                    kv.config().watermark_blocks
                 ),
             ));
         }

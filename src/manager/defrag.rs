@@ -487,6 +487,15 @@ impl KvCache {
         }
     }
 
+    /// The free blocks kept at admission, below which the arena cannot shrink: the
+    /// config's `watermark_blocks`, or a hybrid cache's watermark in pages.
+    pub(crate) fn arena_watermark(&self) -> usize {
+        match &self.hybrid {
+            Some(h) => h.watermark_pages(),
+            None => self.config.watermark_blocks,
+        }
+    }
+
     // ---- internals ----------------------------------------------------------------
 
     fn occupancy(&self) -> Occupancy {

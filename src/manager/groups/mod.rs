@@ -1748,6 +1748,11 @@ impl Groups {
         Ok(plan)
     }
 
+    /// The pages kept free at admission ([`Self::with_watermark`]).
+    pub fn watermark_pages(&self) -> usize {
+        self.watermark_pages
+    }
+
     /// Refuses an arena of `num_pages` that cannot hold the watermark or one state.
     pub fn check_new_size(&self, num_pages: usize) -> Result<()> {
         if num_pages == 0 || num_pages <= self.watermark_pages {
