@@ -2,7 +2,7 @@
 //! moving memory between a hybrid model and a one-group model:
 //!
 //! * shrink moves every held page above the cut (live, cached prompt pages, kept
-//!   window pages, state pages) below it, whichever group owns it, and the bytes follow, read back
+//!   window pages, state pages, checkpoints) below it, whichever group owns it, and the bytes follow, read back
 //!   through every group's tables; grow adds pages that every group can take;
 //! * refused shrinks and grows, and dropped plans, change nothing;
 //! * a broker grows a hybrid model by shrinking a one-group one, and back.
@@ -473,4 +473,46 @@ fn broker_moves_memory_between_a_hybrid_and_a_one_group_model() {
     broker.wake(h, 3 * chunk).unwrap();
     assert_eq!(broker.lock(h).unwrap().kv().num_blocks(), 3 * bpc);
     broker.check_invariants().unwrap();
+}
+
+#[test]
+fn checkpoints_move_with_a_shrink_and_still_serve_their_state() {
+    let specs = vec![GroupSpec::full(layout()), GroupSpec::state(layout(), 2)];
+    let mut f = Fixture::new(&specs, 40);
+    f.admit(1, 20); // low in the arena, freed below
+    let prompt: Vec<u32> = (0..16).collect();
+    f.admit_tokens(2, &prompt);
+    assert!(f.kv.checkpoint_grouped(SeqId(2), &mut f.step).unwrap());
+    f.store.copy_blocks(&f.step.copies[1]).unwrap();
+    f.free(1);
+    f.free(2); // its prompt stays cached, its state checkpointed
+    f.check();
+    let st = f.kv.group_stats();
+    let held = st.used_pages + st.cached_pages;
+    assert!(held > 0 && f.kv.high_water_blocks() > held, "{st:?}");
+    let plan = shrink_to(&mut f.kv, held, &mut f.store).unwrap();
+    assert!(!plan.is_empty());
+    f.check();
+    // The checkpoint followed its pages: a longer prompt resumes from it, and its
+    // copies carry sequence 2's state into the new sequence's state pages.
+    grow_to(&mut f.kv, 40, &mut f.store).unwrap();
+    let longer: Vec<u32> = (0..20).collect();
+    let opts = AdmitOptions::default();
+    let adm =
+        f.kv.admit_tokens_grouped(SeqId(3), &longer, &opts, &mut f.step)
+            .unwrap();
+    assert_eq!(adm.cached_tokens, 16);
+    f.store.copy_blocks(&f.step.copies[1]).unwrap();
+    let pages = f.kv.group(1).block_table(SeqId(3)).unwrap().to_vec();
+    let mut k = vec![0u8; BS * HEAD_DIM * 4];
+    let mut v = k.clone();
+    for (i, &p) in pages.iter().enumerate() {
+        f.store.read_tokens(0, &[p], BS, &mut k, &mut v).unwrap();
+        for j in 0..BS {
+            let off = j * HEAD_DIM * 4;
+            let got = f32::from_le_bytes(k[off..off + 4].try_into().unwrap());
+            assert_eq!(got, value(1, 2, i * BS + j), "state page {i} slot {j}");
+        }
+    }
+    f.kv.check_invariants().unwrap();
 }
