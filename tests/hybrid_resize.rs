@@ -2,8 +2,9 @@
 //! moving memory between a hybrid model and a one-group model:
 //!
 //! * shrink moves every held page above the cut (live, cached prompt pages, kept
-//!   window pages, state pages, checkpoints) below it, whichever group owns it, and the bytes follow, read back
-//!   through every group's tables; grow adds pages that every group can take;
+//!   window pages, state pages, checkpoints) below it, whichever group owns it, and
+//!   the bytes follow, read back through every group's tables; grow adds pages that
+//!   every group can take;
 //! * refused shrinks and grows, and dropped plans, change nothing;
 //! * a broker grows a hybrid model by shrinking a one-group one, and back.
 
