@@ -44,6 +44,12 @@
 //! Export and import of one sequence across every group (window holes stay holes):
 //! [`crate::export::groups`].
 //!
+//! Compaction ([`KvCache::plan_defragment_grouped`]) and resize ([`KvCache::plan_shrink`],
+//! [`KvCache::plan_grow`]) plan one `MovePlan` over page ids: a destination owned by
+//! another group changes owner at commit; a shrink then takes the tail out of every
+//! group's pool (the lenders give their pages back first), a grow adds pages owned by
+//! group 0.
+//!
 //! **Recurrent-state groups** ([`GroupSpec::state`]: the Mamba, Mamba-2 or gated
 //! DeltaNet layers of a hybrid model) hold a fixed state per sequence, whatever its
 //! length: every sequence holds exactly the group's `pages_per_seq` pages from its
