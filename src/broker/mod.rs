@@ -708,7 +708,11 @@ impl<S: Storage> Broker<S> {
     }
 
     /// Registers a model whose arena (`kv` and `storage`, of equal size) is a whole
-    /// number of chunks, taken from the free budget ([`MoveReason::Register`]).
+    /// number of chunks, taken from the free budget ([`MoveReason::Register`]). A
+    /// hybrid cache ([`KvCache::hybrid`]) registers with the one storage of its pages
+    /// and resizes across its groups; its [`Broker::sleep`] with
+    /// `swap_out_sequences` or `spill_cached_prefixes` refuses
+    /// ([`Error::NotOnHybrid`], nothing changed).
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] when the arena is not a whole number of chunks, lies
@@ -727,7 +731,6 @@ impl<S: Storage> Broker<S> {
         limits: ModelLimits,
     ) -> Result<ModelId> {
         let name = name.into();
-        kv.one_group("Broker::register")?;
         let bpc = self.blocks_per_chunk(kv.layout())?;
         let layout = *kv.layout();
         // The storage's own granule where it has one (CUDA), else the declared one.
@@ -781,13 +784,13 @@ impl<S: Storage> Broker<S> {
         let chunks = kv.num_blocks() / bpc;
         let floor_chunks = limits.floor_bytes.div_ceil(chunk).max(1);
         let ceiling_chunks = (limits.ceiling_bytes / chunk).min(kv.max_num_blocks() / bpc);
-        if floor_chunks * bpc <= kv.config().watermark_blocks {
+        let watermark = kv.arena_watermark();
+        if floor_chunks * bpc <= watermark {
             return Err(Error::config(
                 "floor_bytes",
                 format!(
-                    "{name}: a floor of {} blocks must be above the watermark of {}",
+                    "{name}: a floor of {} blocks must be above the watermark of {watermark}",
                     floor_chunks * bpc,
-                    kv.config().watermark_blocks
                 ),
             ));
         }

@@ -94,6 +94,8 @@ pub fn defragment_with<S: Storage + ?Sized>(
 
 /// Shrinks the arena to `num_blocks`: [`KvCache::plan_shrink`], the moves on
 /// `storage`, the storage's tail released, then the commit. Returns the executed moves.
+/// A hybrid cache's `storage` is the one storage of its pages (every group's layout
+/// equal): the moves are over page ids, whichever group owns them.
 ///
 /// # Errors
 /// As [`KvCache::plan_shrink`]; [`Error::InvalidConfig`] /

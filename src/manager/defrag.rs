@@ -44,6 +44,12 @@
 //! into holes below it, then releases the tail in the storage and the manager.
 //! [`crate::executor::grow_to`] adds free blocks at the tail; since a block's address
 //! does not depend on the arena size (see [`crate::layout`]), no live data moves.
+//!
+//! A hybrid cache resizes its one arena across groups (`manager/groups/`): a shrink
+//! moves every page any group holds at or above the new size (live, cached, kept
+//! window pages, checkpoints) into the lowest free pages below it, whichever group
+//! owns them, and every group's pool loses the tail; grown pages start in group 0, as
+//! at construction. [`PendingResize`] serves both.
 
 use super::KvCache;
 use crate::error::{Error, Result};
@@ -362,7 +368,8 @@ impl KvCache {
     /// ([`crate::executor::shrink_to`] does all three).
     ///
     /// Cached (prefix-cache) blocks count as resident: evict them first to shrink
-    /// further.
+    /// further. On a hybrid cache, every page any group holds is resident (see the
+    /// module docs), and the arena cannot go below a state group's pages per sequence.
     ///
     /// # Errors
     /// [`Error::ShrinkBelowResident`] when the live and cached blocks need more than
@@ -372,7 +379,14 @@ impl KvCache {
     /// reservation holds a block at or above `num_blocks` (the step is writing into
     /// it: commit first). Nothing changed.
     pub fn plan_shrink(&mut self, num_blocks: usize) -> Result<PendingResize<'_>> {
-        self.one_group("plan_shrink")?;
+        if let Some(h) = &self.hybrid {
+            let plan = h.plan_shrink(num_blocks)?;
+            return Ok(PendingResize {
+                manager: self,
+                num_blocks,
+                plan,
+            });
+        }
         self.check_no_transfers()?;
         let old = self.num_blocks();
         if num_blocks > old {
@@ -414,7 +428,6 @@ impl KvCache {
     /// space); [`Error::InvalidConfig`] when `num_blocks` is below the arena. Nothing
     /// changed.
     pub fn plan_grow(&mut self, num_blocks: usize) -> Result<PendingResize<'_>> {
-        self.one_group("plan_grow")?;
         let old = self.num_blocks();
         if num_blocks < old {
             return Err(Error::config(
@@ -442,9 +455,17 @@ impl KvCache {
         if num_blocks == self.num_blocks() {
             return Ok(());
         }
+        if let Some(h) = &mut self.hybrid {
+            return h.commit_resize(num_blocks, plan);
+        }
         // Nothing below can fail: the plan was made from this state and, once it is
         // applied, every block at or above `num_blocks` is free.
         self.commit_moves(plan)?;
+        self.resize_arena(num_blocks)
+    }
+
+    /// Sets the arena to `num_blocks`; every block at or above a smaller size is free.
+    pub(crate) fn resize_arena(&mut self, num_blocks: usize) -> Result<()> {
         self.pool.resize(num_blocks)?;
         self.prefix.resize(num_blocks)?;
         self.fill_dirty.resize(num_blocks);
@@ -463,6 +484,15 @@ impl KvCache {
         match self.config.max_num_blocks {
             0 => id_space,
             n => n.min(id_space),
+        }
+    }
+
+    /// The free blocks kept at admission, below which the arena cannot shrink: the
+    /// config's `watermark_blocks`, or a hybrid cache's watermark in pages.
+    pub(crate) fn arena_watermark(&self) -> usize {
+        match &self.hybrid {
+            Some(h) => h.watermark_pages(),
+            None => self.config.watermark_blocks,
         }
     }
 

@@ -76,6 +76,9 @@ impl KvCache {
     /// The lowest-numbered sequence holding an uncommitted reservation, if any
     /// (O(sequences)).
     pub(crate) fn mid_step_sequence(&self) -> Option<SeqId> {
+        if let Some(h) = &self.hybrid {
+            return h.mid_step_sequence();
+        }
         self.seqs
             .iter()
             .filter(|(_, s)| is_mid_step(s))

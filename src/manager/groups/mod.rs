@@ -44,6 +44,12 @@
 //! Export and import of one sequence across every group (window holes stay holes):
 //! [`crate::export::groups`].
 //!
+//! Compaction ([`KvCache::plan_defragment_grouped`]) and resize ([`KvCache::plan_shrink`],
+//! [`KvCache::plan_grow`]) plan one `MovePlan` over page ids: a destination owned by
+//! another group changes owner at commit; a shrink then takes the tail out of every
+//! group's pool (the lenders give their pages back first), a grow adds pages owned by
+//! group 0.
+//!
 //! **Recurrent-state groups** ([`GroupSpec::state`]: the Mamba, Mamba-2 or gated
 //! DeltaNet layers of a hybrid model) hold a fixed state per sequence, whatever its
 //! length: every sequence holds exactly the group's `pages_per_seq` pages from its
@@ -1684,6 +1690,181 @@ impl Groups {
         }
     }
 
+    /// The sequence of any group mid-step (holding an uncommitted reservation), the
+    /// lowest id; `None` when no group is mid-step.
+    pub fn mid_step_sequence(&self) -> Option<SeqId> {
+        self.groups
+            .iter()
+            .filter_map(|kv| kv.mid_step_sequence())
+            .min()
+    }
+
+    /// Plans shrinking the arena to `num_pages` (see [`KvCache::plan_shrink`]): every
+    /// page held by any group (live, cached in a prefix cache, a kept window page, a
+    /// checkpoint) at or above `num_pages` moves into the lowest free page below it,
+    /// whoever owns that page; the fewest moves, no full compaction. Returns the moves
+    /// over page ids.
+    ///
+    /// # Errors
+    /// [`Error::ShrinkBelowResident`] when the held pages need more than `num_pages`
+    /// (`live`: the pages the sequences hold; `cached`: the rest, evictable or not);
+    /// [`Error::InvalidConfig`] when `num_pages` is above the arena, is 0, is not above
+    /// the watermark, or is below a state group's pages per sequence;
+    /// [`Error::Unsupported`] while swaps are in flight; [`Error::SequenceState`] when
+    /// a sequence holding an uncommitted reservation holds a page at or above
+    /// `num_pages`. Nothing changed.
+    pub fn plan_shrink(&self, num_pages: usize) -> Result<MovePlan> {
+        if let Some(n) = self
+            .groups
+            .iter()
+            .map(|kv| kv.tiers.num_in_flight())
+            .find(|&n| n > 0)
+        {
+            return Err(Error::Unsupported(format!(
+                "shrink with {n} swap transfers in flight; complete or abort them first"
+            )));
+        }
+        let old = self.num_pages;
+        if num_pages > old {
+            return Err(Error::config(
+                "num_pages",
+                format!("shrink to {num_pages} is above the arena's {old} pages; grow instead"),
+            ));
+        }
+        let held: Vec<bool> = self.held_pages().collect();
+        let resident = held.iter().filter(|&&h| h).count();
+        if num_pages < resident {
+            let live = self.stats().used_pages;
+            return Err(Error::ShrinkBelowResident {
+                requested: num_pages,
+                live,
+                cached: resident - live,
+            });
+        }
+        self.check_new_size(num_pages)?;
+        for kv in &self.groups {
+            kv.check_tail_not_in_flight(num_pages)?;
+        }
+        let sources = (num_pages..old).filter(|&p| held[p]);
+        let dests = (0..num_pages).filter(|&p| !held[p]);
+        let mut plan = MovePlan::new();
+        for (src, dst) in sources.zip(dests) {
+            plan.push(BlockId(src as u32), BlockId(dst as u32));
+        }
+        Ok(plan)
+    }
+
+    /// The pages kept free at admission ([`Self::with_watermark`]).
+    pub fn watermark_pages(&self) -> usize {
+        self.watermark_pages
+    }
+
+    /// Refuses an arena of `num_pages` that cannot hold the watermark or one state.
+    pub fn check_new_size(&self, num_pages: usize) -> Result<()> {
+        if num_pages == 0 || num_pages <= self.watermark_pages {
+            return Err(Error::config(
+                "num_pages",
+                format!(
+                    "{num_pages} pages; the arena needs more than the watermark of {}",
+                    self.watermark_pages
+                ),
+            ));
+        }
+        if let Some((g, p)) = self
+            .state_pages
+            .iter()
+            .enumerate()
+            .find_map(|(g, p)| p.filter(|&p| p > num_pages).map(|p| (g, p)))
+        {
+            return Err(Error::config(
+                "num_pages",
+                format!("{num_pages} pages; state group {g} needs {p} per sequence"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Sets the arena to `num_pages` after `plan`'s moves (from [`Self::plan_shrink`],
+    /// empty for a grow) were executed: the moves commit as a compaction's do, the
+    /// pages at or above a smaller size leave every group's pool (the lenders give
+    /// theirs back first), and the pages a larger size adds belong to group 0 (the
+    /// other groups' lenders hold them), as at construction.
+    ///
+    /// # Errors
+    /// [`Error::CorruptBlockTable`] when the groups' state contradicts the plan (it
+    /// cannot: the plan was made under the same borrow).
+    pub(super) fn commit_resize(&mut self, num_pages: usize, plan: &MovePlan) -> Result<()> {
+        let mut per_group = vec![MovePlan::new(); self.groups.len()];
+        for m in plan.moves() {
+            per_group[self.owner(m.src)].push(m.src, m.dst);
+        }
+        self.commit_group_moves(&per_group)?;
+        let old = self.num_pages;
+        // Every page at or above a smaller size is free in its owner now; the other
+        // groups' lenders give it back, so that it is free in every group.
+        for p in num_pages..old {
+            for g in 0..self.groups.len() {
+                let pos = self.lent_pos[g][p];
+                if pos == NOT_LENT {
+                    continue;
+                }
+                if let Some(moved) = self.groups[g].reclaim_page(pos as usize)? {
+                    self.lent_pos[g][moved.index()] = pos;
+                }
+                self.lent_pos[g][p] = NOT_LENT;
+                self.lent[g] -= 1;
+            }
+        }
+        for kv in &mut self.groups {
+            kv.resize_arena(num_pages)?;
+        }
+        for pos in &mut self.lent_pos {
+            pos.resize(num_pages, NOT_LENT);
+        }
+        for g in 1..self.groups.len() {
+            for p in old..num_pages {
+                let at = self.groups[g].lend_this_page(BlockId(p as u32))?;
+                self.lent_pos[g][p] = at as u32;
+                self.lent[g] += 1;
+            }
+        }
+        self.num_pages = num_pages;
+        // Every group accepts the longest sequence the new arena holds, as at
+        // construction.
+        let max_len = self
+            .groups
+            .iter()
+            .zip(&self.state_pages)
+            .filter(|(kv, s)| kv.window.is_none() && s.is_none())
+            .map(|(kv, _)| num_pages * kv.block_size())
+            .min()
+            .unwrap_or(usize::MAX);
+        for (kv, s) in self.groups.iter_mut().zip(&self.state_pages) {
+            if s.is_none() {
+                kv.config.max_seq_len_tokens = max_len;
+            }
+        }
+        Ok(())
+    }
+
+    /// Commits executed moves, `per_group[g]` holding those of group `g`'s pages: each
+    /// destination changes owner to the source's group, then every group remaps its
+    /// tables.
+    fn commit_group_moves(&mut self, per_group: &[MovePlan]) -> Result<()> {
+        for (g, plan) in per_group.iter().enumerate() {
+            for m in plan.moves() {
+                self.move_page_to(m.dst, g)?;
+            }
+        }
+        for (kv, plan) in self.groups.iter_mut().zip(per_group) {
+            if !plan.is_empty() {
+                kv.commit_moves(plan)?;
+                kv.pool.reorder_free_low_first();
+            }
+        }
+        Ok(())
+    }
+
     // ---- internals ----------------------------------------------------------------
 
     /// Runs one swap call in every group; undoes the groups done when one fails
@@ -2123,17 +2304,7 @@ impl PendingGroupDefrag<'_> {
     /// [`Error::CorruptBlockTable`] when the groups' state contradicts the plan (it
     /// cannot: the plan was made under the same borrow).
     pub fn commit(self) -> Result<MovePlan> {
-        for (g, plan) in self.per_group.iter().enumerate() {
-            for m in plan.moves() {
-                self.groups.move_page_to(m.dst, g)?;
-            }
-        }
-        for (kv, plan) in self.groups.groups.iter_mut().zip(&self.per_group) {
-            if !plan.is_empty() {
-                kv.commit_moves(plan)?;
-                kv.pool.reorder_free_low_first();
-            }
-        }
+        self.groups.commit_group_moves(&self.per_group)?;
         Ok(self.plan)
     }
 }
