@@ -1190,7 +1190,7 @@ impl Model {
     }
 }
 
-/// Issue 39: every mover (defragmentation, one-call and planned; shrink, one-call and
+/// Every mover (defragmentation, one-call and planned; shrink, one-call and
 /// planned; grow; preemption; fork; swap out and in; truncate; prefix reset; free of
 /// another sequence) at any point of a step: before `reserve`, between `reserve` and
 /// the step's write, between the write and `commit`. Movers that refuse a sequence
