@@ -762,7 +762,7 @@ impl Groups {
     /// Group `g`'s handle of the sequence group 0's handle `h0` names: the same
     /// handle where the groups' slots agree (they admit and free the same sequences
     /// in the same order), else a lookup of the id.
-    fn group_handle(&self, g: usize, h0: SeqHandle) -> Result<SeqHandle> {
+    pub(super) fn group_handle(&self, g: usize, h0: SeqHandle) -> Result<SeqHandle> {
         if g == 0 {
             return Ok(h0);
         }
