@@ -621,12 +621,13 @@ impl Groups {
     /// Whether a window group may give back blocks of the sequence of group 0's
     /// handle `h` when its next query reaches `query`: `false` only when every window
     /// group already released all its blocks before that query's window, so that
-    /// [`Self::note_leaving`] would note nothing. By handle, no hashing; a handle
-    /// that does not resolve answers `true` (`note_leaving` decides by id).
+    /// [`Self::note_leaving`] would note nothing. By handle (the commit's own, just
+    /// found), no hashing; a handle that does not resolve answers `true`
+    /// (`note_leaving` decides by id).
     fn may_give_back(&self, h: crate::ids::SeqHandle, query: usize) -> bool {
         self.groups.iter().enumerate().any(|(g, kv)| {
             kv.window.is_some()
-                && match self.group_handle(g, h).ok().and_then(|hg| kv.seqs.at(hg)) {
+                && match self.known_handle(g, h).ok().and_then(|hg| kv.seqs.at(hg)) {
                     Some((_, s)) => kv.first_block_in_window(query).min(s.table.len()) > s.released,
                     None => true,
                 }
