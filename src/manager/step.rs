@@ -762,7 +762,7 @@ impl Groups {
     /// Group `g`'s handle of the sequence group 0's handle `h0` names: the same
     /// handle where the groups' slots agree (they admit and free the same sequences
     /// in the same order), else a lookup of the id.
-    fn group_handle(&self, g: usize, h0: SeqHandle) -> Result<SeqHandle> {
+    pub(super) fn group_handle(&self, g: usize, h0: SeqHandle) -> Result<SeqHandle> {
         if g == 0 {
             return Ok(h0);
         }
@@ -772,6 +772,78 @@ impl Groups {
             Some((id, _)) if id == seq => Ok(h0),
             _ => kv.seqs.handle(&seq).ok_or(Error::StaleHandle(h0)),
         }
+    }
+
+    /// [`Self::group_handle`] through the handle last found for group 0's slot of
+    /// `h0` (`step_handles`, kept by [`Self::step_handle`]), which is checked as the
+    /// same-slot guess is: it names the sequence only when that slot of group `g`, at
+    /// that generation, holds `h0`'s id. Where the groups' slots differ (a hidden
+    /// sequence only some groups hold), a step then looks no id up but for sequences
+    /// new to their slot.
+    pub(super) fn known_handle(&self, g: usize, h0: SeqHandle) -> Result<SeqHandle> {
+        if g == 0 {
+            return Ok(h0);
+        }
+        let (seq, _) = self.group(0).seqs.at(h0).ok_or(Error::StaleHandle(h0))?;
+        let known = self
+            .step_handles
+            .get(g)
+            .and_then(|t| t.get(h0.index as usize));
+        match known {
+            Some(&h) if matches!(self.group(g).seqs.at(h), Some((id, _)) if id == seq) => Ok(h),
+            _ => self.group_handle(g, h0),
+        }
+    }
+
+    /// [`Self::known_handle`], recording what it found (no allocation once the
+    /// record spans group 0's slots).
+    fn step_handle(&mut self, g: usize, h0: SeqHandle) -> Result<SeqHandle> {
+        let h = self.known_handle(g, h0)?;
+        if g > 0 {
+            if self.step_handles.len() <= g {
+                self.step_handles.resize_with(g + 1, Vec::new);
+            }
+            let record = &mut self.step_handles[g];
+            let i = h0.index as usize;
+            if record.len() <= i {
+                record.resize(i + 1, h0);
+            }
+            record[i] = h;
+        }
+        Ok(h)
+    }
+
+    /// Fills `list` with a step's `items` (group 0's handles, read by `handle`) under
+    /// group `g`'s handles, rewritten by `with`; leaves it empty when every handle is
+    /// the same in group `g` (always in group 0; in the others where the groups'
+    /// slots agree, the usual case), so that `items` serve as they are. A step's
+    /// lists are then one per group whose handles differ, each as long as `items`.
+    fn own_handles<T: Copy>(
+        &mut self,
+        g: usize,
+        items: &[T],
+        handle: impl Fn(&T) -> SeqHandle,
+        with: impl Fn(T, SeqHandle) -> T,
+        list: &mut Vec<T>,
+    ) -> Result<()> {
+        list.clear();
+        if g == 0 {
+            return Ok(());
+        }
+        let mut own = false;
+        for (i, &item) in items.iter().enumerate() {
+            let h0 = handle(&item);
+            let h = self.step_handle(g, h0)?;
+            if !own && h != h0 {
+                // The first handle that differs: the items so far are the same.
+                own = true;
+                list.extend_from_slice(&items[..i]);
+            }
+            if own {
+                list.push(with(item, h));
+            }
+        }
+        Ok(())
     }
 
     /// [`KvCache::reserve_step_grouped`] of a hybrid cache.
@@ -808,20 +880,21 @@ impl Groups {
         ahead: bool,
     ) -> Result<()> {
         for (g, list) in per_group.iter_mut().enumerate() {
-            list.clear();
-            for e in entries {
-                list.push(StepEntry {
-                    seq: self.group_handle(g, e.seq)?,
-                    ..*e
-                });
-            }
+            self.own_handles(g, entries, |e| e.seq, |e, seq| StepEntry { seq, ..e }, list)?;
         }
+        let per_group = &*per_group;
+        // Group `g`'s entries: group 0's where every handle is the same.
+        let list_of = |g: usize| match &per_group[g] {
+            own if own.len() == entries.len() => &own[..],
+            _ => entries,
+        };
         let mut bounds: smallvec::SmallVec<[usize; 8]> = smallvec::SmallVec::new();
-        for (g, list) in per_group.iter().enumerate() {
+        for (g, buffers) in out.iter().enumerate() {
+            let list = list_of(g);
             bounds.push(match self.state_pages(g) {
                 // A state group allocates nothing in a step.
-                Some(pages) => check_state_rows(list.len(), pages, &out[g])?,
-                None => self.group_mut(g).check_step(list, ids, &out[g], ahead)?,
+                Some(pages) => check_state_rows(list.len(), pages, buffers)?,
+                None => self.group_mut(g).check_step(list, ids, buffers, ahead)?,
             });
         }
         // Pages per group: the bound where the arena holds every bound, else each
@@ -832,26 +905,25 @@ impl Groups {
             let need = if self.state_pages(g).is_some() {
                 0
             } else if exact {
-                self.group(g).step_need(&per_group[g])?
+                self.group(g).step_need(list_of(g))?
             } else {
                 bounds[g]
             };
             self.set_need(g, need);
         }
         self.give_needed_pages()?;
-        for (g, list) in per_group.iter().enumerate() {
+        for (g, &bound) in bounds.iter().enumerate() {
             if self.state_pages(g).is_none() {
-                let bound = bounds[g];
                 self.group_mut(g)
-                    .fill_step(list, ids, &mut out[g], bound, ahead)?;
+                    .fill_step(list_of(g), ids, &mut out[g], bound, ahead)?;
             }
         }
         // Then the state groups' rows, beside group 0's (never a state group).
         let (first, rest) = out.split_at_mut(1);
-        for (g, list) in per_group.iter().enumerate().skip(1) {
+        for g in 1..per_group.len() {
             if self.state_pages(g).is_some() {
                 self.group(g)
-                    .fill_state_rows(list, &first[0], &mut rest[g - 1]);
+                    .fill_state_rows(list_of(g), &first[0], &mut rest[g - 1]);
             }
         }
         self.note_step_usage();
@@ -866,23 +938,25 @@ impl Groups {
         scratch.resize_with(groups, Vec::new);
         let result = (|| {
             for (g, list) in scratch.iter_mut().enumerate() {
-                list.clear();
-                for &(h, n) in accepted {
-                    list.push((self.group_handle(g, h)?, n));
-                }
+                self.own_handles(g, accepted, |a| a.0, |(_, n), h| (h, n), list)?;
             }
+            // Group `g`'s entries: group 0's where every handle is the same.
+            let list_of = |g: usize| match &scratch[g] {
+                own if own.len() == accepted.len() => &own[..],
+                _ => accepted,
+            };
             // A state group holds no reservation: nothing to commit there.
-            for (g, list) in scratch.iter().enumerate() {
+            for g in 0..groups {
                 if self.state_pages(g).is_none() {
-                    self.group_mut(g).check_commit_step(list)?;
+                    self.group_mut(g).check_commit_step(list_of(g))?;
                 }
             }
             // The window blocks the commits give back stay cached.
             self.note_step_leaving(accepted);
             let mut registered = 0;
-            for (g, list) in scratch.iter().enumerate() {
+            for g in 0..groups {
                 if self.state_pages(g).is_none() {
-                    registered += self.group_mut(g).commit_step_checked(list)?;
+                    registered += self.group_mut(g).commit_step_checked(list_of(g))?;
                 }
             }
             self.keep_leaving()?;

@@ -291,6 +291,10 @@ pub(crate) struct Groups {
     /// group's handles (see `manager/step.rs`).
     pub(super) step_entries: Vec<Vec<super::StepEntry>>,
     pub(super) step_accepted: Vec<Vec<(SeqHandle, usize)>>,
+    /// Scratch of the step path: `step_handles[g][i]`, group `g`'s handle last found
+    /// for the sequence in group 0's slot `i`: a guess, checked at every use (see
+    /// `manager/step.rs`), that spares the lookup by id where the groups' slots differ.
+    pub(super) step_handles: Vec<Vec<SeqHandle>>,
     /// `host_lent_pos[g][block]`: as `lent_pos`, for the shared host tier.
     host_lent_pos: Vec<Vec<u32>>,
     /// `state_pages[g]`: the pages each sequence holds in group `g` when it is a
@@ -444,6 +448,7 @@ impl Groups {
             needs: vec![0; groups.len()],
             step_entries: Vec::new(),
             step_accepted: Vec::new(),
+            step_handles: Vec::new(),
             lent,
             groups,
             lent_pos,

@@ -610,8 +610,27 @@ impl Groups {
         for &(h, n) in accepted {
             if let Some((id, s)) = self.groups[0].seqs.at(h) {
                 let query = s.computed + n;
-                self.note_leaving(id, Some(query));
+                // Most commits give nothing back: skip the lookups by id then.
+                if self.may_give_back(h, query) {
+                    self.note_leaving(id, Some(query));
+                }
             }
         }
+    }
+
+    /// Whether a window group may give back blocks of the sequence of group 0's
+    /// handle `h` when its next query reaches `query`: `false` only when every window
+    /// group already released all its blocks before that query's window, so that
+    /// [`Self::note_leaving`] would note nothing. By handle (the commit's own, just
+    /// found), no hashing; a handle that does not resolve answers `true`
+    /// (`note_leaving` decides by id).
+    fn may_give_back(&self, h: crate::ids::SeqHandle, query: usize) -> bool {
+        self.groups.iter().enumerate().any(|(g, kv)| {
+            kv.window.is_some()
+                && match self.known_handle(g, h).ok().and_then(|hg| kv.seqs.at(hg)) {
+                    Some((_, s)) => kv.first_block_in_window(query).min(s.table.len()) > s.released,
+                    None => true,
+                }
+        })
     }
 }
