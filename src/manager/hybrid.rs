@@ -533,6 +533,48 @@ impl KvCache {
         }
     }
 
+    /// [`Self::reserve_ahead`] in every group of the cache: reserves the next `n`
+    /// query tokens of `seq` plus `lookahead` on top of its outstanding reservations
+    /// (the per-sequence form of [`Self::reserve_step_ahead_grouped`]; a state group
+    /// reserves nothing). Commits take the reservations oldest first.
+    ///
+    /// ```
+    /// use pagedkv::{DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape, SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 8,
+    ///                          kv_dtype: DType::BF16 };
+    /// let l = KvLayout::new(shape, 16)?;
+    /// let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::window(l, 32)], 64)?;
+    /// let mut step = GroupStep::default();
+    /// kv.admit_grouped(SeqId(1), 40, &mut step)?;
+    /// kv.reserve_grouped(SeqId(1), 1, 0, &mut step)?;        // step N
+    /// kv.reserve_ahead_grouped(SeqId(1), 1, 0, &mut step)?;  // step N+1, before N commits
+    /// assert_eq!(kv.num_reservations(SeqId(1))?, 2);
+    /// kv.commit(SeqId(1), 1)?;
+    /// kv.commit(SeqId(1), 1)?;
+    /// assert_eq!(kv.num_computed_tokens(SeqId(1))?, 42);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Self::reserve_grouped`], except that outstanding reservations are allowed
+    /// (then `n` must be at least 1). Nothing changed on error.
+    pub fn reserve_ahead_grouped(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        lookahead: usize,
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        match &mut self.hybrid {
+            Some(h) => h.reserve_ahead(seq, n, lookahead, step),
+            None => {
+                let (slots, copies) = step.one_group();
+                self.reserve_ahead(seq, n, lookahead, slots, copies)
+            }
+        }
+    }
+
     /// Plans the swap-out of `seq` in every group at once: each group's plan copies the
     /// blocks the sequence holds there (a window group's holes stay holes) to blocks of
     /// the shared host tier. Execute every plan of the job, then

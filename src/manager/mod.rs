@@ -968,6 +968,26 @@ impl KvCache {
         Ok(self.reserve_cost(s, target).0)
     }
 
+    /// [`Self::blocks_needed`] of a one-group cache, from the end of `seq`'s
+    /// outstanding reservations when `ahead` (what [`Self::reserve_ahead`] takes),
+    /// else from its computed tokens.
+    pub(crate) fn blocks_needed_from_end(
+        &self,
+        seq: SeqId,
+        n: usize,
+        lookahead: usize,
+        ahead: bool,
+    ) -> Result<usize> {
+        let s = self.resident(seq)?;
+        let base = if ahead {
+            s.computed + s.scheduled
+        } else {
+            s.computed
+        };
+        let target = self.reserve_target_from(base, n, lookahead)?;
+        Ok(self.reserve_cost(s, target).0)
+    }
+
     /// Blocks the reservations of `batch`, each `(seq, n, lookahead)`, take from the
     /// pool when made in that order by [`Self::reserve`] (the need of a step, for
     /// [`Self::num_available_blocks`] or [`Self::preempt_for`]). Unlike a sum of

@@ -438,10 +438,16 @@ fn cancel_drops_every_reservation_and_movers_wait_for_it() {
     kv.check_invariants().unwrap();
 }
 
+/// On a hybrid cache the per-sequence reservation ahead is `reserve_ahead_grouped`
+/// (the one-group `reserve_ahead`, with one slot list, refuses by name). In every group
+/// it hands out the slots of the positions after the outstanding reservations, through
+/// the group's table, as many slots and copies as the batch step ahead does on a twin
+/// cache (which may pick other pages), through window releases and rebasing commits.
 #[test]
-fn a_hybrid_cache_refuses_reservations_ahead_by_name() {
+fn a_hybrid_reservation_ahead_per_sequence_matches_the_batch_step() {
     let l = layout();
-    let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::window(l, 8)], 32).unwrap();
+    let specs = [GroupSpec::full(l), GroupSpec::window(l, 8)];
+    let mut kv = KvCache::hybrid(&specs, 48).unwrap();
     let (mut slots, mut copies) = (Vec::new(), CopyPlan::default());
     let err = kv
         .reserve_ahead(SeqId(1), 1, 0, &mut slots, &mut copies)
@@ -456,6 +462,95 @@ fn a_hybrid_cache_refuses_reservations_ahead_by_name() {
         ),
         "{err}"
     );
+    let mut twin = KvCache::hybrid(&specs, 48).unwrap();
+    let mut step = pagedkv::GroupStep::default();
+    kv.admit_grouped(SeqId(1), 10, &mut step).unwrap();
+    twin.admit_grouped(SeqId(1), 10, &mut step).unwrap();
+    let h = twin.handle(SeqId(1)).unwrap();
+    let mut bufs = [StepBuffers::new(4, 16, 16), StepBuffers::new(4, 16, 16)];
+    // (new tokens, lookahead, accepted at the commit of the oldest reservation).
+    let steps = [
+        (3, 0, 3),
+        (2, 1, 1),
+        (4, 0, 4),
+        (1, 2, 0),
+        (3, 0, 2),
+        (2, 0, 2),
+    ];
+    for (i, &(n, lookahead, accepted)) in steps.iter().enumerate() {
+        let base = kv.context_len(SeqId(1)).unwrap();
+        kv.reserve_ahead_grouped(SeqId(1), n, lookahead, &mut step)
+            .unwrap();
+        let e = [StepEntry {
+            seq: h,
+            new_tokens: n,
+            lookahead,
+        }];
+        twin.reserve_step_ahead_grouped(&e, &mut bufs).unwrap();
+        for (g, b) in bufs.iter().enumerate() {
+            let table = kv.group(g).block_table(SeqId(1)).unwrap();
+            let want: Vec<u64> = (base..base + n + lookahead)
+                .map(|p| u64::from(table[p / BS].0) * BS as u64 + (p % BS) as u64)
+                .collect();
+            let got: Vec<u64> = step.slots[g].iter().map(|s| s.0).collect();
+            assert_eq!(got, want, "step {i} group {g}: slots through the table");
+            // The batch's slot mapping holds the query tokens; lookahead slots are
+            // the per-sequence call's tail.
+            assert_eq!(n, b.slot_mapping().len(), "step {i} group {g}");
+            assert_eq!(
+                step.copies[g].copies().len(),
+                b.copies().copies().len(),
+                "step {i} group {g}"
+            );
+        }
+        assert_eq!(
+            kv.num_reservations(SeqId(1)),
+            twin.num_reservations(SeqId(1))
+        );
+        kv.check_invariants().unwrap();
+        // Every other step, the oldest reservation commits (some drafts rejected), so
+        // the next reservation goes on top of one still outstanding.
+        if i % 2 == 1 {
+            kv.commit(SeqId(1), accepted).unwrap();
+            twin.commit_step(&[(h, accepted)]).unwrap();
+            assert_eq!(
+                kv.num_computed_tokens(SeqId(1)),
+                twin.num_computed_tokens(SeqId(1))
+            );
+            assert_eq!(kv.context_len(SeqId(1)), twin.context_len(SeqId(1)));
+            kv.check_invariants().unwrap();
+        }
+    }
+    for g in 0..2 {
+        assert_eq!(
+            kv.group(g).block_table(SeqId(1)).unwrap().len(),
+            twin.group(g).block_table(SeqId(1)).unwrap().len(),
+            "group {g}"
+        );
+    }
+    assert_eq!(
+        kv.group_stats().used_per_group,
+        twin.group_stats().used_per_group
+    );
+    // A stacked reservation of no query token is refused before any page moves.
+    let snapshot = |kv: &KvCache| {
+        let groups: Vec<String> = (0..2).map(|g| format!("{:?}", kv.group(g))).collect();
+        (groups, format!("{:?}", kv.group_stats()))
+    };
+    let before = snapshot(&kv);
+    assert!(matches!(
+        kv.reserve_ahead_grouped(SeqId(1), 0, 8, &mut step),
+        Err(Error::SequenceState { .. })
+    ));
+    // More than the arena holds: refused, nothing changed.
+    assert!(matches!(
+        kv.reserve_ahead_grouped(SeqId(1), 200, 0, &mut step),
+        Err(Error::OutOfBlocks { .. } | Error::TooLong { .. })
+    ));
+    assert_eq!(snapshot(&kv), before);
+    kv.cancel(SeqId(1)).unwrap();
+    assert_eq!(kv.num_reservations(SeqId(1)).unwrap(), 0);
+    kv.check_invariants().unwrap();
 }
 
 /// Priority preemption that unschedules a sequence cancels every reservation it holds,

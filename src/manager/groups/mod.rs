@@ -797,7 +797,7 @@ impl Groups {
         }
         sum.new_blocks = self.needs.iter().sum::<usize>() + state;
         let rest = tokens.len() - cached;
-        let done = self.give_and_reserve(seq, rest, 0, true, None, step);
+        let done = self.give_and_reserve(seq, rest, 0, true, None, step, false);
         if let Ok(registered) = done {
             sum.registered_blocks = registered;
         }
@@ -947,7 +947,7 @@ impl Groups {
     /// # Errors
     /// As [`Self::reserve`]. Nothing changed on error.
     pub fn append(&mut self, seq: SeqId, n: usize, step: &mut GroupStep) -> Result<()> {
-        self.step(seq, n, 0, true, None, step)
+        self.step(seq, n, 0, true, None, step, false)
     }
 
     /// Appends and commits `tokens` to `seq` in every group as [`Self::append`] does,
@@ -963,7 +963,7 @@ impl Groups {
         tokens: &[u32],
         step: &mut GroupStep,
     ) -> Result<()> {
-        self.step(seq, tokens.len(), 0, true, Some(tokens), step)
+        self.step(seq, tokens.len(), 0, true, Some(tokens), step, false)
     }
 
     /// Reserves slots for the next `n` tokens of `seq` plus `lookahead` in every group
@@ -980,9 +980,27 @@ impl Groups {
         lookahead: usize,
         step: &mut GroupStep,
     ) -> Result<()> {
-        self.step(seq, n, lookahead, false, None, step)
+        self.step(seq, n, lookahead, false, None, step, false)
     }
 
+    /// Reserves the next `n` query tokens of `seq` plus `lookahead` in every group on
+    /// top of its outstanding reservations (see [`KvCache::reserve_ahead`]): the
+    /// per-sequence form of the batch step's reservation ahead.
+    ///
+    /// # Errors
+    /// As [`Self::reserve`], except that outstanding reservations are allowed: then
+    /// `n` must be at least 1. Nothing changed on error.
+    pub fn reserve_ahead(
+        &mut self,
+        seq: SeqId,
+        n: usize,
+        lookahead: usize,
+        step: &mut GroupStep,
+    ) -> Result<()> {
+        self.step(seq, n, lookahead, false, None, step, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn step(
         &mut self,
         seq: SeqId,
@@ -991,6 +1009,7 @@ impl Groups {
         commit_now: bool,
         tokens: Option<&[u32]>,
         step: &mut GroupStep,
+        ahead: bool,
     ) -> Result<()> {
         step.reset(self.groups.len());
         self.check_id(seq)?;
@@ -998,7 +1017,12 @@ impl Groups {
             return Ok(());
         }
         let kv0 = &self.groups[0];
-        if kv0.context_len(seq)? != kv0.num_computed_tokens(seq)? {
+        let outstanding = kv0.context_len(seq)? != kv0.num_computed_tokens(seq)?;
+        if ahead && outstanding {
+            // What the groups' `reserve_at` checks for a stacked reservation, checked
+            // here before any page moves.
+            super::check_stack(seq, true, n, commit_now || tokens.is_some())?;
+        } else if outstanding {
             return Err(Error::SequenceState {
                 seq,
                 state: "holding an uncommitted reservation",
@@ -1014,7 +1038,7 @@ impl Groups {
         {
             *need = 0;
             if state.is_none() {
-                *need = kv.blocks_needed(seq, n, lookahead)?;
+                *need = kv.blocks_needed_from_end(seq, n, lookahead, ahead)?;
                 back += kv.dead_window_pages(seq)?;
             }
         }
@@ -1039,7 +1063,7 @@ impl Groups {
             }
             self.keep_leaving()?;
         }
-        self.give_and_reserve(seq, n, lookahead, commit_now, tokens, step)?;
+        self.give_and_reserve(seq, n, lookahead, commit_now, tokens, step, ahead)?;
         // Shared blocks the reservation gave back (no allocation follows it there).
         self.keep_leaving()?;
         self.note_usage();
@@ -1102,6 +1126,7 @@ impl Groups {
     /// Moves pages to the groups by `needs`, then reserves in every group (the checks
     /// are the caller's: failures here are internal corruption). Returns the blocks
     /// registered in the prefix caches.
+    #[allow(clippy::too_many_arguments)]
     fn give_and_reserve(
         &mut self,
         seq: SeqId,
@@ -1110,11 +1135,17 @@ impl Groups {
         commit_now: bool,
         tokens: Option<&[u32]>,
         step: &mut GroupStep,
+        ahead: bool,
     ) -> Result<usize> {
         self.give_pages()?;
         let mut registered = 0;
         for (g, kv) in self.groups.iter_mut().enumerate() {
             if self.state_pages[g].is_some() {
+                continue;
+            }
+            if ahead {
+                // A reservation on top of others takes no ids: it registers nothing.
+                kv.reserve_ahead(seq, n, lookahead, &mut step.slots[g], &mut step.copies[g])?;
                 continue;
             }
             registered += kv.reserve_inner(
