@@ -533,10 +533,7 @@ fn a_hybrid_reservation_ahead_per_sequence_matches_the_batch_step() {
         twin.group_stats().used_per_group
     );
     // A stacked reservation of no query token is refused before any page moves.
-    let snapshot = |kv: &KvCache| {
-        let groups: Vec<String> = (0..2).map(|g| format!("{:?}", kv.group(g))).collect();
-        (groups, format!("{:?}", kv.group_stats()))
-    };
+    let snapshot = crate::support::snapshot::groups_snapshot;
     let before = snapshot(&kv);
     assert!(matches!(
         kv.reserve_ahead_grouped(SeqId(1), 0, 8, &mut step),

@@ -50,14 +50,7 @@ fn layout(bs: usize, layers: usize) -> KvLayout {
     KvLayout::new(shape, bs).unwrap()
 }
 
-/// Every group's state, in full.
-fn snapshot(kv: &KvCache) -> Vec<String> {
-    let mut out: Vec<String> = (0..kv.num_groups())
-        .map(|g| format!("{:?}", kv.group(g)))
-        .collect();
-    out.push(format!("{:?}", kv.group_stats()));
-    out
-}
+use crate::support::snapshot::groups_snapshot as snapshot;
 
 #[test]
 fn config_errors() {

@@ -52,14 +52,7 @@ fn prompt(family: u32, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| family * 1000 + i).collect()
 }
 
-/// Every group's state, in full.
-fn snapshot(kv: &KvCache) -> Vec<String> {
-    let mut out: Vec<String> = (0..kv.num_groups())
-        .map(|g| format!("{:?}", kv.group(g)))
-        .collect();
-    out.push(format!("{:?}", kv.group_stats()));
-    out
-}
+use crate::support::snapshot::groups_snapshot as snapshot;
 
 /// Writes the slots of `step` (tokens from `first`) with `owner`'s values.
 fn write(store: &mut HostStorage, step: &GroupStep, owner: &[u32], first: usize) {

@@ -31,14 +31,7 @@ fn layout() -> KvLayout {
     KvLayout::new(shape, BS).unwrap()
 }
 
-/// Every group's state, in full.
-fn snapshot(kv: &KvCache) -> Vec<String> {
-    let mut out: Vec<String> = (0..kv.num_groups())
-        .map(|g| format!("{:?}", kv.group(g)))
-        .collect();
-    out.push(format!("{:?}", kv.group_stats()));
-    out
-}
+use crate::support::snapshot::groups_snapshot as snapshot;
 
 /// The value group `g` holds for sequence `id` at position `pos` (exact in f32).
 fn value(g: usize, id: u64, pos: usize) -> f32 {

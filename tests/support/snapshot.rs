@@ -62,3 +62,14 @@ pub fn device_bytes(storage: &HostStorage, blocks: usize) -> Vec<u8> {
     }
     out
 }
+
+/// A hybrid cache's state, every group's in full (its `Debug`), and the group stats;
+/// the hybrid layer's scratch buffers are left out (a refused call may have used them).
+/// A one-group cache gives its one group.
+pub fn groups_snapshot(kv: &KvCache) -> Vec<String> {
+    let mut out: Vec<String> = (0..kv.num_groups())
+        .map(|g| format!("{:?}", kv.group(g)))
+        .collect();
+    out.push(format!("{:?}", kv.group_stats()));
+    out
+}
