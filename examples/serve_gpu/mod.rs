@@ -20,7 +20,7 @@
 //!
 //! The chunking ([`prefill_chunked`]) is shared by both backends; the host model's
 //! outputs do not depend on the chunk size, so `--prefill-chunk` leaves the host
-//! checksums unchanged. `tests/attention/serve_prefill_chunks.rs` runs this module on the CPU:
+//! checksums unchanged. `examples/serve_gpu/tests.rs` runs this module on the CPU:
 //! the chunk → launch arguments through the replay of the prefill kernel's tiling, and
 //! [`Checked`] over a CPU device.
 
@@ -318,7 +318,7 @@ pub fn compare_runs(
 }
 
 /// The device half of a checked model cache: the cache write and the attention
-/// launches of one backend. `cuda::Gpu` is the CUDA one; `tests/attention/serve_prefill_chunks.rs`
+/// launches of one backend. `cuda::Gpu` is the CUDA one; `examples/serve_gpu/tests.rs`
 /// has a CPU one that replays the prefill kernel's tiling, so [`Checked`] runs on
 /// the CPU in tests exactly as it runs over the GPU here.
 pub trait Device: Storage {
@@ -395,7 +395,7 @@ impl<D: Device> Checked<D> {
 
     /// The device half, for what the checks do not cover (and for tests that plant
     /// a difference).
-    #[allow(dead_code)] // the example does not; tests/attention/serve_prefill_chunks.rs does
+    #[allow(dead_code)] // the example does not; examples/serve_gpu/tests.rs does
     pub fn device_mut(&mut self) -> &mut D {
         &mut self.dev
     }
@@ -599,7 +599,7 @@ mod cuda {
 /// The kernel modules `serve --backend cuda` launches for the model cache `layout`
 /// that are neither among the prebuilt cubins (`executor::cuda::catalog()`, from
 /// `PREBUILT_ATTENTION`) nor compilable here (no NVRTC, as on the GPU machine); empty
-/// when the run can start. tests/attention/serve_prefill_chunks.rs holds the models
+/// when the run can start. examples/serve_gpu/tests.rs holds the models
 /// `.ci/gpu-check` runs to an empty list without NVRTC.
 #[cfg(feature = "cuda")]
 pub fn unprebuilt_kernels(

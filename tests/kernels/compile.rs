@@ -104,7 +104,7 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
 /// Runs without NVRTC: the GPU machine has none, so every decode specialisation
 /// `examples/gpu_bench` launches must be a prebuilt cubin. (The GPU tests' fixed
 /// cases are checked in their own files, serve's models in
-/// tests/attention/serve_prefill_chunks.rs.)
+/// examples/serve_gpu/tests.rs.)
 #[test]
 fn the_benchs_kernels_are_prebuilt() {
     let all = catalog();

@@ -414,7 +414,7 @@ const SMALL_PAGES: [AttentionSpec; 4] = [
 /// GQA 4 and 8) launch members of it. [`catalog`] prebuilds each for the GPU machine,
 /// which has no NVRTC; CPU tests hold every fixed case of those users to the catalog
 /// (`tests/cuda/attention.rs`, `tests/cuda/prefill.rs`, `tests/kernels/compile.rs` for
-/// the bench, `tests/attention/serve_prefill_chunks.rs` for serve).
+/// the bench, `examples/serve_gpu/tests.rs` for serve).
 ///
 /// The grid: f16, bf16, fp8 x head dims 64, 128 x GQA 1, 4, 8 on 16-token pages; then
 /// f32 at d128 GQA 8; then pages of 1, 2, 4 and 8 tokens (`SMALL_PAGES`).
