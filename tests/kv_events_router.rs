@@ -13,7 +13,9 @@ mod support;
 use support::kv_events;
 
 use dynamo_kv_router::protocols::{compute_block_hash_for_seq, BlockHashOptions, WorkerWithDpRank};
-use dynamo_kv_router::zmq_wire::{decode_event_batch, RawKvEvent, ZmqEventNormalizer};
+use dynamo_kv_router::zmq_wire::{
+    decode_event_batch, RawKvEvent, ZmqEventFilterReason, ZmqEventNormalizer,
+};
 use dynamo_kv_router::RadixTree;
 use kv_events::{admit, cache, prompt, wait_subscribers, Zmtp, BLOCK};
 use pagedkv::events::{ZmqEventPublisher, ZmqPublisherConfig};
@@ -183,6 +185,7 @@ fn dynamo_reads_extra_keys_as_block_multimodal_infos() {
         block_size: BLOCK,
         extra_keys,
         medium: Medium::Device,
+        group: None,
     };
     let mm_hash: u64 = 0x0123_4567_89ab_cdef;
     let id = format!("{mm_hash:016x}{}", "0".repeat(48));
@@ -224,4 +227,142 @@ fn dynamo_reads_extra_keys_as_block_multimodal_infos() {
         .encode_batch(1.0, &[stored(1, None, span(0, &[0xff, 0x00]))], &mut binary)
         .unwrap();
     assert!(decode_event_batch(&binary).is_err());
+}
+
+/// A hybrid cache's stream (a full group and a window group, as a Gemma-like model
+/// has): Dynamo learns each group's kind from the `BlockStored` events and indexes the
+/// full-attention group, so after every step the overlap it reports equals the full
+/// group's own prefix cache (`kv.group(0).cached_prefix_len`); a window group's store
+/// is filtered out by Dynamo's normalizer, not indexed as full attention.
+#[test]
+fn dynamo_indexes_a_hybrid_caches_full_attention_group() {
+    use pagedkv::events::VllmEventEncoder;
+    use pagedkv::pool::prefix::{BlockHash, Medium, PrefixEvent};
+    use pagedkv::{DType, GroupSpec, GroupStep, KvLayout, ModelShape};
+
+    let shape = ModelShape {
+        num_layers: 1,
+        num_q_heads: 1,
+        num_kv_heads: 1,
+        head_dim: 2,
+        kv_dtype: DType::F32,
+    };
+    let layout = KvLayout::new(shape, BLOCK).unwrap();
+    let mut kv = KvCache::hybrid_builder(&[
+        GroupSpec::full(layout),
+        GroupSpec::window(layout, 2 * BLOCK),
+    ])
+    .num_blocks(96)
+    .watermark_blocks(0)
+    .record_events(true)
+    .build()
+    .unwrap();
+
+    let mut p = ZmqEventPublisher::bind(ZmqPublisherConfig::new("tcp://127.0.0.1:0")).unwrap();
+    let mut sub = Zmtp::connect(p.local_addr(), "SUB", 1);
+    sub.subscribe(b"", true);
+    wait_subscribers(&p, 1);
+    let mut router = Router {
+        sub,
+        normalizer: ZmqEventNormalizer::new(BLOCK as u32),
+        tree: RadixTree::new(),
+        next_seq: 0,
+        events: 0,
+        removals: 0,
+    };
+    let mut rng = Rng(41);
+    let mut step_buf = GroupStep::default();
+    let mut live: Vec<u64> = Vec::new();
+    let mut prompts: Vec<Vec<u32>> = Vec::new();
+    let (mut hits, mut frees) = (0, 0);
+    for step in 0..200u64 {
+        match rng.below(10) {
+            0..=5 => {
+                let family = rng.below(3) as u32;
+                let shared = [2, 3, 5][family as usize] * BLOCK;
+                let mut tokens = prompt(family, shared + rng.below(3 * BLOCK), shared);
+                tokens
+                    .iter_mut()
+                    .skip(shared)
+                    .for_each(|t| *t += step as u32);
+                if kv.can_admit(tokens.len()) {
+                    kv.admit_tokens_grouped(
+                        SeqId(step),
+                        &tokens,
+                        &AdmitOptions::default(),
+                        &mut step_buf,
+                    )
+                    .unwrap();
+                    live.push(step);
+                    prompts.push(tokens);
+                }
+            }
+            6..=8 if !live.is_empty() => {
+                let seq = live.swap_remove(rng.below(live.len()));
+                kv.free(SeqId(seq)).unwrap();
+                frees += 1;
+            }
+            _ => {}
+        }
+        publish(&mut p, &mut kv, &mut router);
+        for (i, tokens) in prompts.iter().enumerate().rev().take(24) {
+            let mut query = tokens.clone();
+            query.push(u32::MAX - i as u32);
+            let own = kv
+                .group(0)
+                .cached_prefix_len(&query, &AdmitOptions::default())
+                .unwrap();
+            assert_eq!(
+                router.overlap(&query),
+                own / BLOCK,
+                "step {step}, prompt {i} of {} tokens",
+                tokens.len()
+            );
+            hits += usize::from(own > 0);
+        }
+    }
+    println!(
+        "{} batches, {} router events ({} removals), {hits} queries with a hit, {frees} frees",
+        router.next_seq, router.events, router.removals
+    );
+    assert!(hits > 50 && frees > 20 && router.removals > 10);
+
+    // A window group's store, in a fresh normalizer: Dynamo drops it.
+    let store = PrefixEvent::BlockStored {
+        hash: BlockHash(5),
+        parent: None,
+        block: pagedkv::BlockId(3),
+        token_ids: vec![1; BLOCK],
+        block_size: BLOCK,
+        extra_keys: Vec::new(),
+        medium: Medium::Device,
+        group: Some(1),
+    };
+    let removal = PrefixEvent::BlockRemoved {
+        hash: BlockHash(5),
+        block: pagedkv::BlockId(3),
+        medium: Medium::Device,
+        group: Some(1),
+    };
+    let mut out = Vec::new();
+    VllmEventEncoder::new()
+        .groups_of(&kv)
+        .encode_batch(1.0, &[store, removal], &mut out)
+        .unwrap();
+    let batch = decode_event_batch(&out).expect("Dynamo decodes the batch");
+    let mut normalizer = ZmqEventNormalizer::new(BLOCK as u32);
+    let worker = WorkerWithDpRank::new(WORKER, 0);
+    let reasons: Vec<_> = batch
+        .events
+        .into_iter()
+        .map(|raw| normalizer.preprocess_with_reason(raw, worker).err())
+        .collect();
+    // The store names its kind; the removal's group is known from it.
+    assert_eq!(
+        reasons,
+        [
+            Some(ZmqEventFilterReason::NonMainAttentionKind),
+            Some(ZmqEventFilterReason::NonMainAttentionGroup)
+        ]
+    );
 }

@@ -17,12 +17,19 @@
 //!     "token_ids": [..], "block_size": int, "lora_id": nil, "medium": "GPU", "lora_name":
 //!     nil}`, `{"type": "BlockRemoved", "block_hashes": [..], "medium": "GPU"}`,
 //!     `{"type": "AllBlocksCleared"}`. `"extra_keys"` follows `lora_name` when a block
-//!     of the event was hashed with extra keys (below); the optional `group_idx`,
-//!     `kv_cache_spec_kind`, `kv_cache_spec_sliding_window` and `locality` are left out.
+//!     of the event was hashed with extra keys (below); on a hybrid cache `"group_idx"`
+//!     follows (every `BlockStored` and `BlockRemoved` of group `g` says `g`, as vLLM's
+//!     block pool writes its KV-cache group id), then in a `BlockStored`
+//!     `"kv_cache_spec_kind"` and, for a window group, `"kv_cache_spec_sliding_window"`
+//!     ([`VllmEventEncoder::groups_of`]); `locality`, `ownership` and `session_id` are
+//!     left out.
 //!   - [`VllmEventLayout::ArrayLike`] (older vLLM releases, whose event structs were
 //!     `array_like` too): `["BlockStored", block_hashes, parent_block_hash, token_ids,
 //!     block_size, lora_id, medium, lora_name]` (then `extra_keys` when a block was
-//!     keyed), `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
+//!     keyed; on a hybrid cache `extra_keys` or nil, then `group_idx`, the kind and the
+//!     window),
+//!     `["BlockRemoved", block_hashes, medium]` (then `group_idx` on a hybrid cache),
+//!     `["AllBlocksCleared"]`.
 //!     `msgspec` ignores trailing elements it does not know, so releases from before
 //!     `medium`, `lora_name` or `extra_keys` read these too.
 //!
@@ -78,6 +85,7 @@ pub mod zmq;
 pub use zmq::{PubMode, ZmqEventPublisher, ZmqPublisherConfig, ZmqPublisherStats};
 
 use crate::error::{Error, Result};
+use crate::layout::shape::KvKind;
 use crate::manager::KvCache;
 use crate::pool::prefix::{Medium, PrefixEvent};
 
@@ -108,6 +116,9 @@ pub struct VllmEventEncoder {
     layout: VllmEventLayout,
     data_parallel_rank: Option<u32>,
     drained: Vec<PrefixEvent>,
+    /// Each KV-cache group's vLLM spec kind and sliding window, by group index
+    /// ([`Self::groups_of`]); empty for a one-group cache.
+    groups: Vec<(&'static str, Option<u32>)>,
 }
 
 impl Default for VllmEventEncoder {
@@ -123,6 +134,41 @@ impl VllmEventEncoder {
             layout: VllmEventLayout::TaggedMap,
             data_parallel_rank: Some(0),
             drained: Vec::new(),
+            groups: Vec::new(),
+        }
+    }
+
+    /// Describes `kv`'s KV-cache groups in the events of a hybrid cache: each
+    /// `BlockStored` of group `g` then also carries `kv_cache_spec_kind` (vLLM's
+    /// `KVCacheSpecKind` value: `"full_attention"`, `"mla_attention"` for a latent
+    /// layout, `"sliding_window"` with `kv_cache_spec_sliding_window` its tokens,
+    /// `"mamba"` for a recurrent-state group), which a router reads to keep the
+    /// groups it indexes (NVIDIA Dynamo's KV router learns each `group_idx`'s kind
+    /// from them and indexes only full and latent attention). [`Self::drain_manager`]
+    /// does this itself; call it for an encoder fed from an event channel. A
+    /// one-group cache's events carry no group fields whatever this says.
+    pub fn groups_of(mut self, kv: &KvCache) -> Self {
+        self.learn_groups(kv);
+        self
+    }
+
+    fn learn_groups(&mut self, kv: &KvCache) {
+        self.groups.clear();
+        if !kv.is_hybrid() {
+            return;
+        }
+        for g in 0..kv.num_groups() {
+            let group = kv.group(g);
+            let wire = if kv.group_state_pages(g).is_some() {
+                ("mamba", None)
+            } else if let Some(w) = group.sliding_window() {
+                ("sliding_window", u32::try_from(w).ok())
+            } else if matches!(group.layout().kind(), KvKind::Latent { .. }) {
+                ("mla_attention", None)
+            } else {
+                ("full_attention", None)
+            };
+            self.groups.push(wire);
         }
     }
 
@@ -187,6 +233,7 @@ impl VllmEventEncoder {
     /// # Errors
     /// As [`Self::encode_batch`]; the drained events are kept for the next call then.
     pub fn drain_manager(&mut self, kv: &mut KvCache, ts: f64, out: &mut Vec<u8>) -> Result<usize> {
+        self.learn_groups(kv);
         kv.drain_prefix_events(&mut self.drained);
         if self.drained.is_empty() {
             return Ok(0);
@@ -203,12 +250,21 @@ impl VllmEventEncoder {
                 parent,
                 block_size,
                 medium,
+                group,
                 ..
             }) => {
                 let keyed = run.iter().any(|e| {
                     matches!(e, PrefixEvent::BlockStored { extra_keys, .. } if !extra_keys.is_empty())
                 });
-                let mut field = header(out, maps, "BlockStored", 7 + usize::from(keyed));
+                // A map omits `extra_keys` when no block is keyed; an array writes it
+                // (nil) when `group_idx` follows, as fields are positional there.
+                let with_keys = keyed || (!maps && group.is_some());
+                let spec = group.and_then(|g| self.groups.get(usize::from(g)));
+                let fields = 7
+                    + usize::from(with_keys)
+                    + usize::from(group.is_some())
+                    + spec.map_or(0, |(_, w)| 1 + usize::from(w.is_some()));
+                let mut field = header(out, maps, "BlockStored", fields);
                 field(out, "block_hashes");
                 array_len(out, run.len());
                 for e in run {
@@ -253,10 +309,25 @@ impl VllmEventEncoder {
                             block_extra_keys(out, extra_keys);
                         }
                     }
+                } else if with_keys {
+                    out.push(NIL);
+                }
+                if let Some(g) = group {
+                    field(out, "group_idx");
+                    uint(out, u64::from(*g));
+                }
+                if let Some((kind, window)) = spec {
+                    field(out, "kv_cache_spec_kind");
+                    str(out, kind);
+                    if let Some(w) = window {
+                        field(out, "kv_cache_spec_sliding_window");
+                        uint(out, u64::from(*w));
+                    }
                 }
             }
-            Some(PrefixEvent::BlockRemoved { medium, .. }) => {
-                let mut field = header(out, maps, "BlockRemoved", 2);
+            Some(PrefixEvent::BlockRemoved { medium, group, .. }) => {
+                let fields = 2 + usize::from(group.is_some());
+                let mut field = header(out, maps, "BlockRemoved", fields);
                 field(out, "block_hashes");
                 array_len(out, run.len());
                 for e in run {
@@ -266,6 +337,10 @@ impl VllmEventEncoder {
                 }
                 field(out, "medium");
                 str(out, medium_name(*medium));
+                if let Some(g) = group {
+                    field(out, "group_idx");
+                    uint(out, u64::from(*g));
+                }
             }
             Some(PrefixEvent::AllCleared) | None => {
                 // No fields: the field-name writer goes unused.
@@ -366,18 +441,25 @@ fn joins(prev: &PrefixEvent, next: &PrefixEvent) -> bool {
                 hash,
                 medium,
                 block_size,
+                group,
                 ..
             },
             PrefixEvent::BlockStored {
                 parent: Some(p),
                 medium: m,
                 block_size: bs,
+                group: g,
                 ..
             },
-        ) => p == hash && m == medium && bs == block_size,
-        (PrefixEvent::BlockRemoved { medium, .. }, PrefixEvent::BlockRemoved { medium: m, .. }) => {
-            m == medium
-        }
+        ) => p == hash && m == medium && bs == block_size && g == group,
+        (
+            PrefixEvent::BlockRemoved { medium, group, .. },
+            PrefixEvent::BlockRemoved {
+                medium: m,
+                group: g,
+                ..
+            },
+        ) => m == medium && g == group,
         _ => false,
     }
 }

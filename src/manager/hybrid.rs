@@ -12,7 +12,8 @@
 
 use crate::error::{Error, Result};
 use crate::ids::SeqId;
-use crate::pool::prefix::{Admission, AdmitOptions};
+use crate::pool::prefix::index::PrefixIndex;
+use crate::pool::prefix::{Admission, AdmitOptions, PrefixConfig};
 
 use super::groups::{
     CheckpointPolicy, GroupSpec, GroupStats, GroupStep, GroupSwapJob, Groups, PendingGroupDefrag,
@@ -67,7 +68,30 @@ impl KvCache {
         num_pages: usize,
         num_host_blocks: usize,
     ) -> Result<Self> {
-        let groups = Groups::with_host_tier(specs, num_pages, num_host_blocks)?;
+        Self::hybrid_with_prefix(
+            specs,
+            num_pages,
+            num_host_blocks,
+            &PrefixConfig::for_arena(num_pages),
+        )
+    }
+
+    /// [`Self::hybrid_with_host_tier`] whose groups' prefix caches take `prefix` (see
+    /// [`Self::hybrid_builder`], the way in for every option).
+    pub(crate) fn hybrid_with_prefix(
+        specs: &[GroupSpec],
+        num_pages: usize,
+        num_host_blocks: usize,
+        prefix: &PrefixConfig,
+    ) -> Result<Self> {
+        let mut groups = Groups::with_host_tier(specs, num_pages, num_host_blocks)?;
+        for g in 0..groups.num_groups() {
+            let kv = groups.group_mut(g);
+            // No sequence is admitted yet: each group's index starts over with `prefix`.
+            kv.prefix = PrefixIndex::new(num_pages, kv.layout.block_size(), prefix.clone())?;
+            // At most 255 groups (checked by `with_host_tier`).
+            kv.prefix.set_group(g as u8);
+        }
         let first = specs[0].layout;
         // The shell's own tables stay empty: one block, never handed out.
         let mut kv = KvCache::new(

@@ -788,6 +788,7 @@ fn stored_events_carry_tokens_block_size_keys_and_medium() {
                 block_size: BLOCK,
                 extra_keys: Vec::new(),
                 medium: Medium::Device,
+                group: None,
             },
             PrefixEvent::BlockStored {
                 hash: m1,
@@ -797,6 +798,7 @@ fn stored_events_carry_tokens_block_size_keys_and_medium() {
                 block_size: BLOCK,
                 extra_keys: key,
                 medium: Medium::Device,
+                group: None,
             },
         ]
     );
@@ -810,6 +812,7 @@ fn stored_events_carry_tokens_block_size_keys_and_medium() {
             hash: m1,
             block: table[1],
             medium: Medium::Device,
+            group: None,
         }]
     );
 }

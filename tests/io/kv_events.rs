@@ -68,6 +68,7 @@ fn subscribers_get_three_frames_per_batch_numbered_from_zero() {
             hash: pagedkv::pool::prefix::BlockHash(0),
             block: pagedkv::BlockId(0),
             medium: pagedkv::pool::prefix::Medium::Device,
+            group: None,
         },
     ] {
         assert!(
@@ -207,6 +208,7 @@ fn a_subscriber_that_does_not_read_never_blocks_the_cache() {
             block_size: BLOCK,
             extra_keys: Vec::new(),
             medium: pagedkv::pool::prefix::Medium::Device,
+            group: None,
         })
         .collect();
     let start = Instant::now();

@@ -11,7 +11,8 @@
 use pagedkv::events::{VllmEventEncoder, VllmEventLayout};
 use pagedkv::pool::prefix::{BlockHash, Medium, PrefixEvent};
 use pagedkv::{
-    AdmitOptions, CacheConfig, DType, Error, KvCache, KvLayout, ModelShape, PrefixConfig, SeqId,
+    AdmitOptions, CacheConfig, DType, Error, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape,
+    PrefixConfig, SeqId,
 };
 
 const BLOCK: usize = 4;
@@ -180,6 +181,7 @@ fn golden_events() -> Vec<PrefixEvent> {
             block_size: BLOCK,
             extra_keys: Vec::new(),
             medium: Medium::Device,
+            group: None,
         }
     };
     vec![
@@ -189,6 +191,7 @@ fn golden_events() -> Vec<PrefixEvent> {
             hash: BlockHash(1 << 40),
             block: pagedkv::BlockId(2),
             medium: Medium::Host,
+            group: None,
         },
         PrefixEvent::AllCleared,
     ]
@@ -314,6 +317,7 @@ fn removals_from_different_tiers_and_broken_chains_stay_apart() {
         hash: BlockHash(hash),
         block: pagedkv::BlockId(0),
         medium,
+        group: None,
     };
     let stored = |hash: u64, parent: Option<u64>| PrefixEvent::BlockStored {
         hash: BlockHash(hash),
@@ -323,6 +327,7 @@ fn removals_from_different_tiers_and_broken_chains_stay_apart() {
         block_size: BLOCK,
         extra_keys: Vec::new(),
         medium: Medium::Device,
+        group: None,
     };
     let events = [
         removed(1, Medium::Device),
@@ -373,6 +378,7 @@ fn keyed_events() -> Vec<PrefixEvent> {
             block_size: BLOCK,
             extra_keys,
             medium: Medium::Device,
+            group: None,
         }
     };
     vec![
@@ -548,6 +554,208 @@ fn drained_manager_events_round_trip() {
 
 // ---------------------------------------------------------------------------------
 // The vLLM block hash.
+
+/// A hybrid cache (two full groups around a window group, built with every prefix
+/// option by `hybrid_builder`) publishes each group's prefix events with its
+/// `group_idx` and spec kind, as vLLM's block pool does with its KV-cache group ids:
+/// the same chain registered in two groups stays two wire events, removals say their
+/// group, a window group's events name their window, and the array layout writes a
+/// nil `extra_keys` before the group fields.
+#[test]
+fn hybrid_events_name_their_group_and_its_kind() {
+    let specs = [
+        GroupSpec::full(layout()),
+        GroupSpec::window(layout(), 8),
+        GroupSpec::full(layout()),
+    ];
+    let mut kv = KvCache::hybrid_builder(&specs)
+        .num_blocks(64)
+        .watermark_blocks(0)
+        .record_events(true)
+        .build()
+        .unwrap();
+    let prompt: Vec<u32> = (100..113).collect(); // 3 full blocks and one token
+    let mut step = GroupStep::default();
+    kv.admit_tokens_grouped(SeqId(1), &prompt, &NONE, &mut step)
+        .unwrap();
+    let mut own = Vec::new();
+    kv.drain_prefix_events(&mut own);
+    let groups: Vec<Option<u8>> = own
+        .iter()
+        .map(|e| match e {
+            PrefixEvent::BlockStored { group, .. } => *group,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    // The window group keeps its blocks outside the prefix index: no events.
+    assert_eq!(
+        groups,
+        [Some(0); 3]
+            .iter()
+            .chain(&[Some(2); 3])
+            .copied()
+            .collect::<Vec<_>>()
+    );
+
+    // Again in a fresh cache, through the encoder: stores, then the removals.
+    let mut kv = KvCache::hybrid_builder(&specs)
+        .num_blocks(64)
+        .watermark_blocks(0)
+        .record_events(true)
+        .build()
+        .unwrap();
+    kv.admit_tokens_grouped(SeqId(1), &prompt, &NONE, &mut step)
+        .unwrap();
+    let mut enc = VllmEventEncoder::new();
+    let mut out = Vec::new();
+    assert_eq!(enc.drain_manager(&mut kv, 1.0, &mut out).unwrap(), 2);
+    let batch = decode(&out);
+    let events = batch.array()[1].array();
+    let mut hashes = Vec::new();
+    for (ev, g) in events.iter().zip([0, 2]) {
+        assert_eq!(ev.get("type"), Some(&Value::Str("BlockStored".into())));
+        assert_eq!(ev.get("group_idx"), Some(&Value::UInt(g)));
+        assert_eq!(
+            ev.get("kv_cache_spec_kind"),
+            Some(&Value::Str("full_attention".into()))
+        );
+        assert!(ev.get("kv_cache_spec_sliding_window").is_none());
+        assert!(ev.get("extra_keys").is_none(), "a map omits the default");
+        hashes.push(ev.get("block_hashes").unwrap().uints());
+    }
+    assert_eq!(hashes[0].len(), 3);
+    assert_eq!(hashes[0], hashes[1], "one chain, registered in both groups");
+
+    kv.free(SeqId(1)).unwrap();
+    assert!(kv.evict_cached(64) >= 6);
+    out.clear();
+    assert_eq!(enc.drain_manager(&mut kv, 2.0, &mut out).unwrap(), 2);
+    let batch = decode(&out);
+    for (ev, g) in batch.array()[1].array().iter().zip([0, 2]) {
+        assert_eq!(ev.get("type"), Some(&Value::Str("BlockRemoved".into())));
+        assert_eq!(ev.get("group_idx"), Some(&Value::UInt(g)));
+        assert_eq!(ev.get("block_hashes").unwrap().uints().len(), 3);
+    }
+
+    // A window group's store (built by hand: the window group publishes none yet)
+    // names its window; the array layout puts nil where `extra_keys` would be.
+    let window_store = PrefixEvent::BlockStored {
+        hash: BlockHash(5),
+        parent: None,
+        block: pagedkv::BlockId(3),
+        token_ids: vec![1, 2, 3, 4],
+        block_size: BLOCK,
+        extra_keys: Vec::new(),
+        medium: Medium::Device,
+        group: Some(1),
+    };
+    let removal = PrefixEvent::BlockRemoved {
+        hash: BlockHash(5),
+        block: pagedkv::BlockId(3),
+        medium: Medium::Device,
+        group: Some(1),
+    };
+    let enc = VllmEventEncoder::new().groups_of(&kv);
+    out.clear();
+    enc.encode_batch(3.0, std::slice::from_ref(&window_store), &mut out)
+        .unwrap();
+    let batch = decode(&out);
+    let ev = &batch.array()[1].array()[0];
+    assert_eq!(ev.get("group_idx"), Some(&Value::UInt(1)));
+    assert_eq!(
+        ev.get("kv_cache_spec_kind"),
+        Some(&Value::Str("sliding_window".into()))
+    );
+    assert_eq!(
+        ev.get("kv_cache_spec_sliding_window"),
+        Some(&Value::UInt(8))
+    );
+    let enc = enc.layout(VllmEventLayout::ArrayLike);
+    out.clear();
+    enc.encode_batch(3.0, &[window_store, removal], &mut out)
+        .unwrap();
+    let batch = decode(&out);
+    let events = batch.array()[1].array();
+    let stored = events[0].array();
+    assert_eq!(stored.len(), 12, "{stored:?}");
+    assert_eq!(stored[8], Value::Nil, "extra_keys");
+    assert_eq!(stored[9], Value::UInt(1), "group_idx");
+    assert_eq!(stored[10], Value::Str("sliding_window".into()));
+    assert_eq!(stored[11], Value::UInt(8));
+    let removed = events[1].array();
+    assert_eq!(removed.len(), 4, "{removed:?}");
+    assert_eq!(removed[3], Value::UInt(1), "group_idx");
+
+    // A one-group cache's events carry no group fields whatever the encoder knows.
+    let mut one = manager(16, |_| {});
+    admit(&mut one, 1, &prompt, &NONE);
+    let mut enc = VllmEventEncoder::new().groups_of(&kv);
+    out.clear();
+    enc.drain_manager(&mut one, 4.0, &mut out).unwrap();
+    let batch = decode(&out);
+    let ev = &batch.array()[1].array()[0];
+    assert!(ev.get("group_idx").is_none());
+    assert!(ev.get("kv_cache_spec_kind").is_none());
+}
+
+/// `hybrid_builder` takes every option that applies to every group and refuses,
+/// typed, the ones a hybrid cache takes from its groups.
+#[test]
+fn the_hybrid_builder_applies_the_prefix_options_and_refuses_the_rest() {
+    let specs = [GroupSpec::full(layout()), GroupSpec::window(layout(), 8)];
+    let kv = KvCache::hybrid_builder(&specs)
+        .num_blocks(64)
+        .watermark_blocks(5)
+        .hasher(Box::new(pagedkv::pool::prefix::ChainHasher))
+        .max_pinned_blocks(7)
+        .tiers(pagedkv::TierConfig {
+            num_host_blocks: 12,
+            num_disk_slots: 0,
+        })
+        .build()
+        .unwrap();
+    assert_eq!(kv.num_groups(), 2);
+    assert_eq!(kv.group_stats().num_pages, 64);
+    for g in 0..2 {
+        let p = kv.group(g).prefix_config();
+        let chain: &dyn pagedkv::pool::prefix::PrefixHasher = &pagedkv::pool::prefix::ChainHasher;
+        assert_eq!(p.hasher.name(), chain.name());
+        assert_ne!(chain.name(), PrefixConfig::for_arena(1).hasher.name());
+        assert_eq!(p.max_pinned_blocks, 7);
+    }
+    assert_eq!(kv.tier_stats().host_blocks, 12);
+    // The watermark holds back 5 of the 64 pages at admission.
+    let over = (1..).find(|&t| kv.admission_blocks(t) > 59).unwrap();
+    assert!(kv.can_admit(over - 1));
+    assert!(!kv.can_admit(over));
+    let no_watermark = KvCache::hybrid_builder(&specs)
+        .num_blocks(64)
+        .watermark_blocks(0)
+        .build()
+        .unwrap();
+    assert!(no_watermark.can_admit(over));
+
+    let refused = |b: pagedkv::CacheBuilder| b.build().unwrap_err();
+    assert!(matches!(
+        refused(KvCache::hybrid_builder(&specs).sliding_window(4)),
+        Error::InvalidConfig { .. }
+    ));
+    assert!(matches!(
+        refused(KvCache::hybrid_builder(&specs).max_seq_len_tokens(100)),
+        Error::InvalidConfig { .. }
+    ));
+    assert!(matches!(
+        refused(KvCache::hybrid_builder(&specs).tiers(pagedkv::TierConfig {
+            num_host_blocks: 4,
+            num_disk_slots: 4,
+        })),
+        Error::NotOnHybrid { .. }
+    ));
+    assert!(matches!(
+        refused(KvCache::hybrid_builder(&[])),
+        Error::InvalidConfig { .. }
+    ));
+}
 
 #[cfg(feature = "vllm-hash")]
 mod vllm_hash {

@@ -798,11 +798,13 @@ fn an_eviction_goes_on_the_wire_as_a_disk_removal() {
             hash: BlockHash(9),
             block: BlockId(3),
             medium: Medium::Host,
+            group: None,
         },
         PrefixEvent::BlockRemoved {
             hash: gone.hash,
             block: BlockId(gone.slot.0),
             medium: Medium::Disk,
+            group: None,
         },
     ];
     let mut out = Vec::new();

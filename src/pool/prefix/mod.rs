@@ -188,6 +188,9 @@ pub enum PrefixEvent {
         extra_keys: Vec<u8>,
         /// The tier that holds it.
         medium: Medium,
+        /// The KV-cache group whose prefix cache holds it: `Some(g)` on a hybrid cache
+        /// (group `g`, vLLM's `group_idx`), `None` on a one-group cache.
+        group: Option<u8>,
     },
     /// A block left the cache (evicted to the free list, or moved: a `BlockStored` for
     /// its new place follows).
@@ -198,6 +201,8 @@ pub enum PrefixEvent {
         block: BlockId,
         /// The tier it left.
         medium: Medium,
+        /// The KV-cache group it left, as in `BlockStored`.
+        group: Option<u8>,
     },
     /// [`crate::KvCache::reset_prefix_cache`] ran: forget every block. The blocks
     /// it kept (referenced by a sequence, or pinned) follow as `BlockStored`, parents

@@ -216,6 +216,9 @@ pub(crate) struct PrefixIndex {
     /// The last digest `hash_next` computed, with its key: the registration that
     /// usually follows takes it instead of hashing the block again.
     recent_digest: Option<(BlockHash, BlockDigest)>,
+    /// The KV-cache group this index serves on a hybrid cache (its events say so);
+    /// `None` on a one-group cache.
+    group: Option<u8>,
 }
 
 impl PrefixIndex {
@@ -257,8 +260,14 @@ impl PrefixIndex {
                 Vec::new()
             },
             recent_digest: None,
+            group: None,
             config,
         })
+    }
+
+    /// Marks this index as group `g`'s of a hybrid cache: its events carry the group.
+    pub(crate) fn set_group(&mut self, g: u8) {
+        self.group = Some(g);
     }
 
     /// The hash of a sequence's next full block `tokens` (extra-key bytes `extra`),
@@ -733,6 +742,7 @@ impl PrefixIndex {
                 hash: e.hash,
                 block: b,
                 medium: Medium::Device,
+                group: self.group,
             });
         }
         if let Some(pb) = e
@@ -866,6 +876,7 @@ impl PrefixIndex {
             hash: e.hash,
             block: src,
             medium: Medium::Device,
+            group: self.group,
         });
         self.entries[dst.index()] = Some(e);
         self.emit_stored(dst);
@@ -942,6 +953,7 @@ impl PrefixIndex {
             block_size: self.block_size,
             extra_keys: self.cold_key(b, e).map(<[u8]>::to_vec).unwrap_or_default(),
             medium: Medium::Device,
+            group: self.group,
         };
         self.emit(event);
     }

@@ -148,12 +148,14 @@ impl PrefixIndex {
                 block_size: self.block_size,
                 extra_keys: saved.key.as_deref().map(<[u8]>::to_vec).unwrap_or_default(),
                 medium: Medium::Host,
+                group: self.group,
             }
         } else {
             PrefixEvent::BlockRemoved {
                 hash: saved.hash,
                 block: host,
                 medium: Medium::Host,
+                group: self.group,
             }
         };
         self.emit(event);
@@ -298,12 +300,14 @@ impl PrefixIndex {
                 block_size: self.block_size,
                 extra_keys: saved.key.as_deref().map(<[u8]>::to_vec).unwrap_or_default(),
                 medium: Medium::Disk,
+                group: self.group,
             }
         } else {
             PrefixEvent::BlockRemoved {
                 hash: saved.hash,
                 block,
                 medium: Medium::Disk,
+                group: self.group,
             }
         };
         self.emit(event);
