@@ -194,13 +194,31 @@ impl Occupancy {
 pub struct PendingDefrag<'a> {
     manager: &'a mut KvCache,
     plan: MovePlan,
+    /// A hybrid cache's moves by owner group (`plan` is their union over page ids).
+    per_group: Vec<MovePlan>,
 }
 
 impl PendingDefrag<'_> {
     /// The moves to execute before [`Self::commit`]; the tables still point at the
-    /// sources.
+    /// sources. On a hybrid cache they are over page ids, whichever group owns them
+    /// (one storage of every group's pages executes them).
     pub fn plan(&self) -> &MovePlan {
         &self.plan
+    }
+
+    /// The moves of group `g`'s pages, for a storage per group: the whole plan on a
+    /// one-group cache (`g == 0`).
+    ///
+    /// # Panics
+    /// When `g >= num_groups()`.
+    pub fn group_plan(&self, g: usize) -> &MovePlan {
+        match self.per_group.is_empty() {
+            true => {
+                assert_eq!(g, 0, "group {g} of a one-group cache");
+                &self.plan
+            }
+            false => &self.per_group[g],
+        }
     }
 
     /// Records that the plan was executed: tables now point at the destinations and the
@@ -210,6 +228,10 @@ impl PendingDefrag<'_> {
     /// [`Error::CorruptBlockTable`] when the manager's own state contradicts the plan
     /// (it cannot, since the plan was made under the same borrow); nothing changed then.
     pub fn commit(self) -> Result<MovePlan> {
+        if let Some(h) = &mut self.manager.hybrid {
+            h.commit_group_moves(&self.per_group)?;
+            return Ok(self.plan);
+        }
         self.manager.commit_moves(&self.plan)?;
         self.manager.pool.reorder_free_low_first();
         Ok(self.plan)
@@ -321,10 +343,32 @@ impl KvCache {
     /// blocks of a sequence holding an uncommitted reservation never move: the plan
     /// compacts around them (see the module docs).
     ///
+    /// On a hybrid cache the plan compacts the whole arena over page ids, whichever
+    /// group owns a page ([`PendingDefrag::group_plan`] splits it by group), as
+    /// [`Self::plan_defragment_grouped`] does, with the same options; while a swap
+    /// transfer is in flight it plans nothing rather than refusing.
+    ///
     /// # Errors
     /// [`Error::InvalidConfig`] for options out of range; nothing changed.
     pub fn plan_defragment(&mut self, opts: DefragOptions) -> Result<PendingDefrag<'_>> {
-        self.one_group("plan_defragment")?;
+        if let Some(h) = &self.hybrid {
+            opts.validate()?;
+            let (resident, high_water) = h.page_occupancy();
+            let occupancy = Occupancy {
+                resident,
+                high_water,
+            };
+            let (plan, per_group) = if occupancy.fragmentation() < opts.min_fragmentation {
+                (MovePlan::new(), vec![MovePlan::new(); h.num_groups()])
+            } else {
+                h.defrag_moves(opts.max_moves_per_step)
+            };
+            return Ok(PendingDefrag {
+                manager: self,
+                plan,
+                per_group,
+            });
+        }
         self.check_no_transfers()?;
         opts.validate()?;
         let occupancy = self.occupancy();
@@ -342,6 +386,7 @@ impl KvCache {
         Ok(PendingDefrag {
             manager: self,
             plan,
+            per_group: Vec::new(),
         })
     }
 

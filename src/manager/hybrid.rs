@@ -675,7 +675,8 @@ impl KvCache {
     }
 
     /// Plans a compaction of a hybrid cache's whole arena (see
-    /// [`PendingGroupDefrag`]); for one group, [`Self::plan_defragment`].
+    /// [`PendingGroupDefrag`]); [`Self::plan_defragment`] makes the same plan with its
+    /// options and serves every cache.
     ///
     /// # Errors
     /// [`Error::Unsupported`] on a one-group cache.

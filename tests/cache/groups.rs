@@ -28,6 +28,7 @@ use pagedkv::export::groups::{
 };
 use pagedkv::layout::Slot;
 use pagedkv::manager::preempt::{CostModel, PreemptAction, PreemptMode};
+use pagedkv::manager::DefragOptions;
 use pagedkv::{
     AdmitOptions, BlockId, CopyPlan, DType, Error, GroupSpec, GroupStep, HostStorage, KvCache,
     KvKind, KvLayout, ModelShape, PreemptPolicy, SeqId, StepBuffers, StepEntry, Storage,
@@ -921,6 +922,56 @@ fn compaction_moves_pages_across_groups_and_keeps_every_byte() {
     let before = snapshot(&m.kv);
     drop(m.kv.plan_defragment_grouped().unwrap());
     assert_eq!(snapshot(&m.kv), before);
+}
+
+/// The one-group call defragments a hybrid cache too: `executor::defragment_with`
+/// (through `plan_defragment`) makes the plan `plan_defragment_grouped` makes on a
+/// twin, keeps every byte, and honours the options (a move budget, a fragmentation
+/// floor).
+#[test]
+fn defragment_with_serves_a_hybrid_cache_as_the_grouped_plan_does() {
+    let l = layout(BS, 1);
+    let specs = [GroupSpec::full(l), GroupSpec::window(l, WINDOW)];
+    let build = || {
+        let mut m = model(&specs);
+        m.apply(&Action::Admit(20));
+        m.apply(&Action::Admit(9));
+        m.apply(&Action::Fork(1));
+        m.apply(&Action::Append(2, 3));
+        for _ in 0..6 {
+            m.apply(&Action::Append(0, 3));
+        }
+        m.apply(&Action::Free(0));
+        m
+    };
+    let (mut m, mut twin) = (build(), build());
+    let used = m.kv.group_stats().used_pages;
+    let want = twin.kv.plan_defragment_grouped().unwrap().plan().clone();
+    assert!(want.len() > 1);
+
+    // A fragmentation floor above the arena's plans nothing and changes nothing.
+    let before = snapshot(&m.kv);
+    let none =
+        m.kv.plan_defragment(DefragOptions::FULL.above(0.99))
+            .unwrap();
+    assert!(none.plan().is_empty());
+    none.commit().unwrap();
+    assert_eq!(snapshot(&m.kv), before);
+    // A dropped plan changes nothing either.
+    drop(m.kv.plan_defragment(DefragOptions::FULL).unwrap());
+    assert_eq!(snapshot(&m.kv), before);
+    // A budget of one move moves the plan's first page only.
+    let one =
+        pagedkv::executor::defragment_with(&mut m.kv, &mut m.store, DefragOptions::incremental(1))
+            .unwrap();
+    assert_eq!(one.moves(), &want.moves()[..1]);
+    m.check();
+    // The rest, in full: the grouped plan's other moves.
+    let rest =
+        pagedkv::executor::defragment_with(&mut m.kv, &mut m.store, DefragOptions::FULL).unwrap();
+    assert_eq!(rest.moves(), &want.moves()[1..]);
+    assert_eq!(m.kv.high_water_blocks(), used);
+    m.check();
 }
 
 /// Cases of one property run that saw each kind of event, checked once the run is

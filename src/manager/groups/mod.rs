@@ -1696,6 +1696,28 @@ impl Groups {
     /// reservation (in any group) stay where they are: the step is writing into them,
     /// and the plan compacts around them.
     pub fn plan_defragment(&mut self) -> PendingGroupDefrag<'_> {
+        let (plan, per_group) = self.defrag_moves(usize::MAX);
+        PendingGroupDefrag {
+            groups: self,
+            plan,
+            per_group,
+        }
+    }
+
+    /// The arena's occupancy in pages: `(resident, high_water)`, the pages any group
+    /// holds (live, cached, kept) and one past the highest of them.
+    pub(crate) fn page_occupancy(&self) -> (usize, usize) {
+        let held: Vec<bool> = self.held_pages().collect();
+        let resident = held.iter().filter(|&&h| h).count();
+        let high_water = held.iter().rposition(|&h| h).map_or(0, |p| p + 1);
+        (resident, high_water)
+    }
+
+    /// A compaction's moves over page ids (at most `max_moves`: the lowest held pages
+    /// above the resident count, into the lowest free pages below it) and each group's
+    /// share of them. Nothing moves while a swap transfer is in flight, nor a page a
+    /// step is writing.
+    pub(crate) fn defrag_moves(&self, max_moves: usize) -> (MovePlan, Vec<MovePlan>) {
         let mut held: Vec<bool> = self.held_pages().collect();
         if self.groups.iter().any(|kv| kv.tiers.num_in_flight() > 0) {
             // Pages must not move while a swap transfer reads or writes them: plan
@@ -1714,16 +1736,12 @@ impl Groups {
         let dests = (0..resident).filter(|&p| !held[p]);
         let mut plan = MovePlan::new();
         let mut per_group = vec![MovePlan::new(); self.groups.len()];
-        for (src, dst) in sources.zip(dests) {
+        for (src, dst) in sources.zip(dests).take(max_moves) {
             let (src, dst) = (BlockId(src as u32), BlockId(dst as u32));
             plan.push(src, dst);
             per_group[self.owner(src)].push(src, dst);
         }
-        PendingGroupDefrag {
-            groups: self,
-            plan,
-            per_group,
-        }
+        (plan, per_group)
     }
 
     /// The sequence of any group mid-step (holding an uncommitted reservation), the
@@ -1886,7 +1904,7 @@ impl Groups {
     /// Commits executed moves, `per_group[g]` holding those of group `g`'s pages: each
     /// destination changes owner to the source's group, then every group remaps its
     /// tables.
-    fn commit_group_moves(&mut self, per_group: &[MovePlan]) -> Result<()> {
+    pub(crate) fn commit_group_moves(&mut self, per_group: &[MovePlan]) -> Result<()> {
         for (g, plan) in per_group.iter().enumerate() {
             for m in plan.moves() {
                 self.move_page_to(m.dst, g)?;
