@@ -592,6 +592,48 @@ impl KvCache {
         }
     }
 
+    /// Plans the swap-out of every sequence of `seqs` in every group, one
+    /// [`GroupSwapJob`] per sequence (as [`Self::swap_out_grouped`] each), after
+    /// checking that the host tier holds all of them: either every job is planned or
+    /// none. A block two sequences share (a shared prefix) takes a host block for each
+    /// of them and comes back unshared; a one-group cache moves a fork group's shared
+    /// blocks once with [`Self::swap_out_group`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an empty list or a repeated id; as
+    /// [`Self::swap_out_grouped`], with [`Error::TierFull`] counting every sequence's
+    /// blocks. Nothing changed on error.
+    pub fn swap_out_each_grouped(&mut self, seqs: &[SeqId]) -> Result<Vec<GroupSwapJob>> {
+        match &mut self.hybrid {
+            Some(h) => h.swap_out_each(seqs),
+            None => {
+                super::swap::check_group(seqs)?;
+                // Each sequence's blocks against the host tier first, so that no job is
+                // planned unless all are (a shared block counted once per sequence).
+                let mut total = 0usize;
+                for &seq in seqs {
+                    let s = self.idle(seq)?;
+                    total += s.table.len() - s.released;
+                }
+                self.make_host_room(total)?;
+                let mut jobs = Vec::with_capacity(seqs.len());
+                for &seq in seqs {
+                    match self.swap_out(seq) {
+                        Ok(j) => jobs.push(GroupSwapJob::one(seq, j)),
+                        Err(e) => {
+                            // Unreachable after the checks above.
+                            for j in jobs.iter().rev() {
+                                let _ = self.abort_swap_grouped(j);
+                            }
+                            return Err(e);
+                        }
+                    }
+                }
+                Ok(jobs)
+            }
+        }
+    }
+
     /// Plans the swap-in of swapped-out `seq` in every group at once; execute every
     /// plan, then [`Self::complete_swap_grouped`] or [`Self::abort_swap_grouped`].
     ///

@@ -1389,6 +1389,50 @@ impl Groups {
         self.each_group_swap(seq, KvCache::swap_out)
     }
 
+    /// Plans the swap-out of every sequence of `seqs` in every group, one job per
+    /// sequence (as [`Self::swap_out`] each: a block two sequences share, a shared
+    /// prefix, takes a host block for each), after checking that the host tier holds
+    /// all of them: either every job is planned or none. Execute and complete (or
+    /// abort) each job as one of [`Self::swap_out`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an empty list or a repeated id; as
+    /// [`Self::swap_out`], with [`Error::TierFull`] counting every sequence's blocks.
+    /// Nothing changed on error.
+    pub fn swap_out_each(&mut self, seqs: &[SeqId]) -> Result<Vec<GroupSwapJob>> {
+        super::swap::check_group(seqs)?;
+        let mut total = 0usize;
+        for &seq in seqs {
+            self.check_id(seq)?;
+            for kv in &self.groups {
+                let s = kv.idle(seq)?;
+                total += s.table.len() - s.released;
+            }
+        }
+        let free = self.num_free_host_blocks();
+        if total > free {
+            return Err(Error::TierFull {
+                tier: "host",
+                needed: total,
+                free,
+            });
+        }
+        let mut jobs: Vec<GroupSwapJob> = Vec::with_capacity(seqs.len());
+        for &seq in seqs {
+            match self.swap_out(seq) {
+                Ok(job) => jobs.push(job),
+                Err(e) => {
+                    // Unreachable after the checks above; undo the jobs planned.
+                    for job in jobs.iter().rev() {
+                        let _ = self.abort_swap(job);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(jobs)
+    }
+
     /// Plans the swap-in of swapped-out `seq` in every group at once (pages move to
     /// the groups that need them); execute every plan, then [`Self::complete_swap`]
     /// or [`Self::abort_swap`].
