@@ -219,8 +219,18 @@ impl PrefixHit {
         &self.blocks
     }
 
-    /// Keeps the first `blocks` blocks of the hit (a hit limited by another KV-cache
-    /// group, which serves fewer).
+    /// Keeps the first `device_blocks` device blocks of the hit and, after them, host
+    /// blocks up to `blocks` in all (a hybrid hit whose groups split the same way
+    /// between device and host); no disk part.
+    pub(crate) fn truncate_with_host(&mut self, device_blocks: usize, blocks: usize) {
+        self.blocks.truncate(device_blocks);
+        self.hashes.truncate(device_blocks);
+        self.host.truncate(blocks.saturating_sub(self.blocks.len()));
+        self.disk.clear();
+    }
+
+    /// Keeps the first `blocks` device blocks of the hit and none of its host or disk
+    /// part (a hit limited by another KV-cache group, which serves fewer).
     pub(crate) fn truncate_blocks(&mut self, blocks: usize) {
         self.blocks.truncate(blocks);
         self.hashes.truncate(blocks);

@@ -115,6 +115,8 @@ pub use checkpoints::{CheckpointPolicy, StateCheckpoint};
 use checkpoints::{Checkpoints, CHECKPOINTS};
 mod window_cache;
 use window_cache::{WindowCache, WindowHit, WINDOW_CACHE};
+mod host_level;
+pub(crate) use host_level::STORE_JOB;
 
 const NOT_LENT: u32 = u32::MAX;
 
@@ -712,7 +714,7 @@ impl Groups {
     /// [`Error::PrefixKeyTooLong`] (for the cache salt, the extra key or a block key).
     pub fn cached_prefix_len(&self, tokens: &[u32], opts: &AdmitOptions<'_>) -> Result<usize> {
         let mut hits = Vec::new();
-        Ok(self.common_hit(tokens, opts, true, &mut hits)?.0)
+        Ok(self.common_hit(tokens, opts, true, false, &mut hits)?.0)
     }
 
     /// Admits `seq` with prompt `tokens` in every group, sharing the cached prefix every
@@ -857,7 +859,7 @@ impl Groups {
         }
         let mut hits = Vec::new();
         let (cached, source, checkpoint) =
-            self.common_hit(tokens, opts, whole_prompt, &mut hits)?;
+            self.common_hit(tokens, opts, whole_prompt, !whole_prompt, &mut hits)?;
         // The checkpoint the state groups resume from stays until the admission
         // copied it (the caller unpins).
         self.pin_checkpoint(checkpoint);
@@ -898,15 +900,19 @@ impl Groups {
                 _ => self.groups[g].admit_prompt(seq, tokens, hit),
             };
             let done = match done {
-                Ok(a) if a.cached_tokens == cached => Ok(a),
+                Ok(a) if a.cached_tokens + a.loading_tokens == cached => Ok(a),
                 Ok(a) => Err(Error::CorruptBlockTable(format!(
-                    "group {g} served {} cached tokens of {cached} looked up",
-                    a.cached_tokens
+                    "group {g} served {} cached and {} loading tokens of {cached} looked up",
+                    a.cached_tokens, a.loading_tokens
                 ))),
                 Err(e) => Err(e),
             };
             match done {
-                Ok(a) => sum.cached_blocks += a.cached_blocks,
+                Ok(a) => {
+                    sum.cached_blocks += a.cached_blocks;
+                    // A host hit (`groups/host_level.rs`): the same split in every group.
+                    sum.loading_tokens = a.loading_tokens;
+                }
                 Err(e) => {
                     // Unreachable: the hits were looked up under the same borrow.
                     for kv in &mut self.groups[..=g] {
@@ -937,7 +943,7 @@ impl Groups {
                 return Err(e);
             }
         }
-        sum.cached_tokens = cached;
+        sum.cached_tokens = cached - sum.loading_tokens;
         Ok(sum)
     }
 
@@ -1350,7 +1356,9 @@ impl Groups {
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped, has
     /// a swap in flight or holds an uncommitted reservation; [`Error::TierFull`] when
-    /// the host tier lacks room for every group's blocks. Nothing changed on error.
+    /// the host tier lacks room for every group's blocks even after evicting the host
+    /// levels' entries that can go (swapped sequences come first). Nothing changed on
+    /// error.
     pub fn swap_out(&mut self, seq: SeqId) -> Result<GroupSwapJob> {
         self.check_id(seq)?;
         for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
@@ -1358,14 +1366,9 @@ impl Groups {
             *need = s.table.len() - s.released;
         }
         let total: usize = self.needs.iter().sum();
+        // Swapped sequences come before the host levels' entries.
+        self.make_host_room(total)?;
         let free = self.num_free_host_blocks();
-        if total > free {
-            return Err(Error::TierFull {
-                tier: "host",
-                needed: total,
-                free,
-            });
-        }
         for to in 0..self.groups.len() {
             while self.groups[to].num_free_host_blocks() < self.needs[to] {
                 let from = (0..self.groups.len())
@@ -1409,14 +1412,7 @@ impl Groups {
                 total += s.table.len() - s.released;
             }
         }
-        let free = self.num_free_host_blocks();
-        if total > free {
-            return Err(Error::TierFull {
-                tier: "host",
-                needed: total,
-                free,
-            });
-        }
+        self.make_host_room(total)?;
         let mut jobs: Vec<GroupSwapJob> = Vec::with_capacity(seqs.len());
         for &seq in seqs {
             match self.swap_out(seq) {
@@ -2042,10 +2038,14 @@ impl Groups {
         tokens: &[u32],
         opts: &AdmitOptions<'_>,
         state_hits: bool,
+        host_hits: bool,
         hits: &mut Vec<PrefixHit>,
     ) -> Result<(usize, Option<WindowHit>, Option<usize>)> {
         hits.resize_with(self.groups.len(), PrefixHit::default);
         let mut cached = usize::MAX;
+        // The device part every group holds, and whether they all end there.
+        let (mut device, mut aligned) = (None, true);
+        let mut with_host = usize::MAX;
         for ((kv, hit), state) in self
             .groups
             .iter()
@@ -2056,7 +2056,16 @@ impl Groups {
             // A state group's own cache holds nothing (its checkpoints are below).
             if kv.window.is_none() && state.is_none() {
                 cached = cached.min(found);
+                aligned &= device.is_none_or(|d| d == found);
+                device = Some(found);
+                with_host = with_host.min(found + hit.host_tokens());
             }
+        }
+        // The host levels (`groups/host_level.rs`) continue a device part that ends
+        // at the same token in every group.
+        let host_hits = host_hits && aligned && self.host_level_served();
+        if host_hits && with_host != usize::MAX {
+            cached = with_host;
         }
         let mut checkpoint = None;
         if self.has_state_group() {
@@ -2094,7 +2103,13 @@ impl Groups {
             (cached, source) = self.window_hit(hits, cached);
         }
         for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
-            hit.truncate_blocks(cached / kv.block_size());
+            let bs = kv.block_size();
+            if host_hits {
+                let device = device.unwrap_or(0).min(cached);
+                hit.truncate_with_host(device / bs, cached / bs);
+            } else {
+                hit.truncate_blocks(cached / bs);
+            }
         }
         Ok((cached, source, checkpoint))
     }
