@@ -404,10 +404,11 @@ impl KvCache {
     /// host hit, the pages it loads into) are checked against the arena: check the
     /// first chunk with [`Self::blocks_needed`].
     ///
-    /// With a host level ([`Self::set_host_cache`]; full and latent groups), the hit
-    /// goes on into every group's host level when the groups' device parts end at the
-    /// same token: `cached_tokens` is the device part and `loading_tokens` the host
-    /// part, which the sequence loads ([`Self::load_job_grouped`]) before it can step.
+    /// With a host level ([`Self::set_host_cache`]; full and latent groups of one block
+    /// size), the hit goes on into every group's host level after the device part
+    /// every group holds: `cached_tokens` is that device part and `loading_tokens` the
+    /// host part, which the sequence loads ([`Self::load_job_grouped`]) before it can
+    /// step.
     ///
     /// ```
     /// use pagedkv::{AdmitOptions, DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape,

@@ -546,6 +546,115 @@ impl KvCache {
         Ok(hit.cached_tokens())
     }
 
+    /// Loads `hit`'s host part into resident `seq`, admitted with `hit`'s device part
+    /// only (its table is that part, all computed, nothing reserved): allocates a
+    /// device block per host block the host level still holds under the chain, and
+    /// marks the sequence loading as [`Self::admit_prompt`] does. Returns the tokens
+    /// loading. For a hybrid admission, which moves pages to each group between the
+    /// revival of the device parts and the loads (`groups/host_level.rs`).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is not as
+    /// described; [`Error::OutOfBlocks`]. Nothing changed on error.
+    pub(crate) fn start_host_load(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        hit: &PrefixHit,
+    ) -> Result<usize> {
+        let bs = self.block_size();
+        let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let device = hit.blocks.len();
+        if s.table.len() != device || s.computed != device * bs || s.in_flight.is_some() {
+            return Err(Error::SequenceState {
+                seq,
+                state: "not admitted with the hit's device part alone",
+                needed: "admitted with the hit's device part alone",
+            });
+        }
+        let Some(ns) = hit.ns.as_ref() else {
+            return Ok(0);
+        };
+        let parent = hit.hashes.last().copied();
+        let host = self.confirm_host_hit(hit, device, parent, ns, &hit.keys, tokens);
+        if host.is_empty() {
+            return Ok(0);
+        }
+        self.ensure_available(host.len())?;
+        let mut table = std::mem::take(
+            &mut self
+                .seqs
+                .get_mut(&seq)
+                .ok_or(Error::UnknownSequence(seq))?
+                .table,
+        );
+        let load = self.plan_load(seq, device, &host, &[], &mut table);
+        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        s.table = table;
+        let load = load?;
+        let loading = host.len() * bs;
+        s.num_tokens += loading;
+        s.in_flight = Some(load);
+        self.tables_changed();
+        Ok(loading)
+    }
+
+    /// `hit` without its host and disk parts.
+    pub(crate) fn device_part(hit: &PrefixHit) -> PrefixHit {
+        let mut d = hit.clone();
+        d.host.clear();
+        d.disk.clear();
+        d
+    }
+
+    /// Cuts `hit`'s device part to its first `device_blocks` blocks and looks its host
+    /// part up again from there, for a hybrid hit whose groups' device parts end apart
+    /// (`groups/host_level.rs`); no disk part.
+    pub(crate) fn rebase_host_hit(
+        &self,
+        tokens: &[u32],
+        hit: &mut PrefixHit,
+        device_blocks: usize,
+    ) {
+        let PrefixHit {
+            blocks,
+            hashes,
+            host,
+            disk,
+            ns,
+            keys,
+            collision,
+            ..
+        } = hit;
+        blocks.truncate(device_blocks);
+        hashes.truncate(device_blocks);
+        host.clear();
+        disk.clear();
+        let Some(ns) = ns.as_ref() else {
+            return;
+        };
+        if self.window.is_some() || *collision {
+            return;
+        }
+        let last = blocks.last().map(|&b| {
+            (
+                self.prefix.hash_of(b).unwrap_or_default(),
+                self.prefix.digest_of(b),
+            )
+        });
+        let max = tokens.len().saturating_sub(1) / self.block_size();
+        self.tiers.host_cache.extend_hit(
+            &self.prefix,
+            ns,
+            keys,
+            tokens,
+            blocks.len(),
+            max,
+            last,
+            host,
+        );
+    }
+
     /// Whether [`Self::admit_prompt`] of `hit`'s prompt, computed in full, would fit
     /// now while keeping the watermark: cached hits are not counted as needed, and a hit
     /// that would revive an evictable block is counted once (it stops being available).

@@ -3,7 +3,7 @@
 //! from the host on its next turn with the same K/V bytes in every group, loaded
 //! through each group's plan; a load is refused every call until it completes, and an
 //! aborted one frees the loaded pages and keeps the device part; groups whose device
-//! parts differ serve the common device part only; a full host tier evicts leaf
+//! parts differ load from the common device part on; a full host tier evicts leaf
 //! first, and a swap-out takes room from the host entries or refuses typed with
 //! nothing changed. Invariants after every call; refusals compared on full snapshots.
 
@@ -205,24 +205,38 @@ fn an_aborted_load_frees_the_loaded_pages_and_keeps_the_device_part() {
 }
 
 #[test]
-fn groups_whose_device_parts_differ_serve_the_common_device_part_only() {
+fn groups_whose_device_parts_differ_load_the_rest_from_the_host() {
     let mut w = World::new(24, 16);
     let p = prompt(4 * BS + 1, 0);
     w.compute(1, &p);
     w.kv.free(SeqId(1)).unwrap();
     assert_eq!(w.store(), 8);
-    // Group 0 evicts first: it keeps 1 block, group 1 all 4.
+    // Group 0 evicts first: it keeps 1 block on the device, group 1 all 4.
     assert_eq!(w.kv.evict_cached(3), 3);
     assert_eq!(w.kv.group(0).stats().cached_blocks, 1);
-    // The sequence is computed as far as every group holds on the device, no further.
-    assert_eq!(w.admit_prompt(2, &p), (BS, 0));
-    assert!(w.kv.load_job_grouped(SeqId(2)).is_none());
+    // The sequence is computed as far as every group holds on the device; every
+    // group loads the rest from its host level (group 1 too: its device copies are
+    // past the common device part).
+    assert_eq!(w.admit_prompt(2, &p), (BS, 3 * BS));
+    let job = w.load(2);
+    assert_eq!(
+        job.plans.iter().map(|p| p.len()).collect::<Vec<_>>(),
+        [3, 3]
+    );
+    w.assert_bytes(2, &p, 4 * BS);
     // One-shot admissions serve device hits only (as on one group).
     let a =
         w.kv.admit_tokens_grouped(SeqId(3), &p, &AdmitOptions::default(), &mut w.step)
             .unwrap();
-    assert_eq!((a.cached_tokens, a.loading_tokens), (BS, 0));
+    assert_eq!((a.cached_tokens, a.loading_tokens), (4 * BS, 0));
     w.check();
+    // Without host copies, the hit is the device part every group holds.
+    w.kv.free(SeqId(2)).unwrap();
+    w.kv.free(SeqId(3)).unwrap();
+    assert_eq!(w.kv.evict_host_cache(usize::MAX).unwrap(), 8);
+    assert_eq!(w.kv.evict_cached(3), 3);
+    assert_eq!(w.admit_prompt(4, &p), (BS, 0));
+    assert!(w.kv.load_job_grouped(SeqId(4)).is_none());
 }
 
 #[test]
@@ -315,4 +329,245 @@ fn a_host_hit_is_the_prefix_every_group_holds() {
         [2, 2]
     );
     w.assert_bytes(2, &p, 2 * BS);
+}
+
+// ---- model-based interleaving ----------------------------------------------------
+
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone)]
+enum Action {
+    /// Admit through `admit_prompt_grouped` (host hits load) or, with `one_shot`,
+    /// `admit_tokens_grouped`; compute the rest unless loading.
+    Admit {
+        seq: u8,
+        prompt: u8,
+        one_shot: bool,
+    },
+    /// Complete (`ok`) or abort the load of the `pick`-th loading sequence, then
+    /// compute the rest.
+    FinishLoad {
+        pick: u8,
+        ok: bool,
+    },
+    /// Free, then (with `store`) store every registered block to the host.
+    Free {
+        seq: u8,
+        store: bool,
+    },
+    Store {
+        max: u8,
+        ok: bool,
+    },
+    EvictDevice {
+        n: u8,
+    },
+    EvictHost {
+        n: u8,
+    },
+    SwapOut {
+        seq: u8,
+    },
+    SwapIn {
+        seq: u8,
+    },
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        3 => (0..4u8, 0..4u8, any::<bool>())
+            .prop_map(|(seq, prompt, one_shot)| Action::Admit { seq, prompt, one_shot }),
+        3 => (0..6u8, any::<bool>()).prop_map(|(pick, ok)| Action::FinishLoad { pick, ok }),
+        4 => (0..4u8, any::<bool>()).prop_map(|(seq, store)| Action::Free { seq, store }),
+        3 => (1..8u8, 0..4u8).prop_map(|(max, ok)| Action::Store { max, ok: ok > 0 }),
+        3 => (1..64u8).prop_map(|n| Action::EvictDevice { n }),
+        1 => (1..4u8).prop_map(|n| Action::EvictHost { n }),
+        1 => (0..6u8).prop_map(|seq| Action::SwapOut { seq }),
+        1 => (0..6u8).prop_map(|seq| Action::SwapIn { seq }),
+    ]
+}
+
+/// Four prompts sharing leading blocks, so hits split across device and host.
+fn prompts() -> Vec<Vec<u32>> {
+    let base = prompt(6 * BS, 0);
+    vec![
+        base[..3 * BS + 1].to_vec(),
+        base[..5 * BS + 2].to_vec(),
+        [&base[..2 * BS], &prompt(2 * BS + 1, 900)[..]].concat(),
+        prompt(3 * BS + 3, 5000),
+    ]
+}
+
+impl World {
+    /// Reserves and computes `seq`'s prompt from `from` to its end.
+    fn compute_rest(&mut self, seq: u64, p: &[u32], from: usize) {
+        if from == p.len() {
+            return;
+        }
+        let n = p.len() - from;
+        if self
+            .kv
+            .reserve_grouped(SeqId(seq), n, 0, &mut self.step)
+            .is_err()
+        {
+            return; // out of pages: the sequence stays computed up to `from`
+        }
+        for g in 0..2 {
+            let values: Vec<u32> = p[from..].iter().map(|&t| value(g, t)).collect();
+            write_values(&mut self.st, &self.step.slots[g], &values);
+        }
+        self.kv.commit(SeqId(seq), n).unwrap();
+    }
+
+    /// Every resident, idle sequence reads its prompt's bytes up to its computed
+    /// tokens in every group.
+    fn assert_all_bytes(&self, live: &BTreeMap<u64, usize>, ps: &[Vec<u32>]) {
+        for (&seq, &p) in live {
+            let id = SeqId(seq);
+            if self.kv.is_swapped(id) || self.kv.swap_in_flight(id).is_some() {
+                continue;
+            }
+            let n = self.kv.num_computed_tokens(id).unwrap();
+            self.assert_bytes(seq, &ps[p], n);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(crate::support::proptest_config(64))]
+
+    /// Random interleavings of admissions (host hits loading), loads completed or
+    /// aborted, frees, stores completed or aborted, evictions and swaps on a hybrid
+    /// cache of two full groups: the invariants hold after every step, a refused call
+    /// changes nothing, and every computed token reads its bytes in both groups.
+    #[test]
+    fn hybrid_host_level_interleavings_keep_bytes_and_invariants(
+        actions in proptest::collection::vec(action(), 10..60),
+    ) {
+        let mut w = World::new(40, 24);
+        let ps = prompts();
+        // Live sequences (resident or swapped) and their prompt.
+        let mut live: BTreeMap<u64, usize> = BTreeMap::new();
+        for a in actions {
+            let before = snapshot(&w.kv);
+            let refused = match a {
+                Action::Admit { seq, prompt, one_shot } => {
+                    let (seq, p) = (u64::from(seq), usize::from(prompt));
+                    let opts = AdmitOptions::default();
+                    if one_shot {
+                        let r = w.kv.admit_tokens_grouped(SeqId(seq), &ps[p], &opts, &mut w.step);
+                        if let Ok(adm) = &r {
+                            for g in 0..2 {
+                                let values: Vec<u32> =
+                                    ps[p][adm.cached_tokens..].iter().map(|&t| value(g, t)).collect();
+                                write_values(&mut w.st, &w.step.slots[g], &values);
+                            }
+                            live.insert(seq, p);
+                        }
+                        r.err()
+                    } else {
+                        let r = w.kv.admit_prompt_grouped(SeqId(seq), &ps[p], &opts);
+                        if let Ok(adm) = &r {
+                            live.insert(seq, p);
+                            if adm.loading_tokens == 0 {
+                                w.compute_rest(seq, &ps[p], adm.cached_tokens);
+                            }
+                        }
+                        r.err()
+                    }
+                }
+                Action::FinishLoad { pick, ok } => {
+                    let loading: Vec<u64> = live
+                        .keys()
+                        .copied()
+                        .filter(|&s| w.kv.load_job_grouped(SeqId(s)).is_some())
+                        .collect();
+                    match (!loading.is_empty()).then(|| loading[usize::from(pick) % loading.len()]) {
+                        None => None,
+                        Some(seq) => {
+                            let job = w.kv.load_job_grouped(SeqId(seq)).unwrap();
+                            if ok {
+                                for plan in &job.plans {
+                                    w.st.swap(plan).unwrap();
+                                }
+                                w.kv.complete_swap_grouped(&job).unwrap();
+                            } else {
+                                w.kv.abort_swap_grouped(&job).unwrap();
+                            }
+                            w.check();
+                            let from = w.kv.num_computed_tokens(SeqId(seq)).unwrap();
+                            w.compute_rest(seq, &ps[live[&seq]], from);
+                            None
+                        }
+                    }
+                }
+                Action::Free { seq, store } => {
+                    let seq = u64::from(seq);
+                    let r = w.kv.free(SeqId(seq));
+                    if r.is_ok() {
+                        live.remove(&seq);
+                        if store {
+                            w.store();
+                        }
+                    }
+                    r.err()
+                }
+                Action::Store { max, ok } => {
+                    match w.kv.plan_host_store_grouped(usize::from(max)).unwrap() {
+                        None => None,
+                        Some(job) => {
+                            w.check();
+                            if ok {
+                                for plan in &job.plans {
+                                    w.st.swap(plan).unwrap();
+                                }
+                                w.kv.complete_swap_grouped(&job).unwrap();
+                            } else {
+                                w.kv.abort_swap_grouped(&job).unwrap();
+                            }
+                            None
+                        }
+                    }
+                }
+                Action::EvictDevice { n } => {
+                    w.kv.evict_cached(usize::from(n));
+                    None
+                }
+                Action::EvictHost { n } => {
+                    w.kv.evict_host_cache(usize::from(n)).unwrap();
+                    None
+                }
+                Action::SwapOut { seq } => {
+                    let r = w.kv.swap_out_grouped(SeqId(u64::from(seq)));
+                    if let Ok(job) = &r {
+                        for plan in &job.plans {
+                            w.st.swap(plan).unwrap();
+                        }
+                        w.kv.complete_swap_grouped(job).unwrap();
+                    }
+                    r.err()
+                }
+                Action::SwapIn { seq } => {
+                    let r = w.kv.swap_in_grouped(SeqId(u64::from(seq)));
+                    if let Ok(job) = &r {
+                        for plan in &job.plans {
+                            w.st.swap(plan).unwrap();
+                        }
+                        w.kv.complete_swap_grouped(job).unwrap();
+                    }
+                    r.err()
+                }
+            };
+            if let Some(e) = refused {
+                prop_assert!(
+                    !matches!(e, Error::CorruptBlockTable(_)),
+                    "{a:?}: {e:?}"
+                );
+                prop_assert_eq!(snapshot(&w.kv), before, "{:?} refused with {:?}", a, e);
+            }
+            w.check();
+            w.assert_all_bytes(&live, &ps);
+        }
+    }
 }

@@ -13,12 +13,14 @@
 //!   leaf first, when its share is short): one [`GroupSwapJob`] with one ticket per
 //!   group, an empty plan for a group with nothing to store;
 //! * a lookup ([`KvCache::admit_prompt_grouped`]) goes on into the host levels after
-//!   the device part when every group's device part ends at the same token: the hit
-//!   is the longest prefix every group serves from device or host, and the admission
-//!   loads each group's host part ([`KvCache::load_job_grouped`]: one ticket per
-//!   group). When the groups' device parts differ, the hit is the device part every
-//!   group holds (a group cannot be computed further than another: the sequence's
-//!   computed tokens are the same in every group);
+//!   the device part every group holds: a group whose device part goes further looks
+//!   its host part up again from there (a sequence is computed as far in every group,
+//!   so the device part is the same in every group, and the rest loads). The hit is
+//!   the longest prefix every group serves from device or host, and the admission
+//!   revives every group's device part first, then moves free pages to the groups
+//!   that load (a move may evict a cached page; the revived ones are held by then),
+//!   then records each group's load ([`KvCache::load_job_grouped`]: one ticket per
+//!   group). The groups' block sizes must be equal (else device hits only);
 //! * the load completes or aborts in every group at once
 //!   ([`KvCache::complete_swap_grouped`], [`KvCache::abort_swap_grouped`]): a completed
 //!   load counts the loaded tokens as computed in every group, an aborted one frees

@@ -891,28 +891,28 @@ impl Groups {
         // Revive the hits first: a page moved to another group below must not be one
         // of them (moving evicts by the giver's policy).
         let mut sum = Admission::default();
+        // A host hit's part (`groups/host_level.rs`): the same in every group.
+        let loading = hits.iter().map(PrefixHit::host_tokens).max().unwrap_or(0);
         for (g, hit) in hits.iter().enumerate() {
             if self.state_pages[g].is_some() {
                 continue;
             }
             let done = match (self.groups[g].window, &source) {
                 (Some(_), Some(wh)) => self.admit_window_hit(g, seq, cached, wh),
-                _ => self.groups[g].admit_prompt(seq, tokens, hit),
+                // The device part only: the loads' pages come after every revival.
+                _ => self.groups[g].admit_prompt(seq, tokens, &KvCache::device_part(hit)),
             };
             let done = match done {
-                Ok(a) if a.cached_tokens + a.loading_tokens == cached => Ok(a),
+                Ok(a) if a.cached_tokens + loading == cached => Ok(a),
                 Ok(a) => Err(Error::CorruptBlockTable(format!(
-                    "group {g} served {} cached and {} loading tokens of {cached} looked up",
-                    a.cached_tokens, a.loading_tokens
+                    "group {g} served {} cached and {loading} loading tokens of {cached} \
+                     looked up",
+                    a.cached_tokens
                 ))),
                 Err(e) => Err(e),
             };
             match done {
-                Ok(a) => {
-                    sum.cached_blocks += a.cached_blocks;
-                    // A host hit (`groups/host_level.rs`): the same split in every group.
-                    sum.loading_tokens = a.loading_tokens;
-                }
+                Ok(a) => sum.cached_blocks += a.cached_blocks,
                 Err(e) => {
                     // Unreachable: the hits were looked up under the same borrow.
                     for kv in &mut self.groups[..=g] {
@@ -921,6 +921,33 @@ impl Groups {
                     return Err(e);
                 }
             }
+        }
+        if loading > 0 {
+            // Each group's load pages, moved now that the revived hit blocks are held
+            // (the check above counted them); then the loads.
+            for (need, hit) in self.needs.iter_mut().zip(hits.iter()) {
+                *need = hit.host_blocks();
+            }
+            let mut done = self.give_pages();
+            for (kv, hit) in self.groups.iter_mut().zip(hits.iter()) {
+                done = done.and_then(|()| match kv.start_host_load(seq, tokens, hit)? {
+                    n if n == loading => Ok(()),
+                    n => Err(Error::CorruptBlockTable(format!(
+                        "a group loads {n} tokens of a hit whose host part is {loading}"
+                    ))),
+                });
+            }
+            if let Err(e) = done {
+                // Unreachable: the arena's pages were counted above.
+                for kv in &mut self.groups {
+                    if let Some(j) = kv.load_job(seq) {
+                        let _ = kv.abort_swap(j.ticket);
+                    }
+                    let _ = kv.free(seq);
+                }
+                return Err(e);
+            }
+            sum.loading_tokens = loading;
         }
         // Then the state groups' pages, taken after the revivals (see above); the
         // check above counted them.
@@ -2043,9 +2070,6 @@ impl Groups {
     ) -> Result<(usize, Option<WindowHit>, Option<usize>)> {
         hits.resize_with(self.groups.len(), PrefixHit::default);
         let mut cached = usize::MAX;
-        // The device part every group holds, and whether they all end there.
-        let (mut device, mut aligned) = (None, true);
-        let mut with_host = usize::MAX;
         for ((kv, hit), state) in self
             .groups
             .iter()
@@ -2056,16 +2080,24 @@ impl Groups {
             // A state group's own cache holds nothing (its checkpoints are below).
             if kv.window.is_none() && state.is_none() {
                 cached = cached.min(found);
-                aligned &= device.is_none_or(|d| d == found);
-                device = Some(found);
-                with_host = with_host.min(found + hit.host_tokens());
             }
         }
-        // The host levels (`groups/host_level.rs`) continue a device part that ends
-        // at the same token in every group.
-        let host_hits = host_hits && aligned && self.host_level_served();
-        if host_hits && with_host != usize::MAX {
-            cached = with_host;
+        // The host levels (`groups/host_level.rs`) continue the device part every
+        // group holds: a group whose device part goes further looks its host part up
+        // again from there (the sequence is computed as far in every group).
+        let bs0 = self.groups[0].block_size();
+        let host_hits = host_hits
+            && cached != usize::MAX
+            && self.host_level_served()
+            && self.groups.iter().all(|kv| kv.block_size() == bs0);
+        let device = cached;
+        if host_hits {
+            for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
+                if hit.cached_tokens() > device {
+                    kv.rebase_host_hit(tokens, hit, device / bs0);
+                }
+            }
+            cached = device + hits.iter().map(|h| h.host_tokens()).min().unwrap_or(0);
         }
         let mut checkpoint = None;
         if self.has_state_group() {
@@ -2105,8 +2137,7 @@ impl Groups {
         for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
             let bs = kv.block_size();
             if host_hits {
-                let device = device.unwrap_or(0).min(cached);
-                hit.truncate_with_host(device / bs, cached / bs);
+                hit.truncate_with_host(device.min(cached) / bs, cached / bs);
             } else {
                 hit.truncate_blocks(cached / bs);
             }
