@@ -571,3 +571,51 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn the_executor_helpers_store_and_load_every_group_and_abort_on_a_failed_copy() {
+    use crate::support::faulty_storage::FlakyStorage;
+    use pagedkv::executor::tier::{load_prefix_from_host, store_prefixes_to_host};
+
+    let mut w = World::new(24, 16);
+    let p = prompt(3 * BS + 1, 0);
+    w.compute(1, &p);
+    w.kv.free(SeqId(1)).unwrap();
+    let spare = HostStorage::with_host_tier(layout(), 24, 16).unwrap();
+    let mut flaky = FlakyStorage::new(std::mem::replace(&mut w.st, spare), false);
+    // A copy failing halfway: the store is aborted (the device blocks it held are
+    // cached again), nothing findable on the host.
+    flaky.swap_failures = 1;
+    let before = w.kv.group_stats();
+    assert!(store_prefixes_to_host(&mut w.kv, &mut flaky, 64).is_err());
+    w.check();
+    assert_eq!(w.kv.host_cache_stats().cached_blocks, 0);
+    assert_eq!(w.kv.host_cache_stats().aborted_stores, 2);
+    assert_eq!(w.kv.group_stats(), before);
+    assert_eq!(
+        store_prefixes_to_host(&mut w.kv, &mut flaky, 64).unwrap(),
+        6
+    );
+    w.kv.evict_cached(usize::MAX);
+    // A failed load is aborted: the sequence keeps its (empty) device part.
+    let a =
+        w.kv.admit_prompt_grouped(SeqId(2), &p, &AdmitOptions::default())
+            .unwrap();
+    assert_eq!((a.cached_tokens, a.loading_tokens), (0, 3 * BS));
+    flaky.swap_failures = 1;
+    assert!(load_prefix_from_host(&mut w.kv, &mut flaky, SeqId(2)).is_err());
+    w.check();
+    assert_eq!(w.kv.num_computed_tokens(SeqId(2)).unwrap(), 0);
+    assert!(w.kv.load_job_grouped(SeqId(2)).is_none());
+    w.kv.free(SeqId(2)).unwrap();
+    // And the helpers load every group's part, byte exact.
+    w.kv.admit_prompt_grouped(SeqId(3), &p, &AdmitOptions::default())
+        .unwrap();
+    assert_eq!(
+        load_prefix_from_host(&mut w.kv, &mut flaky, SeqId(3)).unwrap(),
+        6
+    );
+    w.st = flaky.inner;
+    w.check();
+    w.assert_bytes(3, &p, 3 * BS);
+}
