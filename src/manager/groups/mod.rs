@@ -900,7 +900,10 @@ impl Groups {
             let done = match (self.groups[g].window, &source) {
                 (Some(_), Some(wh)) => self.admit_window_hit(g, seq, cached, wh),
                 // The device part only: the loads' pages come after every revival.
-                _ => self.groups[g].admit_prompt(seq, tokens, &KvCache::device_part(hit)),
+                _ if hit.host_blocks() > 0 => {
+                    self.groups[g].admit_prompt(seq, tokens, &KvCache::device_part(hit))
+                }
+                _ => self.groups[g].admit_prompt(seq, tokens, hit),
             };
             let done = match done {
                 Ok(a) if a.cached_tokens + loading == cached => Ok(a),
