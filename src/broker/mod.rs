@@ -229,6 +229,30 @@ impl BrokerConfig {
     }
 }
 
+/// Swaps every sequence of `seqs` of hybrid `kv` out to the host tier, one job per
+/// sequence: every job is planned (or none), every plan executed, then every job
+/// completed; a failed transfer aborts them all, so the sequences stay resident and
+/// the host blocks written are free again.
+fn swap_out_each<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &mut S,
+    seqs: &[SeqId],
+) -> Result<()> {
+    let jobs = kv.swap_out_each_grouped(seqs)?;
+    let copied = jobs
+        .iter()
+        .flat_map(|job| &job.plans)
+        .try_for_each(|plan| storage.swap(plan));
+    if let Err(e) = copied {
+        for job in jobs.iter().rev() {
+            kv.abort_swap_grouped(job)?;
+        }
+        return Err(e);
+    }
+    jobs.iter()
+        .try_for_each(|job| kv.complete_swap_grouped(job))
+}
+
 fn gcd(mut a: usize, mut b: usize) -> usize {
     while b != 0 {
         (a, b) = (b, a % b);
@@ -474,8 +498,10 @@ impl Reservation {
 /// What [`Broker::sleep`] does first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SleepOptions {
-    /// Swap every resident sequence out to the host tier (one group, so shared prefix
-    /// blocks move once) before shrinking; otherwise the live blocks must fit the floor.
+    /// Swap every resident sequence out to the host tier (one fork group, so shared
+    /// prefix blocks move once; on a hybrid cache one
+    /// [`KvCache::swap_out_each_grouped`] job per sequence, each with its own copy of
+    /// a shared block) before shrinking; otherwise the live blocks must fit the floor.
     pub swap_out_sequences: bool,
     /// Copy the prefix cache's unreferenced blocks to the host tier before shrinking
     /// (after the swap-out, so the blocks the sequences leave cached are spilled too),
@@ -710,8 +736,8 @@ impl<S: Storage> Broker<S> {
     /// Registers a model whose arena (`kv` and `storage`, of equal size) is a whole
     /// number of chunks, taken from the free budget ([`MoveReason::Register`]). A
     /// hybrid cache ([`KvCache::hybrid`]) registers with the one storage of its pages
-    /// and resizes across its groups; its [`Broker::sleep`] with
-    /// `swap_out_sequences` or `spill_cached_prefixes` refuses
+    /// and resizes across its groups; its [`Broker::sleep`] swaps its sequences out
+    /// one job per sequence, and with `spill_cached_prefixes` refuses
     /// ([`Error::NotOnHybrid`], nothing changed).
     ///
     /// # Errors
@@ -1032,7 +1058,10 @@ impl<S: Storage> Broker<S> {
     /// reservation (the model is mid-step: commit first; nothing changed);
     /// [`Error::ShrinkBelowResident`] when the live blocks do not fit the floor and
     /// `swap_out_sequences` is off (nothing changed); the swap's errors
-    /// ([`Error::TierFull`]...; nothing changed); the storage's errors from the spill
+    /// ([`Error::TierFull`]...; nothing changed; a transfer that fails aborts every
+    /// job, so the sequences stay resident); [`Error::NotOnHybrid`] for
+    /// `spill_cached_prefixes` on a hybrid cache (before the swap-out: nothing
+    /// changed); the storage's errors from the spill
     /// (the sequences stay swapped out, the prefix cache stays on the device) or from
     /// the shrink.
     pub fn sleep(&self, id: ModelId, opts: SleepOptions) -> Result<SleepReport> {
@@ -1043,13 +1072,22 @@ impl<S: Storage> Broker<S> {
         st.kv.check_no_step_in_flight()?;
         let floor_blocks = slot.floor_chunks * slot.blocks_per_chunk;
         let st = &mut *st;
+        if opts.spill_cached_prefixes && st.kv.is_hybrid() {
+            // Refused before the swap-out, so that the refusal changes nothing.
+            return Err(Error::NotOnHybrid {
+                operation: "sleep spilling the prefix cache",
+                groups: st.kv.num_groups(),
+            });
+        }
         if opts.swap_out_sequences {
             let seqs: Vec<SeqId> = st
                 .kv
                 .sequence_ids()
                 .filter(|s| st.kv.swap_in_flight(*s).is_none())
                 .collect();
-            if !seqs.is_empty() {
+            if !seqs.is_empty() && st.kv.is_hybrid() {
+                swap_out_each(&mut st.kv, &mut st.storage, &seqs)?;
+            } else if !seqs.is_empty() {
                 let job = st.kv.swap_out_group(&seqs)?;
                 if let Err(e) = st.storage.swap(&job.plan) {
                     st.kv.abort_swap(job.ticket)?;

@@ -17,6 +17,7 @@ use crate::pool::prefix::{Admission, AdmitOptions, PrefixConfig};
 
 use super::groups::{
     CheckpointPolicy, GroupSpec, GroupStats, GroupStep, GroupSwapJob, Groups, PendingGroupDefrag,
+    STORE_JOB,
 };
 use super::{CacheConfig, KvCache};
 
@@ -423,8 +424,15 @@ impl KvCache {
     /// reserves the rest chunk by chunk ([`Self::reserve_grouped`]) and commits each
     /// ([`Self::commit`]), which registers the full blocks it completes (see
     /// [`Self::admit_prompt`]; for one group, [`Self::lookup_prefix`] then
-    /// [`Self::admit_prompt`]). Only the cached pages the hit revives are checked
-    /// against the arena: check the first chunk with [`Self::blocks_needed`].
+    /// [`Self::admit_prompt`]). Only the cached pages the hit revives (and, for a
+    /// host hit, the pages it loads into) are checked against the arena: check the
+    /// first chunk with [`Self::blocks_needed`].
+    ///
+    /// With a host level ([`Self::set_host_cache`]; full and latent groups of one block
+    /// size), the hit goes on into every group's host level after the device part
+    /// every group holds: `cached_tokens` is that device part and `loading_tokens` the
+    /// host part, which the sequence loads ([`Self::load_job_grouped`]) before it can
+    /// step.
     ///
     /// ```
     /// use pagedkv::{AdmitOptions, DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape,
@@ -608,11 +616,55 @@ impl KvCache {
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped, has
     /// a swap in flight or holds an uncommitted reservation; [`Error::TierFull`] when
-    /// the host tier lacks room for every group's blocks. Nothing changed on error.
+    /// the host tier lacks room for every group's blocks even after evicting the host
+    /// level's entries that can go (see [`Self::plan_host_store_grouped`]). Nothing
+    /// changed on error.
     pub fn swap_out_grouped(&mut self, seq: SeqId) -> Result<GroupSwapJob> {
         match &mut self.hybrid {
             Some(h) => h.swap_out(seq),
             None => self.swap_out(seq).map(|j| GroupSwapJob::one(seq, j)),
+        }
+    }
+
+    /// Plans the swap-out of every sequence of `seqs` in every group, one
+    /// [`GroupSwapJob`] per sequence (as [`Self::swap_out_grouped`] each), after
+    /// checking that the host tier holds all of them: either every job is planned or
+    /// none. A block two sequences share (a shared prefix) takes a host block for each
+    /// of them and comes back unshared; a one-group cache moves a fork group's shared
+    /// blocks once with [`Self::swap_out_group`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an empty list or a repeated id; as
+    /// [`Self::swap_out_grouped`], with [`Error::TierFull`] counting every sequence's
+    /// blocks. Nothing changed on error.
+    pub fn swap_out_each_grouped(&mut self, seqs: &[SeqId]) -> Result<Vec<GroupSwapJob>> {
+        match &mut self.hybrid {
+            Some(h) => h.swap_out_each(seqs),
+            None => {
+                super::swap::check_group(seqs)?;
+                // Each sequence's blocks against the host tier first, so that no job is
+                // planned unless all are (a shared block counted once per sequence).
+                let mut total = 0usize;
+                for &seq in seqs {
+                    let s = self.idle(seq)?;
+                    total += s.table.len() - s.released;
+                }
+                self.make_host_room(total)?;
+                let mut jobs = Vec::with_capacity(seqs.len());
+                for &seq in seqs {
+                    match self.swap_out(seq) {
+                        Ok(j) => jobs.push(GroupSwapJob::one(seq, j)),
+                        Err(e) => {
+                            // Unreachable after the checks above.
+                            for j in jobs.iter().rev() {
+                                let _ = self.abort_swap_grouped(j);
+                            }
+                            return Err(e);
+                        }
+                    }
+                }
+                Ok(jobs)
+            }
         }
     }
 
@@ -650,6 +702,70 @@ impl KvCache {
         match &mut self.hybrid {
             Some(h) => h.abort_swap(job),
             None => self.abort_swap(GroupSwapJob::only_ticket(job)?),
+        }
+    }
+
+    /// Plans a store to the host level of the prefix cache in every group (see
+    /// [`Self::plan_host_store`] for one group, and `groups/host_level.rs`): each group
+    /// gets an even share of the free host blocks and stores at most `max_blocks` of
+    /// its registered blocks by the configured policy, evicting its own host entries
+    /// leaf first when its share is short. Run every plan of the job (device -> host),
+    /// then [`Self::complete_swap_grouped`] (the copies become findable) or
+    /// [`Self::abort_swap_grouped`]. The job's `seq` names no sequence
+    /// (`SeqId(u64::MAX)`): a store moves cached blocks. `None` when no group has
+    /// anything to store or room for it.
+    ///
+    /// ```
+    /// use pagedkv::manager::HostCacheConfig;
+    /// use pagedkv::{AdmitOptions, DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape,
+    ///               SeqId};
+    ///
+    /// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1, head_dim: 8,
+    ///                          kv_dtype: DType::BF16 };
+    /// let l = KvLayout::new(shape, 16)?;
+    /// let mut kv = KvCache::hybrid_with_host_tier(&[GroupSpec::full(l), GroupSpec::full(l)],
+    ///                                             16, 8)?;
+    /// kv.set_host_cache(HostCacheConfig::default())?;
+    /// let (prompt, opts, mut step) = ((0..40).collect::<Vec<u32>>(), AdmitOptions::default(),
+    ///                                 GroupStep::default());
+    /// kv.admit_tokens_grouped(SeqId(1), &prompt, &opts, &mut step)?; // 2 full blocks a group
+    /// kv.free(SeqId(1))?;
+    /// let store = kv.plan_host_store_grouped(8)?.expect("registered blocks to store");
+    /// assert_eq!(store.plans.iter().map(|p| p.len()).sum::<usize>(), 4);
+    /// // (run every plan: device -> host)
+    /// kv.complete_swap_grouped(&store)?;
+    /// kv.evict_cached(usize::MAX);                       // gone from the device
+    /// let a = kv.admit_prompt_grouped(SeqId(2), &prompt, &opts)?;
+    /// assert_eq!((a.cached_tokens, a.loading_tokens), (0, 32));
+    /// let load = kv.load_job_grouped(SeqId(2)).expect("a host hit loads");
+    /// // (run every plan: host -> device)
+    /// kv.complete_swap_grouped(&load)?;
+    /// assert_eq!(kv.num_computed_tokens(SeqId(2))?, 32);
+    /// # Ok::<(), pagedkv::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::NotOnHybrid`] on a hybrid cache with a window or state group. A pool
+    /// error means the manager's state was corrupt. Nothing changed on error.
+    pub fn plan_host_store_grouped(&mut self, max_blocks: usize) -> Result<Option<GroupSwapJob>> {
+        match &mut self.hybrid {
+            Some(h) => h.plan_host_store(max_blocks),
+            None => Ok(self
+                .plan_host_store(max_blocks)?
+                .map(|j| GroupSwapJob::one(STORE_JOB, j))),
+        }
+    }
+
+    /// The load of `seq` in flight in every group, admitted from a host hit by
+    /// [`Self::admit_prompt_grouped`] (for one group, [`Self::load_job`]): run every
+    /// plan (host -> device), then [`Self::complete_swap_grouped`] (the loaded tokens
+    /// are computed in every group) or [`Self::abort_swap_grouped`] (the loaded pages
+    /// are freed; the sequence keeps its device part). Until then the sequence is
+    /// loading: the calls that read or change its blocks refuse.
+    pub fn load_job_grouped(&self, seq: SeqId) -> Option<GroupSwapJob> {
+        match &self.hybrid {
+            Some(h) => h.load_job(seq),
+            None => self.load_job(seq).map(|j| GroupSwapJob::one(seq, j)),
         }
     }
 

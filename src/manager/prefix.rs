@@ -219,8 +219,18 @@ impl PrefixHit {
         &self.blocks
     }
 
-    /// Keeps the first `blocks` blocks of the hit (a hit limited by another KV-cache
-    /// group, which serves fewer).
+    /// Keeps the first `device_blocks` device blocks of the hit and, after them, host
+    /// blocks up to `blocks` in all (a hybrid hit whose groups split the same way
+    /// between device and host); no disk part.
+    pub(crate) fn truncate_with_host(&mut self, device_blocks: usize, blocks: usize) {
+        self.blocks.truncate(device_blocks);
+        self.hashes.truncate(device_blocks);
+        self.host.truncate(blocks.saturating_sub(self.blocks.len()));
+        self.disk.clear();
+    }
+
+    /// Keeps the first `blocks` device blocks of the hit and none of its host or disk
+    /// part (a hit limited by another KV-cache group, which serves fewer).
     pub(crate) fn truncate_blocks(&mut self, blocks: usize) {
         self.blocks.truncate(blocks);
         self.hashes.truncate(blocks);
@@ -534,6 +544,115 @@ impl KvCache {
         }
         hit.ns = Some(ns);
         Ok(hit.cached_tokens())
+    }
+
+    /// Loads `hit`'s host part into resident `seq`, admitted with `hit`'s device part
+    /// only (its table is that part, all computed, nothing reserved): allocates a
+    /// device block per host block the host level still holds under the chain, and
+    /// marks the sequence loading as [`Self::admit_prompt`] does. Returns the tokens
+    /// loading. For a hybrid admission, which moves pages to each group between the
+    /// revival of the device parts and the loads (`groups/host_level.rs`).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is not as
+    /// described; [`Error::OutOfBlocks`]. Nothing changed on error.
+    pub(crate) fn start_host_load(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        hit: &PrefixHit,
+    ) -> Result<usize> {
+        let bs = self.block_size();
+        let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let device = hit.blocks.len();
+        if s.table.len() != device || s.computed != device * bs || s.in_flight.is_some() {
+            return Err(Error::SequenceState {
+                seq,
+                state: "not admitted with the hit's device part alone",
+                needed: "admitted with the hit's device part alone",
+            });
+        }
+        let Some(ns) = hit.ns.as_ref() else {
+            return Ok(0);
+        };
+        let parent = hit.hashes.last().copied();
+        let host = self.confirm_host_hit(hit, device, parent, ns, &hit.keys, tokens);
+        if host.is_empty() {
+            return Ok(0);
+        }
+        self.ensure_available(host.len())?;
+        let mut table = std::mem::take(
+            &mut self
+                .seqs
+                .get_mut(&seq)
+                .ok_or(Error::UnknownSequence(seq))?
+                .table,
+        );
+        let load = self.plan_load(seq, device, &host, &[], &mut table);
+        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        s.table = table;
+        let load = load?;
+        let loading = host.len() * bs;
+        s.num_tokens += loading;
+        s.in_flight = Some(load);
+        self.tables_changed();
+        Ok(loading)
+    }
+
+    /// `hit` without its host and disk parts.
+    pub(crate) fn device_part(hit: &PrefixHit) -> PrefixHit {
+        let mut d = hit.clone();
+        d.host.clear();
+        d.disk.clear();
+        d
+    }
+
+    /// Cuts `hit`'s device part to its first `device_blocks` blocks and looks its host
+    /// part up again from there, for a hybrid hit whose groups' device parts end apart
+    /// (`groups/host_level.rs`); no disk part.
+    pub(crate) fn rebase_host_hit(
+        &self,
+        tokens: &[u32],
+        hit: &mut PrefixHit,
+        device_blocks: usize,
+    ) {
+        let PrefixHit {
+            blocks,
+            hashes,
+            host,
+            disk,
+            ns,
+            keys,
+            collision,
+            ..
+        } = hit;
+        blocks.truncate(device_blocks);
+        hashes.truncate(device_blocks);
+        host.clear();
+        disk.clear();
+        let Some(ns) = ns.as_ref() else {
+            return;
+        };
+        if self.window.is_some() || *collision {
+            return;
+        }
+        let last = blocks.last().map(|&b| {
+            (
+                self.prefix.hash_of(b).unwrap_or_default(),
+                self.prefix.digest_of(b),
+            )
+        });
+        let max = tokens.len().saturating_sub(1) / self.block_size();
+        self.tiers.host_cache.extend_hit(
+            &self.prefix,
+            ns,
+            keys,
+            tokens,
+            blocks.len(),
+            max,
+            last,
+            host,
+        );
     }
 
     /// Whether [`Self::admit_prompt`] of `hit`'s prompt, computed in full, would fit

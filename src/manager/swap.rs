@@ -375,7 +375,7 @@ fn distinct_with_counts<T: Copy + Eq + Hash>(
     (list, index)
 }
 
-fn check_group(seqs: &[SeqId]) -> Result<()> {
+pub(super) fn check_group(seqs: &[SeqId]) -> Result<()> {
     if seqs.is_empty() {
         return Err(Error::config("seqs", "an empty group"));
     }

@@ -55,8 +55,12 @@
 //! a host tier of thousands of blocks affords; a candidate set like the device index's
 //! is the next step if it shows in a profile.
 //!
-//! The host level refuses on a hybrid cache ([`KvCache::hybrid`]) with
-//! [`Error::NotOnHybrid`]. The sleep-time spill ([`KvCache::plan_prefix_spill`]) keeps
+//! On a hybrid cache ([`KvCache::hybrid`]) of full and latent groups, every group has
+//! a host level of its own over the shared host tier (`groups/host_level.rs`):
+//! [`KvCache::plan_host_store_grouped`], [`KvCache::admit_prompt_grouped`] and
+//! [`KvCache::load_job_grouped`]. A hybrid cache with a window or state group refuses
+//! with [`Error::NotOnHybrid`], as do the one-group calls `plan_host_store` and the
+//! disk level. The sleep-time spill ([`KvCache::plan_prefix_spill`]) keeps
 //! its own host blocks, invisible to lookups until restored.
 //!
 //! # Below the host: the disk level
@@ -316,7 +320,7 @@ impl HostLevel {
 
     /// Entries an eviction could take now, leaf by leaf: those with no reader and no
     /// reader below them.
-    fn evictable_count(&self) -> usize {
+    pub(crate) fn evictable_count(&self) -> usize {
         self.evictable_count_reading(&[])
     }
 
@@ -434,10 +438,16 @@ impl KvCache {
     /// registered device blocks to free host blocks, a lookup goes on in the host
     /// level, and admitting such a hit loads the blocks back.
     ///
+    /// On a hybrid cache every group gets a host level of its own with this
+    /// configuration, over the shared host tier (see `groups/host_level.rs`).
+    ///
     /// # Errors
-    /// [`Error::NotOnHybrid`] on a hybrid cache.
+    /// [`Error::NotOnHybrid`] on a hybrid cache with a sliding-window or
+    /// recurrent-state group (nothing changed).
     pub fn set_host_cache(&mut self, config: HostCacheConfig) -> Result<()> {
-        self.one_group("set_host_cache")?;
+        if let Some(h) = &mut self.hybrid {
+            return h.set_host_cache(config);
+        }
         self.tiers.host_cache.config = config;
         Ok(())
     }
@@ -451,9 +461,11 @@ impl KvCache {
     }
 
     /// Counters of the host level now.
+    /// On a hybrid cache, the sum over the groups' host levels (a block stored in
+    /// every group counts once per group).
     pub fn host_cache_stats(&self) -> HostCacheStats {
-        if let Some(g0) = self.first_group() {
-            return g0.host_cache_stats();
+        if let Some(h) = &self.hybrid {
+            return h.host_cache_stats();
         }
         let h = &self.tiers.host_cache;
         HostCacheStats {
@@ -483,10 +495,21 @@ impl KvCache {
     /// evictable, not freed, not moved).
     ///
     /// # Errors
-    /// [`Error::NotOnHybrid`] on a hybrid cache. A pool error means the manager's state
-    /// was corrupt. Nothing changed on error.
+    /// [`Error::NotOnHybrid`] on a hybrid cache (use [`Self::plan_host_store_grouped`]).
+    /// A pool error means the manager's state was corrupt. Nothing changed on error.
     pub fn plan_host_store(&mut self, max_blocks: usize) -> Result<Option<SwapJob>> {
         self.one_group("plan_host_store")?;
+        self.plan_host_store_inner(max_blocks, false)
+    }
+
+    /// [`Self::plan_host_store`]; with `always`, a store of nothing is a job too (an
+    /// empty plan whose ticket completes or aborts as any other), for a hybrid store
+    /// that needs one ticket per group.
+    pub(crate) fn plan_host_store_inner(
+        &mut self,
+        max_blocks: usize,
+        always: bool,
+    ) -> Result<Option<SwapJob>> {
         let level = &self.tiers.host_cache;
         let storing: HashSet<BlockHash> = level
             .stores
@@ -532,7 +555,7 @@ impl KvCache {
         };
         let room = self.tiers.host_free() + level.evictable_count();
         picks.truncate(max_blocks.min(room));
-        if picks.is_empty() {
+        if picks.is_empty() && !always {
             return Ok(None);
         }
         let mut saved = Vec::with_capacity(picks.len());
@@ -596,8 +619,13 @@ impl KvCache {
 
     /// Evicts host entries that can go (no reader, leaves first) until `n` host blocks
     /// are free or none can; returns how many went.
+    ///
+    /// On a hybrid cache, each group's level evicts up to `n` of its own entries (its
+    /// host blocks are its own); returns how many went in all.
     pub fn evict_host_cache(&mut self, n: usize) -> Result<usize> {
-        self.one_group("evict_host_cache")?;
+        if let Some(h) = &mut self.hybrid {
+            return h.evict_host_cache(n);
+        }
         let before = self.tiers.host_cache.entries.len();
         let want = n.min(self.tiers.host_cache.evictable_count());
         self.evict_host_entries(want)?;

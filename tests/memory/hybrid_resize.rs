@@ -6,9 +6,12 @@
 //!   the bytes follow, read back through every group's tables; grow adds pages that
 //!   every group can take;
 //! * refused shrinks and grows, and dropped plans, change nothing;
-//! * a broker grows a hybrid model by shrinking a one-group one, and back.
+//! * a broker grows a hybrid model by shrinking a one-group one, and back;
+//! * a broker's sleep swaps a hybrid model's sequences out, one job per sequence, all
+//!   or none (a host tier too small, a transfer failing partway: nothing changed), and
+//!   they swap back in with their bytes.
 
-use pagedkv::broker::{Broker, BrokerConfig, ModelLimits, SleepOptions};
+use pagedkv::broker::{Broker, BrokerConfig, ModelId, ModelLimits, SleepOptions};
 use pagedkv::executor::{grow_to, shrink_to};
 use pagedkv::layout::Slot;
 use pagedkv::{
@@ -31,6 +34,7 @@ fn layout() -> KvLayout {
     KvLayout::new(shape, BS).unwrap()
 }
 
+use crate::support::faulty_storage::FlakyStorage;
 use crate::support::snapshot::groups_snapshot as snapshot;
 
 /// The value group `g` holds for sequence `id` at position `pos` (exact in f32).
@@ -129,38 +133,48 @@ impl Fixture {
     /// Invariants, and every token inside each group's reach (its window) and every
     /// state page read back byte for byte through the tables.
     fn check(&self) {
-        self.kv.check_invariants().unwrap();
-        assert_eq!(self.store.num_blocks(), self.kv.num_blocks());
-        for &(id, computed) in &self.seqs {
-            assert_eq!(self.kv.num_computed_tokens(id).unwrap(), computed);
-            for g in 0..self.kv.num_groups() {
-                let kv = self.kv.group(g);
-                let (table, len) = if self.state[g] {
-                    let t = kv.block_table(id).unwrap();
-                    (t, t.len() * BS)
-                } else {
-                    kv.readable_blocks(id).unwrap()
-                };
-                let from = match kv.sliding_window() {
-                    Some(w) => (len + 1).saturating_sub(w),
-                    None => 0,
-                };
-                let mut k = vec![0u8; BS * HEAD_DIM * 4];
-                let mut v = k.clone();
-                for pos in from..len {
-                    let b = table[pos / BS];
-                    assert_ne!(b, BlockId::RELEASED, "group {g} {id} pos {pos}");
-                    self.store.read_tokens(0, &[b], BS, &mut k, &mut v).unwrap();
-                    let off = (pos % BS) * HEAD_DIM * 4;
-                    let got = f32::from_le_bytes(k[off..off + 4].try_into().unwrap());
-                    assert_eq!(
-                        got,
-                        value(g, id.0, pos),
-                        "group {g} {id} pos {pos} page {b}"
-                    );
-                    let got_v = f32::from_le_bytes(v[off..off + 4].try_into().unwrap());
-                    assert_eq!(got_v, -value(g, id.0, pos));
-                }
+        let seqs: Vec<(SeqId, usize, u64)> =
+            self.seqs.iter().map(|&(id, n)| (id, n, id.0)).collect();
+        check_bytes(&self.kv, &self.store, &seqs, &self.state);
+    }
+}
+
+/// Invariants, and for each `(id, computed, writer)` of `seqs` every token inside each
+/// group's reach (its window) and every state page read back byte for byte through
+/// the tables, as sequence `writer` wrote them (a fork reads its parent's).
+fn check_bytes(kv: &KvCache, store: &HostStorage, seqs: &[(SeqId, usize, u64)], state: &[bool]) {
+    kv.check_invariants().unwrap();
+    assert_eq!(store.num_blocks(), kv.num_blocks());
+    assert_eq!(state.len(), kv.num_groups());
+    for &(id, computed, writer) in seqs {
+        assert_eq!(kv.num_computed_tokens(id).unwrap(), computed);
+        for (g, &is_state) in state.iter().enumerate() {
+            let group = kv.group(g);
+            let (table, len) = if is_state {
+                let t = group.block_table(id).unwrap();
+                (t, t.len() * BS)
+            } else {
+                group.readable_blocks(id).unwrap()
+            };
+            let from = match group.sliding_window() {
+                Some(w) => (len + 1).saturating_sub(w),
+                None => 0,
+            };
+            let mut k = vec![0u8; BS * HEAD_DIM * 4];
+            let mut v = k.clone();
+            for pos in from..len {
+                let b = table[pos / BS];
+                assert_ne!(b, BlockId::RELEASED, "group {g} {id} pos {pos}");
+                store.read_tokens(0, &[b], BS, &mut k, &mut v).unwrap();
+                let off = (pos % BS) * HEAD_DIM * 4;
+                let got = f32::from_le_bytes(k[off..off + 4].try_into().unwrap());
+                assert_eq!(
+                    got,
+                    value(g, writer, pos),
+                    "group {g} {id} pos {pos} page {b}"
+                );
+                let got_v = f32::from_le_bytes(v[off..off + 4].try_into().unwrap());
+                assert_eq!(got_v, -value(g, writer, pos));
             }
         }
     }
@@ -443,7 +457,8 @@ fn broker_moves_memory_between_a_hybrid_and_a_one_group_model() {
     broker.check_invariants().unwrap();
     let pages = broker.lock(h).unwrap().kv().num_blocks();
     assert!(pages > 4 * bpc, "{pages}");
-    // Sleep cannot swap a hybrid model out nor spill its prefixes: refused whole.
+    // Sleep cannot spill a hybrid model's prefixes: refused whole, the swap-out that
+    // would come first included (swapping out alone: see `sleep_swaps_a_hybrid_..`).
     let refused = |swap: bool, spill: bool| {
         let before = snapshot(broker.lock(h).unwrap().kv());
         let opts = SleepOptions {
@@ -455,7 +470,7 @@ fn broker_moves_memory_between_a_hybrid_and_a_one_group_model() {
         assert_eq!(snapshot(broker.lock(h).unwrap().kv()), before);
         broker.check_invariants().unwrap();
     };
-    refused(true, false);
+    refused(true, true);
     for id in [2, 3, 9] {
         broker.lock(h).unwrap().kv_mut().free(SeqId(id)).unwrap();
     }
@@ -509,4 +524,226 @@ fn checkpoints_move_with_a_shrink_and_still_serve_their_state() {
         }
     }
     f.kv.check_invariants().unwrap();
+}
+
+/// A broker whose one model is a hybrid cache (full + window groups) of 4 chunks of 4
+/// pages, floor 1 chunk, with a host tier of `host_blocks` blocks, holding sequences
+/// with bytes: 1 (10 tokens), 2 (12 tokens, its first window page given back), 3
+/// (an 8-token prompt) and 4, a fork of 3 sharing every page. Returns the sequences as
+/// `(id, computed, writer)`.
+fn sleepy_hybrid(host_blocks: usize) -> (Broker<FlakyStorage>, ModelId, Vec<(SeqId, usize, u64)>) {
+    let l = layout();
+    let chunk = 4 * l.block_bytes();
+    let mut broker = Broker::new(BrokerConfig::new(8 * chunk, chunk)).unwrap();
+    let kv = KvCache::hybrid_with_host_tier(&full_window(), 16, host_blocks).unwrap();
+    let store = HostStorage::with_host_tier(l, 16, host_blocks).unwrap();
+    let id = broker
+        .register(
+            "hybrid",
+            kv,
+            FlakyStorage::new(store, false),
+            ModelLimits::new(chunk, 8 * chunk),
+        )
+        .unwrap();
+    let mut g = broker.lock(id).unwrap();
+    let (kv, store) = g.parts_mut();
+    let mut step = GroupStep::default();
+    let write = |step: &GroupStep, id: u64, first: usize, store: &mut FlakyStorage| {
+        for gr in 0..2 {
+            let slots = &step.slots[gr];
+            let (k, v) = rows((0..slots.len()).map(|i| value(gr, id, first + i)));
+            store.inner.write_slots(0, slots, &k, &v).unwrap();
+        }
+    };
+    kv.admit_grouped(SeqId(1), 10, &mut step).unwrap();
+    write(&step, 1, 0, store);
+    kv.admit_grouped(SeqId(2), 5, &mut step).unwrap();
+    write(&step, 2, 0, store);
+    kv.append_grouped(SeqId(2), 6, &mut step).unwrap();
+    write(&step, 2, 5, store);
+    kv.append_grouped(SeqId(2), 1, &mut step).unwrap();
+    write(&step, 2, 11, store);
+    let prompt: Vec<u32> = (0..8).collect();
+    kv.admit_tokens_grouped(SeqId(3), &prompt, &AdmitOptions::default(), &mut step)
+        .unwrap();
+    write(&step, 3, 0, store);
+    kv.fork(SeqId(3), SeqId(4)).unwrap();
+    assert_eq!(
+        kv.group(1).block_table(SeqId(2)).unwrap()[0],
+        BlockId::RELEASED
+    );
+    assert_eq!(kv.group_stats().used_pages, 15);
+    drop(g);
+    broker.check_invariants().unwrap();
+    let seqs = vec![
+        (SeqId(1), 10, 1),
+        (SeqId(2), 12, 2),
+        (SeqId(3), 8, 3),
+        (SeqId(4), 8, 3),
+    ];
+    (broker, id, seqs)
+}
+
+fn swap_sleep() -> SleepOptions {
+    SleepOptions {
+        swap_out_sequences: true,
+        spill_cached_prefixes: false,
+    }
+}
+
+#[test]
+fn sleep_swaps_a_hybrid_models_sequences_out_and_they_come_back_with_their_bytes() {
+    // Every group's blocks, each sequence's own: 6 + 5 + 4 + 4 (the fork's shared
+    // pages once per sequence) = 19 host blocks.
+    let (broker, id, seqs) = sleepy_hybrid(19);
+    let state = [false, false];
+    let report = broker.sleep(id, swap_sleep()).unwrap();
+    broker.check_invariants().unwrap();
+    let chunk = 4 * layout().block_bytes();
+    assert_eq!(report.freed_bytes, 3 * chunk);
+    {
+        let mut g = broker.lock(id).unwrap();
+        let kv = g.kv();
+        assert_eq!(kv.num_blocks(), 4);
+        assert_eq!(kv.sequence_ids().count(), 0);
+        assert_eq!(kv.num_free_host_blocks(), 0);
+        for &(s, _, _) in &seqs {
+            assert!(kv.is_swapped(s), "{s}");
+        }
+        // Scribble over the arena: the bytes read below can only come from the host.
+        let (_, store) = g.parts_mut();
+        store.inner.region_mut(0).fill(0xA5);
+    }
+    // Wake to 8 chunks and swap every sequence in.
+    broker.wake(id, 8 * chunk).unwrap();
+    let mut g = broker.lock(id).unwrap();
+    let (kv, store) = g.parts_mut();
+    for &(s, _, _) in &seqs {
+        let job = kv.swap_in_grouped(s).unwrap();
+        for plan in &job.plans {
+            store.swap(plan).unwrap();
+        }
+        kv.complete_swap_grouped(&job).unwrap();
+    }
+    check_bytes(kv, &store.inner, &seqs, &state);
+    // The full group's prompt pages are shared again (the swap-in finds them
+    // registered in its prefix cache); the window group's come back one copy each.
+    let table = |gr: usize, s: u64| kv.group(gr).block_table(SeqId(s)).unwrap().to_vec();
+    assert_eq!(table(0, 3), table(0, 4));
+    assert_ne!(table(1, 3), table(1, 4));
+    assert_eq!(kv.group_stats().used_pages, 17);
+    // The window group's hole stayed a hole.
+    assert_eq!(
+        kv.group(1).block_table(SeqId(2)).unwrap()[0],
+        BlockId::RELEASED
+    );
+    drop(g);
+    broker.check_invariants().unwrap();
+}
+
+#[test]
+fn a_hybrid_sleep_that_cannot_swap_every_sequence_out_changes_nothing() {
+    let state = [false, false];
+    // One host block short of every sequence's blocks: refused before any job.
+    let (broker, id, seqs) = sleepy_hybrid(18);
+    let before = snapshot(broker.lock(id).unwrap().kv());
+    let e = broker.sleep(id, swap_sleep()).unwrap_err();
+    assert_eq!(
+        e,
+        Error::TierFull {
+            tier: "host",
+            needed: 19,
+            free: 18
+        }
+    );
+    assert_eq!(snapshot(broker.lock(id).unwrap().kv()), before);
+    broker.check_invariants().unwrap();
+    {
+        let g = broker.lock(id).unwrap();
+        check_bytes(g.kv(), &g.storage().inner, &seqs, &state);
+    }
+
+    // Room for all, but a transfer fails halfway: every job aborted, the sequences
+    // resident with their bytes, the arena unshrunk.
+    let (broker, id, seqs) = sleepy_hybrid(19);
+    let tables = |kv: &KvCache| {
+        let mut out = vec![format!("{:?}", kv.group_stats())];
+        for &(s, _, _) in &seqs {
+            for gr in 0..kv.num_groups() {
+                out.push(format!("{s} {gr} {:?}", kv.group(gr).block_table(s)));
+            }
+        }
+        out.push(format!("host free {}", kv.num_free_host_blocks()));
+        out
+    };
+    let before = tables(broker.lock(id).unwrap().kv());
+    broker.lock(id).unwrap().parts_mut().1.swap_failures = 1;
+    let e = broker.sleep(id, swap_sleep()).unwrap_err();
+    assert!(matches!(e, Error::Cuda(_)), "{e:?}");
+    assert_eq!(tables(broker.lock(id).unwrap().kv()), before);
+    broker.check_invariants().unwrap();
+    {
+        let g = broker.lock(id).unwrap();
+        assert_eq!(g.kv().num_blocks(), 16);
+        for &(s, _, _) in &seqs {
+            assert!(!g.kv().is_swapped(s) && g.kv().swap_in_flight(s).is_none());
+        }
+        check_bytes(g.kv(), &g.storage().inner, &seqs, &state);
+    }
+    // The fault is gone: the same sleep now swaps everything out.
+    broker.sleep(id, swap_sleep()).unwrap();
+    assert_eq!(broker.lock(id).unwrap().kv().num_blocks(), 4);
+    broker.check_invariants().unwrap();
+}
+
+#[test]
+fn swap_out_each_grouped_plans_all_or_nothing_on_a_one_group_twin_too() {
+    // The same calls on a one-group cache and on a hybrid one whose group 0 is the
+    // same: both refuse a host tier one block short, changing nothing, and both plan
+    // one job per sequence when it fits.
+    let l = layout();
+    let one = KvCache::builder(l)
+        .num_blocks(16)
+        .watermark_blocks(0)
+        .tiers(pagedkv::TierConfig {
+            num_host_blocks: 5,
+            ..Default::default()
+        })
+        .build()
+        .unwrap();
+    let hybrid = KvCache::hybrid_with_host_tier(&[GroupSpec::full(l)], 16, 5).unwrap();
+    for mut kv in [one, hybrid] {
+        let mut step = GroupStep::default();
+        kv.admit_grouped(SeqId(1), 10, &mut step).unwrap(); // 3 blocks
+        kv.fork(SeqId(1), SeqId(2)).unwrap(); // 3 more host blocks, shared on device
+        let before = snapshot(&kv);
+        let e = kv.swap_out_each_grouped(&[SeqId(1), SeqId(2)]).unwrap_err();
+        assert_eq!(
+            e,
+            Error::TierFull {
+                tier: "host",
+                needed: 6,
+                free: 5
+            },
+            "hybrid: {}",
+            kv.is_hybrid()
+        );
+        assert_eq!(snapshot(&kv), before);
+        let e = kv.swap_out_each_grouped(&[SeqId(1), SeqId(1)]).unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig { .. }), "{e:?}");
+        assert_eq!(snapshot(&kv), before);
+        kv.free(SeqId(2)).unwrap();
+        kv.admit_grouped(SeqId(3), 8, &mut step).unwrap(); // 2 blocks
+        let jobs = kv.swap_out_each_grouped(&[SeqId(1), SeqId(3)]).unwrap();
+        assert_eq!(jobs.len(), 2);
+        assert_eq!(jobs[0].seq, SeqId(1));
+        assert_eq!(jobs[0].plans[0].len(), 3);
+        assert_eq!(jobs[1].plans[0].len(), 2);
+        for job in &jobs {
+            kv.complete_swap_grouped(job).unwrap();
+        }
+        assert!(kv.is_swapped(SeqId(1)) && kv.is_swapped(SeqId(3)));
+        assert_eq!(kv.num_free_host_blocks(), 0);
+        kv.check_invariants().unwrap();
+    }
 }

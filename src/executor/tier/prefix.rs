@@ -74,9 +74,10 @@ pub fn restore_spilled_prefixes<S: Storage + ?Sized>(
 }
 
 /// Stores up to `max_blocks` device blocks into the host level of the prefix cache
-/// (by the manager's [`crate::manager::HostStorePolicy`]) and runs the copies on
-/// `storage` at once: [`KvCache::plan_host_store`], [`Storage::swap`],
-/// [`KvCache::complete_swap`]. Returns the blocks stored (0 when there was nothing to
+/// (by the manager's [`crate::manager::HostStorePolicy`]; in every group of a hybrid
+/// cache) and runs the copies on `storage` at once: [`KvCache::plan_host_store_grouped`]
+/// (for one group, [`KvCache::plan_host_store`]), [`Storage::swap`] of every plan,
+/// [`KvCache::complete_swap_grouped`]. Returns the blocks stored (0 when there was nothing to
 /// store or no room). An engine that overlaps the copies with compute submits the job
 /// to a [`super::TransferEngine`] instead.
 ///
@@ -109,28 +110,31 @@ pub fn restore_spilled_prefixes<S: Storage + ?Sized>(
 ///
 /// # Errors
 /// [`crate::Error::InvalidConfig`] / [`crate::Error::ShapeMismatch`] for a storage
-/// that does not hold the manager's arena; [`crate::Error::NotOnHybrid`]; the
-/// storage's swap errors, after which the store is aborted (nothing changed in the
-/// manager but host entries evicted to make room).
+/// that does not hold the manager's arena; [`crate::Error::NotOnHybrid`] for a hybrid
+/// cache with a window or state group (a hybrid cache of full and latent groups
+/// stores in every group: [`KvCache::plan_host_store_grouped`]); the storage's swap
+/// errors, after which the store is aborted (nothing changed in the manager but host
+/// entries evicted to make room).
 pub fn store_prefixes_to_host<S: Storage + ?Sized>(
     kv: &mut KvCache,
     storage: &mut S,
     max_blocks: usize,
 ) -> Result<usize> {
     check_storage(kv, storage)?;
-    let Some(job) = kv.plan_host_store(max_blocks)? else {
+    let Some(job) = kv.plan_host_store_grouped(max_blocks)? else {
         return Ok(0);
     };
-    if let Err(e) = storage.swap(&job.plan) {
-        kv.abort_swap(job.ticket)?;
+    if let Err(e) = job.plans.iter().try_for_each(|plan| storage.swap(plan)) {
+        kv.abort_swap_grouped(&job)?;
         return Err(e);
     }
-    kv.complete_swap(job.ticket)?;
-    Ok(job.plan.len())
+    kv.complete_swap_grouped(&job)?;
+    Ok(job.plans.iter().map(|plan| plan.len()).sum())
 }
 
 /// Runs the load of `seq` (admitted from a host-level hit, see
-/// [`KvCache::load_job`]) on `storage` and completes it: the loaded tokens count as
+/// [`KvCache::load_job`], or every group's for a hybrid cache:
+/// [`KvCache::load_job_grouped`]) on `storage` and completes it: the loaded tokens count as
 /// computed and their blocks are registered on the device. Returns the blocks loaded
 /// (0 when `seq` has no load in flight).
 ///
@@ -150,15 +154,15 @@ pub fn load_prefix_from_host<S: Storage + ?Sized>(
             "the load of {seq} has a disk part: use load_prefix_from_tiers"
         )));
     }
-    let Some(job) = kv.load_job(seq) else {
+    let Some(job) = kv.load_job_grouped(seq) else {
         return Ok(0);
     };
-    if let Err(e) = storage.swap(&job.plan) {
-        kv.abort_swap(job.ticket)?;
+    if let Err(e) = job.plans.iter().try_for_each(|plan| storage.swap(plan)) {
+        kv.abort_swap_grouped(&job)?;
         return Err(e);
     }
-    kv.complete_swap(job.ticket)?;
-    Ok(job.plan.len())
+    kv.complete_swap_grouped(&job)?;
+    Ok(job.plans.iter().map(|plan| plan.len()).sum())
 }
 
 /// Takes the entries of an opened [`DiskPrefixStore`] into the manager's disk index

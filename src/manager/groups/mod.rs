@@ -115,6 +115,8 @@ pub use checkpoints::{CheckpointPolicy, StateCheckpoint};
 use checkpoints::{Checkpoints, CHECKPOINTS};
 mod window_cache;
 use window_cache::{WindowCache, WindowHit, WINDOW_CACHE};
+mod host_level;
+pub(crate) use host_level::STORE_JOB;
 
 const NOT_LENT: u32 = u32::MAX;
 
@@ -712,7 +714,7 @@ impl Groups {
     /// [`Error::PrefixKeyTooLong`] (for the cache salt, the extra key or a block key).
     pub fn cached_prefix_len(&self, tokens: &[u32], opts: &AdmitOptions<'_>) -> Result<usize> {
         let mut hits = Vec::new();
-        Ok(self.common_hit(tokens, opts, true, &mut hits)?.0)
+        Ok(self.common_hit(tokens, opts, true, false, &mut hits)?.0)
     }
 
     /// Admits `seq` with prompt `tokens` in every group, sharing the cached prefix every
@@ -857,7 +859,7 @@ impl Groups {
         }
         let mut hits = Vec::new();
         let (cached, source, checkpoint) =
-            self.common_hit(tokens, opts, whole_prompt, &mut hits)?;
+            self.common_hit(tokens, opts, whole_prompt, !whole_prompt, &mut hits)?;
         // The checkpoint the state groups resume from stays until the admission
         // copied it (the caller unpins).
         self.pin_checkpoint(checkpoint);
@@ -889,18 +891,25 @@ impl Groups {
         // Revive the hits first: a page moved to another group below must not be one
         // of them (moving evicts by the giver's policy).
         let mut sum = Admission::default();
+        // A host hit's part (`groups/host_level.rs`): the same in every group.
+        let loading = hits.iter().map(PrefixHit::host_tokens).max().unwrap_or(0);
         for (g, hit) in hits.iter().enumerate() {
             if self.state_pages[g].is_some() {
                 continue;
             }
             let done = match (self.groups[g].window, &source) {
                 (Some(_), Some(wh)) => self.admit_window_hit(g, seq, cached, wh),
+                // The device part only: the loads' pages come after every revival.
+                _ if hit.host_blocks() > 0 => {
+                    self.groups[g].admit_prompt(seq, tokens, &KvCache::device_part(hit))
+                }
                 _ => self.groups[g].admit_prompt(seq, tokens, hit),
             };
             let done = match done {
-                Ok(a) if a.cached_tokens == cached => Ok(a),
+                Ok(a) if a.cached_tokens + loading == cached => Ok(a),
                 Ok(a) => Err(Error::CorruptBlockTable(format!(
-                    "group {g} served {} cached tokens of {cached} looked up",
+                    "group {g} served {} cached and {loading} loading tokens of {cached} \
+                     looked up",
                     a.cached_tokens
                 ))),
                 Err(e) => Err(e),
@@ -915,6 +924,33 @@ impl Groups {
                     return Err(e);
                 }
             }
+        }
+        if loading > 0 {
+            // Each group's load pages, moved now that the revived hit blocks are held
+            // (the check above counted them); then the loads.
+            for (need, hit) in self.needs.iter_mut().zip(hits.iter()) {
+                *need = hit.host_blocks();
+            }
+            let mut done = self.give_pages();
+            for (kv, hit) in self.groups.iter_mut().zip(hits.iter()) {
+                done = done.and_then(|()| match kv.start_host_load(seq, tokens, hit)? {
+                    n if n == loading => Ok(()),
+                    n => Err(Error::CorruptBlockTable(format!(
+                        "a group loads {n} tokens of a hit whose host part is {loading}"
+                    ))),
+                });
+            }
+            if let Err(e) = done {
+                // Unreachable: the arena's pages were counted above.
+                for kv in &mut self.groups {
+                    if let Some(j) = kv.load_job(seq) {
+                        let _ = kv.abort_swap(j.ticket);
+                    }
+                    let _ = kv.free(seq);
+                }
+                return Err(e);
+            }
+            sum.loading_tokens = loading;
         }
         // Then the state groups' pages, taken after the revivals (see above); the
         // check above counted them.
@@ -937,7 +973,7 @@ impl Groups {
                 return Err(e);
             }
         }
-        sum.cached_tokens = cached;
+        sum.cached_tokens = cached - sum.loading_tokens;
         Ok(sum)
     }
 
@@ -1350,7 +1386,9 @@ impl Groups {
     /// # Errors
     /// [`Error::UnknownSequence`]; [`Error::SequenceState`] when `seq` is swapped, has
     /// a swap in flight or holds an uncommitted reservation; [`Error::TierFull`] when
-    /// the host tier lacks room for every group's blocks. Nothing changed on error.
+    /// the host tier lacks room for every group's blocks even after evicting the host
+    /// levels' entries that can go (swapped sequences come first). Nothing changed on
+    /// error.
     pub fn swap_out(&mut self, seq: SeqId) -> Result<GroupSwapJob> {
         self.check_id(seq)?;
         for (need, kv) in self.needs.iter_mut().zip(&self.groups) {
@@ -1358,14 +1396,9 @@ impl Groups {
             *need = s.table.len() - s.released;
         }
         let total: usize = self.needs.iter().sum();
+        // Swapped sequences come before the host levels' entries.
+        self.make_host_room(total)?;
         let free = self.num_free_host_blocks();
-        if total > free {
-            return Err(Error::TierFull {
-                tier: "host",
-                needed: total,
-                free,
-            });
-        }
         for to in 0..self.groups.len() {
             while self.groups[to].num_free_host_blocks() < self.needs[to] {
                 let from = (0..self.groups.len())
@@ -1387,6 +1420,43 @@ impl Groups {
             }
         }
         self.each_group_swap(seq, KvCache::swap_out)
+    }
+
+    /// Plans the swap-out of every sequence of `seqs` in every group, one job per
+    /// sequence (as [`Self::swap_out`] each: a block two sequences share, a shared
+    /// prefix, takes a host block for each), after checking that the host tier holds
+    /// all of them: either every job is planned or none. Execute and complete (or
+    /// abort) each job as one of [`Self::swap_out`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an empty list or a repeated id; as
+    /// [`Self::swap_out`], with [`Error::TierFull`] counting every sequence's blocks.
+    /// Nothing changed on error.
+    pub fn swap_out_each(&mut self, seqs: &[SeqId]) -> Result<Vec<GroupSwapJob>> {
+        super::swap::check_group(seqs)?;
+        let mut total = 0usize;
+        for &seq in seqs {
+            self.check_id(seq)?;
+            for kv in &self.groups {
+                let s = kv.idle(seq)?;
+                total += s.table.len() - s.released;
+            }
+        }
+        self.make_host_room(total)?;
+        let mut jobs: Vec<GroupSwapJob> = Vec::with_capacity(seqs.len());
+        for &seq in seqs {
+            match self.swap_out(seq) {
+                Ok(job) => jobs.push(job),
+                Err(e) => {
+                    // Unreachable after the checks above; undo the jobs planned.
+                    for job in jobs.iter().rev() {
+                        let _ = self.abort_swap(job);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(jobs)
     }
 
     /// Plans the swap-in of swapped-out `seq` in every group at once (pages move to
@@ -2016,6 +2086,7 @@ impl Groups {
         tokens: &[u32],
         opts: &AdmitOptions<'_>,
         state_hits: bool,
+        host_hits: bool,
         hits: &mut Vec<PrefixHit>,
     ) -> Result<(usize, Option<WindowHit>, Option<usize>)> {
         hits.resize_with(self.groups.len(), PrefixHit::default);
@@ -2031,6 +2102,23 @@ impl Groups {
             if kv.window.is_none() && state.is_none() {
                 cached = cached.min(found);
             }
+        }
+        // The host levels (`groups/host_level.rs`) continue the device part every
+        // group holds: a group whose device part goes further looks its host part up
+        // again from there (the sequence is computed as far in every group).
+        let bs0 = self.groups[0].block_size();
+        let host_hits = host_hits
+            && cached != usize::MAX
+            && self.host_level_served()
+            && self.groups.iter().all(|kv| kv.block_size() == bs0);
+        let device = cached;
+        if host_hits {
+            for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
+                if hit.cached_tokens() > device {
+                    kv.rebase_host_hit(tokens, hit, device / bs0);
+                }
+            }
+            cached = device + hits.iter().map(|h| h.host_tokens()).min().unwrap_or(0);
         }
         let mut checkpoint = None;
         if self.has_state_group() {
@@ -2068,7 +2156,12 @@ impl Groups {
             (cached, source) = self.window_hit(hits, cached);
         }
         for (kv, hit) in self.groups.iter().zip(hits.iter_mut()) {
-            hit.truncate_blocks(cached / kv.block_size());
+            let bs = kv.block_size();
+            if host_hits {
+                hit.truncate_with_host(device.min(cached) / bs, cached / bs);
+            } else {
+                hit.truncate_blocks(cached / bs);
+            }
         }
         Ok((cached, source, checkpoint))
     }
