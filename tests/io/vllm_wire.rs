@@ -698,6 +698,43 @@ fn hybrid_events_name_their_group_and_its_kind() {
     assert!(ev.get("kv_cache_spec_kind").is_none());
 }
 
+/// A hybrid cache's host level publishes its stores as CPU-tier events of their
+/// group, as the device level does: each group's chain goes to the host under its own
+/// `group_idx`.
+#[test]
+fn hybrid_host_stores_are_cpu_events_of_their_group() {
+    let specs = [GroupSpec::full(layout()), GroupSpec::full(layout())];
+    let mut kv = KvCache::hybrid_builder(&specs)
+        .num_blocks(32)
+        .watermark_blocks(0)
+        .tiers(pagedkv::TierConfig {
+            num_host_blocks: 16,
+            num_disk_slots: 0,
+        })
+        .record_events(true)
+        .build()
+        .unwrap();
+    kv.set_host_cache(pagedkv::manager::HostCacheConfig::default())
+        .unwrap();
+    let prompt: Vec<u32> = (100..113).collect(); // 3 full blocks and one token
+    let mut step = GroupStep::default();
+    kv.admit_tokens_grouped(SeqId(1), &prompt, &NONE, &mut step)
+        .unwrap();
+    kv.drain_prefix_events(&mut Vec::new());
+    let job = kv.plan_host_store_grouped(usize::MAX).unwrap().unwrap();
+    kv.complete_swap_grouped(&job).unwrap();
+    let mut out = Vec::new();
+    let mut enc = VllmEventEncoder::new();
+    assert_eq!(enc.drain_manager(&mut kv, 1.0, &mut out).unwrap(), 2);
+    let batch = decode(&out);
+    for (ev, g) in batch.array()[1].array().iter().zip([0, 1]) {
+        assert_eq!(ev.get("type"), Some(&Value::Str("BlockStored".into())));
+        assert_eq!(ev.get("medium"), Some(&Value::Str("CPU".into())));
+        assert_eq!(ev.get("group_idx"), Some(&Value::UInt(g)));
+        assert_eq!(ev.get("block_hashes").unwrap().uints().len(), 3);
+    }
+}
+
 /// `hybrid_builder` takes every option that applies to every group and refuses,
 /// typed, the ones a hybrid cache takes from its groups.
 #[test]
