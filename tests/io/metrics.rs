@@ -398,3 +398,39 @@ fn per_tier_counters_follow_stores_loads_and_engine_completions() {
     drop(engine);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A hybrid cache's snapshot counts the whole arena (pages of every group), its peak
+/// window, and the prefix hits its admissions served.
+#[test]
+fn a_hybrid_caches_snapshot_counts_every_group() {
+    use pagedkv::{AdmitOptions, GroupSpec, GroupStep};
+    let l = manager().layout().to_owned();
+    let mut kv = KvCache::hybrid_builder(&[GroupSpec::full(l), GroupSpec::window(l, 32)])
+        .num_blocks(64)
+        .watermark_blocks(0)
+        .build()
+        .unwrap();
+    let mut step = GroupStep::default();
+    let prompt: Vec<u32> = (0..100).collect(); // 7 pages in each group
+    let opts = AdmitOptions::default();
+    kv.admit_tokens_grouped(SeqId(1), &prompt, &opts, &mut step)
+        .unwrap();
+    for _ in 0..40 {
+        kv.append_grouped(SeqId(1), 1, &mut step).unwrap(); // the window gives pages back
+    }
+    let hit = kv
+        .admit_tokens_grouped(SeqId(2), &prompt, &opts, &mut step)
+        .unwrap()
+        .cached_tokens;
+    assert!(hit > 0, "the second request hits the first one's prompt");
+    let snap = MetricsSnapshot::from_manager(&mut kv);
+    let st = kv.group_stats();
+    assert_eq!(snap.cache.num_blocks, 64);
+    assert_eq!(snap.cache.used_blocks, st.used_pages);
+    assert_eq!(snap.peak_used_blocks, st.peak_used_pages.max(st.used_pages));
+    assert_eq!(
+        snap.extra.prefix_query_tokens,
+        Some(2 * prompt.len() as u64)
+    );
+    assert_eq!(snap.extra.prefix_hit_tokens, Some(hit as u64));
+}
