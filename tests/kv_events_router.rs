@@ -80,6 +80,62 @@ impl Rng {
     }
 }
 
+/// A publisher on a loopback port and a router subscribed to it.
+fn publisher_and_router() -> (ZmqEventPublisher, Router) {
+    let p = ZmqEventPublisher::bind(ZmqPublisherConfig::new("tcp://127.0.0.1:0")).unwrap();
+    let mut sub = Zmtp::connect(p.local_addr(), "SUB", 1);
+    sub.subscribe(b"", true);
+    wait_subscribers(&p, 1);
+    let router = Router {
+        sub,
+        normalizer: ZmqEventNormalizer::new(BLOCK as u32),
+        tree: RadixTree::new(),
+        next_seq: 0,
+        events: 0,
+        removals: 0,
+    };
+    (p, router)
+}
+
+/// One of three system prompts of 2, 3 and 5 blocks, then a tail of any length unique
+/// to `step`.
+fn random_prompt(rng: &mut Rng, step: u64) -> Vec<u32> {
+    let family = rng.below(3) as u32;
+    let shared = [2, 3, 5][family as usize] * BLOCK;
+    let mut tokens = prompt(family, shared + rng.below(3 * BLOCK), shared);
+    tokens
+        .iter_mut()
+        .skip(shared)
+        .for_each(|t| *t += step as u32);
+    tokens
+}
+
+/// Asserts that the router's overlap for each of the last 24 prompts (one token
+/// longer, so a fully cached prompt is all hit) is the cache's own `cached` blocks;
+/// returns the queries with a hit.
+fn check_overlaps(
+    router: &Router,
+    prompts: &[Vec<u32>],
+    step: u64,
+    cached: impl Fn(&[u32]) -> usize,
+) -> usize {
+    let mut hits = 0;
+    for (i, tokens) in prompts.iter().enumerate().rev().take(24) {
+        let mut query = tokens.clone();
+        query.push(u32::MAX - i as u32);
+        let own = cached(&query);
+        assert_eq!(own % BLOCK, 0);
+        assert_eq!(
+            router.overlap(&query),
+            own / BLOCK,
+            "step {step}, prompt {i} of {} tokens",
+            tokens.len()
+        );
+        hits += usize::from(own > 0);
+    }
+    hits
+}
+
 fn publish(p: &mut ZmqEventPublisher, kv: &mut KvCache, router: &mut Router) {
     if let Some(seq) = p.publish_drained(kv).unwrap() {
         router.take(seq);
@@ -88,18 +144,7 @@ fn publish(p: &mut ZmqEventPublisher, kv: &mut KvCache, router: &mut Router) {
 
 #[test]
 fn dynamos_router_reports_the_caches_own_prefix_hits() {
-    let mut p = ZmqEventPublisher::bind(ZmqPublisherConfig::new("tcp://127.0.0.1:0")).unwrap();
-    let mut sub = Zmtp::connect(p.local_addr(), "SUB", 1);
-    sub.subscribe(b"", true);
-    wait_subscribers(&p, 1);
-    let mut router = Router {
-        sub,
-        normalizer: ZmqEventNormalizer::new(BLOCK as u32),
-        tree: RadixTree::new(),
-        next_seq: 0,
-        events: 0,
-        removals: 0,
-    };
+    let (mut p, mut router) = publisher_and_router();
     let mut kv = cache(48);
     let mut rng = Rng(37);
     let mut live: Vec<u64> = Vec::new();
@@ -108,14 +153,7 @@ fn dynamos_router_reports_the_caches_own_prefix_hits() {
     for step in 0..400u64 {
         match rng.below(10) {
             0..=5 => {
-                // Three system prompts of 2, 3 and 5 blocks; any tail.
-                let family = rng.below(3) as u32;
-                let shared = [2, 3, 5][family as usize] * BLOCK;
-                let mut tokens = prompt(family, shared + rng.below(3 * BLOCK), shared);
-                tokens
-                    .iter_mut()
-                    .skip(shared)
-                    .for_each(|t| *t += step as u32);
+                let tokens = random_prompt(&mut rng, step);
                 if kv.can_admit(tokens.len()) {
                     admit(&mut kv, step, &tokens);
                     live.push(step);
@@ -134,22 +172,9 @@ fn dynamos_router_reports_the_caches_own_prefix_hits() {
             _ => {}
         }
         publish(&mut p, &mut kv, &mut router);
-        for (i, tokens) in prompts.iter().enumerate().rev().take(24) {
-            // One token more than the prompt, so a fully cached prompt is all hit.
-            let mut query = tokens.clone();
-            query.push(u32::MAX - i as u32);
-            let own = kv
-                .cached_prefix_len(&query, &AdmitOptions::default())
-                .unwrap();
-            assert_eq!(own % BLOCK, 0);
-            assert_eq!(
-                router.overlap(&query),
-                own / BLOCK,
-                "step {step}, prompt {i} of {} tokens",
-                tokens.len()
-            );
-            hits += usize::from(own > 0);
-        }
+        hits += check_overlaps(&router, &prompts, step, |q| {
+            kv.cached_prefix_len(q, &AdmitOptions::default()).unwrap()
+        });
     }
     // The walk went where it should: hits, frees, evictions and resets all happened.
     println!(
@@ -258,18 +283,7 @@ fn dynamo_indexes_a_hybrid_caches_full_attention_group() {
     .build()
     .unwrap();
 
-    let mut p = ZmqEventPublisher::bind(ZmqPublisherConfig::new("tcp://127.0.0.1:0")).unwrap();
-    let mut sub = Zmtp::connect(p.local_addr(), "SUB", 1);
-    sub.subscribe(b"", true);
-    wait_subscribers(&p, 1);
-    let mut router = Router {
-        sub,
-        normalizer: ZmqEventNormalizer::new(BLOCK as u32),
-        tree: RadixTree::new(),
-        next_seq: 0,
-        events: 0,
-        removals: 0,
-    };
+    let (mut p, mut router) = publisher_and_router();
     let mut rng = Rng(41);
     let mut step_buf = GroupStep::default();
     let mut live: Vec<u64> = Vec::new();
@@ -278,13 +292,7 @@ fn dynamo_indexes_a_hybrid_caches_full_attention_group() {
     for step in 0..200u64 {
         match rng.below(10) {
             0..=5 => {
-                let family = rng.below(3) as u32;
-                let shared = [2, 3, 5][family as usize] * BLOCK;
-                let mut tokens = prompt(family, shared + rng.below(3 * BLOCK), shared);
-                tokens
-                    .iter_mut()
-                    .skip(shared)
-                    .for_each(|t| *t += step as u32);
+                let tokens = random_prompt(&mut rng, step);
                 if kv.can_admit(tokens.len()) {
                     kv.admit_tokens_grouped(
                         SeqId(step),
@@ -305,21 +313,11 @@ fn dynamo_indexes_a_hybrid_caches_full_attention_group() {
             _ => {}
         }
         publish(&mut p, &mut kv, &mut router);
-        for (i, tokens) in prompts.iter().enumerate().rev().take(24) {
-            let mut query = tokens.clone();
-            query.push(u32::MAX - i as u32);
-            let own = kv
-                .group(0)
-                .cached_prefix_len(&query, &AdmitOptions::default())
-                .unwrap();
-            assert_eq!(
-                router.overlap(&query),
-                own / BLOCK,
-                "step {step}, prompt {i} of {} tokens",
-                tokens.len()
-            );
-            hits += usize::from(own > 0);
-        }
+        hits += check_overlaps(&router, &prompts, step, |q| {
+            kv.group(0)
+                .cached_prefix_len(q, &AdmitOptions::default())
+                .unwrap()
+        });
     }
     println!(
         "{} batches, {} router events ({} removals), {hits} queries with a hit, {frees} frees",

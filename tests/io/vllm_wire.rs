@@ -555,6 +555,16 @@ fn drained_manager_events_round_trip() {
 // ---------------------------------------------------------------------------------
 // The vLLM block hash.
 
+/// A hybrid cache of 64 pages over `specs` that records its prefix events.
+fn recording_hybrid(specs: &[GroupSpec]) -> KvCache {
+    KvCache::hybrid_builder(specs)
+        .num_blocks(64)
+        .watermark_blocks(0)
+        .record_events(true)
+        .build()
+        .unwrap()
+}
+
 /// A hybrid cache (two full groups around a window group, built with every prefix
 /// option by `hybrid_builder`) publishes each group's prefix events with its
 /// `group_idx` and spec kind, as vLLM's block pool does with its KV-cache group ids:
@@ -568,12 +578,7 @@ fn hybrid_events_name_their_group_and_its_kind() {
         GroupSpec::window(layout(), 8),
         GroupSpec::full(layout()),
     ];
-    let mut kv = KvCache::hybrid_builder(&specs)
-        .num_blocks(64)
-        .watermark_blocks(0)
-        .record_events(true)
-        .build()
-        .unwrap();
+    let mut kv = recording_hybrid(&specs);
     let prompt: Vec<u32> = (100..113).collect(); // 3 full blocks and one token
     let mut step = GroupStep::default();
     kv.admit_tokens_grouped(SeqId(1), &prompt, &NONE, &mut step)
@@ -598,12 +603,7 @@ fn hybrid_events_name_their_group_and_its_kind() {
     );
 
     // Again in a fresh cache, through the encoder: stores, then the removals.
-    let mut kv = KvCache::hybrid_builder(&specs)
-        .num_blocks(64)
-        .watermark_blocks(0)
-        .record_events(true)
-        .build()
-        .unwrap();
+    let mut kv = recording_hybrid(&specs);
     kv.admit_tokens_grouped(SeqId(1), &prompt, &NONE, &mut step)
         .unwrap();
     let mut enc = VllmEventEncoder::new();

@@ -333,6 +333,17 @@ fn a_host_hit_is_the_prefix_every_group_holds() {
 
 // ---- model-based interleaving ----------------------------------------------------
 
+/// Runs and completes a planned swap; returns the refusal when there was one.
+fn run_swap(w: &mut World, r: Result<GroupSwapJob, Error>) -> Option<Error> {
+    if let Ok(job) = &r {
+        for plan in &job.plans {
+            w.st.swap(plan).unwrap();
+        }
+        w.kv.complete_swap_grouped(job).unwrap();
+    }
+    r.err()
+}
+
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
@@ -540,23 +551,11 @@ proptest! {
                 }
                 Action::SwapOut { seq } => {
                     let r = w.kv.swap_out_grouped(SeqId(u64::from(seq)));
-                    if let Ok(job) = &r {
-                        for plan in &job.plans {
-                            w.st.swap(plan).unwrap();
-                        }
-                        w.kv.complete_swap_grouped(job).unwrap();
-                    }
-                    r.err()
+                    run_swap(&mut w, r)
                 }
                 Action::SwapIn { seq } => {
                     let r = w.kv.swap_in_grouped(SeqId(u64::from(seq)));
-                    if let Ok(job) = &r {
-                        for plan in &job.plans {
-                            w.st.swap(plan).unwrap();
-                        }
-                        w.kv.complete_swap_grouped(job).unwrap();
-                    }
-                    r.err()
+                    run_swap(&mut w, r)
                 }
             };
             if let Some(e) = refused {

@@ -120,31 +120,12 @@ impl Groups {
             *need = free / n + usize::from(g < free % n);
         }
         self.give_host_blocks()?;
-        let mut job = GroupSwapJob {
-            seq: STORE_JOB,
-            tickets: Vec::with_capacity(n),
-            plans: Vec::with_capacity(n),
-        };
-        for g in 0..n {
-            let planned = self.groups[g]
-                .plan_host_store_inner(max_blocks, true)
-                .and_then(|j| {
-                    j.ok_or_else(|| Error::CorruptBlockTable("a store without a ticket".into()))
-                });
-            match planned {
-                Ok(j) => {
-                    job.tickets.push(j.ticket);
-                    job.plans.push(j.plan);
-                }
-                Err(e) => {
-                    // Unreachable on a consistent manager; undo the groups done.
-                    for (kv, &t) in self.groups.iter_mut().zip(&job.tickets) {
-                        let _ = kv.abort_swap(t);
-                    }
-                    return Err(e);
-                }
-            }
-        }
+        // A failure is unreachable on a consistent manager; the groups done are undone.
+        let job = self.each_group_job(STORE_JOB, |kv| {
+            kv.plan_host_store_inner(max_blocks, true).and_then(|j| {
+                j.ok_or_else(|| Error::CorruptBlockTable("a store without a ticket".into()))
+            })
+        })?;
         if job.plans.iter().all(|p| p.is_empty()) {
             // Nothing to copy: the empty stores end here, counted as no store.
             self.complete_swap(&job)?;
@@ -204,7 +185,7 @@ impl Groups {
 
     /// Moves free host blocks so that every group `g` has `needs[g]` free, taking
     /// them from groups with more than their need (the caller checked the total).
-    fn give_host_blocks(&mut self) -> Result<()> {
+    pub(super) fn give_host_blocks(&mut self) -> Result<()> {
         let total: usize = self.needs.iter().sum();
         let free = self.num_free_host_blocks();
         for to in 0..self.groups.len() {

@@ -1398,27 +1398,7 @@ impl Groups {
         let total: usize = self.needs.iter().sum();
         // Swapped sequences come before the host levels' entries.
         self.make_host_room(total)?;
-        let free = self.num_free_host_blocks();
-        for to in 0..self.groups.len() {
-            while self.groups[to].num_free_host_blocks() < self.needs[to] {
-                let from = (0..self.groups.len())
-                    .find(|&h| h != to && self.groups[h].num_free_host_blocks() > self.needs[h])
-                    .ok_or(Error::TierFull {
-                        tier: "host",
-                        needed: total,
-                        free,
-                    })?;
-                let (block, at) = self.groups[from].lend_host_block(HOST_LENDER)?;
-                self.host_lent_pos[from][block.index()] = at as u32;
-                let pos = self.host_lent_pos[to][block.index()];
-                if let Some(moved) =
-                    self.groups[to].reclaim_host_block(HOST_LENDER, pos as usize)?
-                {
-                    self.host_lent_pos[to][moved.index()] = pos;
-                }
-                self.host_lent_pos[to][block.index()] = NOT_LENT;
-            }
-        }
+        self.give_host_blocks()?;
         self.each_group_swap(seq, KvCache::swap_out)
     }
 
@@ -1998,13 +1978,23 @@ impl Groups {
         seq: SeqId,
         call: fn(&mut KvCache, SeqId) -> Result<super::SwapJob>,
     ) -> Result<GroupSwapJob> {
+        self.each_group_job(seq, |kv| call(kv, seq))
+    }
+
+    /// Runs `call` in every group, collecting the job `seq` of their tickets and plans;
+    /// aborts the groups' tickets taken so far when one fails.
+    pub(super) fn each_group_job(
+        &mut self,
+        seq: SeqId,
+        mut call: impl FnMut(&mut KvCache) -> Result<super::SwapJob>,
+    ) -> Result<GroupSwapJob> {
         let mut job = GroupSwapJob {
             seq,
             tickets: Vec::with_capacity(self.groups.len()),
             plans: Vec::with_capacity(self.groups.len()),
         };
         for g in 0..self.groups.len() {
-            match call(&mut self.groups[g], seq) {
+            match call(&mut self.groups[g]) {
                 Ok(j) => {
                     job.tickets.push(j.ticket);
                     job.plans.push(j.plan);
