@@ -912,6 +912,10 @@ impl Groups {
             self.set_need(g, need);
         }
         self.give_needed_pages()?;
+        // The dead window blocks the reservations would give back (an admission
+        // leaves those of its prompt), given back and kept first, as the
+        // per-sequence calls do; the checks above hold, nothing below fails.
+        self.keep_dead_windows(entries)?;
         for (g, &bound) in bounds.iter().enumerate() {
             if self.state_pages(g).is_none() {
                 self.group_mut(g)

@@ -26,7 +26,7 @@
 //! caches' pages, the least recently kept first.
 //!
 //! The calls that give window blocks back keep them: [`Groups::commit`], the appends
-//! and reservations, [`Groups::free`] and the batch step's commit
+//! and reservations, [`Groups::free`], and the batch step's reservation and commit
 //! (`manager/step.rs`). A swap-out, a truncation, a sequence whose ids the full group
 //! does not track, and a window block whose full-group block is not registered (a
 //! duplicate's) give them to the free list as before.
@@ -616,6 +616,41 @@ impl Groups {
                 }
             }
         }
+    }
+
+    /// Before a batch step's reservations (the groups' `fill_step`): gives back, and
+    /// keeps, the window blocks of each entry's sequence that lie before the window
+    /// of its next query (at its computed count), which the reservation would
+    /// otherwise give straight to the free list: those of a prompt an admission
+    /// computed, whose query never ran. Releasing them first changes no count a
+    /// reservation checked (each page given back is kept, still counted free) and
+    /// leaves no page free for an allocation of the step to take before it is kept.
+    pub(in crate::manager) fn keep_dead_windows(
+        &mut self,
+        entries: &[crate::manager::StepEntry],
+    ) -> Result<()> {
+        if self.window_key_group().is_none() {
+            return Ok(());
+        }
+        self.forget_leaving();
+        for e in entries {
+            let Some((id, s)) = self.groups[0].seqs.at(e.seq) else {
+                continue;
+            };
+            let query = s.computed;
+            // Most steps give nothing back before they run: no lookup by id then.
+            if !self.may_give_back(e.seq, query) {
+                continue;
+            }
+            self.note_leaving(id, Some(query));
+            for g in 0..self.groups.len() {
+                if self.groups[g].window.is_some() {
+                    let h = self.known_handle(g, e.seq)?;
+                    self.groups[g].release_out_of_window(h, query)?;
+                }
+            }
+        }
+        self.keep_leaving()
     }
 
     /// Whether a window group may give back blocks of the sequence of group 0's
