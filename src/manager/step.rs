@@ -19,7 +19,7 @@
 //! written, and the holes a window's release made since.
 
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, SeqHandle};
+use crate::ids::{BlockId, SeqHandle, SeqId};
 use crate::layout::plans::CopyPlan;
 use crate::layout::{PaddedTables, Slot};
 
@@ -785,6 +785,9 @@ impl Groups {
             return Ok(h0);
         }
         let (seq, _) = self.group(0).seqs.at(h0).ok_or(Error::StaleHandle(h0))?;
+        if self.names(g, h0, seq) {
+            return Ok(h0);
+        }
         let known = self
             .step_handles
             .get(g)
@@ -793,6 +796,15 @@ impl Groups {
             Some(&h) if matches!(self.group(g).seqs.at(h), Some((id, _)) if id == seq) => Ok(h),
             _ => self.group_handle(g, h0),
         }
+    }
+
+    /// Whether handle `h` of group `g` names `seq`: group 0's handle is group `g`'s
+    /// where their slots agree, which they do unless a failed call undid an insertion
+    /// in some groups only (every group holds the same hidden sequences, in the same
+    /// slots, and admits and frees the same sequences in the same order).
+    #[inline]
+    fn names(&self, g: usize, h: SeqHandle, seq: SeqId) -> bool {
+        matches!(self.group(g).seqs.at(h), Some((id, _)) if id == seq)
     }
 
     /// [`Self::known_handle`], recording what it found (no allocation once the
@@ -833,7 +845,11 @@ impl Groups {
         let mut own = false;
         for (i, &item) in items.iter().enumerate() {
             let h0 = handle(&item);
-            let h = self.step_handle(g, h0)?;
+            let h = match self.group(0).seqs.at(h0) {
+                // The usual case: the same slot in both groups (nothing to record).
+                Some((seq, _)) if self.names(g, h0, seq) => h0,
+                _ => self.step_handle(g, h0)?,
+            };
             if !own && h != h0 {
                 // The first handle that differs: the items so far are the same.
                 own = true;
@@ -949,9 +965,12 @@ impl Groups {
                 own if own.len() == accepted.len() => &own[..],
                 _ => accepted,
             };
-            // A state group holds no reservation: nothing to commit there.
-            for g in 0..groups {
-                if self.state_pages(g).is_none() {
+            // A state group holds no reservation: nothing to commit there. Group 0's
+            // checks answer for a group whose handles are group 0's (an empty list):
+            // the same sequences, in the same state, holding the same reservations
+            // (every call reserves and commits in every KV group alike).
+            for (g, own) in scratch.iter().enumerate() {
+                if self.state_pages(g).is_none() && (g == 0 || !own.is_empty()) {
                     self.group_mut(g).check_commit_step(list_of(g))?;
                 }
             }

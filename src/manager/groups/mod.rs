@@ -418,10 +418,14 @@ impl Groups {
             kv.seqs.reserve_room(1)?;
             kv.seqs.insert(LENDER, Sequence::default())?;
             kv.insert_host_lender(HOST_LENDER);
-            if spec.state_pages.is_some() {
+            // Every group holds the same hidden sequences in the same slots (empty
+            // where the group has no use for one), so that the groups admit and free
+            // the same sequences into the same slots and group 0's handle of a
+            // sequence is every group's: the step path then translates no handle.
+            if specs.iter().any(|s| s.state_pages.is_some()) {
                 kv.insert_checkpoint_holder()?;
             }
-            if spec.window.is_some() {
+            if specs.iter().any(|s| s.window.is_some()) {
                 kv.insert_window_cache_holder()?;
             }
             let mut pos = vec![NOT_LENT; num_pages];
@@ -516,8 +520,9 @@ impl Groups {
     }
 
     /// Group `g`, read-only: its block tables, batch views (`fill_padded`, `fill_csr`),
-    /// `readable_blocks`. Its own `stats` and `sequence_ids` count the hidden sequence
-    /// that holds the pages other groups own; use [`Self::stats`] instead.
+    /// `readable_blocks`. Its own `stats` and `sequence_ids` count the hidden sequences
+    /// (the holders of the pages other groups own, of checkpoints and of kept window
+    /// blocks); use [`Self::stats`] instead.
     ///
     /// # Panics
     /// When `g >= num_groups()`.
@@ -1593,25 +1598,30 @@ impl Groups {
                 return Err(format!("sequence {id} is not swapped in every group"));
             }
         }
+        // The same counts and reservations in every KV group (the batch commit checks
+        // group 0 for every group whose handles are group 0's).
+        let counts = |kv: &KvCache, id| {
+            (
+                kv.num_tokens(id).ok(),
+                kv.num_computed_tokens(id).ok(),
+                kv.context_len(id).ok(),
+                kv.num_reservations(id).ok(),
+            )
+        };
         for id in self.sequence_ids() {
-            let want = (kv0.num_tokens(id).ok(), kv0.num_computed_tokens(id).ok());
+            let want = counts(kv0, id);
             for (g, kv) in self.groups.iter().enumerate().skip(1) {
                 if self.state_pages[g].is_some() {
                     continue;
                 }
-                if (kv.num_tokens(id).ok(), kv.num_computed_tokens(id).ok()) != want {
+                if counts(kv, id) != want {
                     return Err(format!("sequence {id}: group {g} differs from group 0"));
                 }
             }
         }
         self.check_state_groups()?;
-        // A state group holds its checkpoints' hidden holder besides, a window group
-        // its cache's.
-        let seqs = |g: usize| {
-            self.groups[g].seqs.len()
-                - usize::from(self.state_pages[g].is_some())
-                - usize::from(self.groups[g].window.is_some())
-        };
+        // Every group holds the same hidden sequences (see `with_host_tier`).
+        let seqs = |g: usize| self.groups[g].seqs.len();
         if (0..self.groups.len()).any(|g| seqs(g) != seqs(0)) {
             return Err("groups hold different numbers of sequences".into());
         }

@@ -611,7 +611,7 @@ impl Groups {
             if let Some((id, s)) = self.groups[0].seqs.at(h) {
                 let query = s.computed + n;
                 // Most commits give nothing back: skip the lookups by id then.
-                if self.may_give_back(h, query) {
+                if self.may_give_back(h, id, query) {
                     self.note_leaving(id, Some(query));
                 }
             }
@@ -639,7 +639,7 @@ impl Groups {
             };
             let query = s.computed;
             // Most steps give nothing back before they run: no lookup by id then.
-            if !self.may_give_back(e.seq, query) {
+            if !self.may_give_back(e.seq, id, query) {
                 continue;
             }
             self.note_leaving(id, Some(query));
@@ -653,19 +653,28 @@ impl Groups {
         self.keep_leaving()
     }
 
-    /// Whether a window group may give back blocks of the sequence of group 0's
-    /// handle `h` when its next query reaches `query`: `false` only when every window
-    /// group already released all its blocks before that query's window, so that
-    /// [`Self::note_leaving`] would note nothing. By handle (the commit's own, just
-    /// found), no hashing; a handle that does not resolve answers `true`
-    /// (`note_leaving` decides by id).
-    fn may_give_back(&self, h: crate::ids::SeqHandle, query: usize) -> bool {
+    /// Whether a window group may give back blocks of sequence `seq` (group 0's
+    /// handle `h`) when its next query reaches `query`: `false` only when every
+    /// window group already released all its blocks before that query's window, so
+    /// that [`Self::note_leaving`] would note nothing. By handle (the step's own, just
+    /// found), no hashing: group 0's handle where the group's slot under it holds
+    /// `seq` (the usual case), else the handle [`Self::known_handle`] finds; one that
+    /// does not resolve answers `true` (`note_leaving` decides by id).
+    #[inline]
+    fn may_give_back(&self, h: crate::ids::SeqHandle, seq: SeqId, query: usize) -> bool {
         self.groups.iter().enumerate().any(|(g, kv)| {
-            kv.window.is_some()
-                && match self.known_handle(g, h).ok().and_then(|hg| kv.seqs.at(hg)) {
-                    Some((_, s)) => kv.first_block_in_window(query).min(s.table.len()) > s.released,
-                    None => true,
-                }
+            if kv.window.is_none() {
+                return false;
+            }
+            let s = match kv.seqs.at(h) {
+                Some((id, s)) if id == seq => Some(s),
+                _ => self
+                    .known_handle(g, h)
+                    .ok()
+                    .and_then(|hg| kv.seqs.at(hg))
+                    .map(|(_, s)| s),
+            };
+            s.is_none_or(|s| kv.first_block_in_window(query).min(s.table.len()) > s.released)
         })
     }
 }
