@@ -862,6 +862,20 @@ impl Groups {
         Ok(())
     }
 
+    /// Whether group 0's step checks answer for KV group `g`, whose handles are group
+    /// 0's: the same block size and longest sequence, and buffers of the same
+    /// capacities. Every check then reads what group 0's read (the same sequences,
+    /// swap states, reservations and token counts, so the same table lengths:
+    /// `check_invariants` compares them), and the bound of the blocks the step takes
+    /// is group 0's.
+    fn checks_as_group_0(&self, g: usize, out: &[StepBuffers]) -> bool {
+        let (kv, kv0) = (self.group(g), self.group(0));
+        let capacity = |b: &StepBuffers| (b.max_seqs, b.max_tokens, b.tables.max_blocks);
+        kv.block_size() == kv0.block_size()
+            && kv.max_seq_len() == kv0.max_seq_len()
+            && capacity(&out[g]) == capacity(&out[0])
+    }
+
     /// [`KvCache::reserve_step_grouped`] of a hybrid cache.
     pub(super) fn reserve_step(
         &mut self,
@@ -910,6 +924,9 @@ impl Groups {
             bounds.push(match self.state_pages(g) {
                 // A state group allocates nothing in a step.
                 Some(pages) => check_state_rows(list.len(), pages, buffers)?,
+                None if g > 0 && per_group[g].is_empty() && self.checks_as_group_0(g, out) => {
+                    bounds[0]
+                }
                 None => self.group_mut(g).check_step(list, ids, buffers, ahead)?,
             });
         }

@@ -1995,3 +1995,61 @@ fn a_refused_batch_commit_changes_no_group() {
     assert_eq!(kv.num_computed_tokens(SeqId(1)).unwrap(), 9);
     kv.check_invariants().unwrap();
 }
+
+/// A refused batch step changes no group and no buffer: a stale handle, a handle
+/// listed twice, a step past the longest sequence, and steps that only the window
+/// group's buffers cannot hold (narrower rows, fewer query tokens or rows).
+#[test]
+fn a_refused_batch_step_changes_no_group() {
+    let l = layout(BS, 1);
+    let specs = [GroupSpec::full(l), GroupSpec::window(l, WINDOW)];
+    let mut kv = KvCache::hybrid(&specs, PAGES).unwrap();
+    let mut step = GroupStep::default();
+    for id in 1..=3 {
+        kv.admit_grouped(SeqId(id), 7, &mut step).unwrap();
+    }
+    let h: Vec<_> = (1..=3).map(|id| kv.handle(SeqId(id)).unwrap()).collect();
+    kv.free(SeqId(3)).unwrap();
+    let e = |seq, new_tokens| StepEntry {
+        seq,
+        new_tokens,
+        lookahead: 0,
+    };
+    let wide = || StepBuffers::new(4, 16, 8);
+    let longest = kv.group(0).max_seq_len();
+    let before = snapshot(&kv);
+    for (entries, window_bufs, what) in [
+        (vec![e(h[0], 1), e(h[2], 1)], wide(), "stale"),
+        (vec![e(h[0], 1), e(h[0], 1)], wide(), "listed twice"),
+        (vec![e(h[0], 1), e(h[1], longest)], wide(), "too long"),
+        (
+            vec![e(h[0], 1), e(h[1], 2)],
+            StepBuffers::new(4, 16, 2),
+            "narrow",
+        ),
+        (
+            vec![e(h[0], 1), e(h[1], 2)],
+            StepBuffers::new(4, 2, 8),
+            "few tokens",
+        ),
+        (
+            vec![e(h[0], 1), e(h[1], 2)],
+            StepBuffers::new(1, 16, 8),
+            "few rows",
+        ),
+    ] {
+        let mut bufs = [wide(), window_bufs];
+        let was = format!("{bufs:?}");
+        assert!(
+            kv.reserve_step_grouped(&entries, &mut bufs).is_err(),
+            "{what}"
+        );
+        assert_eq!(snapshot(&kv), before, "{what}");
+        assert_eq!(format!("{bufs:?}"), was, "{what}");
+        kv.check_invariants().unwrap();
+    }
+    let mut bufs = [wide(), wide()];
+    kv.reserve_step_grouped(&[e(h[0], 1), e(h[1], 2)], &mut bufs)
+        .unwrap();
+    assert_eq!(bufs[1].tables().context_lens, vec![8, 9]);
+}

@@ -1598,14 +1598,15 @@ impl Groups {
                 return Err(format!("sequence {id} is not swapped in every group"));
             }
         }
-        // The same counts and reservations in every KV group (the batch commit checks
-        // group 0 for every group whose handles are group 0's).
+        // The same counts, reservations and swap states in every KV group (the batch
+        // step checks group 0 for every group whose handles are group 0's).
         let counts = |kv: &KvCache, id| {
             (
                 kv.num_tokens(id).ok(),
                 kv.num_computed_tokens(id).ok(),
                 kv.context_len(id).ok(),
                 kv.num_reservations(id).ok(),
+                kv.swap_in_flight(id).is_some(),
             )
         };
         for id in self.sequence_ids() {
