@@ -862,6 +862,51 @@ impl Groups {
         Ok(())
     }
 
+    /// One pass over a step's `items` that serves every group: whether every group's
+    /// slot under group 0's handle (`of(item).0`) holds the item's sequence (then no
+    /// group needs lists of its own handles), and in `giving` the indices of the items
+    /// whose window groups may give blocks back when the sequence's next query sits
+    /// `of(item).1` tokens after its computed ones (0 before a reservation, the
+    /// accepted count at a commit): those where a window group holds blocks before
+    /// that query's window, or whose slot there is not group 0's (decided by id
+    /// later). Reads each sequence's slot once per group; allocates nothing once
+    /// `giving` has grown.
+    ///
+    /// # Errors
+    /// [`Error::StaleHandle`] for a handle group 0 does not hold; nothing changed.
+    fn scan_step<T>(
+        &self,
+        items: &[T],
+        of: impl Fn(&T) -> (SeqHandle, usize),
+        giving: &mut Vec<u32>,
+    ) -> Result<bool> {
+        giving.clear();
+        let mut same = true;
+        let (first, rest) = self.all_groups().split_at(1);
+        for (i, item) in items.iter().enumerate() {
+            let (h, ahead) = of(item);
+            let (seq, s0) = first[0].seqs.at(h).ok_or(Error::StaleHandle(h))?;
+            let query = s0.computed + ahead;
+            let mut gives = false;
+            for kv in rest {
+                match kv.seqs.at(h) {
+                    Some((id, s)) if id == seq => {
+                        gives |= kv.window.is_some()
+                            && kv.first_block_in_window(query).min(s.table.len()) > s.released;
+                    }
+                    _ => {
+                        same = false;
+                        gives |= kv.window.is_some();
+                    }
+                }
+            }
+            if gives {
+                giving.push(i as u32);
+            }
+        }
+        Ok(same)
+    }
+
     /// Whether group 0's step checks answer for KV group `g`, whose handles are group
     /// 0's: the same block size and longest sequence, and buffers of the same
     /// capacities. Every check then reads what group 0's read (the same sequences,
@@ -892,25 +937,40 @@ impl Groups {
                 got: out.len(),
             });
         }
-        // Each group's entries, by its own handles (kept buffers: no allocation once
-        // grown), then every group's checks, before anything changes.
+        // Each group's entries, by its own handles where they are not group 0's (kept
+        // buffers: no allocation once grown), then every group's checks, before
+        // anything changes.
         let mut scratch = std::mem::take(&mut self.step_entries);
+        let mut giving = std::mem::take(&mut self.step_giving);
         scratch.resize_with(groups, Vec::new);
-        let result = self.reserve_step_in_groups(entries, ids, out, &mut scratch, ahead);
+        let result = self
+            .scan_step(entries, |e| (e.seq, 0), &mut giving)
+            .and_then(|same| {
+                self.reserve_step_in_groups(entries, ids, out, &mut scratch, &giving, same, ahead)
+            });
         self.step_entries = scratch;
+        self.step_giving = giving;
         result
     }
 
+    /// [`Self::reserve_step`] once [`Self::scan_step`] found whether every handle is
+    /// group 0's (`same`) and which entries give window blocks back first (`giving`).
+    #[allow(clippy::too_many_arguments)]
     fn reserve_step_in_groups(
         &mut self,
         entries: &[StepEntry],
         ids: Option<&[u32]>,
         out: &mut [StepBuffers],
         per_group: &mut [Vec<StepEntry>],
+        giving: &[u32],
+        same: bool,
         ahead: bool,
     ) -> Result<()> {
         for (g, list) in per_group.iter_mut().enumerate() {
-            self.own_handles(g, entries, |e| e.seq, |e, seq| StepEntry { seq, ..e }, list)?;
+            list.clear();
+            if !same {
+                self.own_handles(g, entries, |e| e.seq, |e, seq| StepEntry { seq, ..e }, list)?;
+            }
         }
         let per_group = &*per_group;
         // Group `g`'s entries: group 0's where every handle is the same.
@@ -948,7 +1008,7 @@ impl Groups {
         // The dead window blocks the reservations would give back (an admission
         // leaves those of its prompt), given back and kept first, as the
         // per-sequence calls do; the checks above hold, nothing below fails.
-        self.keep_dead_windows(entries)?;
+        self.keep_dead_windows(entries, giving)?;
         for (g, &bound) in bounds.iter().enumerate() {
             if self.state_pages(g).is_none() {
                 self.group_mut(g)
@@ -973,9 +1033,14 @@ impl Groups {
         let groups = self.num_groups();
         let mut scratch = std::mem::take(&mut self.step_accepted);
         scratch.resize_with(groups, Vec::new);
+        let mut giving = std::mem::take(&mut self.step_giving);
         let result = (|| {
+            let same = self.scan_step(accepted, |&(h, n)| (h, n), &mut giving)?;
             for (g, list) in scratch.iter_mut().enumerate() {
-                self.own_handles(g, accepted, |a| a.0, |(_, n), h| (h, n), list)?;
+                list.clear();
+                if !same {
+                    self.own_handles(g, accepted, |a| a.0, |(_, n), h| (h, n), list)?;
+                }
             }
             // Group `g`'s entries: group 0's where every handle is the same.
             let list_of = |g: usize| match &scratch[g] {
@@ -992,7 +1057,7 @@ impl Groups {
                 }
             }
             // The window blocks the commits give back stay cached.
-            self.note_step_leaving(accepted);
+            self.note_step_leaving(accepted, &giving);
             let mut registered = 0;
             for g in 0..groups {
                 if self.state_pages(g).is_none() {
@@ -1003,6 +1068,7 @@ impl Groups {
             Ok(registered)
         })();
         self.step_accepted = scratch;
+        self.step_giving = giving;
         result
     }
 }

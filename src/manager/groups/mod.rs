@@ -295,6 +295,9 @@ pub(crate) struct Groups {
     /// for the sequence in group 0's slot `i`: a guess, checked at every use (see
     /// `manager/step.rs`), that spares the lookup by id where the groups' slots differ.
     pub(super) step_handles: Vec<Vec<SeqHandle>>,
+    /// Scratch of the step path: the step's items whose window blocks a window group
+    /// may give back (see `manager/step.rs`).
+    pub(super) step_giving: Vec<u32>,
     /// `host_lent_pos[g][block]`: as `lent_pos`, for the shared host tier.
     host_lent_pos: Vec<Vec<u32>>,
     /// `state_pages[g]`: the pages each sequence holds in group `g` when it is a
@@ -453,6 +456,7 @@ impl Groups {
             step_entries: Vec::new(),
             step_accepted: Vec::new(),
             step_handles: Vec::new(),
+            step_giving: Vec::new(),
             lent,
             groups,
             lent_pos,
@@ -528,6 +532,11 @@ impl Groups {
     /// When `g >= num_groups()`.
     pub fn group(&self, g: usize) -> &KvCache {
         &self.groups[g]
+    }
+
+    /// Every group, read-only, in order (the step path's pass over them).
+    pub(in crate::manager) fn all_groups(&self) -> &[KvCache] {
+        &self.groups
     }
 
     /// Whether `seq` is here.

@@ -598,22 +598,24 @@ impl Groups {
 /// The batch step path (`manager/step.rs`).
 impl Groups {
     /// [`Self::forget_leaving`], then [`Self::note_leaving`] for the commit of
-    /// `accepted` (group 0's handles and accepted counts).
+    /// `accepted` (group 0's handles and accepted counts), at the items `giving`
+    /// lists (`scan_step`: the others give nothing back).
     pub(in crate::manager) fn note_step_leaving(
         &mut self,
         accepted: &[(crate::ids::SeqHandle, usize)],
+        giving: &[u32],
     ) {
         self.forget_leaving();
         if self.window_key_group().is_none() {
             return;
         }
-        for &(h, n) in accepted {
+        for &i in giving {
+            let Some(&(h, n)) = accepted.get(i as usize) else {
+                continue;
+            };
             if let Some((id, s)) = self.groups[0].seqs.at(h) {
                 let query = s.computed + n;
-                // Most commits give nothing back: skip the lookups by id then.
-                if self.may_give_back(h, id, query) {
-                    self.note_leaving(id, Some(query));
-                }
+                self.note_leaving(id, Some(query));
             }
         }
     }
@@ -622,26 +624,27 @@ impl Groups {
     /// keeps, the window blocks of each entry's sequence that lie before the window
     /// of its next query (at its computed count), which the reservation would
     /// otherwise give straight to the free list: those of a prompt an admission
-    /// computed, whose query never ran. Releasing them first changes no count a
-    /// reservation checked (each page given back is kept, still counted free) and
-    /// leaves no page free for an allocation of the step to take before it is kept.
+    /// computed, whose query never ran. Only the entries `giving` lists (`scan_step`)
+    /// hold any. Releasing them first changes no count a reservation checked (each
+    /// page given back is kept, still counted free) and leaves no page free for an
+    /// allocation of the step to take before it is kept.
     pub(in crate::manager) fn keep_dead_windows(
         &mut self,
         entries: &[crate::manager::StepEntry],
+        giving: &[u32],
     ) -> Result<()> {
         if self.window_key_group().is_none() {
             return Ok(());
         }
         self.forget_leaving();
-        for e in entries {
+        for &i in giving {
+            let Some(e) = entries.get(i as usize) else {
+                continue;
+            };
             let Some((id, s)) = self.groups[0].seqs.at(e.seq) else {
                 continue;
             };
             let query = s.computed;
-            // Most steps give nothing back before they run: no lookup by id then.
-            if !self.may_give_back(e.seq, id, query) {
-                continue;
-            }
             self.note_leaving(id, Some(query));
             for g in 0..self.groups.len() {
                 if self.groups[g].window.is_some() {
@@ -651,30 +654,5 @@ impl Groups {
             }
         }
         self.keep_leaving()
-    }
-
-    /// Whether a window group may give back blocks of sequence `seq` (group 0's
-    /// handle `h`) when its next query reaches `query`: `false` only when every
-    /// window group already released all its blocks before that query's window, so
-    /// that [`Self::note_leaving`] would note nothing. By handle (the step's own, just
-    /// found), no hashing: group 0's handle where the group's slot under it holds
-    /// `seq` (the usual case), else the handle [`Self::known_handle`] finds; one that
-    /// does not resolve answers `true` (`note_leaving` decides by id).
-    #[inline]
-    fn may_give_back(&self, h: crate::ids::SeqHandle, seq: SeqId, query: usize) -> bool {
-        self.groups.iter().enumerate().any(|(g, kv)| {
-            if kv.window.is_none() {
-                return false;
-            }
-            let s = match kv.seqs.at(h) {
-                Some((id, s)) if id == seq => Some(s),
-                _ => self
-                    .known_handle(g, h)
-                    .ok()
-                    .and_then(|hg| kv.seqs.at(hg))
-                    .map(|(_, s)| s),
-            };
-            s.is_none_or(|s| kv.first_block_in_window(query).min(s.table.len()) > s.released)
-        })
     }
 }
