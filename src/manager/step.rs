@@ -774,12 +774,12 @@ impl Groups {
         }
     }
 
-    /// [`Self::group_handle`] through the handle last found for group 0's slot of
-    /// `h0` (`step_handles`, kept by [`Self::step_handle`]), which is checked as the
-    /// same-slot guess is: it names the sequence only when that slot of group `g`, at
-    /// that generation, holds `h0`'s id. Where the groups' slots differ (a hidden
-    /// sequence only some groups hold), a step then looks no id up but for sequences
-    /// new to their slot.
+    /// [`Self::group_handle`]: `h0` itself where group `g`'s slot under it holds the
+    /// sequence (the usual case, see [`Self::names`]), else the handle last found for
+    /// group 0's slot of `h0` (`step_handles`, kept by [`Self::step_handle`]), which
+    /// is checked the same way: it names the sequence only when that slot of group
+    /// `g`, at that generation, holds `h0`'s id. Where the groups' slots differ, a
+    /// step then looks no id up but for sequences new to their slot.
     pub(super) fn known_handle(&self, g: usize, h0: SeqHandle) -> Result<SeqHandle> {
         if g == 0 {
             return Ok(h0);
