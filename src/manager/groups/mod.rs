@@ -2364,3 +2364,70 @@ impl PendingGroupDefrag<'_> {
         Ok(self.plan)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{DType, GroupSpec, KvCache, KvLayout, ModelShape, SeqId, StepBuffers, StepEntry};
+
+    fn cache() -> KvCache {
+        let shape = ModelShape {
+            num_layers: 1,
+            num_q_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 2,
+            kv_dtype: DType::F32,
+        };
+        let l = KvLayout::new(shape, 4).unwrap();
+        let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::window(l, 8)], 32).unwrap();
+        for id in 1..=2 {
+            kv.admit_grouped(SeqId(id), 7, &mut super::GroupStep::default())
+                .unwrap();
+        }
+        kv
+    }
+
+    /// The step path where a group's slots are not group 0's (no public call leaves
+    /// them so: forced here by moving a sequence to a new generation of its slot in
+    /// the window group): it serves the same slots, tables and window releases as a
+    /// twin whose slots agree, through the handles it looks up by id.
+    #[test]
+    fn the_step_path_looks_handles_up_where_a_groups_slots_differ() {
+        let (mut moved, mut twin) = (cache(), cache());
+        let groups = moved.hybrid.as_mut().unwrap();
+        let s = groups.groups[1].seqs.remove(&SeqId(1)).unwrap();
+        groups.groups[1].seqs.insert(SeqId(1), s).unwrap();
+        let h0 = moved.handle(SeqId(1)).unwrap();
+        assert_ne!(moved.group(1).handle(SeqId(1)).unwrap(), h0);
+        moved.check_invariants().unwrap();
+        let bufs = || [StepBuffers::new(4, 16, 8), StepBuffers::new(4, 16, 8)];
+        let (mut a, mut b) = (bufs(), bufs());
+        // Across the window's first release (at 9 the window starts in block 0's end).
+        for _ in 0..6 {
+            for (kv, out) in [(&mut moved, &mut a), (&mut twin, &mut b)] {
+                let e: Vec<_> = [1, 2]
+                    .map(|id| StepEntry {
+                        seq: kv.handle(SeqId(id)).unwrap(),
+                        new_tokens: 1,
+                        lookahead: 0,
+                    })
+                    .to_vec();
+                kv.reserve_step_grouped(&e, out).unwrap();
+                kv.commit_step(&[(e[0].seq, 1), (e[1].seq, 1)]).unwrap();
+                kv.check_invariants().unwrap();
+            }
+            for g in 0..2 {
+                assert_eq!(a[g].slot_mapping(), b[g].slot_mapping(), "group {g}");
+                assert_eq!(a[g].tables(), b[g].tables(), "group {g}");
+            }
+        }
+        for id in 1..=2 {
+            for g in 0..2 {
+                assert_eq!(
+                    moved.group(g).block_table(SeqId(id)).unwrap(),
+                    twin.group(g).block_table(SeqId(id)).unwrap()
+                );
+            }
+        }
+        assert!(moved.group(1).block_table(SeqId(1)).unwrap()[0] == crate::BlockId::RELEASED);
+    }
+}
