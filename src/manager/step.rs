@@ -19,7 +19,7 @@
 //! written, and the holes a window's release made since.
 
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, SeqHandle};
+use crate::ids::{BlockId, SeqHandle, SeqId};
 use crate::layout::plans::CopyPlan;
 use crate::layout::{PaddedTables, Slot};
 
@@ -774,17 +774,20 @@ impl Groups {
         }
     }
 
-    /// [`Self::group_handle`] through the handle last found for group 0's slot of
-    /// `h0` (`step_handles`, kept by [`Self::step_handle`]), which is checked as the
-    /// same-slot guess is: it names the sequence only when that slot of group `g`, at
-    /// that generation, holds `h0`'s id. Where the groups' slots differ (a hidden
-    /// sequence only some groups hold), a step then looks no id up but for sequences
-    /// new to their slot.
+    /// [`Self::group_handle`]: `h0` itself where group `g`'s slot under it holds the
+    /// sequence (the usual case, see [`Self::names`]), else the handle last found for
+    /// group 0's slot of `h0` (`step_handles`, kept by [`Self::step_handle`]), which
+    /// is checked the same way: it names the sequence only when that slot of group
+    /// `g`, at that generation, holds `h0`'s id. Where the groups' slots differ, a
+    /// step then looks no id up but for sequences new to their slot.
     pub(super) fn known_handle(&self, g: usize, h0: SeqHandle) -> Result<SeqHandle> {
         if g == 0 {
             return Ok(h0);
         }
         let (seq, _) = self.group(0).seqs.at(h0).ok_or(Error::StaleHandle(h0))?;
+        if self.names(g, h0, seq) {
+            return Ok(h0);
+        }
         let known = self
             .step_handles
             .get(g)
@@ -793,6 +796,15 @@ impl Groups {
             Some(&h) if matches!(self.group(g).seqs.at(h), Some((id, _)) if id == seq) => Ok(h),
             _ => self.group_handle(g, h0),
         }
+    }
+
+    /// Whether handle `h` of group `g` names `seq`: group 0's handle is group `g`'s
+    /// where their slots agree, which they do unless a failed call undid an insertion
+    /// in some groups only (every group holds the same hidden sequences, in the same
+    /// slots, and admits and frees the same sequences in the same order).
+    #[inline]
+    fn names(&self, g: usize, h: SeqHandle, seq: SeqId) -> bool {
+        matches!(self.group(g).seqs.at(h), Some((id, _)) if id == seq)
     }
 
     /// [`Self::known_handle`], recording what it found (no allocation once the
@@ -833,7 +845,11 @@ impl Groups {
         let mut own = false;
         for (i, &item) in items.iter().enumerate() {
             let h0 = handle(&item);
-            let h = self.step_handle(g, h0)?;
+            let h = match self.group(0).seqs.at(h0) {
+                // The usual case: the same slot in both groups (nothing to record).
+                Some((seq, _)) if self.names(g, h0, seq) => h0,
+                _ => self.step_handle(g, h0)?,
+            };
             if !own && h != h0 {
                 // The first handle that differs: the items so far are the same.
                 own = true;
@@ -844,6 +860,65 @@ impl Groups {
             }
         }
         Ok(())
+    }
+
+    /// One pass over a step's `items` that serves every group: whether every group's
+    /// slot under group 0's handle (`of(item).0`) holds the item's sequence (then no
+    /// group needs lists of its own handles), and in `giving` the indices of the items
+    /// whose window groups may give blocks back when the sequence's next query sits
+    /// `of(item).1` tokens after its computed ones (0 before a reservation, the
+    /// accepted count at a commit): those where a window group holds blocks before
+    /// that query's window, or whose slot there is not group 0's (decided by id
+    /// later). Reads each sequence's slot once per group; allocates nothing once
+    /// `giving` has grown.
+    ///
+    /// # Errors
+    /// [`Error::StaleHandle`] for a handle group 0 does not hold; nothing changed.
+    fn scan_step<T>(
+        &self,
+        items: &[T],
+        of: impl Fn(&T) -> (SeqHandle, usize),
+        giving: &mut Vec<u32>,
+    ) -> Result<bool> {
+        giving.clear();
+        let mut same = true;
+        let (first, rest) = self.all_groups().split_at(1);
+        for (i, item) in items.iter().enumerate() {
+            let (h, ahead) = of(item);
+            let (seq, s0) = first[0].seqs.at(h).ok_or(Error::StaleHandle(h))?;
+            let query = s0.computed + ahead;
+            let mut gives = false;
+            for kv in rest {
+                match kv.seqs.at(h) {
+                    Some((id, s)) if id == seq => {
+                        gives |= kv.window.is_some()
+                            && kv.first_block_in_window(query).min(s.table.len()) > s.released;
+                    }
+                    _ => {
+                        same = false;
+                        gives |= kv.window.is_some();
+                    }
+                }
+            }
+            if gives {
+                giving.push(i as u32);
+            }
+        }
+        Ok(same)
+    }
+
+    /// Whether group 0's step checks answer for KV group `g`, whose handles are group
+    /// 0's: the same block size and longest sequence, and buffers of the same
+    /// capacities. Every check then reads what group 0's read (the same sequences,
+    /// swap states, reservations and token counts, so the same table lengths:
+    /// `check_invariants` compares them), and the bound of the blocks the step takes
+    /// is group 0's.
+    fn checks_as_group_0(&self, g: usize, out: &[StepBuffers]) -> bool {
+        let (kv, kv0) = (self.group(g), self.group(0));
+        let capacity = |b: &StepBuffers| (b.max_seqs, b.max_tokens, b.tables.max_blocks);
+        kv.block_size() == kv0.block_size()
+            && kv.max_seq_len() == kv0.max_seq_len()
+            && capacity(&out[g]) == capacity(&out[0])
     }
 
     /// [`KvCache::reserve_step_grouped`] of a hybrid cache.
@@ -862,25 +937,40 @@ impl Groups {
                 got: out.len(),
             });
         }
-        // Each group's entries, by its own handles (kept buffers: no allocation once
-        // grown), then every group's checks, before anything changes.
+        // Each group's entries, by its own handles where they are not group 0's (kept
+        // buffers: no allocation once grown), then every group's checks, before
+        // anything changes.
         let mut scratch = std::mem::take(&mut self.step_entries);
+        let mut giving = std::mem::take(&mut self.step_giving);
         scratch.resize_with(groups, Vec::new);
-        let result = self.reserve_step_in_groups(entries, ids, out, &mut scratch, ahead);
+        let result = self
+            .scan_step(entries, |e| (e.seq, 0), &mut giving)
+            .and_then(|same| {
+                self.reserve_step_in_groups(entries, ids, out, &mut scratch, &giving, same, ahead)
+            });
         self.step_entries = scratch;
+        self.step_giving = giving;
         result
     }
 
+    /// [`Self::reserve_step`] once [`Self::scan_step`] found whether every handle is
+    /// group 0's (`same`) and which entries give window blocks back first (`giving`).
+    #[allow(clippy::too_many_arguments)]
     fn reserve_step_in_groups(
         &mut self,
         entries: &[StepEntry],
         ids: Option<&[u32]>,
         out: &mut [StepBuffers],
         per_group: &mut [Vec<StepEntry>],
+        giving: &[u32],
+        same: bool,
         ahead: bool,
     ) -> Result<()> {
         for (g, list) in per_group.iter_mut().enumerate() {
-            self.own_handles(g, entries, |e| e.seq, |e, seq| StepEntry { seq, ..e }, list)?;
+            list.clear();
+            if !same {
+                self.own_handles(g, entries, |e| e.seq, |e, seq| StepEntry { seq, ..e }, list)?;
+            }
         }
         let per_group = &*per_group;
         // Group `g`'s entries: group 0's where every handle is the same.
@@ -894,6 +984,9 @@ impl Groups {
             bounds.push(match self.state_pages(g) {
                 // A state group allocates nothing in a step.
                 Some(pages) => check_state_rows(list.len(), pages, buffers)?,
+                None if g > 0 && per_group[g].is_empty() && self.checks_as_group_0(g, out) => {
+                    bounds[0]
+                }
                 None => self.group_mut(g).check_step(list, ids, buffers, ahead)?,
             });
         }
@@ -912,6 +1005,10 @@ impl Groups {
             self.set_need(g, need);
         }
         self.give_needed_pages()?;
+        // The dead window blocks the reservations would give back (an admission
+        // leaves those of its prompt), given back and kept first, as the
+        // per-sequence calls do; the checks above hold, nothing below fails.
+        self.keep_dead_windows(entries, giving)?;
         for (g, &bound) in bounds.iter().enumerate() {
             if self.state_pages(g).is_none() {
                 self.group_mut(g)
@@ -936,23 +1033,31 @@ impl Groups {
         let groups = self.num_groups();
         let mut scratch = std::mem::take(&mut self.step_accepted);
         scratch.resize_with(groups, Vec::new);
+        let mut giving = std::mem::take(&mut self.step_giving);
         let result = (|| {
+            let same = self.scan_step(accepted, |&(h, n)| (h, n), &mut giving)?;
             for (g, list) in scratch.iter_mut().enumerate() {
-                self.own_handles(g, accepted, |a| a.0, |(_, n), h| (h, n), list)?;
+                list.clear();
+                if !same {
+                    self.own_handles(g, accepted, |a| a.0, |(_, n), h| (h, n), list)?;
+                }
             }
             // Group `g`'s entries: group 0's where every handle is the same.
             let list_of = |g: usize| match &scratch[g] {
                 own if own.len() == accepted.len() => &own[..],
                 _ => accepted,
             };
-            // A state group holds no reservation: nothing to commit there.
-            for g in 0..groups {
-                if self.state_pages(g).is_none() {
+            // A state group holds no reservation: nothing to commit there. Group 0's
+            // checks answer for a group whose handles are group 0's (an empty list):
+            // the same sequences, in the same state, holding the same reservations
+            // (every call reserves and commits in every KV group alike).
+            for (g, own) in scratch.iter().enumerate() {
+                if self.state_pages(g).is_none() && (g == 0 || !own.is_empty()) {
                     self.group_mut(g).check_commit_step(list_of(g))?;
                 }
             }
             // The window blocks the commits give back stay cached.
-            self.note_step_leaving(accepted);
+            self.note_step_leaving(accepted, &giving);
             let mut registered = 0;
             for g in 0..groups {
                 if self.state_pages(g).is_none() {
@@ -963,6 +1068,7 @@ impl Groups {
             Ok(registered)
         })();
         self.step_accepted = scratch;
+        self.step_giving = giving;
         result
     }
 }

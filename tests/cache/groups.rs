@@ -2007,3 +2007,100 @@ fn preempt_for_frees_pages_in_every_group() {
     assert_eq!(kv.take_preempt_events().len(), 1);
     kv.check_invariants().unwrap();
 }
+
+/// A refused batch commit changes no group: one entry past its reservation, a handle
+/// listed twice, or a stale handle after entries that would commit (and give window
+/// blocks back) on their own; then the same step commits.
+#[test]
+fn a_refused_batch_commit_changes_no_group() {
+    let l = layout(BS, 1);
+    let specs = [GroupSpec::full(l), GroupSpec::window(l, WINDOW)];
+    let mut kv = KvCache::hybrid(&specs, PAGES).unwrap();
+    let mut step = GroupStep::default();
+    for id in 1..=3 {
+        kv.admit_grouped(SeqId(id), 7, &mut step).unwrap();
+    }
+    let h: Vec<_> = (1..=3).map(|id| kv.handle(SeqId(id)).unwrap()).collect();
+    let mut bufs = [StepBuffers::new(4, 16, 8), StepBuffers::new(4, 16, 8)];
+    let entries: Vec<_> = h[..2]
+        .iter()
+        .map(|&seq| StepEntry {
+            seq,
+            new_tokens: 2,
+            lookahead: 0,
+        })
+        .collect();
+    kv.reserve_step_grouped(&entries, &mut bufs).unwrap();
+    kv.free(SeqId(3)).unwrap();
+    let before = snapshot(&kv);
+    for (accepted, what) in [
+        (vec![(h[0], 2), (h[1], 3)], "past the reservation"),
+        (vec![(h[0], 2), (h[0], 2)], "listed twice"),
+        (vec![(h[0], 2), (h[1], 2), (h[2], 1)], "stale"),
+    ] {
+        assert!(kv.commit_step(&accepted).is_err(), "{what}");
+        assert_eq!(snapshot(&kv), before, "{what}");
+        kv.check_invariants().unwrap();
+    }
+    kv.commit_step(&[(h[0], 2), (h[1], 2)]).unwrap();
+    assert_eq!(kv.num_computed_tokens(SeqId(1)).unwrap(), 9);
+    kv.check_invariants().unwrap();
+}
+
+/// A refused batch step changes no group and no buffer: a stale handle, a handle
+/// listed twice, a step past the longest sequence, and steps that only the window
+/// group's buffers cannot hold (narrower rows, fewer query tokens or rows).
+#[test]
+fn a_refused_batch_step_changes_no_group() {
+    let l = layout(BS, 1);
+    let specs = [GroupSpec::full(l), GroupSpec::window(l, WINDOW)];
+    let mut kv = KvCache::hybrid(&specs, PAGES).unwrap();
+    let mut step = GroupStep::default();
+    for id in 1..=3 {
+        kv.admit_grouped(SeqId(id), 7, &mut step).unwrap();
+    }
+    let h: Vec<_> = (1..=3).map(|id| kv.handle(SeqId(id)).unwrap()).collect();
+    kv.free(SeqId(3)).unwrap();
+    let e = |seq, new_tokens| StepEntry {
+        seq,
+        new_tokens,
+        lookahead: 0,
+    };
+    let wide = || StepBuffers::new(4, 16, 8);
+    let longest = kv.group(0).max_seq_len();
+    let before = snapshot(&kv);
+    for (entries, window_bufs, what) in [
+        (vec![e(h[0], 1), e(h[2], 1)], wide(), "stale"),
+        (vec![e(h[0], 1), e(h[0], 1)], wide(), "listed twice"),
+        (vec![e(h[0], 1), e(h[1], longest)], wide(), "too long"),
+        (
+            vec![e(h[0], 1), e(h[1], 2)],
+            StepBuffers::new(4, 16, 2),
+            "narrow",
+        ),
+        (
+            vec![e(h[0], 1), e(h[1], 2)],
+            StepBuffers::new(4, 2, 8),
+            "few tokens",
+        ),
+        (
+            vec![e(h[0], 1), e(h[1], 2)],
+            StepBuffers::new(1, 16, 8),
+            "few rows",
+        ),
+    ] {
+        let mut bufs = [wide(), window_bufs];
+        let was = format!("{bufs:?}");
+        assert!(
+            kv.reserve_step_grouped(&entries, &mut bufs).is_err(),
+            "{what}"
+        );
+        assert_eq!(snapshot(&kv), before, "{what}");
+        assert_eq!(format!("{bufs:?}"), was, "{what}");
+        kv.check_invariants().unwrap();
+    }
+    let mut bufs = [wide(), wide()];
+    kv.reserve_step_grouped(&[e(h[0], 1), e(h[1], 2)], &mut bufs)
+        .unwrap();
+    assert_eq!(bufs[1].tables().context_lens, vec![8, 9]);
+}

@@ -9,6 +9,9 @@
 //! * cached window pages count as free: an allocation of another group takes them,
 //!   and a window group takes the full group's cached pages;
 //! * refusals change nothing (full `Debug` snapshots of every group);
+//! * the batch step path keeps what it gives back as the per-sequence calls do (the
+//!   dead window of an admitted prompt, given back by its first step's reservation),
+//!   so a seeded schedule serves the same hits through either;
 //! * a model-based property test: admissions of shared prompts, decodes, frees,
 //!   evictions, forks, chunked prefills, swaps and compactions against a byte shadow
 //!   keyed by token position, with `check_invariants` after every step and every
@@ -540,4 +543,112 @@ fn a_chunk_longer_than_the_window_keeps_the_blocks_it_computes_and_gives_back() 
     // the window starts at 25), before their hash was known.
     m.apply(&Action::Admit(3, 25, false));
     assert_eq!(m.hits, 24);
+}
+
+#[test]
+fn the_batch_step_keeps_the_window_blocks_its_first_reservation_gives_back() {
+    // A's admission computes 30 tokens and gives nothing back; its first step's query
+    // at 30 reads from 23, so that step gives back window blocks 0 to 4, the prompt's.
+    let mut b = Bench::new(64);
+    b.admit(1, 7, 30);
+    let h = b.kv.handle(SeqId(1)).unwrap();
+    let mut bufs = [
+        pagedkv::StepBuffers::new(4, 64, 64),
+        pagedkv::StepBuffers::new(4, 64, 64),
+    ];
+    let e = [pagedkv::StepEntry {
+        seq: h,
+        new_tokens: 1,
+        lookahead: 0,
+    }];
+    b.kv.reserve_step_tokens_grouped(&e, &[9], &mut bufs)
+        .unwrap();
+    assert!(b.window_table(1)[..5]
+        .iter()
+        .all(|&p| p == BlockId::RELEASED));
+    b.kv.check_invariants().unwrap();
+    b.kv.commit_step(&[(h, 1)]).unwrap();
+    b.kv.check_invariants().unwrap();
+    // B's query at 20 reads from 13: window blocks 3 and 4, kept from that step.
+    assert_eq!(b.admit(2, 7, 21), 20);
+    check(&b.kv, &b.store, SeqId(2), &[7; 21]);
+}
+
+/// Runs a seeded schedule of admissions of one shared 12-token prompt with tails of
+/// their own, decode steps of every live sequence and frees, through the batch step
+/// path or the per-sequence calls; returns each admission's hit.
+fn hits_of_schedule(step_path: bool, seed: u64) -> Vec<usize> {
+    let mut rng = seed;
+    let mut next = move |n: u64| {
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (rng >> 33) % n
+    };
+    let mut kv = KvCache::hybrid(&specs(), 256).unwrap();
+    let mut step = GroupStep::default();
+    let mut bufs = [
+        pagedkv::StepBuffers::new(16, 64, 64),
+        pagedkv::StepBuffers::new(16, 64, 64),
+    ];
+    let (mut live, mut hits) = (Vec::new(), Vec::new());
+    let (mut id, mut token) = (0u64, 90_000u32);
+    for _ in 0..200 {
+        match next(4) {
+            0 if live.len() < 8 => {
+                id += 1;
+                let mut p = prompt(1, 12);
+                p.extend((0..next(10) as u32).map(|i| 50_000 + id as u32 * 100 + i));
+                let a = kv
+                    .admit_tokens_grouped(SeqId(id), &p, &AdmitOptions::default(), &mut step)
+                    .unwrap();
+                hits.push(a.cached_tokens);
+                live.push(id);
+            }
+            1 if !live.is_empty() => {
+                let k = next(live.len() as u64) as usize;
+                kv.free(SeqId(live.remove(k))).unwrap();
+            }
+            _ if !live.is_empty() => {
+                let ids: Vec<u32> = live
+                    .iter()
+                    .map(|_| {
+                        token += 1;
+                        token
+                    })
+                    .collect();
+                if step_path {
+                    let e: Vec<_> = live
+                        .iter()
+                        .map(|&s| pagedkv::StepEntry {
+                            seq: kv.handle(SeqId(s)).unwrap(),
+                            new_tokens: 1,
+                            lookahead: 0,
+                        })
+                        .collect();
+                    kv.reserve_step_tokens_grouped(&e, &ids, &mut bufs).unwrap();
+                    let accepted: Vec<_> = e.iter().map(|e| (e.seq, 1)).collect();
+                    kv.commit_step(&accepted).unwrap();
+                } else {
+                    for (&s, &t) in live.iter().zip(&ids) {
+                        kv.append_tokens_grouped(SeqId(s), &[t], &mut step).unwrap();
+                    }
+                }
+            }
+            _ => {}
+        }
+        kv.check_invariants().unwrap();
+    }
+    hits
+}
+
+#[test]
+fn the_batch_step_path_serves_the_hits_the_per_sequence_calls_serve() {
+    let mut served = 0;
+    for seed in 0..20 {
+        let per_seq = hits_of_schedule(false, seed);
+        assert_eq!(hits_of_schedule(true, seed), per_seq, "seed {seed}");
+        served += per_seq.iter().filter(|&&h| h > 0).count();
+    }
+    assert!(served > 100, "{served} hits");
 }

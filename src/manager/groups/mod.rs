@@ -297,6 +297,9 @@ pub(crate) struct Groups {
     /// for the sequence in group 0's slot `i`: a guess, checked at every use (see
     /// `manager/step.rs`), that spares the lookup by id where the groups' slots differ.
     pub(super) step_handles: Vec<Vec<SeqHandle>>,
+    /// Scratch of the step path: the step's items whose window blocks a window group
+    /// may give back (see `manager/step.rs`).
+    pub(super) step_giving: Vec<u32>,
     /// `host_lent_pos[g][block]`: as `lent_pos`, for the shared host tier.
     host_lent_pos: Vec<Vec<u32>>,
     /// `state_pages[g]`: the pages each sequence holds in group `g` when it is a
@@ -420,10 +423,14 @@ impl Groups {
             kv.seqs.reserve_room(1)?;
             kv.seqs.insert(LENDER, Sequence::default())?;
             kv.insert_host_lender(HOST_LENDER);
-            if spec.state_pages.is_some() {
+            // Every group holds the same hidden sequences in the same slots (empty
+            // where the group has no use for one), so that the groups admit and free
+            // the same sequences into the same slots and group 0's handle of a
+            // sequence is every group's: the step path then translates no handle.
+            if specs.iter().any(|s| s.state_pages.is_some()) {
                 kv.insert_checkpoint_holder()?;
             }
-            if spec.window.is_some() {
+            if specs.iter().any(|s| s.window.is_some()) {
                 kv.insert_window_cache_holder()?;
             }
             let mut pos = vec![NOT_LENT; num_pages];
@@ -451,6 +458,7 @@ impl Groups {
             step_entries: Vec::new(),
             step_accepted: Vec::new(),
             step_handles: Vec::new(),
+            step_giving: Vec::new(),
             lent,
             groups,
             lent_pos,
@@ -518,13 +526,19 @@ impl Groups {
     }
 
     /// Group `g`, read-only: its block tables, batch views (`fill_padded`, `fill_csr`),
-    /// `readable_blocks`. Its own `stats` and `sequence_ids` count the hidden sequence
-    /// that holds the pages other groups own; use [`Self::stats`] instead.
+    /// `readable_blocks`. Its own `stats` and `sequence_ids` count the hidden sequences
+    /// (the holders of the pages other groups own, of checkpoints and of kept window
+    /// blocks); use [`Self::stats`] instead.
     ///
     /// # Panics
     /// When `g >= num_groups()`.
     pub fn group(&self, g: usize) -> &KvCache {
         &self.groups[g]
+    }
+
+    /// Every group, read-only, in order (the step path's pass over them).
+    pub(in crate::manager) fn all_groups(&self) -> &[KvCache] {
+        &self.groups
     }
 
     /// Whether `seq` is here.
@@ -1643,25 +1657,31 @@ impl Groups {
                 return Err(format!("sequence {id} is not swapped in every group"));
             }
         }
+        // The same counts, reservations and swap states in every KV group (the batch
+        // step checks group 0 for every group whose handles are group 0's).
+        let counts = |kv: &KvCache, id| {
+            (
+                kv.num_tokens(id).ok(),
+                kv.num_computed_tokens(id).ok(),
+                kv.context_len(id).ok(),
+                kv.num_reservations(id).ok(),
+                kv.swap_in_flight(id).is_some(),
+            )
+        };
         for id in self.sequence_ids() {
-            let want = (kv0.num_tokens(id).ok(), kv0.num_computed_tokens(id).ok());
+            let want = counts(kv0, id);
             for (g, kv) in self.groups.iter().enumerate().skip(1) {
                 if self.state_pages[g].is_some() {
                     continue;
                 }
-                if (kv.num_tokens(id).ok(), kv.num_computed_tokens(id).ok()) != want {
+                if counts(kv, id) != want {
                     return Err(format!("sequence {id}: group {g} differs from group 0"));
                 }
             }
         }
         self.check_state_groups()?;
-        // A state group holds its checkpoints' hidden holder besides, a window group
-        // its cache's.
-        let seqs = |g: usize| {
-            self.groups[g].seqs.len()
-                - usize::from(self.state_pages[g].is_some())
-                - usize::from(self.groups[g].window.is_some())
-        };
+        // Every group holds the same hidden sequences (see `with_host_tier`).
+        let seqs = |g: usize| self.groups[g].seqs.len();
         if (0..self.groups.len()).any(|g| seqs(g) != seqs(0)) {
             return Err("groups hold different numbers of sequences".into());
         }
@@ -2443,5 +2463,72 @@ impl PendingGroupDefrag<'_> {
     pub fn commit(self) -> Result<MovePlan> {
         self.groups.commit_group_moves(&self.per_group)?;
         Ok(self.plan)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{DType, GroupSpec, KvCache, KvLayout, ModelShape, SeqId, StepBuffers, StepEntry};
+
+    fn cache() -> KvCache {
+        let shape = ModelShape {
+            num_layers: 1,
+            num_q_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 2,
+            kv_dtype: DType::F32,
+        };
+        let l = KvLayout::new(shape, 4).unwrap();
+        let mut kv = KvCache::hybrid(&[GroupSpec::full(l), GroupSpec::window(l, 8)], 32).unwrap();
+        for id in 1..=2 {
+            kv.admit_grouped(SeqId(id), 7, &mut super::GroupStep::default())
+                .unwrap();
+        }
+        kv
+    }
+
+    /// The step path where a group's slots are not group 0's (no public call leaves
+    /// them so: forced here by moving a sequence to a new generation of its slot in
+    /// the window group): it serves the same slots, tables and window releases as a
+    /// twin whose slots agree, through the handles it looks up by id.
+    #[test]
+    fn the_step_path_looks_handles_up_where_a_groups_slots_differ() {
+        let (mut moved, mut twin) = (cache(), cache());
+        let groups = moved.hybrid.as_mut().unwrap();
+        let s = groups.groups[1].seqs.remove(&SeqId(1)).unwrap();
+        groups.groups[1].seqs.insert(SeqId(1), s).unwrap();
+        let h0 = moved.handle(SeqId(1)).unwrap();
+        assert_ne!(moved.group(1).handle(SeqId(1)).unwrap(), h0);
+        moved.check_invariants().unwrap();
+        let bufs = || [StepBuffers::new(4, 16, 8), StepBuffers::new(4, 16, 8)];
+        let (mut a, mut b) = (bufs(), bufs());
+        // Across the window's first release (at 9 the window starts in block 0's end).
+        for _ in 0..6 {
+            for (kv, out) in [(&mut moved, &mut a), (&mut twin, &mut b)] {
+                let e: Vec<_> = [1, 2]
+                    .map(|id| StepEntry {
+                        seq: kv.handle(SeqId(id)).unwrap(),
+                        new_tokens: 1,
+                        lookahead: 0,
+                    })
+                    .to_vec();
+                kv.reserve_step_grouped(&e, out).unwrap();
+                kv.commit_step(&[(e[0].seq, 1), (e[1].seq, 1)]).unwrap();
+                kv.check_invariants().unwrap();
+            }
+            for g in 0..2 {
+                assert_eq!(a[g].slot_mapping(), b[g].slot_mapping(), "group {g}");
+                assert_eq!(a[g].tables(), b[g].tables(), "group {g}");
+            }
+        }
+        for id in 1..=2 {
+            for g in 0..2 {
+                assert_eq!(
+                    moved.group(g).block_table(SeqId(id)).unwrap(),
+                    twin.group(g).block_table(SeqId(id)).unwrap()
+                );
+            }
+        }
+        assert!(moved.group(1).block_table(SeqId(1)).unwrap()[0] == crate::BlockId::RELEASED);
     }
 }

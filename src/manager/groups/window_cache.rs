@@ -26,12 +26,13 @@
 //! caches' pages, the least recently kept first.
 //!
 //! The calls that give window blocks back keep them: [`Groups::commit`], the appends
-//! and reservations, [`Groups::free`] and the batch step's commit
+//! and reservations, [`Groups::free`], and the batch step's reservation and commit
 //! (`manager/step.rs`). A swap-out, a truncation, a sequence whose ids the full group
 //! does not track, and a window block whose full-group block is not registered (a
 //! duplicate's) give them to the free list as before.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasherDefault;
 
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, SeqId};
@@ -39,7 +40,12 @@ use crate::pool::prefix::BlockHash;
 use crate::pool::BlockState;
 
 use super::{is_hidden, GroupSpec, Groups};
-use crate::manager::{KvCache, PrefixHit, Sequence};
+use crate::manager::{KvCache, PrefixHit, SeqIdHasher, Sequence};
+
+/// Cached pages by chain hash. The key is already a well-mixed 64-bit hash, so one
+/// multiply ([`SeqIdHasher`]'s) spreads it; SipHash was about 4 % of a prefix-caching
+/// batch step's instructions (every kept, revived and evicted window page hashes).
+type ByHash = HashMap<BlockHash, usize, BuildHasherDefault<SeqIdHasher>>;
 
 /// The hidden sequence of each window group that holds its cached pages.
 pub(in crate::manager) const WINDOW_CACHE: SeqId = SeqId(u64::MAX - 3);
@@ -48,7 +54,7 @@ pub(in crate::manager) const WINDOW_CACHE: SeqId = SeqId(u64::MAX - 3);
 #[derive(Debug, Clone, Default)]
 pub(in crate::manager) struct WindowCache {
     /// By group: the slot (index in the holder's table) of each cached hash.
-    by_hash: Vec<HashMap<BlockHash, usize>>,
+    by_hash: Vec<ByHash>,
     /// By group and slot: what the page holds and when it was cached.
     slots: Vec<Vec<Kept>>,
     /// Pages cached, all groups together.
@@ -94,7 +100,7 @@ impl WindowCache {
         WindowCache {
             by_hash: specs
                 .iter()
-                .map(|s| HashMap::with_capacity(room(s)))
+                .map(|s| ByHash::with_capacity_and_hasher(room(s), Default::default()))
                 .collect(),
             slots: specs.iter().map(|s| Vec::with_capacity(room(s))).collect(),
             order: VecDeque::with_capacity(if key.is_some() { 2 * pages } else { 0 }),
@@ -598,39 +604,61 @@ impl Groups {
 /// The batch step path (`manager/step.rs`).
 impl Groups {
     /// [`Self::forget_leaving`], then [`Self::note_leaving`] for the commit of
-    /// `accepted` (group 0's handles and accepted counts).
+    /// `accepted` (group 0's handles and accepted counts), at the items `giving`
+    /// lists (`scan_step`: the others give nothing back).
     pub(in crate::manager) fn note_step_leaving(
         &mut self,
         accepted: &[(crate::ids::SeqHandle, usize)],
+        giving: &[u32],
     ) {
         self.forget_leaving();
         if self.window_key_group().is_none() {
             return;
         }
-        for &(h, n) in accepted {
+        for &i in giving {
+            let Some(&(h, n)) = accepted.get(i as usize) else {
+                continue;
+            };
             if let Some((id, s)) = self.groups[0].seqs.at(h) {
                 let query = s.computed + n;
-                // Most commits give nothing back: skip the lookups by id then.
-                if self.may_give_back(h, query) {
-                    self.note_leaving(id, Some(query));
-                }
+                self.note_leaving(id, Some(query));
             }
         }
     }
 
-    /// Whether a window group may give back blocks of the sequence of group 0's
-    /// handle `h` when its next query reaches `query`: `false` only when every window
-    /// group already released all its blocks before that query's window, so that
-    /// [`Self::note_leaving`] would note nothing. By handle (the commit's own, just
-    /// found), no hashing; a handle that does not resolve answers `true`
-    /// (`note_leaving` decides by id).
-    fn may_give_back(&self, h: crate::ids::SeqHandle, query: usize) -> bool {
-        self.groups.iter().enumerate().any(|(g, kv)| {
-            kv.window.is_some()
-                && match self.known_handle(g, h).ok().and_then(|hg| kv.seqs.at(hg)) {
-                    Some((_, s)) => kv.first_block_in_window(query).min(s.table.len()) > s.released,
-                    None => true,
+    /// Before a batch step's reservations (the groups' `fill_step`): gives back, and
+    /// keeps, the window blocks of each entry's sequence that lie before the window
+    /// of its next query (at its computed count), which the reservation would
+    /// otherwise give straight to the free list: those of a prompt an admission
+    /// computed, whose query never ran. Only the entries `giving` lists (`scan_step`)
+    /// hold any. Releasing them first changes no count a reservation checked (each
+    /// page given back is kept, still counted free) and leaves no page free for an
+    /// allocation of the step to take before it is kept.
+    pub(in crate::manager) fn keep_dead_windows(
+        &mut self,
+        entries: &[crate::manager::StepEntry],
+        giving: &[u32],
+    ) -> Result<()> {
+        if self.window_key_group().is_none() {
+            return Ok(());
+        }
+        self.forget_leaving();
+        for &i in giving {
+            let Some(e) = entries.get(i as usize) else {
+                continue;
+            };
+            let Some((id, s)) = self.groups[0].seqs.at(e.seq) else {
+                continue;
+            };
+            let query = s.computed;
+            self.note_leaving(id, Some(query));
+            for g in 0..self.groups.len() {
+                if self.groups[g].window.is_some() {
+                    let h = self.known_handle(g, e.seq)?;
+                    self.groups[g].release_out_of_window(h, query)?;
                 }
-        })
+            }
+        }
+        self.keep_leaving()
     }
 }
