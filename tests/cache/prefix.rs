@@ -1309,6 +1309,10 @@ fn ns_opts(ns: u8, priority: i32) -> AdmitOptions<'static> {
 /// Key bytes of the model's keyed spans.
 const SPAN_KEYS: [&[u8]; 2] = [b"image-0", b"image-1"];
 
+/// The shadow namespace of a sequence admitted without ids: content no other
+/// sequence may share.
+const PLAIN_NS: u64 = 99;
+
 struct Model {
     e: Engine,
     bases: Vec<Vec<u32>>,
@@ -1392,7 +1396,7 @@ impl Model {
                         // Without a prompt, the ids appended from position 0 are the
                         // sequence's content in the default namespace (they start
                         // tracking); after a prompt without ids, nothing registers.
-                        let ns = if *n == 0 { 0 } else { 99 };
+                        let ns = if *n == 0 { 0 } else { PLAIN_NS };
                         self.e.shadow.insert(seq, (ns, tokens));
                         self.e.write(seq, 0);
                     }
@@ -1448,7 +1452,14 @@ impl Model {
                 let len = self.e.shadow[&seq].1.len();
                 let new_len = n % (len + 1);
                 self.e.kv.truncate(seq, new_len).unwrap();
-                self.e.shadow.get_mut(&seq).unwrap().1.truncate(new_len);
+                let (ns, tokens) = self.e.shadow.get_mut(&seq).unwrap();
+                tokens.truncate(new_len);
+                if new_len == 0 && *ns == PLAIN_NS {
+                    // Nothing of the plain prompt is left: ids appended from position
+                    // 0 are the content in the default namespace, as after
+                    // `admit(seq, 0)` (the manager starts tracking them).
+                    *ns = 0;
+                }
             }
             Action::Pin { base, cut, ns } => {
                 let prompt = self.prompt(*base, *cut);
