@@ -396,6 +396,20 @@ fn in_last_block_span(
     Some((off, end, last))
 }
 
+/// Whether a commit of `n` tokens of `s` (checked: at most its oldest reservation)
+/// takes [`KvCache::commit_plain`]: one reservation, no twin to settle, and no window
+/// block to give back (`release_out_of_window` at the new computed count would
+/// release nothing).
+#[inline(always)]
+pub(crate) fn commits_plainly(window: Option<usize>, bs: usize, s: &Sequence, n: usize) -> bool {
+    !s.twin_pending
+        && n <= s.scheduled
+        && !s.has_later()
+        && window.is_none_or(|w| {
+            ((s.computed + n + 1).saturating_sub(w) / bs).min(s.table.len()) <= s.released
+        })
+}
+
 /// The next value of [`KvCache::table_epoch`].
 fn next_table_epoch() -> u64 {
     static EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -1194,30 +1208,34 @@ impl KvCache {
     }
 
     /// [`Self::commit_at`] of a sequence already checked (resident, `n` at most its
-    /// reservation) that has no twin to settle, no token ids and no window block to give back: the
-    /// accepted tokens become computed. `false`, having changed nothing, otherwise.
+    /// reservation) that holds one reservation, has no twin to settle and no window
+    /// block to give back: the accepted tokens become computed and, where its ids
+    /// are tracked, the blocks they complete register (what `commit_at` does then,
+    /// without its second look-up and window pass). Returns the blocks registered,
+    /// or `None`, having changed nothing, when the general path is needed.
+    ///
+    /// # Errors
+    /// Only on a corrupt manager (a twin found by the registration fails to settle).
     #[inline(always)]
-    pub(crate) fn commit_plain(&mut self, h: SeqHandle, n: usize) -> bool {
+    pub(crate) fn commit_plain(&mut self, h: SeqHandle, n: usize) -> Result<Option<usize>> {
         let (window, bs) = (self.window, self.block_size());
-        match self.seqs.at_mut(h) {
-            Some(s)
-                if !s.twin_pending
-                    && s.prefix.is_none()
-                    && n <= s.scheduled
-                    && !s.has_later()
-                    // A window commit that gives blocks back takes the general path
-                    // (`release_out_of_window` at the new computed count).
-                    && window.is_none_or(|w| {
-                        ((s.computed + n + 1).saturating_sub(w) / bs).min(s.table.len())
-                            <= s.released
-                    }) =>
-            {
-                s.computed += n;
-                s.scheduled = 0;
-                true
-            }
-            _ => false,
+        let KvCache { seqs, prefix, .. } = self;
+        let s = match seqs.at_mut(h) {
+            Some(s) if commits_plainly(window, bs, s, n) => s,
+            _ => return Ok(None),
+        };
+        s.computed += n;
+        s.scheduled = 0;
+        if s.prefix.is_none() {
+            return Ok(Some(0));
         }
+        prefix::commit_step_ids(s, bs);
+        let registered = prefix::extend_chain_in(prefix, bs, s);
+        if s.twin_pending {
+            // The step's K/V is written: share the cached copies of its duplicates.
+            return Ok(Some(registered + self.settle_twin(h, usize::MAX)?));
+        }
+        Ok(Some(registered))
     }
 
     /// The common decode step, in place: `n` committed tokens that all land in the

@@ -121,6 +121,21 @@ impl Seqs {
         }
     }
 
+    /// [`Self::at_mut`] and [`Self::mark`] in one look-up: the sequence `h` names, its
+    /// id, and whether the current batch call had not named it before (it is marked
+    /// now either way).
+    #[inline]
+    pub(crate) fn at_mut_marking(&mut self, h: SeqHandle) -> Option<(SeqId, &mut Sequence, bool)> {
+        let stamp = self.stamp;
+        let slot = self.slots.get_mut(h.index as usize)?;
+        if slot.generation != h.generation {
+            return None;
+        }
+        let first = slot.stamp != stamp;
+        slot.stamp = stamp;
+        slot.seq.as_mut().map(|s| (slot.id, s, first))
+    }
+
     /// Makes sure `n` sequences can be inserted without growing past the handle
     /// space (`u32` slot indices): calls that add sequences check this before they
     /// change anything. Adds vacant slots, which nobody observes.

@@ -49,12 +49,9 @@ pub struct StepBuffers {
     positions: Vec<i64>,
     query_start_loc: Vec<u32>,
     tables: PaddedTables,
-    /// Per row: the sequence it held last and how many table entries of it are
-    /// written (entries past that are 0).
-    row_seq: Vec<Option<SeqHandle>>,
-    row_len: Vec<usize>,
-    /// Per row: the leading entries written as holes (a window's given-back blocks).
-    row_released: Vec<usize>,
+    /// Per row: what its table entries hold (one record per row: a step reads it
+    /// for every row).
+    written: Vec<RowWritten>,
     /// The manager's table epoch the rows were written against.
     written_for: Option<u64>,
     copies: CopyPlan,
@@ -83,9 +80,7 @@ impl StepBuffers {
             positions: Vec::with_capacity(max_tokens),
             query_start_loc: Vec::with_capacity(max_seqs + 1),
             tables,
-            row_seq: vec![None; max_seqs],
-            row_len: vec![0; max_seqs],
-            row_released: vec![0; max_seqs],
+            written: vec![RowWritten::default(); max_seqs],
             written_for: None,
             copies: CopyPlan::new(),
             scratch: Vec::with_capacity(max_tokens),
@@ -189,9 +184,7 @@ impl StepBuffers {
         let width = self.tables.max_blocks;
         let now = self.tables.tables.len() / width.max(1);
         for row in rows..now {
-            self.row_seq[row] = None;
-            self.row_len[row] = 0;
-            self.row_released[row] = 0;
+            self.written[row] = RowWritten::default();
         }
         self.tables.tables.resize(rows * width, 0);
         self.tables.batch = rows;
@@ -202,27 +195,65 @@ impl StepBuffers {
     /// the same sequence). A window's blocks given back since the row was written
     /// become holes here (only the entries that changed are written), and what the
     /// row held past `len` is zeroed.
+    #[inline(always)]
     fn take_row(&mut self, row: usize, seq: SeqHandle, len: usize, released: usize) -> usize {
+        let w = &mut self.written[row];
+        // The decode step: the same sequence, no new hole, no shorter table (what
+        // the general case below does then: no entry to clear).
+        if w.seq == Some(seq) && w.released == released && w.len <= len {
+            let kept = w.len;
+            w.len = len;
+            return kept;
+        }
+        self.take_row_changed(row, seq, len, released)
+    }
+
+    /// [`Self::take_row`] for a row whose sequence, holes or length went down.
+    #[inline(never)]
+    fn take_row_changed(
+        &mut self,
+        row: usize,
+        seq: SeqHandle,
+        len: usize,
+        released: usize,
+    ) -> usize {
         let width = self.tables.max_blocks;
-        let kept = if self.row_seq[row] == Some(seq) {
-            self.row_len[row].min(len)
+        let was = self.written[row];
+        let kept = if was.seq == Some(seq) {
+            was.len.min(len)
         } else {
             0
         };
-        let holes = self.row_released[row].min(kept)..released.min(kept);
+        let holes = was.released.min(kept)..released.min(kept);
         if !holes.is_empty() {
             self.tables.tables[row * width + holes.start..row * width + holes.end]
                 .fill(BlockId::RELEASED.0);
         }
-        let old = self.row_len[row];
-        if old > len {
-            self.tables.tables[row * width + len..row * width + old].fill(0);
+        if was.len > len {
+            self.tables.tables[row * width + len..row * width + was.len].fill(0);
         }
-        self.row_seq[row] = Some(seq);
-        self.row_len[row] = len;
-        self.row_released[row] = released;
+        self.written[row] = RowWritten {
+            seq: Some(seq),
+            len,
+            released,
+        };
         kept
     }
+
+    /// Forgets what row `row` holds for its sequence: the next step writes it whole.
+    fn forget_row(&mut self, row: usize) {
+        self.written[row].seq = None;
+    }
+}
+
+/// What a row of [`StepBuffers`]' tables holds: the sequence it was last written
+/// for, how many entries of its table (past them the row is 0) and how many of those
+/// lead as holes (a window's given-back blocks).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct RowWritten {
+    seq: Option<SeqHandle>,
+    len: usize,
+    released: usize,
 }
 
 impl KvCache {
@@ -469,7 +500,7 @@ impl KvCache {
         // the step's blocks are available.
         if out.written_for != Some(self.table_epoch) {
             // Entries handed out before may have changed since: rewrite every row.
-            out.row_seq.iter_mut().for_each(|r| *r = None);
+            out.written.iter_mut().for_each(|w| w.seq = None);
         }
         out.begin();
         let rows = entries.len();
@@ -508,18 +539,21 @@ impl KvCache {
                 if self.table_epoch != epoch {
                     // This reservation changed an entry of its own table (a
                     // copy-on-write, a shared copy, a window's release): rewrite its row.
-                    out.row_seq[row] = None;
+                    out.forget_row(row);
                 }
                 out.slot_mapping
                     .extend(out.scratch[..e.new_tokens].iter().map(|s| s.0 as i64));
             }
             let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
-            // The entry's query tokens are the last ones reserved.
-            let first = s.computed + s.scheduled - e.new_tokens;
-            out.positions
-                .extend((first..first + e.new_tokens).map(|p| p as i64));
-            out.query_start_loc.push(out.slot_mapping.len() as u32);
             let context = s.computed + s.scheduled;
+            // The entry's query tokens are the last ones reserved.
+            let first = context - e.new_tokens;
+            if e.new_tokens == 1 {
+                out.positions.push(first as i64);
+            } else {
+                out.positions.extend((first..context).map(|p| p as i64));
+            }
+            out.query_start_loc.push(out.slot_mapping.len() as u32);
             out.tables.context_lens.push(context as u32);
             let table = &s.table[..self.layout.blocks_for_tokens(context)];
             let kept = out.take_row(row, e.seq, table.len(), s.released.min(table.len()));
@@ -548,8 +582,74 @@ impl KvCache {
         if let Some(h) = &mut self.hybrid {
             return h.commit_step(accepted);
         }
-        self.check_commit_step(accepted)?;
-        self.commit_step_checked(accepted)
+        // The leading decode commits are made as they are checked (and taken back if
+        // a later entry fails); the rest once every entry passed.
+        let decoded = self.check_commit_step_decoding(accepted)?;
+        self.commit_step_checked(&accepted[decoded..])
+    }
+
+    /// [`Self::check_commit_step`] that also commits the leading entries that are a
+    /// decode commit ([`Self::check_commit_entry`]) as it checks them: one pass over
+    /// the sequences, not two. Returns how many it committed; on error it takes them
+    /// back, so that nothing changed.
+    fn check_commit_step_decoding(&mut self, accepted: &[(SeqHandle, usize)]) -> Result<usize> {
+        self.seqs.begin_batch();
+        let mut decoded = 0;
+        for (k, &(h, n)) in accepted.iter().enumerate() {
+            match self.check_commit_entry(h, n, decoded == k) {
+                Ok(true) => decoded += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    for &(h, n) in &accepted[..decoded] {
+                        if let Some(s) = self.seqs.at_mut(h) {
+                            // A decode commit accepted all `n` reserved tokens.
+                            s.computed -= n;
+                            s.scheduled = n;
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(decoded)
+    }
+
+    /// The checks of one entry of [`Self::commit_step`] (a sequence named twice is
+    /// refused at its second entry). With `commit`, an entry that is a decode commit
+    /// (every reserved token accepted, no ids tracked, and [`Self::commit_plain`]'s
+    /// conditions: one reservation, no twin, no window block to give back) is
+    /// committed at once, which changes only its computed and reserved counts, so
+    /// that it can be taken back exactly. Returns whether it was committed.
+    #[inline(always)]
+    fn check_commit_entry(&mut self, h: SeqHandle, n: usize, commit: bool) -> Result<bool> {
+        let (window, bs) = (self.window, self.block_size());
+        let (seq, s, first) = self.seqs.at_mut_marking(h).ok_or(Error::StaleHandle(h))?;
+        if !first {
+            return Err(Error::DuplicateInBatch(seq));
+        }
+        swap::check_resident(seq, s)?;
+        let oldest = if s.has_later() {
+            s.oldest_scheduled()
+        } else {
+            s.scheduled
+        };
+        if n > oldest {
+            return Err(Error::CommitPastReservation {
+                seq,
+                committed: n,
+                reserved: oldest,
+            });
+        }
+        if commit
+            && n == s.scheduled
+            && s.prefix.is_none()
+            && super::commits_plainly(window, bs, s, n)
+        {
+            s.computed += n;
+            s.scheduled = 0;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// The checks of [`Self::commit_step`], changing nothing.
@@ -577,9 +677,10 @@ impl KvCache {
     pub(super) fn commit_step_checked(&mut self, accepted: &[(SeqHandle, usize)]) -> Result<usize> {
         let mut registered = 0;
         for &(h, n) in accepted {
-            if !self.commit_plain(h, n) {
-                registered += self.commit_at(h, n)?;
-            }
+            registered += match self.commit_plain(h, n)? {
+                Some(r) => r,
+                None => self.commit_at(h, n)?,
+            };
         }
         Ok(registered)
     }
@@ -732,7 +833,7 @@ impl KvCache {
             let table = self.seqs.at(e.seq).map_or(&[][..], |(_, s)| &s.table[..]);
             // State pages never change under a live sequence but a compaction moves
             // them: write the whole row every step (a few entries).
-            out.row_seq[row] = None;
+            out.forget_row(row);
             out.take_row(row, e.seq, table.len(), 0);
             for (d, b) in out.tables.tables[row * width..].iter_mut().zip(table) {
                 *d = b.0;

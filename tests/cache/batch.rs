@@ -725,6 +725,15 @@ fn refused_steps_change_nothing() {
     ));
     assert_eq!(kv.stats(), reserved);
     assert_eq!(kv.num_computed_tokens(SeqId(1)).unwrap(), 5);
+    // Listed twice: the commits made before the second entry are taken back.
+    assert_eq!(
+        kv.commit_step(&[(h1, 2), (h2, 1), (h1, 2)]),
+        Err(Error::DuplicateInBatch(SeqId(1)))
+    );
+    assert_eq!(kv.stats(), reserved);
+    assert_eq!(kv.num_computed_tokens(SeqId(1)).unwrap(), 5);
+    assert_eq!(kv.num_computed_tokens(SeqId(2)).unwrap(), 4);
+    assert_eq!(kv.context_len(SeqId(2)).unwrap(), 5);
     // And a second reservation of a reserved sequence.
     assert!(matches!(
         kv.reserve_step(&[e(h1, 1, 0)], &mut buf),
