@@ -396,6 +396,39 @@ fn in_last_block_span(
     Some((off, end, last))
 }
 
+/// The end of a reservation of `n + lookahead` tokens from position `base` when it
+/// is at most `max_len` ([`KvCache::max_seq_len`], which a batch call reads once).
+#[inline(always)]
+pub(crate) fn target_within(
+    base: usize,
+    n: usize,
+    lookahead: usize,
+    max_len: usize,
+) -> Result<usize> {
+    let end = base
+        .checked_add(n)
+        .and_then(|e| e.checked_add(lookahead))
+        .unwrap_or(usize::MAX);
+    if end > max_len {
+        return Err(Error::TooLong {
+            tokens: end,
+            limit: max_len,
+        });
+    }
+    Ok(end)
+}
+
+/// What [`KvCache::in_last_block`] did for `n` tokens of a sequence: the first of
+/// their consecutive slots, the blocks registered, the sequence's tokens after them
+/// (its context: it held no reservation) and its leading holes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct InLastBlock {
+    pub(crate) first: u64,
+    pub(crate) registered: usize,
+    pub(crate) end: usize,
+    pub(crate) released: usize,
+}
+
 /// Whether a commit of `n` tokens of `s` (checked: at most its oldest reservation)
 /// takes [`KvCache::commit_plain`]: one reservation, no twin to settle, and no window
 /// block to give back (`release_out_of_window` at the new computed count would
@@ -1119,17 +1152,7 @@ impl KvCache {
         n: usize,
         lookahead: usize,
     ) -> Result<usize> {
-        let end = base
-            .checked_add(n)
-            .and_then(|e| e.checked_add(lookahead))
-            .unwrap_or(usize::MAX);
-        if end > self.max_seq_len() {
-            return Err(Error::TooLong {
-                tokens: end,
-                limit: self.max_seq_len(),
-            });
-        }
-        Ok(end)
+        target_within(base, n, lookahead, self.max_seq_len())
     }
 
     /// Blocks a reservation up to `target` takes, and the first table index it writes.
@@ -1195,16 +1218,17 @@ impl KvCache {
     }
 
     /// [`Self::reserve_at`] of `n` query tokens (no lookahead) in the common case of
-    /// [`Self::in_last_block`]. Returns the first slot (the `n` slots are
-    /// consecutive) and the blocks registered, or `None`, having changed nothing.
+    /// [`Self::in_last_block`], or `None`, having changed nothing.
+    /// `max_len` is [`Self::max_seq_len`], read once per step.
     #[inline(always)]
     pub(crate) fn reserve_in_last_block(
         &mut self,
         h: SeqHandle,
         n: usize,
         tokens: Option<&[u32]>,
-    ) -> Option<(u64, usize)> {
-        self.in_last_block(h, n, tokens, false)
+        max_len: usize,
+    ) -> Option<InLastBlock> {
+        self.in_last_block(h, n, tokens, false, max_len)
     }
 
     /// [`Self::commit_at`] of a sequence already checked (resident, `n` at most its
@@ -1250,7 +1274,9 @@ impl KvCache {
         tokens: Option<&[u32]>,
         slots: &mut Vec<Slot>,
     ) -> Option<usize> {
-        let (first, registered) = self.in_last_block(h, n, tokens, true)?;
+        let InLastBlock {
+            first, registered, ..
+        } = self.in_last_block(h, n, tokens, true, self.max_seq_len())?;
         if n == 1 {
             // The decode step: a push, not the general extend (a third of the path's
             // instructions under callgrind).
@@ -1267,9 +1293,8 @@ impl KvCache {
     /// that case, without its general bookkeeping (cost count, replacement scan,
     /// block loop). With `commit` they are computed at once (with their ids, when
     /// given); without, they are this step's reservation (its ids marked as the
-    /// step's). Returns the first of their consecutive slots and the blocks
-    /// registered, or `None`, having changed nothing, when the general path is
-    /// needed.
+    /// step's). Returns what it did ([`InLastBlock`]), or `None`, having changed
+    /// nothing, when the general path is needed.
     #[inline(always)]
     fn in_last_block(
         &mut self,
@@ -1277,8 +1302,8 @@ impl KvCache {
         n: usize,
         tokens: Option<&[u32]>,
         commit: bool,
-    ) -> Option<(u64, usize)> {
-        let max_len = self.max_seq_len();
+        max_len: usize,
+    ) -> Option<InLastBlock> {
         let KvCache {
             layout,
             pool,
@@ -1321,7 +1346,12 @@ impl KvCache {
         } else {
             0
         };
-        Some((first, registered))
+        Some(InLastBlock {
+            first,
+            registered,
+            end,
+            released: s.released,
+        })
     }
 
     /// Whether [`Self::in_last_block`] serves `n` tokens of sequence `h` now (the same

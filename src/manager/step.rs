@@ -240,6 +240,15 @@ impl StepBuffers {
         kept
     }
 
+    /// Writes `table[kept..]` into row `row` (its first `kept` entries are current).
+    fn write_row(&mut self, row: usize, kept: usize, table: &[BlockId]) {
+        let width = self.tables.max_blocks;
+        let dst = &mut self.tables.tables[row * width..row * width + table.len()];
+        for (d, b) in dst[kept..].iter_mut().zip(&table[kept..]) {
+            *d = b.0;
+        }
+    }
+
     /// Forgets what row `row` holds for its sequence: the next step writes it whole.
     fn forget_row(&mut self, row: usize) {
         self.written[row].seq = None;
@@ -437,19 +446,26 @@ impl KvCache {
         }
         // Check every entry first, so that a failed call changes nothing.
         let width = out.tables.max_blocks;
+        let max_len = self.max_seq_len();
+        let layout = self.layout;
         let mut bound = 0usize;
         self.seqs.begin_batch();
         for e in entries {
-            let (seq, s) = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?;
+            // Marked now, reported after the other checks (as `Seqs::mark` would be).
+            let (seq, s, first) = self
+                .seqs
+                .at_mut_marking(e.seq)
+                .ok_or(Error::StaleHandle(e.seq))?;
+            let s = &*s;
             swap::check_resident(seq, s)?;
             if s.scheduled > 0 {
                 super::check_stack(seq, ahead, e.new_tokens, ids.is_some())?;
             }
             // After the outstanding query tokens (none, unless `ahead`).
             let base = s.computed + s.scheduled;
-            let target = self.reserve_target_from(base, e.new_tokens, e.lookahead)?;
+            let target = super::target_within(base, e.new_tokens, e.lookahead, max_len)?;
             // A row holds the blocks of the context (lookahead slots are not read).
-            let blocks = self.layout.blocks_for_tokens(base + e.new_tokens);
+            let blocks = layout.blocks_for_tokens(base + e.new_tokens);
             if blocks > width {
                 return Err(Error::ShapeMismatch {
                     what: "blocks of a sequence's table (StepBuffers table_width)",
@@ -457,10 +473,13 @@ impl KvCache {
                     got: blocks,
                 });
             }
-            // A bound without a look at the blocks: every block written may be copied.
-            let (new_blocks, written) = self.reserve_span(s, target);
-            bound += new_blocks + written.len();
-            if !self.seqs.mark(e.seq) {
+            // A bound without a look at the blocks: every block written may be copied
+            // (`reserve_span`'s count: the blocks appended and those written into).
+            let new_len = target.max(s.num_tokens);
+            let written_end = layout.blocks_for_tokens(target).min(s.table.len());
+            bound += layout.blocks_for_tokens(new_len) - s.table.len()
+                + written_end.saturating_sub(layout.block_index(s.computed));
+            if !first {
                 return Err(Error::DuplicateInBatch(seq));
             }
         }
@@ -495,7 +514,6 @@ impl KvCache {
             let exact = self.step_need(entries)?;
             self.ensure_available(exact)?;
         }
-        let width = out.tables.max_blocks;
         // Nothing below fails on a consistent manager: every entry was checked and
         // the step's blocks are available.
         if out.written_for != Some(self.table_epoch) {
@@ -505,62 +523,66 @@ impl KvCache {
         out.begin();
         let rows = entries.len();
         out.resize_rows(rows);
+        let max_len = self.max_seq_len();
         let mut at = 0;
         for (row, e) in entries.iter().enumerate() {
             let step_ids = ids.map(|ids| &ids[at..at + e.new_tokens]);
             at += e.new_tokens;
-            let in_place = if e.lookahead == 0 {
-                self.reserve_in_last_block(e.seq, e.new_tokens, step_ids)
-            } else {
-                None
-            };
-            if let Some((first_slot, _)) = in_place {
-                // The common decode step: consecutive slots of the own last block.
-                let n = e.new_tokens as i64;
-                let first = first_slot as i64;
-                if n == 1 {
-                    out.slot_mapping.push(first);
-                } else {
-                    out.slot_mapping.extend(first..first + n);
+            if e.lookahead == 0 {
+                if let Some(r) = self.reserve_in_last_block(e.seq, e.new_tokens, step_ids, max_len)
+                {
+                    // The common decode step: consecutive slots of the own last block,
+                    // and a row that only grows (no lookup of the sequence again).
+                    let n = e.new_tokens;
+                    let first = r.end - n;
+                    if n == 1 {
+                        out.slot_mapping.push(r.first as i64);
+                        out.positions.push(first as i64);
+                    } else {
+                        let slot = r.first as i64;
+                        out.slot_mapping.extend(slot..slot + n as i64);
+                        out.positions.extend((first..r.end).map(|p| p as i64));
+                    }
+                    out.query_start_loc.push(out.slot_mapping.len() as u32);
+                    out.tables.context_lens.push(r.end as u32);
+                    let blocks = self.layout.blocks_for_tokens(r.end);
+                    let kept = out.take_row(row, e.seq, blocks, r.released.min(blocks));
+                    if kept < blocks {
+                        let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
+                        out.write_row(row, kept, &s.table[..blocks]);
+                    }
+                    continue;
                 }
-            } else {
-                out.scratch.clear();
-                let epoch = self.table_epoch;
-                self.reserve_at(
-                    e.seq,
-                    e.new_tokens,
-                    e.lookahead,
-                    false,
-                    step_ids,
-                    &mut out.scratch,
-                    &mut out.copies,
-                    ahead,
-                )?;
-                if self.table_epoch != epoch {
-                    // This reservation changed an entry of its own table (a
-                    // copy-on-write, a shared copy, a window's release): rewrite its row.
-                    out.forget_row(row);
-                }
-                out.slot_mapping
-                    .extend(out.scratch[..e.new_tokens].iter().map(|s| s.0 as i64));
             }
+            out.scratch.clear();
+            let epoch = self.table_epoch;
+            self.reserve_at(
+                e.seq,
+                e.new_tokens,
+                e.lookahead,
+                false,
+                step_ids,
+                &mut out.scratch,
+                &mut out.copies,
+                ahead,
+            )?;
+            if self.table_epoch != epoch {
+                // This reservation changed an entry of its own table (a copy-on-write, a
+                // shared copy, a window's release): rewrite its row.
+                out.forget_row(row);
+            }
+            out.slot_mapping
+                .extend(out.scratch[..e.new_tokens].iter().map(|s| s.0 as i64));
             let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
             let context = s.computed + s.scheduled;
             // The entry's query tokens are the last ones reserved.
             let first = context - e.new_tokens;
-            if e.new_tokens == 1 {
-                out.positions.push(first as i64);
-            } else {
-                out.positions.extend((first..context).map(|p| p as i64));
-            }
+            out.positions.extend((first..context).map(|p| p as i64));
             out.query_start_loc.push(out.slot_mapping.len() as u32);
             out.tables.context_lens.push(context as u32);
             let table = &s.table[..self.layout.blocks_for_tokens(context)];
             let kept = out.take_row(row, e.seq, table.len(), s.released.min(table.len()));
-            let dst = &mut out.tables.tables[row * width..row * width + table.len()];
-            for (d, b) in dst[kept..].iter_mut().zip(&table[kept..]) {
-                *d = b.0;
-            }
+            out.write_row(row, kept, table);
         }
         // A reservation changes only its own sequence's entries: every row written
         // above is current for the count as it stands now.
