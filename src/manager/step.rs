@@ -41,6 +41,17 @@ pub struct StepEntry {
 
 /// The inputs of one model step, filled by [`KvCache::reserve_step`] into
 /// buffers allocated once ([`StepBuffers::new`]) at fixed capacities.
+///
+/// What a caller may rely on: after every reservation that succeeds, each buffer
+/// holds what a fill from scratch would (the slots, positions and query starts of
+/// this step's entries; row `i` of the tables the blocks of entry `i`'s context,
+/// [`BlockId::RELEASED`] for a window's given-back blocks and 0 past them; the
+/// context lengths; this step's copies), whatever the buffers held before and
+/// whichever cache filled them last. The tables are kept between steps and only the
+/// entries that changed are written (see the module docs), which stays invisible:
+/// the buffers are read through shared references only, a refused reservation
+/// leaves them as they were, and [`Self::pad_to`] writes only padding. A clone
+/// carries what its rows hold, so it may be filled in place of the original.
 #[derive(Debug, Clone)]
 pub struct StepBuffers {
     max_seqs: usize,
