@@ -534,28 +534,37 @@ impl KvCache {
         out.begin();
         let rows = entries.len();
         out.resize_rows(rows);
+        // Sized once for the step (the checks held it to the capacities), then
+        // written in place: a store per token and per row, not a push.
+        let tokens = entries.iter().map(|e| e.new_tokens).sum::<usize>();
+        out.slot_mapping.resize(tokens, -1);
+        out.positions.resize(tokens, 0);
+        out.query_start_loc.resize(rows + 1, 0);
+        out.tables.context_lens.resize(rows, 0);
         let max_len = self.max_seq_len();
         let mut at = 0;
         for (row, e) in entries.iter().enumerate() {
-            let step_ids = ids.map(|ids| &ids[at..at + e.new_tokens]);
-            at += e.new_tokens;
+            let n = e.new_tokens;
+            let query = at..at + n;
+            at += n;
+            let step_ids = ids.map(|ids| &ids[query.clone()]);
             if e.lookahead == 0 {
-                if let Some(r) = self.reserve_in_last_block(e.seq, e.new_tokens, step_ids, max_len)
-                {
+                if let Some(r) = self.reserve_in_last_block(e.seq, n, step_ids, max_len) {
                     // The common decode step: consecutive slots of the own last block,
                     // and a row that only grows (no lookup of the sequence again).
-                    let n = e.new_tokens;
                     let first = r.end - n;
                     if n == 1 {
-                        out.slot_mapping.push(r.first as i64);
-                        out.positions.push(first as i64);
+                        out.slot_mapping[query.start] = r.first as i64;
+                        out.positions[query.start] = first as i64;
                     } else {
-                        let slot = r.first as i64;
-                        out.slot_mapping.extend(slot..slot + n as i64);
-                        out.positions.extend((first..r.end).map(|p| p as i64));
+                        let slots = out.slot_mapping[query.clone()].iter_mut();
+                        for (k, (slot, pos)) in slots.zip(&mut out.positions[query]).enumerate() {
+                            *slot = (r.first + k as u64) as i64;
+                            *pos = (first + k) as i64;
+                        }
                     }
-                    out.query_start_loc.push(out.slot_mapping.len() as u32);
-                    out.tables.context_lens.push(r.end as u32);
+                    out.query_start_loc[row + 1] = at as u32;
+                    out.tables.context_lens[row] = r.end as u32;
                     let blocks = self.layout.blocks_for_tokens(r.end);
                     let kept = out.take_row(row, e.seq, blocks, r.released.min(blocks));
                     if kept < blocks {
@@ -569,7 +578,7 @@ impl KvCache {
             let epoch = self.table_epoch;
             self.reserve_at(
                 e.seq,
-                e.new_tokens,
+                n,
                 e.lookahead,
                 false,
                 step_ids,
@@ -582,15 +591,18 @@ impl KvCache {
                 // shared copy, a window's release): rewrite its row.
                 out.forget_row(row);
             }
-            out.slot_mapping
-                .extend(out.scratch[..e.new_tokens].iter().map(|s| s.0 as i64));
+            for (d, slot) in out.slot_mapping[query.clone()].iter_mut().zip(&out.scratch) {
+                *d = slot.0 as i64;
+            }
             let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
             let context = s.computed + s.scheduled;
             // The entry's query tokens are the last ones reserved.
-            let first = context - e.new_tokens;
-            out.positions.extend((first..context).map(|p| p as i64));
-            out.query_start_loc.push(out.slot_mapping.len() as u32);
-            out.tables.context_lens.push(context as u32);
+            let first = context - n;
+            for (d, p) in out.positions[query].iter_mut().zip(first..context) {
+                *d = p as i64;
+            }
+            out.query_start_loc[row + 1] = at as u32;
+            out.tables.context_lens[row] = context as u32;
             let table = &s.table[..self.layout.blocks_for_tokens(context)];
             let kept = out.take_row(row, e.seq, table.len(), s.released.min(table.len()));
             out.write_row(row, kept, table);
