@@ -179,7 +179,8 @@ pub(crate) type SeqMap<V> = HashMap<SeqId, V, BuildHasherDefault<SeqIdHasher>>;
 ///
 /// In declaration order (`repr(C)`): what the decode step reads (the table, the three
 /// lengths, the prefix state and whether a swap is in flight) fills the first 64
-/// bytes, so an append reads one line of it (`seqs::Slot` is line-aligned).
+/// bytes, so an append reads one line of it (`seqs::Slot` is line-aligned); the rest
+/// is 40 bytes, so that the slot is two lines.
 #[derive(Debug, Clone, Default)]
 #[repr(C)]
 pub(crate) struct Sequence {
@@ -216,22 +217,31 @@ pub(crate) struct Sequence {
     pub(crate) tracking_stopped: bool,
     /// Query tokens of the reservations made on top of the oldest outstanding one
     /// ([`KvCache::reserve_ahead`]), oldest first; `scheduled` counts them too, so the
-    /// oldest reservation holds `scheduled - later.sum()`. Empty with one
-    /// reservation or none (no allocation until a reservation ahead).
-    pub(crate) later: std::collections::VecDeque<usize>,
+    /// oldest reservation holds `scheduled - later.sum()`. Empty (or `None`) with one
+    /// reservation or none. Boxed (allocated at the first reservation ahead, then
+    /// kept) so that a sequence's slot, generation and batch stamp included, is two
+    /// cache lines (see `seqs::Slot`).
+    #[allow(clippy::box_collection)] // The box is the point: 8 bytes in the slot, not 32.
+    pub(crate) later: Option<Box<std::collections::VecDeque<usize>>>,
 }
 
 impl Sequence {
     /// Query tokens of the reservations after the oldest outstanding one.
     #[inline]
     pub(crate) fn later_tokens(&self) -> usize {
-        self.later.iter().sum()
+        self.later.as_deref().map_or(0, |q| q.iter().sum())
     }
 
     /// Whether reservations are outstanding on top of the oldest one.
     #[inline]
     pub(crate) fn has_later(&self) -> bool {
-        !self.later.is_empty()
+        self.later.as_deref().is_some_and(|q| !q.is_empty())
+    }
+
+    /// How many reservations are outstanding on top of the oldest one.
+    #[inline]
+    pub(crate) fn num_later(&self) -> usize {
+        self.later.as_deref().map_or(0, |q| q.len())
     }
 
     /// Query tokens of the oldest outstanding reservation (what a commit accepts from).
@@ -947,7 +957,7 @@ impl KvCache {
         let s = self.seq(seq)?;
         Ok(match s.scheduled {
             0 => 0,
-            _ => 1 + s.later.len(),
+            _ => 1 + s.num_later(),
         })
     }
 
@@ -985,7 +995,9 @@ impl KvCache {
         // The reservations on top of it, if any, now start at the new computed count
         // (rebased: their slots are those of the positions after it).
         s.scheduled -= oldest;
-        s.later.pop_front();
+        if let Some(q) = s.later.as_deref_mut() {
+            q.pop_front();
+        }
         prefix::commit_step_ids(s, bs);
         let computed = s.computed;
         let mut registered = prefix::extend_chain_in(&mut self.prefix, bs, s);
@@ -1464,7 +1476,7 @@ impl KvCache {
             s.computed += n;
         } else if stacked {
             s.scheduled += n;
-            s.later.push_back(n);
+            s.later.get_or_insert_default().push_back(n);
         } else {
             s.scheduled = n;
         }

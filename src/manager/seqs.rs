@@ -12,7 +12,8 @@ use crate::error::{Error, Result};
 use crate::ids::{SeqHandle, SeqId};
 
 /// Aligned to a cache line: the sequence's decode fields are its first line (see
-/// `Sequence`), the generation in the second, an aligned pair.
+/// `Sequence`), the rest of it, the generation and the batch stamp the second (two
+/// lines in all: a batch call's passes over its sequences read 128 bytes of each).
 #[derive(Clone)]
 #[repr(C, align(64))]
 struct Slot {
@@ -250,5 +251,15 @@ impl<'a> IntoIterator for &'a Seqs {
     type IntoIter = Box<dyn Iterator<Item = (&'a SeqId, &'a Sequence)> + 'a>;
     fn into_iter(self) -> Self::IntoIter {
         Box::new(self.iter())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_is_two_cache_lines() {
+        assert_eq!(std::mem::size_of::<Slot>(), 128);
     }
 }
