@@ -36,7 +36,8 @@ impl KvCache {
             }
             {
                 // Every reservation ahead holds a query token, and the oldest one too.
-                let q = &s.later;
+                let none = std::collections::VecDeque::new();
+                let q = s.later.as_deref().unwrap_or(&none);
                 if q.contains(&0) || (!q.is_empty() && s.later_tokens() >= s.scheduled) {
                     return Err(format!(
                         "sequence {id}: reservations ahead {q:?} within {} reserved tokens",

@@ -179,7 +179,8 @@ pub(crate) type SeqMap<V> = HashMap<SeqId, V, BuildHasherDefault<SeqIdHasher>>;
 ///
 /// In declaration order (`repr(C)`): what the decode step reads (the table, the three
 /// lengths, the prefix state and whether a swap is in flight) fills the first 64
-/// bytes, so an append reads one line of it (`seqs::Slot` is line-aligned).
+/// bytes, so an append reads one line of it (`seqs::Slot` is line-aligned); the rest
+/// is 40 bytes, so that the slot is two lines.
 #[derive(Debug, Clone, Default)]
 #[repr(C)]
 pub(crate) struct Sequence {
@@ -216,22 +217,31 @@ pub(crate) struct Sequence {
     pub(crate) tracking_stopped: bool,
     /// Query tokens of the reservations made on top of the oldest outstanding one
     /// ([`KvCache::reserve_ahead`]), oldest first; `scheduled` counts them too, so the
-    /// oldest reservation holds `scheduled - later.sum()`. Empty with one
-    /// reservation or none (no allocation until a reservation ahead).
-    pub(crate) later: std::collections::VecDeque<usize>,
+    /// oldest reservation holds `scheduled - later.sum()`. Empty (or `None`) with one
+    /// reservation or none. Boxed (allocated at the first reservation ahead, then
+    /// kept) so that a sequence's slot, generation and batch stamp included, is two
+    /// cache lines (see `seqs::Slot`).
+    #[allow(clippy::box_collection)] // The box is the point: 8 bytes in the slot, not 32.
+    pub(crate) later: Option<Box<std::collections::VecDeque<usize>>>,
 }
 
 impl Sequence {
     /// Query tokens of the reservations after the oldest outstanding one.
     #[inline]
     pub(crate) fn later_tokens(&self) -> usize {
-        self.later.iter().sum()
+        self.later.as_deref().map_or(0, |q| q.iter().sum())
     }
 
     /// Whether reservations are outstanding on top of the oldest one.
     #[inline]
     pub(crate) fn has_later(&self) -> bool {
-        !self.later.is_empty()
+        self.later.as_deref().is_some_and(|q| !q.is_empty())
+    }
+
+    /// How many reservations are outstanding on top of the oldest one.
+    #[inline]
+    pub(crate) fn num_later(&self) -> usize {
+        self.later.as_deref().map_or(0, |q| q.len())
     }
 
     /// Query tokens of the oldest outstanding reservation (what a commit accepts from).
@@ -394,6 +404,53 @@ fn in_last_block_span(
     }
     let &last = s.table.last()?;
     Some((off, end, last))
+}
+
+/// The end of a reservation of `n + lookahead` tokens from position `base` when it
+/// is at most `max_len` ([`KvCache::max_seq_len`], which a batch call reads once).
+#[inline(always)]
+pub(crate) fn target_within(
+    base: usize,
+    n: usize,
+    lookahead: usize,
+    max_len: usize,
+) -> Result<usize> {
+    let end = base
+        .checked_add(n)
+        .and_then(|e| e.checked_add(lookahead))
+        .unwrap_or(usize::MAX);
+    if end > max_len {
+        return Err(Error::TooLong {
+            tokens: end,
+            limit: max_len,
+        });
+    }
+    Ok(end)
+}
+
+/// What [`KvCache::in_last_block`] did for `n` tokens of a sequence: the first of
+/// their consecutive slots, the blocks registered, the sequence's tokens after them
+/// (its context: it held no reservation) and its leading holes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct InLastBlock {
+    pub(crate) first: u64,
+    pub(crate) registered: usize,
+    pub(crate) end: usize,
+    pub(crate) released: usize,
+}
+
+/// Whether a commit of `n` tokens of `s` (checked: at most its oldest reservation)
+/// takes [`KvCache::commit_plain`]: one reservation, no twin to settle, and no window
+/// block to give back (`release_out_of_window` at the new computed count would
+/// release nothing).
+#[inline(always)]
+pub(crate) fn commits_plainly(window: Option<usize>, bs: usize, s: &Sequence, n: usize) -> bool {
+    !s.twin_pending
+        && n <= s.scheduled
+        && !s.has_later()
+        && window.is_none_or(|w| {
+            ((s.computed + n + 1).saturating_sub(w) / bs).min(s.table.len()) <= s.released
+        })
 }
 
 /// The next value of [`KvCache::table_epoch`].
@@ -900,7 +957,7 @@ impl KvCache {
         let s = self.seq(seq)?;
         Ok(match s.scheduled {
             0 => 0,
-            _ => 1 + s.later.len(),
+            _ => 1 + s.num_later(),
         })
     }
 
@@ -938,7 +995,9 @@ impl KvCache {
         // The reservations on top of it, if any, now start at the new computed count
         // (rebased: their slots are those of the positions after it).
         s.scheduled -= oldest;
-        s.later.pop_front();
+        if let Some(q) = s.later.as_deref_mut() {
+            q.pop_front();
+        }
         prefix::commit_step_ids(s, bs);
         let computed = s.computed;
         let mut registered = prefix::extend_chain_in(&mut self.prefix, bs, s);
@@ -1105,17 +1164,7 @@ impl KvCache {
         n: usize,
         lookahead: usize,
     ) -> Result<usize> {
-        let end = base
-            .checked_add(n)
-            .and_then(|e| e.checked_add(lookahead))
-            .unwrap_or(usize::MAX);
-        if end > self.max_seq_len() {
-            return Err(Error::TooLong {
-                tokens: end,
-                limit: self.max_seq_len(),
-            });
-        }
-        Ok(end)
+        target_within(base, n, lookahead, self.max_seq_len())
     }
 
     /// Blocks a reservation up to `target` takes, and the first table index it writes.
@@ -1181,43 +1230,48 @@ impl KvCache {
     }
 
     /// [`Self::reserve_at`] of `n` query tokens (no lookahead) in the common case of
-    /// [`Self::in_last_block`]. Returns the first slot (the `n` slots are
-    /// consecutive) and the blocks registered, or `None`, having changed nothing.
+    /// [`Self::in_last_block`], or `None`, having changed nothing.
+    /// `max_len` is [`Self::max_seq_len`], read once per step.
     #[inline(always)]
     pub(crate) fn reserve_in_last_block(
         &mut self,
         h: SeqHandle,
         n: usize,
         tokens: Option<&[u32]>,
-    ) -> Option<(u64, usize)> {
-        self.in_last_block(h, n, tokens, false)
+        max_len: usize,
+    ) -> Option<InLastBlock> {
+        self.in_last_block(h, n, tokens, false, max_len)
     }
 
     /// [`Self::commit_at`] of a sequence already checked (resident, `n` at most its
-    /// reservation) that has no twin to settle, no token ids and no window block to give back: the
-    /// accepted tokens become computed. `false`, having changed nothing, otherwise.
+    /// reservation) that holds one reservation, has no twin to settle and no window
+    /// block to give back: the accepted tokens become computed and, where its ids
+    /// are tracked, the blocks they complete register (what `commit_at` does then,
+    /// without its second look-up and window pass). Returns the blocks registered,
+    /// or `None`, having changed nothing, when the general path is needed.
+    ///
+    /// # Errors
+    /// Only on a corrupt manager (a twin found by the registration fails to settle).
     #[inline(always)]
-    pub(crate) fn commit_plain(&mut self, h: SeqHandle, n: usize) -> bool {
+    pub(crate) fn commit_plain(&mut self, h: SeqHandle, n: usize) -> Result<Option<usize>> {
         let (window, bs) = (self.window, self.block_size());
-        match self.seqs.at_mut(h) {
-            Some(s)
-                if !s.twin_pending
-                    && s.prefix.is_none()
-                    && n <= s.scheduled
-                    && !s.has_later()
-                    // A window commit that gives blocks back takes the general path
-                    // (`release_out_of_window` at the new computed count).
-                    && window.is_none_or(|w| {
-                        ((s.computed + n + 1).saturating_sub(w) / bs).min(s.table.len())
-                            <= s.released
-                    }) =>
-            {
-                s.computed += n;
-                s.scheduled = 0;
-                true
-            }
-            _ => false,
+        let KvCache { seqs, prefix, .. } = self;
+        let s = match seqs.at_mut(h) {
+            Some(s) if commits_plainly(window, bs, s, n) => s,
+            _ => return Ok(None),
+        };
+        s.computed += n;
+        s.scheduled = 0;
+        if s.prefix.is_none() {
+            return Ok(Some(0));
         }
+        prefix::commit_step_ids(s, bs);
+        let registered = prefix::extend_chain_in(prefix, bs, s);
+        if s.twin_pending {
+            // The step's K/V is written: share the cached copies of its duplicates.
+            return Ok(Some(registered + self.settle_twin(h, usize::MAX)?));
+        }
+        Ok(Some(registered))
     }
 
     /// The common decode step, in place: `n` committed tokens that all land in the
@@ -1232,7 +1286,9 @@ impl KvCache {
         tokens: Option<&[u32]>,
         slots: &mut Vec<Slot>,
     ) -> Option<usize> {
-        let (first, registered) = self.in_last_block(h, n, tokens, true)?;
+        let InLastBlock {
+            first, registered, ..
+        } = self.in_last_block(h, n, tokens, true, self.max_seq_len())?;
         if n == 1 {
             // The decode step: a push, not the general extend (a third of the path's
             // instructions under callgrind).
@@ -1249,9 +1305,8 @@ impl KvCache {
     /// that case, without its general bookkeeping (cost count, replacement scan,
     /// block loop). With `commit` they are computed at once (with their ids, when
     /// given); without, they are this step's reservation (its ids marked as the
-    /// step's). Returns the first of their consecutive slots and the blocks
-    /// registered, or `None`, having changed nothing, when the general path is
-    /// needed.
+    /// step's). Returns what it did ([`InLastBlock`]), or `None`, having changed
+    /// nothing, when the general path is needed.
     #[inline(always)]
     fn in_last_block(
         &mut self,
@@ -1259,8 +1314,8 @@ impl KvCache {
         n: usize,
         tokens: Option<&[u32]>,
         commit: bool,
-    ) -> Option<(u64, usize)> {
-        let max_len = self.max_seq_len();
+        max_len: usize,
+    ) -> Option<InLastBlock> {
         let KvCache {
             layout,
             pool,
@@ -1303,7 +1358,12 @@ impl KvCache {
         } else {
             0
         };
-        Some((first, registered))
+        Some(InLastBlock {
+            first,
+            registered,
+            end,
+            released: s.released,
+        })
     }
 
     /// Whether [`Self::in_last_block`] serves `n` tokens of sequence `h` now (the same
@@ -1416,7 +1476,7 @@ impl KvCache {
             s.computed += n;
         } else if stacked {
             s.scheduled += n;
-            s.later.push_back(n);
+            s.later.get_or_insert_default().push_back(n);
         } else {
             s.scheduled = n;
         }

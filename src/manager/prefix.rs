@@ -270,6 +270,7 @@ fn starts_tracking(windowed: bool, first: usize, ids: &[u32]) -> bool {
 /// Records `ids`, the ids of the query tokens of the reservation `s` is getting now
 /// (tracking starts if they are position 0's), and marks them as the step's: the
 /// commit keeps only the accepted ones ([`commit_step_ids`]).
+#[inline]
 pub(crate) fn record_step_ids(
     index: &PrefixIndex,
     windowed: bool,
@@ -294,6 +295,7 @@ pub(crate) fn forget_step_ids(s: &mut Sequence) {
 
 /// At a commit: when the ids of the reservation came with it, the ids past the
 /// computed tokens are those of rejected positions, and go.
+#[inline]
 pub(crate) fn commit_step_ids(s: &mut Sequence, bs: usize) {
     let computed = s.computed;
     if let Some(p) = s.prefix.as_deref_mut() {
@@ -305,6 +307,7 @@ pub(crate) fn commit_step_ids(s: &mut Sequence, bs: usize) {
 
 /// Starts tracking the ids of `s`, admitted without any, when [`starts_tracking`] says
 /// `ids` (those of the tokens from `s.computed` on) do.
+#[inline]
 pub(crate) fn start_tracking(index: &PrefixIndex, windowed: bool, s: &mut Sequence, ids: &[u32]) {
     if s.prefix.is_none() && !s.tracking_stopped && starts_tracking(windowed, s.computed, ids) {
         s.prefix = Some(Box::new(SeqPrefix::starting(index.default_namespace())));

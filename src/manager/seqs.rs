@@ -12,7 +12,8 @@ use crate::error::{Error, Result};
 use crate::ids::{SeqHandle, SeqId};
 
 /// Aligned to a cache line: the sequence's decode fields are its first line (see
-/// `Sequence`), the generation in the second, an aligned pair.
+/// `Sequence`), the rest of it, the generation and the batch stamp the second (two
+/// lines in all: a batch call's passes over its sequences read 128 bytes of each).
 #[derive(Clone)]
 #[repr(C, align(64))]
 struct Slot {
@@ -119,6 +120,21 @@ impl Seqs {
             }
             _ => false,
         }
+    }
+
+    /// [`Self::at_mut`] and [`Self::mark`] in one look-up: the sequence `h` names, its
+    /// id, and whether the current batch call had not named it before (it is marked
+    /// now either way).
+    #[inline]
+    pub(crate) fn at_mut_marking(&mut self, h: SeqHandle) -> Option<(SeqId, &mut Sequence, bool)> {
+        let stamp = self.stamp;
+        let slot = self.slots.get_mut(h.index as usize)?;
+        if slot.generation != h.generation {
+            return None;
+        }
+        let first = slot.stamp != stamp;
+        slot.stamp = stamp;
+        slot.seq.as_mut().map(|s| (slot.id, s, first))
     }
 
     /// Makes sure `n` sequences can be inserted without growing past the handle
@@ -235,5 +251,15 @@ impl<'a> IntoIterator for &'a Seqs {
     type IntoIter = Box<dyn Iterator<Item = (&'a SeqId, &'a Sequence)> + 'a>;
     fn into_iter(self) -> Self::IntoIter {
         Box::new(self.iter())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_is_two_cache_lines() {
+        assert_eq!(std::mem::size_of::<Slot>(), 128);
     }
 }

@@ -41,6 +41,17 @@ pub struct StepEntry {
 
 /// The inputs of one model step, filled by [`KvCache::reserve_step`] into
 /// buffers allocated once ([`StepBuffers::new`]) at fixed capacities.
+///
+/// What a caller may rely on: after every reservation that succeeds, each buffer
+/// holds what a fill from scratch would (the slots, positions and query starts of
+/// this step's entries; row `i` of the tables the blocks of entry `i`'s context,
+/// [`BlockId::RELEASED`] for a window's given-back blocks and 0 past them; the
+/// context lengths; this step's copies), whatever the buffers held before and
+/// whichever cache filled them last. The tables are kept between steps and only the
+/// entries that changed are written (see the module docs), which stays invisible:
+/// the buffers are read through shared references only, a refused reservation
+/// leaves them as they were, and [`Self::pad_to`] writes only padding. A clone
+/// carries what its rows hold, so it may be filled in place of the original.
 #[derive(Debug, Clone)]
 pub struct StepBuffers {
     max_seqs: usize,
@@ -49,12 +60,9 @@ pub struct StepBuffers {
     positions: Vec<i64>,
     query_start_loc: Vec<u32>,
     tables: PaddedTables,
-    /// Per row: the sequence it held last and how many table entries of it are
-    /// written (entries past that are 0).
-    row_seq: Vec<Option<SeqHandle>>,
-    row_len: Vec<usize>,
-    /// Per row: the leading entries written as holes (a window's given-back blocks).
-    row_released: Vec<usize>,
+    /// Per row: what its table entries hold (one record per row: a step reads it
+    /// for every row).
+    written: Vec<RowWritten>,
     /// The manager's table epoch the rows were written against.
     written_for: Option<u64>,
     copies: CopyPlan,
@@ -83,9 +91,7 @@ impl StepBuffers {
             positions: Vec::with_capacity(max_tokens),
             query_start_loc: Vec::with_capacity(max_seqs + 1),
             tables,
-            row_seq: vec![None; max_seqs],
-            row_len: vec![0; max_seqs],
-            row_released: vec![0; max_seqs],
+            written: vec![RowWritten::default(); max_seqs],
             written_for: None,
             copies: CopyPlan::new(),
             scratch: Vec::with_capacity(max_tokens),
@@ -189,9 +195,7 @@ impl StepBuffers {
         let width = self.tables.max_blocks;
         let now = self.tables.tables.len() / width.max(1);
         for row in rows..now {
-            self.row_seq[row] = None;
-            self.row_len[row] = 0;
-            self.row_released[row] = 0;
+            self.written[row] = RowWritten::default();
         }
         self.tables.tables.resize(rows * width, 0);
         self.tables.batch = rows;
@@ -202,27 +206,74 @@ impl StepBuffers {
     /// the same sequence). A window's blocks given back since the row was written
     /// become holes here (only the entries that changed are written), and what the
     /// row held past `len` is zeroed.
+    #[inline(always)]
     fn take_row(&mut self, row: usize, seq: SeqHandle, len: usize, released: usize) -> usize {
+        let w = &mut self.written[row];
+        // The decode step: the same sequence, no new hole, no shorter table (what
+        // the general case below does then: no entry to clear).
+        if w.seq == Some(seq) && w.released == released && w.len <= len {
+            let kept = w.len;
+            w.len = len;
+            return kept;
+        }
+        self.take_row_changed(row, seq, len, released)
+    }
+
+    /// [`Self::take_row`] for a row whose sequence, holes or length went down.
+    #[inline(never)]
+    fn take_row_changed(
+        &mut self,
+        row: usize,
+        seq: SeqHandle,
+        len: usize,
+        released: usize,
+    ) -> usize {
         let width = self.tables.max_blocks;
-        let kept = if self.row_seq[row] == Some(seq) {
-            self.row_len[row].min(len)
+        let was = self.written[row];
+        let kept = if was.seq == Some(seq) {
+            was.len.min(len)
         } else {
             0
         };
-        let holes = self.row_released[row].min(kept)..released.min(kept);
+        let holes = was.released.min(kept)..released.min(kept);
         if !holes.is_empty() {
             self.tables.tables[row * width + holes.start..row * width + holes.end]
                 .fill(BlockId::RELEASED.0);
         }
-        let old = self.row_len[row];
-        if old > len {
-            self.tables.tables[row * width + len..row * width + old].fill(0);
+        if was.len > len {
+            self.tables.tables[row * width + len..row * width + was.len].fill(0);
         }
-        self.row_seq[row] = Some(seq);
-        self.row_len[row] = len;
-        self.row_released[row] = released;
+        self.written[row] = RowWritten {
+            seq: Some(seq),
+            len,
+            released,
+        };
         kept
     }
+
+    /// Writes `table[kept..]` into row `row` (its first `kept` entries are current).
+    fn write_row(&mut self, row: usize, kept: usize, table: &[BlockId]) {
+        let width = self.tables.max_blocks;
+        let dst = &mut self.tables.tables[row * width..row * width + table.len()];
+        for (d, b) in dst[kept..].iter_mut().zip(&table[kept..]) {
+            *d = b.0;
+        }
+    }
+
+    /// Forgets what row `row` holds for its sequence: the next step writes it whole.
+    fn forget_row(&mut self, row: usize) {
+        self.written[row].seq = None;
+    }
+}
+
+/// What a row of [`StepBuffers`]' tables holds: the sequence it was last written
+/// for, how many entries of its table (past them the row is 0) and how many of those
+/// lead as holes (a window's given-back blocks).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct RowWritten {
+    seq: Option<SeqHandle>,
+    len: usize,
+    released: usize,
 }
 
 impl KvCache {
@@ -406,19 +457,26 @@ impl KvCache {
         }
         // Check every entry first, so that a failed call changes nothing.
         let width = out.tables.max_blocks;
+        let max_len = self.max_seq_len();
+        let layout = self.layout;
         let mut bound = 0usize;
         self.seqs.begin_batch();
         for e in entries {
-            let (seq, s) = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?;
+            // Marked now, reported after the other checks (as `Seqs::mark` would be).
+            let (seq, s, first) = self
+                .seqs
+                .at_mut_marking(e.seq)
+                .ok_or(Error::StaleHandle(e.seq))?;
+            let s = &*s;
             swap::check_resident(seq, s)?;
             if s.scheduled > 0 {
                 super::check_stack(seq, ahead, e.new_tokens, ids.is_some())?;
             }
             // After the outstanding query tokens (none, unless `ahead`).
             let base = s.computed + s.scheduled;
-            let target = self.reserve_target_from(base, e.new_tokens, e.lookahead)?;
+            let target = super::target_within(base, e.new_tokens, e.lookahead, max_len)?;
             // A row holds the blocks of the context (lookahead slots are not read).
-            let blocks = self.layout.blocks_for_tokens(base + e.new_tokens);
+            let blocks = layout.blocks_for_tokens(base + e.new_tokens);
             if blocks > width {
                 return Err(Error::ShapeMismatch {
                     what: "blocks of a sequence's table (StepBuffers table_width)",
@@ -426,10 +484,13 @@ impl KvCache {
                     got: blocks,
                 });
             }
-            // A bound without a look at the blocks: every block written may be copied.
-            let (new_blocks, written) = self.reserve_span(s, target);
-            bound += new_blocks + written.len();
-            if !self.seqs.mark(e.seq) {
+            // A bound without a look at the blocks: every block written may be copied
+            // (`reserve_span`'s count: the blocks appended and those written into).
+            let new_len = target.max(s.num_tokens);
+            let written_end = layout.blocks_for_tokens(target).min(s.table.len());
+            bound += layout.blocks_for_tokens(new_len) - s.table.len()
+                + written_end.saturating_sub(layout.block_index(s.computed));
+            if !first {
                 return Err(Error::DuplicateInBatch(seq));
             }
         }
@@ -464,69 +525,87 @@ impl KvCache {
             let exact = self.step_need(entries)?;
             self.ensure_available(exact)?;
         }
-        let width = out.tables.max_blocks;
         // Nothing below fails on a consistent manager: every entry was checked and
         // the step's blocks are available.
         if out.written_for != Some(self.table_epoch) {
             // Entries handed out before may have changed since: rewrite every row.
-            out.row_seq.iter_mut().for_each(|r| *r = None);
+            out.written.iter_mut().for_each(|w| w.seq = None);
         }
         out.begin();
         let rows = entries.len();
         out.resize_rows(rows);
+        // Sized once for the step (the checks held it to the capacities), then
+        // written in place: a store per token and per row, not a push.
+        let tokens = entries.iter().map(|e| e.new_tokens).sum::<usize>();
+        out.slot_mapping.resize(tokens, -1);
+        out.positions.resize(tokens, 0);
+        out.query_start_loc.resize(rows + 1, 0);
+        out.tables.context_lens.resize(rows, 0);
+        let max_len = self.max_seq_len();
         let mut at = 0;
         for (row, e) in entries.iter().enumerate() {
-            let step_ids = ids.map(|ids| &ids[at..at + e.new_tokens]);
-            at += e.new_tokens;
-            let in_place = if e.lookahead == 0 {
-                self.reserve_in_last_block(e.seq, e.new_tokens, step_ids)
-            } else {
-                None
-            };
-            if let Some((first_slot, _)) = in_place {
-                // The common decode step: consecutive slots of the own last block.
-                let n = e.new_tokens as i64;
-                let first = first_slot as i64;
-                if n == 1 {
-                    out.slot_mapping.push(first);
-                } else {
-                    out.slot_mapping.extend(first..first + n);
+            let n = e.new_tokens;
+            let query = at..at + n;
+            at += n;
+            let step_ids = ids.map(|ids| &ids[query.clone()]);
+            if e.lookahead == 0 {
+                if let Some(r) = self.reserve_in_last_block(e.seq, n, step_ids, max_len) {
+                    // The common decode step: consecutive slots of the own last block,
+                    // and a row that only grows (no lookup of the sequence again).
+                    let first = r.end - n;
+                    if n == 1 {
+                        out.slot_mapping[query.start] = r.first as i64;
+                        out.positions[query.start] = first as i64;
+                    } else {
+                        let slots = out.slot_mapping[query.clone()].iter_mut();
+                        for (k, (slot, pos)) in slots.zip(&mut out.positions[query]).enumerate() {
+                            *slot = (r.first + k as u64) as i64;
+                            *pos = (first + k) as i64;
+                        }
+                    }
+                    out.query_start_loc[row + 1] = at as u32;
+                    out.tables.context_lens[row] = r.end as u32;
+                    let blocks = self.layout.blocks_for_tokens(r.end);
+                    let kept = out.take_row(row, e.seq, blocks, r.released.min(blocks));
+                    if kept < blocks {
+                        let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
+                        out.write_row(row, kept, &s.table[..blocks]);
+                    }
+                    continue;
                 }
-            } else {
-                out.scratch.clear();
-                let epoch = self.table_epoch;
-                self.reserve_at(
-                    e.seq,
-                    e.new_tokens,
-                    e.lookahead,
-                    false,
-                    step_ids,
-                    &mut out.scratch,
-                    &mut out.copies,
-                    ahead,
-                )?;
-                if self.table_epoch != epoch {
-                    // This reservation changed an entry of its own table (a
-                    // copy-on-write, a shared copy, a window's release): rewrite its row.
-                    out.row_seq[row] = None;
-                }
-                out.slot_mapping
-                    .extend(out.scratch[..e.new_tokens].iter().map(|s| s.0 as i64));
+            }
+            out.scratch.clear();
+            let epoch = self.table_epoch;
+            self.reserve_at(
+                e.seq,
+                n,
+                e.lookahead,
+                false,
+                step_ids,
+                &mut out.scratch,
+                &mut out.copies,
+                ahead,
+            )?;
+            if self.table_epoch != epoch {
+                // This reservation changed an entry of its own table (a copy-on-write, a
+                // shared copy, a window's release): rewrite its row.
+                out.forget_row(row);
+            }
+            for (d, slot) in out.slot_mapping[query.clone()].iter_mut().zip(&out.scratch) {
+                *d = slot.0 as i64;
             }
             let s = self.seqs.at(e.seq).ok_or(Error::StaleHandle(e.seq))?.1;
-            // The entry's query tokens are the last ones reserved.
-            let first = s.computed + s.scheduled - e.new_tokens;
-            out.positions
-                .extend((first..first + e.new_tokens).map(|p| p as i64));
-            out.query_start_loc.push(out.slot_mapping.len() as u32);
             let context = s.computed + s.scheduled;
-            out.tables.context_lens.push(context as u32);
+            // The entry's query tokens are the last ones reserved.
+            let first = context - n;
+            for (d, p) in out.positions[query].iter_mut().zip(first..context) {
+                *d = p as i64;
+            }
+            out.query_start_loc[row + 1] = at as u32;
+            out.tables.context_lens[row] = context as u32;
             let table = &s.table[..self.layout.blocks_for_tokens(context)];
             let kept = out.take_row(row, e.seq, table.len(), s.released.min(table.len()));
-            let dst = &mut out.tables.tables[row * width..row * width + table.len()];
-            for (d, b) in dst[kept..].iter_mut().zip(&table[kept..]) {
-                *d = b.0;
-            }
+            out.write_row(row, kept, table);
         }
         // A reservation changes only its own sequence's entries: every row written
         // above is current for the count as it stands now.
@@ -548,8 +627,74 @@ impl KvCache {
         if let Some(h) = &mut self.hybrid {
             return h.commit_step(accepted);
         }
-        self.check_commit_step(accepted)?;
-        self.commit_step_checked(accepted)
+        // The leading decode commits are made as they are checked (and taken back if
+        // a later entry fails); the rest once every entry passed.
+        let decoded = self.check_commit_step_decoding(accepted)?;
+        self.commit_step_checked(&accepted[decoded..])
+    }
+
+    /// [`Self::check_commit_step`] that also commits the leading entries that are a
+    /// decode commit ([`Self::check_commit_entry`]) as it checks them: one pass over
+    /// the sequences, not two. Returns how many it committed; on error it takes them
+    /// back, so that nothing changed.
+    fn check_commit_step_decoding(&mut self, accepted: &[(SeqHandle, usize)]) -> Result<usize> {
+        self.seqs.begin_batch();
+        let mut decoded = 0;
+        for (k, &(h, n)) in accepted.iter().enumerate() {
+            match self.check_commit_entry(h, n, decoded == k) {
+                Ok(true) => decoded += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    for &(h, n) in &accepted[..decoded] {
+                        if let Some(s) = self.seqs.at_mut(h) {
+                            // A decode commit accepted all `n` reserved tokens.
+                            s.computed -= n;
+                            s.scheduled = n;
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(decoded)
+    }
+
+    /// The checks of one entry of [`Self::commit_step`] (a sequence named twice is
+    /// refused at its second entry). With `commit`, an entry that is a decode commit
+    /// (every reserved token accepted, no ids tracked, and [`Self::commit_plain`]'s
+    /// conditions: one reservation, no twin, no window block to give back) is
+    /// committed at once, which changes only its computed and reserved counts, so
+    /// that it can be taken back exactly. Returns whether it was committed.
+    #[inline(always)]
+    fn check_commit_entry(&mut self, h: SeqHandle, n: usize, commit: bool) -> Result<bool> {
+        let (window, bs) = (self.window, self.block_size());
+        let (seq, s, first) = self.seqs.at_mut_marking(h).ok_or(Error::StaleHandle(h))?;
+        if !first {
+            return Err(Error::DuplicateInBatch(seq));
+        }
+        swap::check_resident(seq, s)?;
+        let oldest = if s.has_later() {
+            s.oldest_scheduled()
+        } else {
+            s.scheduled
+        };
+        if n > oldest {
+            return Err(Error::CommitPastReservation {
+                seq,
+                committed: n,
+                reserved: oldest,
+            });
+        }
+        if commit
+            && n == s.scheduled
+            && s.prefix.is_none()
+            && super::commits_plainly(window, bs, s, n)
+        {
+            s.computed += n;
+            s.scheduled = 0;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// The checks of [`Self::commit_step`], changing nothing.
@@ -577,9 +722,10 @@ impl KvCache {
     pub(super) fn commit_step_checked(&mut self, accepted: &[(SeqHandle, usize)]) -> Result<usize> {
         let mut registered = 0;
         for &(h, n) in accepted {
-            if !self.commit_plain(h, n) {
-                registered += self.commit_at(h, n)?;
-            }
+            registered += match self.commit_plain(h, n)? {
+                Some(r) => r,
+                None => self.commit_at(h, n)?,
+            };
         }
         Ok(registered)
     }
@@ -732,7 +878,7 @@ impl KvCache {
             let table = self.seqs.at(e.seq).map_or(&[][..], |(_, s)| &s.table[..]);
             // State pages never change under a live sequence but a compaction moves
             // them: write the whole row every step (a few entries).
-            out.row_seq[row] = None;
+            out.forget_row(row);
             out.take_row(row, e.seq, table.len(), 0);
             for (d, b) in out.tables.tables[row * width..].iter_mut().zip(table) {
                 *d = b.0;

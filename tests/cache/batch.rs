@@ -12,8 +12,10 @@
 //! the drop in available blocks, and a batch that fits by the count is reserved
 //! without an error.
 
+use pagedkv::manager::preempt::{CostModel, PreemptAction, PreemptMode};
 use pagedkv::{
-    AdmitOptions, CopyPlan, DType, Error, KvCache, KvLayout, ModelShape, SeqHandle, SeqId,
+    AdmitOptions, CopyPlan, DType, Error, KvCache, KvLayout, ModelShape, PreemptPolicy, SeqHandle,
+    SeqId,
 };
 use proptest::prelude::*;
 
@@ -415,6 +417,10 @@ enum StepAction {
     Truncate(u8, u8),
     Free(u8),
     Defrag,
+    /// Preempt (recompute) for this many blocks, then admit each victim again under
+    /// its id with as many tokens as it held, in its row while there is room: the
+    /// row's sequence is new under the same id.
+    Preempt(u8),
 }
 
 fn step_action() -> impl Strategy<Value = StepAction> {
@@ -428,6 +434,7 @@ fn step_action() -> impl Strategy<Value = StepAction> {
         1 => (any::<u8>(), 1u8..6).prop_map(|(k, n)| StepAction::Truncate(k, n)),
         1 => any::<u8>().prop_map(StepAction::Free),
         1 => Just(StepAction::Defrag),
+        2 => (1u8..6).prop_map(StepAction::Preempt),
     ]
 }
 
@@ -611,6 +618,46 @@ impl StepPair {
                 self.step.free(id).unwrap();
                 self.single.free(id).unwrap();
             }
+            StepAction::Preempt(need) => {
+                let policy = PreemptPolicy {
+                    mode: PreemptMode::AlwaysRecompute,
+                    cost: CostModel::new(1e9, 1e4).unwrap(),
+                    unschedule_below: None,
+                };
+                let need = usize::from(*need);
+                let (r1, r2) = (
+                    self.step.preempt_for(need, &policy),
+                    self.single.preempt_for(need, &policy),
+                );
+                assert_eq!(r1.is_ok(), r2.is_ok());
+                let (Ok(p1), Ok(p2)) = (r1, r2) else {
+                    return;
+                };
+                assert_eq!(
+                    p1.iter().map(|p| &p.seqs).collect::<Vec<_>>(),
+                    p2.iter().map(|p| &p.seqs).collect::<Vec<_>>()
+                );
+                for p in p1 {
+                    let PreemptAction::Recompute { tokens } = p.action else {
+                        panic!("a recompute policy swapped");
+                    };
+                    for (id, n) in tokens {
+                        let row = self.running.iter().position(|&r| r == id);
+                        let admitted = self.step.admit(id, n.max(1), &mut slots).is_ok();
+                        assert_eq!(
+                            admitted,
+                            self.single.admit(id, n.max(1), &mut slots).is_ok()
+                        );
+                        match row {
+                            Some(row) if !admitted => {
+                                self.running.remove(row);
+                            }
+                            None if admitted => self.running.push(id),
+                            _ => {}
+                        }
+                    }
+                }
+            }
             StepAction::Defrag => {
                 for kv in [&mut self.step, &mut self.single] {
                     let pending = kv
@@ -643,8 +690,8 @@ proptest! {
     #![proptest_config(crate::support::proptest_config(96))]
     /// Slots, positions, offsets, copies, tables (written only where they changed)
     /// and every counter agree with per-sequence `reserve` / `commit` and
-    /// `fill_padded_fixed`, through forks, truncations, frees, defragmentations and
-    /// rows changing owners.
+    /// `fill_padded_fixed` (a fill from scratch) after every step, through forks,
+    /// truncations, frees, preemptions, defragmentations and rows changing owners.
     #[test]
     fn reserve_step_matches_per_sequence_calls(
         actions in proptest::collection::vec(step_action(), 1..80)
@@ -725,6 +772,15 @@ fn refused_steps_change_nothing() {
     ));
     assert_eq!(kv.stats(), reserved);
     assert_eq!(kv.num_computed_tokens(SeqId(1)).unwrap(), 5);
+    // Listed twice: the commits made before the second entry are taken back.
+    assert_eq!(
+        kv.commit_step(&[(h1, 2), (h2, 1), (h1, 2)]),
+        Err(Error::DuplicateInBatch(SeqId(1)))
+    );
+    assert_eq!(kv.stats(), reserved);
+    assert_eq!(kv.num_computed_tokens(SeqId(1)).unwrap(), 5);
+    assert_eq!(kv.num_computed_tokens(SeqId(2)).unwrap(), 4);
+    assert_eq!(kv.context_len(SeqId(2)).unwrap(), 5);
     // And a second reservation of a reserved sequence.
     assert!(matches!(
         kv.reserve_step(&[e(h1, 1, 0)], &mut buf),
