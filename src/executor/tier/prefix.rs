@@ -149,9 +149,9 @@ pub fn load_prefix_from_host<S: Storage + ?Sized>(
     seq: SeqId,
 ) -> Result<usize> {
     check_storage(kv, storage)?;
-    if kv.disk_load_job(seq).is_some() {
+    if kv.disk_load_job_grouped(seq).is_some() {
         return Err(crate::error::Error::Unsupported(format!(
-            "the load of {seq} has a disk part: use load_prefix_from_tiers"
+            "the load of {seq} has a disk part: use load_prefix_from_tiers(_grouped)"
         )));
     }
     let Some(job) = kv.load_job_grouped(seq) else {
@@ -370,6 +370,131 @@ pub fn load_prefix_from_tiers<S: Storage + ?Sized>(
     }
     kv.complete_swap(job.ticket)?;
     Ok(job.plan.len())
+}
+
+fn check_group_stores(kv: &KvCache, stores: &[DiskPrefixStore]) -> Result<()> {
+    if stores.len() != kv.num_groups() {
+        return Err(Error::ShapeMismatch {
+            what: "disk stores (one per KV-cache group)",
+            expected: kv.num_groups(),
+            got: stores.len(),
+        });
+    }
+    for (g, store) in stores.iter().enumerate() {
+        check_layout(kv.group(g), store)?;
+    }
+    Ok(())
+}
+
+/// [`spill_host_prefixes_to_disk`] of every group of a hybrid cache of full and latent
+/// groups (one group: the same call): `stores[g]` is group `g`'s store (the groups'
+/// disk levels are apart, see `manager/groups/disk_level.rs`), and every group's
+/// host entries are read from `storage`'s shared host tier. Returns the counts summed
+/// over the groups.
+///
+/// # Errors
+/// [`crate::Error::ShapeMismatch`] (nothing done) when `stores` has not one store per
+/// group or a store does not fit its group's layout; as [`spill_host_prefixes_to_disk`]:
+/// on a store error the blocks stored before it (in any group) are still indexed,
+/// the rest are not, and the error is returned.
+pub fn spill_host_prefixes_to_disk_grouped<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &S,
+    stores: &mut [DiskPrefixStore],
+    max_blocks: usize,
+) -> Result<DiskSpill> {
+    check_storage(kv, storage)?;
+    check_group_stores(kv, stores)?;
+    let Some(job) = kv.plan_disk_store_grouped(max_blocks)? else {
+        return Ok(DiskSpill::default());
+    };
+    let mut out = DiskSpill::default();
+    let mut placements = vec![Vec::new(); job.jobs.len()];
+    let mut failed = None;
+    'groups: for ((j, store), placed) in job.jobs.iter().zip(stores).zip(&mut placements) {
+        for item in j.iter().flat_map(|j| &j.items) {
+            let (slot, evicted) = match store.store_from(storage, item.host, &item.entry) {
+                Ok(DiskStoreOutcome::Stored { slot, evicted }) => {
+                    out.stored_blocks += 1;
+                    out.evicted_blocks += usize::from(evicted.is_some());
+                    (slot, evicted.map(|e| (e.hash, e.slot)))
+                }
+                Ok(DiskStoreOutcome::AlreadyPresent { slot }) => {
+                    out.already_present += 1;
+                    (slot, None)
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break 'groups;
+                }
+            };
+            placed.push(DiskPlacement {
+                hash: item.entry.hash,
+                slot,
+                evicted,
+            });
+        }
+    }
+    kv.complete_disk_store_grouped(&job, &placements)?;
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}
+
+/// [`load_prefix_from_tiers`] of every group of a hybrid cache of full and latent
+/// groups (one group: the same call): each group's disk part is read from its own
+/// store (`stores[g]`) into its staging host blocks, checksummed; every group's part
+/// is marked staged ([`KvCache::mark_disk_load_staged_grouped`]); then every group's
+/// host -> device plan runs and the load completes in every group. Returns the
+/// blocks loaded in all (0 when `seq` has no load in flight).
+///
+/// # Errors
+/// [`crate::Error::ShapeMismatch`] (nothing done) as in
+/// [`spill_host_prefixes_to_disk_grouped`]; as [`stage_disk_load`]: a missing or
+/// corrupt disk block is a miss, dropped from its group's disk index, and the load
+/// is aborted in every group (`seq` keeps its device part, computed; host copies
+/// stay); a storage error in the device copies aborts the load the same way.
+pub fn load_prefix_from_tiers_grouped<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &mut S,
+    stores: &mut [DiskPrefixStore],
+    seq: SeqId,
+) -> Result<usize> {
+    check_storage(kv, storage)?;
+    check_group_stores(kv, stores)?;
+    if let Some(disk) = kv.disk_load_job_grouped(seq) {
+        for (g, (j, store)) in disk.jobs.iter().zip(stores.iter_mut()).enumerate() {
+            for item in j.iter().flat_map(|j| &j.items) {
+                let err = match store.load_into(storage, item.host, item.hash) {
+                    Ok(true) => continue,
+                    Ok(false) => {
+                        kv.remove_disk_entry_grouped(g, item.hash);
+                        Error::DiskEntryMissing { hash: item.hash.0 }
+                    }
+                    Err(e @ Error::Checksum { .. }) => {
+                        kv.remove_disk_entry_grouped(g, item.hash);
+                        e
+                    }
+                    Err(e) => e,
+                };
+                if let Some(job) = kv.load_job_grouped(seq) {
+                    kv.abort_swap_grouped(&job)?;
+                }
+                return Err(err);
+            }
+        }
+        kv.mark_disk_load_staged_grouped(&disk)?;
+    }
+    let Some(job) = kv.load_job_grouped(seq) else {
+        return Ok(0);
+    };
+    if let Err(e) = job.plans.iter().try_for_each(|plan| storage.swap(plan)) {
+        kv.abort_swap_grouped(&job)?;
+        return Err(e);
+    }
+    kv.complete_swap_grouped(&job)?;
+    Ok(job.plans.iter().map(|plan| plan.len()).sum())
 }
 
 /// Plans a store of up to `max_blocks` host entries to the disk level

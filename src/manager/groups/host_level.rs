@@ -204,7 +204,7 @@ impl Groups {
 
     /// Moves free host blocks so that every group `g` has `needs[g]` free, taking
     /// them from groups with more than their need (the caller checked the total).
-    fn give_host_blocks(&mut self) -> Result<()> {
+    pub(super) fn give_host_blocks(&mut self) -> Result<()> {
         let total: usize = self.needs.iter().sum();
         let free = self.num_free_host_blocks();
         for to in 0..self.groups.len() {
