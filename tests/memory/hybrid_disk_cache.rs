@@ -336,6 +336,32 @@ fn a_disk_hit_is_cut_to_the_free_host_blocks_it_stages_in() {
 }
 
 #[test]
+fn groups_whose_device_parts_differ_load_from_the_common_device_part_on() {
+    let mut w = World::new(16, 32);
+    let p = prompt(4 * BS + 1, 300);
+    w.compute(1, &p);
+    w.kv.free(SeqId(1)).unwrap();
+    assert_eq!(w.store_down(), 8);
+    w.kv.evict_host_cache(usize::MAX).unwrap();
+    // Group 0 first: group 0 keeps 2 blocks on the device, group 1 all 4.
+    assert_eq!(w.kv.evict_cached(2), 2);
+    w.check();
+    assert_eq!(w.admit_prompt(2, &p), (2 * BS, 2 * BS));
+    let disk = w.kv.disk_load_job_grouped(SeqId(2)).unwrap();
+    for j in &disk.jobs {
+        assert_eq!(j.as_ref().map(|j| j.items.len()), Some(2));
+    }
+    assert_eq!(
+        load_prefix_from_tiers_grouped(&mut w.kv, &mut w.st, &mut w.stores, SeqId(2)).unwrap(),
+        4
+    );
+    w.check();
+    w.assert_bytes(2, &p, 4 * BS);
+    w.kv.free(SeqId(2)).unwrap();
+    w.check();
+}
+
+#[test]
 fn a_restart_adopts_every_groups_store_and_hits_from_disk() {
     let p = prompt(3 * BS + 3, 50);
     let dirs = {
