@@ -14,7 +14,8 @@ use crate::support::snapshot::groups_snapshot as snapshot;
 use crate::support::tiers::{layout, prompt, TempDir, BS};
 
 use pagedkv::executor::tier::{
-    load_prefix_from_tiers_grouped, spill_host_prefixes_to_disk_grouped, DiskPrefixStore,
+    load_prefix_from_host, load_prefix_from_tiers, load_prefix_from_tiers_grouped,
+    spill_host_prefixes_to_disk_grouped, DiskPrefixStore,
 };
 use pagedkv::manager::groups::{GroupDiskLoadJob, GroupDiskStoreJob};
 use pagedkv::manager::{DiskCacheConfig, DiskPlacement, HostCacheConfig};
@@ -202,6 +203,12 @@ fn a_prompt_evicted_from_vram_and_host_hits_from_disk_with_its_bytes() {
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
     assert_eq!(snapshot(&w.kv), before);
 
+    // The one-group helpers refuse a hybrid cache rather than find nothing to load.
+    let e = load_prefix_from_tiers(&mut w.kv, &mut w.st, &mut w.stores[0], SeqId(2)).unwrap_err();
+    assert!(matches!(e, Error::NotOnHybrid { .. }), "{e:?}");
+    let e = load_prefix_from_host(&mut w.kv, &mut w.st, SeqId(2)).unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e:?}");
+    assert_eq!(snapshot(&w.kv), before);
     assert_eq!(
         load_prefix_from_tiers_grouped(&mut w.kv, &mut w.st, &mut w.stores, SeqId(2)).unwrap(),
         8

@@ -314,7 +314,8 @@ pub fn spill_host_prefixes_to_disk<S: Storage + ?Sized>(
 /// from the disk index (and from the store, for a checksum failure). An I/O error or
 /// a storage error aborts the load the same way, the entry kept.
 /// [`crate::Error::ShapeMismatch`] (nothing done) for a store or storage of another
-/// layout.
+/// layout; [`crate::Error::NotOnHybrid`] (nothing done) for a hybrid cache
+/// ([`load_prefix_from_tiers_grouped`] serves it).
 pub fn stage_disk_load<S: Storage + ?Sized>(
     kv: &mut KvCache,
     storage: &mut S,
@@ -323,6 +324,7 @@ pub fn stage_disk_load<S: Storage + ?Sized>(
 ) -> Result<usize> {
     check_storage(kv, storage)?;
     check_layout(kv, store)?;
+    refuse_hybrid(kv, "stage_disk_load (use load_prefix_from_tiers_grouped)")?;
     let Some(disk) = kv.disk_load_job(seq) else {
         return Ok(0);
     };
@@ -541,13 +543,14 @@ pub fn submit_disk_store<S: Storage + Send + 'static>(
 ///
 /// # Errors
 /// As [`submit_disk_store`] ([`Error::TransferBudget`] when the staging does not fit
-/// the budget). Nothing changed on error.
+/// the budget; [`Error::NotOnHybrid`] for a hybrid cache). Nothing changed on error.
 pub fn submit_disk_stage<S: Storage + Send + 'static>(
     kv: &mut KvCache,
     engine: &mut TransferEngine<S>,
     seq: SeqId,
 ) -> Result<Option<SwapTicket>> {
     check_engine(kv, engine)?;
+    refuse_hybrid(kv, "submit_disk_stage")?;
     let Some(job) = kv.disk_load_job(seq) else {
         return Ok(None);
     };
@@ -593,6 +596,18 @@ pub fn complete_disk_jobs<S: Storage + Send + 'static>(
         }
     }
     Ok(reports)
+}
+
+/// The one-group disk helpers whose manager calls answer "nothing to do" on a hybrid
+/// cache (its loads live in the groups) refuse it instead.
+fn refuse_hybrid(kv: &KvCache, operation: &'static str) -> Result<()> {
+    if kv.is_hybrid() {
+        return Err(Error::NotOnHybrid {
+            operation,
+            groups: kv.num_groups(),
+        });
+    }
+    Ok(())
 }
 
 fn check_engine<S: Storage + Send + 'static>(
