@@ -28,7 +28,7 @@ fn value(g: usize, t: u32) -> u32 {
     t + g as u32 * 1_000_000
 }
 
-const PAGES: usize = 24;
+const PAGES: usize = 40;
 
 struct World {
     kv: KvCache,
@@ -487,5 +487,228 @@ fn window_and_state_groups_refuse_the_disk_level() {
         assert!(matches!(e, Error::NotOnHybrid { .. }), "{e:?}");
         assert_eq!(snapshot(&kv), before);
         kv.check_invariants().unwrap();
+    }
+}
+
+// ---- model-based interleaving ----------------------------------------------------
+
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone)]
+enum Action {
+    /// Admit through `admit_prompt_grouped` (host and disk hits load); compute the
+    /// rest unless loading.
+    Admit {
+        seq: u8,
+        prompt: u8,
+    },
+    /// Run (`ok`: through `load_prefix_from_tiers_grouped`) or abort the load of the
+    /// `pick`-th loading sequence, then compute the rest.
+    FinishLoad {
+        pick: u8,
+        ok: bool,
+    },
+    /// Free, then (with `store`) store everything down to the disk.
+    Free {
+        seq: u8,
+        store: bool,
+    },
+    /// Store registered blocks to the host levels.
+    HostStore {
+        max: u8,
+    },
+    /// Plan a disk store and run it (`ok`) or abort it.
+    DiskStore {
+        max: u8,
+        ok: bool,
+    },
+    EvictDevice {
+        n: u8,
+    },
+    EvictHost {
+        n: u8,
+    },
+    /// Remove the `pick`-th entry from group `g`'s store behind the index's back (a
+    /// later load finds it missing).
+    LoseDiskBlock {
+        g: u8,
+        pick: u8,
+    },
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        4 => (0..4u8, 0..4u8).prop_map(|(seq, prompt)| Action::Admit { seq, prompt }),
+        3 => (0..6u8, 0..4u8).prop_map(|(pick, ok)| Action::FinishLoad { pick, ok: ok > 0 }),
+        4 => (0..4u8, any::<bool>()).prop_map(|(seq, store)| Action::Free { seq, store }),
+        2 => (1..8u8).prop_map(|max| Action::HostStore { max }),
+        2 => (1..8u8, 0..4u8).prop_map(|(max, ok)| Action::DiskStore { max, ok: ok > 0 }),
+        3 => (1..64u8).prop_map(|n| Action::EvictDevice { n }),
+        2 => (1..8u8).prop_map(|n| Action::EvictHost { n }),
+        1 => (0..2u8, 0..8u8).prop_map(|(g, pick)| Action::LoseDiskBlock { g, pick }),
+    ]
+}
+
+/// Four prompts sharing leading blocks, so hits split across device, host and disk.
+fn prompts() -> Vec<Vec<u32>> {
+    let base = prompt(6 * BS, 0);
+    vec![
+        base[..3 * BS + 1].to_vec(),
+        base[..5 * BS + 2].to_vec(),
+        [&base[..2 * BS], &prompt(2 * BS + 1, 900)[..]].concat(),
+        prompt(3 * BS + 3, 5000),
+    ]
+}
+
+impl World {
+    /// Reserves and computes `seq`'s prompt from `from` to its end.
+    fn compute_rest(&mut self, seq: u64, p: &[u32], from: usize) {
+        if from == p.len() {
+            return;
+        }
+        let n = p.len() - from;
+        if self
+            .kv
+            .reserve_grouped(SeqId(seq), n, 0, &mut self.step)
+            .is_err()
+        {
+            return; // out of pages: the sequence stays computed up to `from`
+        }
+        for g in 0..2 {
+            let values: Vec<u32> = p[from..].iter().map(|&t| value(g, t)).collect();
+            write_values(&mut self.st, &self.step.slots[g], &values);
+        }
+        self.kv.commit(SeqId(seq), n).unwrap();
+    }
+
+    /// Every idle sequence reads its prompt's bytes up to its computed tokens in every
+    /// group.
+    fn assert_all_bytes(&self, live: &BTreeMap<u64, usize>, ps: &[Vec<u32>]) {
+        for (&seq, &p) in live {
+            if self.kv.load_job_grouped(SeqId(seq)).is_some() {
+                continue;
+            }
+            let n = self.kv.num_computed_tokens(SeqId(seq)).unwrap();
+            self.assert_bytes(seq, &ps[p], n);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(crate::support::proptest_config(48))]
+
+    /// Random interleavings of admissions (host and disk hits loading), loads run or
+    /// aborted (some finding a block missing), frees, host and disk stores (completed
+    /// or aborted; small stores that evict), evictions on a hybrid cache of two full
+    /// groups: the invariants hold after every step, a refused call changes nothing,
+    /// and every computed token reads its bytes in both groups.
+    #[test]
+    fn hybrid_disk_level_interleavings_keep_bytes_and_invariants(
+        actions in proptest::collection::vec(action(), 10..60),
+    ) {
+        let mut w = World::new(12, 6);
+        let ps = prompts();
+        let mut live: BTreeMap<u64, usize> = BTreeMap::new();
+        for a in actions {
+            let before = snapshot(&w.kv);
+            let refused = match a {
+                Action::Admit { seq, prompt } => {
+                    let (seq, p) = (u64::from(seq), usize::from(prompt));
+                    let r = w.kv.admit_prompt_grouped(SeqId(seq), &ps[p], &AdmitOptions::default());
+                    if let Ok(adm) = &r {
+                        live.insert(seq, p);
+                        if adm.loading_tokens == 0 {
+                            w.compute_rest(seq, &ps[p], adm.cached_tokens);
+                        }
+                    }
+                    r.err()
+                }
+                Action::FinishLoad { pick, ok } => {
+                    let loading: Vec<u64> = live
+                        .keys()
+                        .copied()
+                        .filter(|&s| w.kv.load_job_grouped(SeqId(s)).is_some())
+                        .collect();
+                    if let Some(&seq) = loading.get(usize::from(pick) % loading.len().max(1)) {
+                        if ok {
+                            let r = load_prefix_from_tiers_grouped(
+                                &mut w.kv, &mut w.st, &mut w.stores, SeqId(seq),
+                            );
+                            if let Err(e) = r {
+                                prop_assert!(
+                                    matches!(e, Error::DiskEntryMissing { .. }),
+                                    "{e:?}"
+                                );
+                            }
+                        } else {
+                            let job = w.kv.load_job_grouped(SeqId(seq)).unwrap();
+                            w.kv.abort_swap_grouped(&job).unwrap();
+                        }
+                        prop_assert!(w.kv.load_job_grouped(SeqId(seq)).is_none());
+                        w.check();
+                        let from = w.kv.num_computed_tokens(SeqId(seq)).unwrap();
+                        w.compute_rest(seq, &ps[live[&seq]], from);
+                    }
+                    None
+                }
+                Action::Free { seq, store } => {
+                    let seq = u64::from(seq);
+                    let r = w.kv.free(SeqId(seq));
+                    if r.is_ok() {
+                        live.remove(&seq);
+                        if store {
+                            w.store_down();
+                        }
+                    }
+                    r.err()
+                }
+                Action::HostStore { max } => {
+                    if let Some(job) = w.kv.plan_host_store_grouped(usize::from(max)).unwrap() {
+                        for plan in &job.plans {
+                            w.st.swap(plan).unwrap();
+                        }
+                        w.kv.complete_swap_grouped(&job).unwrap();
+                    }
+                    None
+                }
+                Action::DiskStore { max, ok } => {
+                    if ok {
+                        spill_host_prefixes_to_disk_grouped(
+                            &mut w.kv, &w.st, &mut w.stores, usize::from(max),
+                        )
+                        .unwrap();
+                    } else if let Some(job) =
+                        w.kv.plan_disk_store_grouped(usize::from(max)).unwrap()
+                    {
+                        w.check();
+                        w.kv.complete_disk_store_grouped(&job, &[vec![], vec![]]).unwrap();
+                    }
+                    None
+                }
+                Action::EvictDevice { n } => {
+                    w.kv.evict_cached(usize::from(n));
+                    None
+                }
+                Action::EvictHost { n } => {
+                    w.kv.evict_host_cache(usize::from(n)).unwrap();
+                    None
+                }
+                Action::LoseDiskBlock { g, pick } => {
+                    let store = &mut w.stores[usize::from(g)];
+                    let entries: Vec<_> = store.entries().iter().map(|(_, e)| e.hash).collect();
+                    if let Some(&h) = entries.get(usize::from(pick) % entries.len().max(1)) {
+                        store.remove(h).unwrap();
+                    }
+                    None
+                }
+            };
+            if let Some(e) = refused {
+                prop_assert!(!matches!(e, Error::CorruptBlockTable(_)), "{a:?}: {e:?}");
+                prop_assert_eq!(snapshot(&w.kv), before, "{:?} refused with {:?}", a, e);
+            }
+            w.check();
+            w.assert_all_bytes(&live, &ps);
+        }
     }
 }
