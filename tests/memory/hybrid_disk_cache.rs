@@ -497,11 +497,12 @@ use std::collections::BTreeMap;
 
 #[derive(Debug, Clone)]
 enum Action {
-    /// Admit through `admit_prompt_grouped` (host and disk hits load); compute the
-    /// rest unless loading.
+    /// Admit through `admit_prompt_grouped` (host and disk hits load), with `evict`
+    /// after evicting every cached device page first; compute the rest unless loading.
     Admit {
         seq: u8,
         prompt: u8,
+        evict: bool,
     },
     /// Run (`ok`: through `load_prefix_from_tiers_grouped`) or abort the load of the
     /// `pick`-th loading sequence, then compute the rest.
@@ -529,6 +530,8 @@ enum Action {
     EvictHost {
         n: u8,
     },
+    /// Evict every device page and host entry that can go: the next hits come from disk.
+    Flush,
     /// Remove the `pick`-th entry from group `g`'s store behind the index's back (a
     /// later load finds it missing).
     LoseDiskBlock {
@@ -539,13 +542,15 @@ enum Action {
 
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
-        4 => (0..4u8, 0..4u8).prop_map(|(seq, prompt)| Action::Admit { seq, prompt }),
-        3 => (0..6u8, 0..4u8).prop_map(|(pick, ok)| Action::FinishLoad { pick, ok: ok > 0 }),
-        4 => (0..4u8, any::<bool>()).prop_map(|(seq, store)| Action::Free { seq, store }),
-        2 => (1..8u8).prop_map(|max| Action::HostStore { max }),
+        4 => (0..6u8, 0..4u8, any::<bool>())
+            .prop_map(|(seq, prompt, evict)| Action::Admit { seq, prompt, evict }),
+        4 => (0..6u8, 0..4u8).prop_map(|(pick, ok)| Action::FinishLoad { pick, ok: ok > 0 }),
+        6 => (0..6u8, 0..4u8).prop_map(|(seq, store)| Action::Free { seq, store: store > 0 }),
+        1 => (1..8u8).prop_map(|max| Action::HostStore { max }),
         2 => (1..8u8, 0..4u8).prop_map(|(max, ok)| Action::DiskStore { max, ok: ok > 0 }),
         3 => (1..64u8).prop_map(|n| Action::EvictDevice { n }),
-        2 => (1..8u8).prop_map(|n| Action::EvictHost { n }),
+        3 => (1..16u8).prop_map(|n| Action::EvictHost { n }),
+        3 => Just(Action::Flush),
         1 => (0..2u8, 0..8u8).prop_map(|(g, pick)| Action::LoseDiskBlock { g, pick }),
     ]
 }
@@ -596,7 +601,7 @@ impl World {
 }
 
 proptest! {
-    #![proptest_config(crate::support::proptest_config(48))]
+    #![proptest_config(crate::support::proptest_config(96))]
 
     /// Random interleavings of admissions (host and disk hits loading), loads run or
     /// aborted (some finding a block missing), frees, host and disk stores (completed
@@ -611,9 +616,13 @@ proptest! {
         let ps = prompts();
         let mut live: BTreeMap<u64, usize> = BTreeMap::new();
         for a in actions {
+            if let Action::Admit { evict: true, .. } = a {
+                w.kv.evict_cached(usize::MAX);
+                w.check();
+            }
             let before = snapshot(&w.kv);
             let refused = match a {
-                Action::Admit { seq, prompt } => {
+                Action::Admit { seq, prompt, .. } => {
                     let (seq, p) = (u64::from(seq), usize::from(prompt));
                     let r = w.kv.admit_prompt_grouped(SeqId(seq), &ps[p], &AdmitOptions::default());
                     if let Ok(adm) = &r {
@@ -692,6 +701,11 @@ proptest! {
                 }
                 Action::EvictHost { n } => {
                     w.kv.evict_host_cache(usize::from(n)).unwrap();
+                    None
+                }
+                Action::Flush => {
+                    w.kv.evict_cached(usize::MAX);
+                    w.kv.evict_host_cache(usize::MAX).unwrap();
                     None
                 }
                 Action::LoseDiskBlock { g, pick } => {
