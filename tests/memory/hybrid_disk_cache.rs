@@ -5,9 +5,10 @@
 //! spans host and disk loads both parts; the load completes only once every group's
 //! disk part is staged; an aborted load (by hand, or on a block missing from one
 //! group's store) keeps the device part in every group; the hit is cut to the staging
-//! blocks the free host tier has; a restart adopts every group's reopened store; the
-//! grouped calls refuse typed with nothing changed, and window and state groups refuse
-//! the disk level. Invariants after every call; refusals compared on full snapshots.
+//! blocks the free host tier has; latent groups load their own bytes too; a restart
+//! adopts every group's reopened store; the grouped calls refuse typed with nothing
+//! changed, and window and state groups refuse the disk level; a model-based
+//! interleaving. Invariants after every call; refusals compared on full snapshots.
 
 use crate::support::kv_bytes::{check_values, write_values};
 use crate::support::snapshot::groups_snapshot as snapshot;
@@ -20,7 +21,8 @@ use pagedkv::executor::tier::{
 use pagedkv::manager::groups::{GroupDiskLoadJob, GroupDiskStoreJob};
 use pagedkv::manager::{DiskCacheConfig, DiskPlacement, HostCacheConfig};
 use pagedkv::{
-    AdmitOptions, BlockId, Error, GroupSpec, GroupStep, HostStorage, KvCache, SeqId, Storage,
+    AdmitOptions, BlockId, DType, Error, GroupSpec, GroupStep, HostStorage, KvCache, KvKind,
+    KvLayout, ModelShape, SeqId, Storage,
 };
 
 /// What group `g` holds for the token with id `t` (the groups hold different layers).
@@ -42,16 +44,25 @@ impl World {
     /// Two full groups over `PAGES` pages and a host tier of `host` blocks,
     /// write-through host and disk levels, one store of `disk` blocks per group.
     fn new(host: usize, disk: usize) -> Self {
+        Self::with_layout(layout(), host, disk)
+    }
+
+    /// [`Self::new`] with both groups of layout `l`.
+    fn with_layout(l: KvLayout, host: usize, disk: usize) -> Self {
         let dirs = vec![TempDir::new(), TempDir::new()];
         let stores = dirs
             .iter()
-            .map(|d| DiskPrefixStore::create(&d.0, &layout(), disk).unwrap())
+            .map(|d| DiskPrefixStore::create(&d.0, &l, disk).unwrap())
             .collect();
-        Self::with_stores(host, stores, dirs)
+        Self::with_stores(l, host, stores, dirs)
     }
 
-    fn with_stores(host: usize, stores: Vec<DiskPrefixStore>, dirs: Vec<TempDir>) -> Self {
-        let l = layout();
+    fn with_stores(
+        l: KvLayout,
+        host: usize,
+        stores: Vec<DiskPrefixStore>,
+        dirs: Vec<TempDir>,
+    ) -> Self {
         let mut kv =
             KvCache::hybrid_with_host_tier(&[GroupSpec::full(l), GroupSpec::full(l)], PAGES, host)
                 .unwrap();
@@ -231,6 +242,29 @@ fn a_prompt_evicted_from_vram_and_host_hits_from_disk_with_its_bytes() {
 }
 
 #[test]
+fn latent_groups_hit_from_disk_with_their_bytes() {
+    let kind = KvKind::Latent {
+        kv_lora_rank: 3,
+        rope_dim: 1,
+    };
+    let l = KvLayout::with_kind(ModelShape::latent(2, 2, 3, 1, DType::F32), BS, kind).unwrap();
+    let mut w = World::with_layout(l, 16, 32);
+    let p = prompt(3 * BS + 1, 70);
+    w.compute(1, &p);
+    w.kv.free(SeqId(1)).unwrap();
+    assert_eq!(w.store_down(), 6);
+    w.evict_above_disk();
+    w.scribble();
+    assert_eq!(w.admit_prompt(2, &p), (0, 3 * BS));
+    assert_eq!(
+        load_prefix_from_tiers_grouped(&mut w.kv, &mut w.st, &mut w.stores, SeqId(2)).unwrap(),
+        6
+    );
+    w.check();
+    w.assert_bytes(2, &p, 3 * BS);
+}
+
+#[test]
 fn a_hit_over_host_and_disk_loads_both_parts_in_every_group() {
     let p = prompt(4 * BS + 1, 100);
     // Device -> host -> disk, then the device and the host tail evicted (leaf first:
@@ -385,7 +419,7 @@ fn a_restart_adopts_every_groups_store_and_hits_from_disk() {
         .iter()
         .map(|d| DiskPrefixStore::open(&d.0, &layout()).unwrap())
         .collect();
-    let mut w = World::with_stores(16, stores, dirs);
+    let mut w = World::with_stores(layout(), 16, stores, dirs);
     for g in 0..2 {
         let entries = w.stores[g].entries();
         assert_eq!(w.kv.adopt_disk_prefixes_grouped(g, entries).unwrap(), 3);
