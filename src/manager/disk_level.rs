@@ -291,7 +291,9 @@ impl KvCache {
         }
     }
 
-    /// The disk slot holding the block with this hash in the disk index, if any.
+    /// The disk slot holding the block with this hash in the disk index, if any
+    /// (`None` on a hybrid cache, whose groups keep the indexes:
+    /// [`Self::disk_cache_slot_grouped`]).
     pub fn disk_cache_slot(&self, hash: BlockHash) -> Option<DiskSlot> {
         self.tiers.disk_cache.entries.get(&hash).map(|e| e.slot)
     }
@@ -515,7 +517,8 @@ impl KvCache {
 
     /// Drops the block with this hash from the disk index (a Disk-medium
     /// `BlockRemoved` event), e.g. after the store reported it missing or corrupt or
-    /// removed it. Returns whether it was held.
+    /// removed it. Returns whether it was held (`false` on a hybrid cache:
+    /// [`Self::remove_disk_entry_grouped`] names the group).
     pub fn remove_disk_entry(&mut self, hash: BlockHash) -> bool {
         self.drop_disk_entry(hash, true)
     }

@@ -394,6 +394,42 @@ fn check_group_stores(kv: &KvCache, stores: &[DiskPrefixStore]) -> Result<()> {
 /// host entries are read from `storage`'s shared host tier. Returns the counts summed
 /// over the groups.
 ///
+/// ```
+/// use pagedkv::executor::tier::{load_prefix_from_tiers_grouped,
+///     spill_host_prefixes_to_disk_grouped, store_prefixes_to_host, DiskPrefixStore};
+/// use pagedkv::manager::{DiskCacheConfig, HostCacheConfig};
+/// use pagedkv::{AdmitOptions, DType, GroupSpec, GroupStep, HostStorage, KvCache, KvLayout,
+///               ModelShape, SeqId};
+///
+/// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1,
+///                          head_dim: 8, kv_dtype: DType::F16 };
+/// let l = KvLayout::new(shape, 4)?;
+/// let mut kv = KvCache::hybrid_with_host_tier(&[GroupSpec::full(l), GroupSpec::full(l)], 16, 8)?;
+/// kv.set_host_cache(HostCacheConfig::default())?;
+/// kv.set_disk_cache(DiskCacheConfig::default())?;
+/// let mut storage = HostStorage::with_host_tier(l, 16, 8)?;
+/// let base = std::env::temp_dir().join(format!("pagedkv-doc-hybrid-disk-{}", std::process::id()));
+/// let mut stores = (0..2)                                  // one store per group
+///     .map(|g| DiskPrefixStore::create(&base.join(format!("group{g}")), &l, 64))
+///     .collect::<Result<Vec<_>, _>>()?;
+/// let (prompt, opts) = ((0..13).collect::<Vec<u32>>(), AdmitOptions::default());
+/// kv.admit_tokens_grouped(SeqId(1), &prompt, &opts, &mut GroupStep::default())?;
+/// // ... the engine writes the prompt's K/V in every group ...
+/// kv.free(SeqId(1))?;
+/// assert_eq!(store_prefixes_to_host(&mut kv, &mut storage, 64)?, 6);   // device -> host
+/// let spill = spill_host_prefixes_to_disk_grouped(&mut kv, &storage, &mut stores, 64)?;
+/// assert_eq!(spill.stored_blocks, 6);                                 // host -> disk
+/// kv.evict_cached(usize::MAX);
+/// kv.evict_host_cache(usize::MAX)?;                        // only the disk holds it now
+/// let a = kv.admit_prompt_grouped(SeqId(2), &prompt, &opts)?;
+/// assert_eq!((a.cached_tokens, a.loading_tokens), (0, 12));
+/// assert_eq!(load_prefix_from_tiers_grouped(&mut kv, &mut storage, &mut stores, SeqId(2))?, 6);
+/// assert_eq!(kv.num_computed_tokens(SeqId(2))?, 12);
+/// # drop(stores);
+/// # std::fs::remove_dir_all(&base).unwrap();
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+///
 /// # Errors
 /// [`crate::Error::ShapeMismatch`] (nothing done) when `stores` has not one store per
 /// group or a store does not fit its group's layout; as [`spill_host_prefixes_to_disk`]:
