@@ -403,6 +403,52 @@ fn groups_whose_device_parts_differ_load_from_the_common_device_part_on() {
 }
 
 #[test]
+fn staging_evicts_host_entries_the_load_does_not_read() {
+    // A host tier of 8 blocks: `a` reaches the disk, then keeps its first 2 blocks a
+    // group on the host; `b` fills the rest of the host tier.
+    let mut w = World::new(8, 32);
+    let a = prompt(4 * BS + 1, 0);
+    let b = prompt(2 * BS + 1, 7000);
+    w.compute(1, &a);
+    w.kv.free(SeqId(1)).unwrap();
+    assert_eq!(w.store_down(), 8);
+    w.kv.evict_cached(usize::MAX);
+    assert_eq!(w.kv.evict_host_cache(2).unwrap(), 4);
+    w.compute(2, &b);
+    w.kv.free(SeqId(2)).unwrap();
+    w.store_down();
+    w.kv.evict_cached(usize::MAX);
+    w.check();
+    assert_eq!(w.kv.num_free_host_blocks(), 0);
+    assert_eq!(w.kv.host_cache_stats().cached_blocks, 8);
+    for g in 0..2 {
+        let mut hit = pagedkv::PrefixHit::default();
+        w.kv.group(g)
+            .lookup_prefix(&a, &AdmitOptions::default(), &mut hit)
+            .unwrap();
+        assert_eq!((hit.host_tokens(), hit.disk_tokens()), (2 * BS, 2 * BS));
+    }
+    let removed = w.kv.host_cache_stats().removed_blocks;
+    for layer in 0..w.st.layout().num_layers() {
+        w.st.region_mut(layer).fill(0xA5);
+    }
+
+    // `a` hits whole: 2 blocks a group from the host, 2 from disk, staged in the host
+    // blocks of `b`'s entries (evicted), never in those of `a`'s host part.
+    assert_eq!(w.admit_prompt(3, &a), (0, 4 * BS));
+    let host = w.kv.host_cache_stats();
+    assert_eq!((host.cached_blocks, host.removed_blocks), (4, removed + 4));
+    assert_eq!(
+        load_prefix_from_tiers_grouped(&mut w.kv, &mut w.st, &mut w.stores, SeqId(3)).unwrap(),
+        8
+    );
+    w.check();
+    w.assert_bytes(3, &a, 4 * BS);
+    let (host, disk) = (w.kv.host_cache_stats(), w.kv.disk_cache_stats());
+    assert_eq!((host.loaded_blocks, disk.loaded_blocks), (4, 4));
+}
+
+#[test]
 fn a_restart_adopts_every_groups_store_and_hits_from_disk() {
     let p = prompt(3 * BS + 3, 50);
     let dirs = {

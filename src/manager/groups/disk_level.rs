@@ -21,10 +21,11 @@
 //! * a lookup ([`KvCache::admit_prompt_grouped`]) goes on past each group's host part
 //!   into its disk index: the hit is the longest prefix every group holds on some
 //!   tier (device, host or disk), cut further so that every group's disk part has a
-//!   staging block among the **free** host blocks of the shared tier (a hybrid load
-//!   evicts no host entry to stage: the rest is computed again). The admission moves
-//!   those free host blocks to the groups that stage, then records each group's load
-//!   (host and disk parts) as on one group;
+//!   staging block in the shared host tier: a free block, or one of a host entry
+//!   that no group's part of this load reads (evicted, leaf first, as on one group;
+//!   the rest of the disk part is computed again). The admission evicts those
+//!   entries, moves the free host blocks to the groups that stage, then records each
+//!   group's load (host and disk parts) as on one group;
 //! * the load's disk parts ([`KvCache::disk_load_job_grouped`]) are read from each
 //!   group's store into the staging blocks and marked staged in every group at once
 //!   ([`KvCache::mark_disk_load_staged_grouped`]); then the load's plans run and
@@ -259,8 +260,9 @@ impl Groups {
     }
 
     /// The leading tokens after `device` of a hit of `cached` tokens (device part
-    /// included) whose disk parts, in every group, fit in the shared host tier's free
-    /// blocks as staging blocks: `cached` cut by whole blocks until they do.
+    /// included) whose disk parts, in every group, fit as staging blocks in the
+    /// shared host tier's free blocks and the host entries that can be evicted (none
+    /// that the hit's host parts read): `cached` cut by whole blocks until they do.
     pub(super) fn cut_to_staging_room(
         &self,
         hits: &[PrefixHit],
@@ -268,7 +270,14 @@ impl Groups {
         mut cached: usize,
     ) -> usize {
         let bs = self.groups[0].block_size();
-        let free = self.num_free_host_blocks();
+        // Each group's free host blocks and the entries it can evict; the host parts
+        // before the cut are protected (a superset of those after it).
+        let free: usize = self
+            .groups
+            .iter()
+            .zip(hits)
+            .map(|(kv, h)| kv.staging_room(h.host_hashes()))
+            .sum();
         let staging = |cached: usize| -> usize {
             let blocks = (cached - device) / bs;
             hits.iter()
@@ -281,9 +290,36 @@ impl Groups {
         cached
     }
 
-    /// Moves free host blocks so that every group has a staging block for each block
-    /// of its hit's disk part (counted by [`Self::cut_to_staging_room`]).
+    /// Makes a free host block for each block of the hits' disk parts (counted by
+    /// [`Self::cut_to_staging_room`]): evicts host entries the hits' host parts do not
+    /// read (each group its own, leaf first, group 0 first) when the free blocks are
+    /// too few, then moves free host blocks to the groups that stage.
     pub(super) fn give_staging_blocks(&mut self, hits: &[PrefixHit]) -> Result<()> {
+        let need: usize = hits.iter().map(PrefixHit::disk_blocks).sum();
+        let mut short = need.saturating_sub(self.num_free_host_blocks());
+        for (kv, hit) in self.groups.iter_mut().zip(hits) {
+            if short == 0 {
+                break;
+            }
+            // The entries this load reads are held while the group evicts.
+            for &h in hit.host_hashes() {
+                kv.tiers.host_cache.add_reader(h);
+            }
+            let n = short.min(kv.tiers.host_cache.evictable_count());
+            let evicted = kv.evict_host_entries(n);
+            for &h in hit.host_hashes() {
+                kv.tiers.host_cache.remove_reader(h);
+            }
+            evicted?;
+            short -= n;
+        }
+        if short > 0 {
+            return Err(Error::TierFull {
+                tier: "host",
+                needed: need,
+                free: self.num_free_host_blocks(),
+            });
+        }
         for (need, hit) in self.needs.iter_mut().zip(hits) {
             *need = hit.disk_blocks();
         }
