@@ -577,12 +577,13 @@ use std::collections::BTreeMap;
 
 #[derive(Debug, Clone)]
 enum Action {
-    /// Admit through `admit_prompt_grouped` (host and disk hits load), with `evict`
-    /// after evicting every cached device page first; compute the rest unless loading.
+    /// Admit through `admit_prompt_grouped` (host and disk hits load), after evicting
+    /// every cached device page (`evict` 1 or 2) and every host entry that can go too
+    /// (`evict` 3); compute the rest unless loading.
     Admit {
         seq: u8,
         prompt: u8,
-        evict: bool,
+        evict: u8,
     },
     /// Run (`ok`: through `load_prefix_from_tiers_grouped`) or abort the load of the
     /// `pick`-th loading sequence, then compute the rest.
@@ -622,10 +623,10 @@ enum Action {
 
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
-        4 => (0..6u8, 0..4u8, any::<bool>())
+        6 => (0..6u8, 0..4u8, 0..4u8)
             .prop_map(|(seq, prompt, evict)| Action::Admit { seq, prompt, evict }),
-        4 => (0..6u8, 0..4u8).prop_map(|(pick, ok)| Action::FinishLoad { pick, ok: ok > 0 }),
-        6 => (0..6u8, 0..4u8).prop_map(|(seq, store)| Action::Free { seq, store: store > 0 }),
+        8 => (0..6u8, 0..4u8).prop_map(|(pick, ok)| Action::FinishLoad { pick, ok: ok > 0 }),
+        8 => (0..6u8, 0..4u8).prop_map(|(seq, store)| Action::Free { seq, store: store > 0 }),
         1 => (1..8u8).prop_map(|max| Action::HostStore { max }),
         2 => (1..8u8, 0..4u8).prop_map(|(max, ok)| Action::DiskStore { max, ok: ok > 0 }),
         3 => (1..64u8).prop_map(|n| Action::EvictDevice { n }),
@@ -692,12 +693,17 @@ proptest! {
     fn hybrid_disk_level_interleavings_keep_bytes_and_invariants(
         actions in proptest::collection::vec(action(), 10..60),
     ) {
-        let mut w = World::new(12, 6);
+        let mut w = World::new(12, 10);
         let ps = prompts();
         let mut live: BTreeMap<u64, usize> = BTreeMap::new();
         for a in actions {
-            if let Action::Admit { evict: true, .. } = a {
-                w.kv.evict_cached(usize::MAX);
+            if let Action::Admit { evict, .. } = a {
+                if evict > 0 {
+                    w.kv.evict_cached(usize::MAX);
+                }
+                if evict > 2 {
+                    w.kv.evict_host_cache(usize::MAX).unwrap();
+                }
                 w.check();
             }
             let before = snapshot(&w.kv);
