@@ -257,21 +257,32 @@ impl KvCache {
     /// Sets the disk level's configuration; the entries stay. See the module docs of
     /// `manager/disk_level.rs`.
     ///
+    /// On a hybrid cache of full and latent groups, every group's disk level
+    /// (`groups/disk_level.rs`).
+    ///
     /// # Errors
-    /// [`Error::NotOnHybrid`] on a hybrid cache.
+    /// [`Error::NotOnHybrid`] on a hybrid cache with a window or state group.
     pub fn set_disk_cache(&mut self, config: DiskCacheConfig) -> Result<()> {
-        self.one_group("set_disk_cache")?;
+        if let Some(h) = &mut self.hybrid {
+            return h.set_disk_cache(config);
+        }
         self.tiers.disk_cache.config = config;
         Ok(())
     }
 
-    /// The disk level's configuration.
+    /// The disk level's configuration (group 0's on a hybrid cache).
     pub fn disk_cache_config(&self) -> DiskCacheConfig {
+        if let Some(g0) = self.first_group() {
+            return g0.disk_cache_config();
+        }
         self.tiers.disk_cache.config
     }
 
-    /// Counters of the disk level now.
+    /// Counters of the disk level now (on a hybrid cache, every group's, summed).
     pub fn disk_cache_stats(&self) -> DiskLevelStats {
+        if let Some(h) = &self.hybrid {
+            return h.disk_cache_stats();
+        }
         let d = &self.tiers.disk_cache;
         DiskLevelStats {
             cached_blocks: d.entries.len(),
@@ -280,7 +291,9 @@ impl KvCache {
         }
     }
 
-    /// The disk slot holding the block with this hash in the disk index, if any.
+    /// The disk slot holding the block with this hash in the disk index, if any
+    /// (`None` on a hybrid cache, whose groups keep the indexes:
+    /// [`Self::disk_cache_slot_grouped`]).
     pub fn disk_cache_slot(&self, hash: BlockHash) -> Option<DiskSlot> {
         self.tiers.disk_cache.entries.get(&hash).map(|e| e.slot)
     }
@@ -425,21 +438,7 @@ impl KvCache {
         placements: &[DiskPlacement],
     ) -> Result<()> {
         self.one_group("complete_disk_store")?;
-        let reads = self
-            .tiers
-            .disk_cache
-            .stores
-            .get(&ticket)
-            .ok_or(Error::UnknownTicket(ticket))?;
-        if let Some(p) = placements
-            .iter()
-            .find(|p| !reads.iter().any(|&(h, _)| h == p.hash))
-        {
-            return Err(Error::CorruptBlockTable(format!(
-                "disk placement of {:?}, not stored by {ticket}",
-                p.hash
-            )));
-        }
+        self.check_disk_store(ticket, placements)?;
         let reads = self
             .tiers
             .disk_cache
@@ -492,9 +491,34 @@ impl KvCache {
         result
     }
 
+    /// The refusals of [`Self::complete_disk_store`], checked without a change.
+    pub(crate) fn check_disk_store(
+        &self,
+        ticket: SwapTicket,
+        placements: &[DiskPlacement],
+    ) -> Result<()> {
+        let reads = self
+            .tiers
+            .disk_cache
+            .stores
+            .get(&ticket)
+            .ok_or(Error::UnknownTicket(ticket))?;
+        if let Some(p) = placements
+            .iter()
+            .find(|p| !reads.iter().any(|&(h, _)| h == p.hash))
+        {
+            return Err(Error::CorruptBlockTable(format!(
+                "disk placement of {:?}, not stored by {ticket}",
+                p.hash
+            )));
+        }
+        Ok(())
+    }
+
     /// Drops the block with this hash from the disk index (a Disk-medium
     /// `BlockRemoved` event), e.g. after the store reported it missing or corrupt or
-    /// removed it. Returns whether it was held.
+    /// removed it. Returns whether it was held (`false` on a hybrid cache:
+    /// [`Self::remove_disk_entry_grouped`] names the group).
     pub fn remove_disk_entry(&mut self, hash: BlockHash) -> bool {
         self.drop_disk_entry(hash, true)
     }

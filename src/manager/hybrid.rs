@@ -432,7 +432,11 @@ impl KvCache {
     /// size), the hit goes on into every group's host level after the device part
     /// every group holds: `cached_tokens` is that device part and `loading_tokens` the
     /// host part, which the sequence loads ([`Self::load_job_grouped`]) before it can
-    /// step.
+    /// step. With a disk level ([`Self::set_disk_cache`], `groups/disk_level.rs`), the
+    /// hit goes on past every group's host part into its disk index, as far as the host
+    /// tier can stage it (free blocks, and entries the load does not read, evicted);
+    /// `loading_tokens` counts that part too, staged first
+    /// ([`Self::disk_load_job_grouped`], [`Self::mark_disk_load_staged_grouped`]).
     ///
     /// ```
     /// use pagedkv::{AdmitOptions, DType, GroupSpec, GroupStep, KvCache, KvLayout, ModelShape,

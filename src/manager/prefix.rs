@@ -220,13 +220,14 @@ impl PrefixHit {
     }
 
     /// Keeps the first `device_blocks` device blocks of the hit and, after them, host
-    /// blocks up to `blocks` in all (a hybrid hit whose groups split the same way
-    /// between device and host); no disk part.
+    /// then disk blocks up to `blocks` in all (a hybrid hit whose groups split the same
+    /// way between the device and the lower levels).
     pub(crate) fn truncate_with_host(&mut self, device_blocks: usize, blocks: usize) {
         self.blocks.truncate(device_blocks);
         self.hashes.truncate(device_blocks);
-        self.host.truncate(blocks.saturating_sub(self.blocks.len()));
-        self.disk.clear();
+        let rest = blocks.saturating_sub(self.blocks.len());
+        self.host.truncate(rest);
+        self.disk.truncate(rest - self.host.len());
     }
 
     /// Keeps the first `blocks` device blocks of the hit and none of its host or disk
@@ -551,8 +552,10 @@ impl KvCache {
 
     /// Loads `hit`'s host part into resident `seq`, admitted with `hit`'s device part
     /// only (its table is that part, all computed, nothing reserved): allocates a
-    /// device block per host block the host level still holds under the chain, and
-    /// marks the sequence loading as [`Self::admit_prompt`] does. Returns the tokens
+    /// device block per host block the host level still holds under the chain (and,
+    /// after an intact host part, per disk block the disk index still holds, each with
+    /// a staging host block), and marks the sequence loading as [`Self::admit_prompt`]
+    /// does. Returns the tokens
     /// loading. For a hybrid admission, which moves pages to each group between the
     /// revival of the device parts and the loads (`groups/host_level.rs`).
     ///
@@ -580,10 +583,22 @@ impl KvCache {
         };
         let parent = hit.hashes.last().copied();
         let host = self.confirm_host_hit(hit, device, parent, ns, &hit.keys, tokens);
-        if host.is_empty() {
+        // The disk part, as in `admit_prompt`: from an intact host part, as far as the
+        // disk index still holds it and the host tier can stage it.
+        let mut disk = if host.len() == hit.host_hashes().len() {
+            let parent = host.last().copied().or(parent);
+            let first = device + host.len();
+            self.confirm_disk_hit(hit.disk_hashes(), first, parent, ns, &hit.keys, tokens)
+        } else {
+            Vec::new()
+        };
+        if !disk.is_empty() {
+            disk.truncate(self.staging_room(&host));
+        }
+        if host.is_empty() && disk.is_empty() {
             return Ok(0);
         }
-        self.ensure_available(host.len())?;
+        self.ensure_available(host.len() + disk.len())?;
         let mut table = std::mem::take(
             &mut self
                 .seqs
@@ -591,11 +606,11 @@ impl KvCache {
                 .ok_or(Error::UnknownSequence(seq))?
                 .table,
         );
-        let load = self.plan_load(seq, device, &host, &[], &mut table);
+        let load = self.plan_load(seq, device, &host, &disk, &mut table);
         let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
         s.table = table;
         let load = load?;
-        let loading = host.len() * bs;
+        let loading = (host.len() + disk.len()) * bs;
         s.num_tokens += loading;
         s.in_flight = Some(load);
         self.tables_changed();
@@ -611,8 +626,8 @@ impl KvCache {
     }
 
     /// Cuts `hit`'s device part to its first `device_blocks` blocks and looks its host
-    /// part up again from there, for a hybrid hit whose groups' device parts end apart
-    /// (`groups/host_level.rs`); no disk part.
+    /// and disk parts up again from there, for a hybrid hit whose groups' device parts
+    /// end apart (`groups/host_level.rs`).
     pub(crate) fn rebase_host_hit(
         &self,
         tokens: &[u32],
@@ -655,6 +670,20 @@ impl KvCache {
             max,
             last,
             host,
+        );
+        let last = match host.last() {
+            Some(&h) => self.tiers.host_cache.saved_of(h).map(|s| (h, s.digest())),
+            None => last,
+        };
+        self.tiers.disk_cache.extend_hit(
+            &self.prefix,
+            ns,
+            keys,
+            tokens,
+            blocks.len() + host.len(),
+            max,
+            last,
+            disk,
         );
     }
 

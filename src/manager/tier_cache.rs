@@ -672,6 +672,18 @@ impl KvCache {
         })
     }
 
+    /// The sequence of load `ticket` when its disk part is not staged yet (its
+    /// completion refuses); `None` for any other ticket.
+    pub(crate) fn unstaged_disk_load(&self, ticket: SwapTicket) -> Option<SeqId> {
+        let l = self.tiers.host_cache.loads.get(&ticket)?;
+        (!l.disk.is_empty() && !l.staged).then_some(l.seq)
+    }
+
+    /// Whether `ticket` is a load of the host level in flight.
+    pub(crate) fn is_host_load(&self, ticket: SwapTicket) -> bool {
+        self.tiers.host_cache.loads.contains_key(&ticket)
+    }
+
     /// Records that the disk part of load `ticket` is in its staging host blocks, so
     /// [`Self::complete_swap`] may complete it (it refuses before, with
     /// [`Error::SequenceState`]: the device copies would read unwritten staging

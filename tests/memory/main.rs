@@ -13,6 +13,7 @@ mod concurrent;
 mod defrag;
 mod disk_cache;
 mod disk_tier_cache;
+mod hybrid_disk_cache;
 mod hybrid_host_cache;
 mod hybrid_resize;
 mod movers;

@@ -23,6 +23,7 @@ pub use disk_cache::{
 pub use engine::{DiskJobReport, DiskTransferCounters, TransferEngine, TransferEvent};
 pub use prefix::{
     adopt_disk_store, complete_disk_jobs, load_prefix_from_host, load_prefix_from_tiers,
-    restore_spilled_prefixes, spill_cached_prefixes, spill_host_prefixes_to_disk, stage_disk_load,
+    load_prefix_from_tiers_grouped, restore_spilled_prefixes, spill_cached_prefixes,
+    spill_host_prefixes_to_disk, spill_host_prefixes_to_disk_grouped, stage_disk_load,
     store_prefixes_to_host, submit_disk_stage, submit_disk_store, DiskSpill,
 };

@@ -149,9 +149,9 @@ pub fn load_prefix_from_host<S: Storage + ?Sized>(
     seq: SeqId,
 ) -> Result<usize> {
     check_storage(kv, storage)?;
-    if kv.disk_load_job(seq).is_some() {
+    if kv.disk_load_job_grouped(seq).is_some() {
         return Err(crate::error::Error::Unsupported(format!(
-            "the load of {seq} has a disk part: use load_prefix_from_tiers"
+            "the load of {seq} has a disk part: use load_prefix_from_tiers(_grouped)"
         )));
     }
     let Some(job) = kv.load_job_grouped(seq) else {
@@ -314,7 +314,8 @@ pub fn spill_host_prefixes_to_disk<S: Storage + ?Sized>(
 /// from the disk index (and from the store, for a checksum failure). An I/O error or
 /// a storage error aborts the load the same way, the entry kept.
 /// [`crate::Error::ShapeMismatch`] (nothing done) for a store or storage of another
-/// layout.
+/// layout; [`crate::Error::NotOnHybrid`] (nothing done) for a hybrid cache
+/// ([`load_prefix_from_tiers_grouped`] serves it).
 pub fn stage_disk_load<S: Storage + ?Sized>(
     kv: &mut KvCache,
     storage: &mut S,
@@ -323,6 +324,7 @@ pub fn stage_disk_load<S: Storage + ?Sized>(
 ) -> Result<usize> {
     check_storage(kv, storage)?;
     check_layout(kv, store)?;
+    refuse_hybrid(kv, "stage_disk_load (use load_prefix_from_tiers_grouped)")?;
     let Some(disk) = kv.disk_load_job(seq) else {
         return Ok(0);
     };
@@ -372,6 +374,167 @@ pub fn load_prefix_from_tiers<S: Storage + ?Sized>(
     Ok(job.plan.len())
 }
 
+fn check_group_stores(kv: &KvCache, stores: &[DiskPrefixStore]) -> Result<()> {
+    if stores.len() != kv.num_groups() {
+        return Err(Error::ShapeMismatch {
+            what: "disk stores (one per KV-cache group)",
+            expected: kv.num_groups(),
+            got: stores.len(),
+        });
+    }
+    for (g, store) in stores.iter().enumerate() {
+        check_layout(kv.group(g), store)?;
+    }
+    Ok(())
+}
+
+/// [`spill_host_prefixes_to_disk`] of every group of a hybrid cache of full and latent
+/// groups (one group: the same call): `stores[g]` is group `g`'s store (the groups'
+/// disk levels are apart, see `manager/groups/disk_level.rs`), and every group's
+/// host entries are read from `storage`'s shared host tier. Returns the counts summed
+/// over the groups.
+///
+/// ```
+/// use pagedkv::executor::tier::{load_prefix_from_tiers_grouped,
+///     spill_host_prefixes_to_disk_grouped, store_prefixes_to_host, DiskPrefixStore};
+/// use pagedkv::manager::{DiskCacheConfig, HostCacheConfig};
+/// use pagedkv::{AdmitOptions, DType, GroupSpec, GroupStep, HostStorage, KvCache, KvLayout,
+///               ModelShape, SeqId};
+///
+/// let shape = ModelShape { num_layers: 1, num_q_heads: 2, num_kv_heads: 1,
+///                          head_dim: 8, kv_dtype: DType::F16 };
+/// let l = KvLayout::new(shape, 4)?;
+/// let mut kv = KvCache::hybrid_with_host_tier(&[GroupSpec::full(l), GroupSpec::full(l)], 16, 8)?;
+/// kv.set_host_cache(HostCacheConfig::default())?;
+/// kv.set_disk_cache(DiskCacheConfig::default())?;
+/// let mut storage = HostStorage::with_host_tier(l, 16, 8)?;
+/// let base = std::env::temp_dir().join(format!("pagedkv-doc-hybrid-disk-{}", std::process::id()));
+/// let mut stores = (0..2)                                  // one store per group
+///     .map(|g| DiskPrefixStore::create(&base.join(format!("group{g}")), &l, 64))
+///     .collect::<Result<Vec<_>, _>>()?;
+/// let (prompt, opts) = ((0..13).collect::<Vec<u32>>(), AdmitOptions::default());
+/// kv.admit_tokens_grouped(SeqId(1), &prompt, &opts, &mut GroupStep::default())?;
+/// // ... the engine writes the prompt's K/V in every group ...
+/// kv.free(SeqId(1))?;
+/// assert_eq!(store_prefixes_to_host(&mut kv, &mut storage, 64)?, 6);   // device -> host
+/// let spill = spill_host_prefixes_to_disk_grouped(&mut kv, &storage, &mut stores, 64)?;
+/// assert_eq!(spill.stored_blocks, 6);                                 // host -> disk
+/// kv.evict_cached(usize::MAX);
+/// kv.evict_host_cache(usize::MAX)?;                        // only the disk holds it now
+/// let a = kv.admit_prompt_grouped(SeqId(2), &prompt, &opts)?;
+/// assert_eq!((a.cached_tokens, a.loading_tokens), (0, 12));
+/// assert_eq!(load_prefix_from_tiers_grouped(&mut kv, &mut storage, &mut stores, SeqId(2))?, 6);
+/// assert_eq!(kv.num_computed_tokens(SeqId(2))?, 12);
+/// # drop(stores);
+/// # std::fs::remove_dir_all(&base).unwrap();
+/// # Ok::<(), pagedkv::Error>(())
+/// ```
+///
+/// # Errors
+/// [`crate::Error::ShapeMismatch`] (nothing done) when `stores` has not one store per
+/// group or a store does not fit its group's layout; as [`spill_host_prefixes_to_disk`]:
+/// on a store error the blocks stored before it (in any group) are still indexed,
+/// the rest are not, and the error is returned.
+pub fn spill_host_prefixes_to_disk_grouped<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &S,
+    stores: &mut [DiskPrefixStore],
+    max_blocks: usize,
+) -> Result<DiskSpill> {
+    check_storage(kv, storage)?;
+    check_group_stores(kv, stores)?;
+    let Some(job) = kv.plan_disk_store_grouped(max_blocks)? else {
+        return Ok(DiskSpill::default());
+    };
+    let mut out = DiskSpill::default();
+    let mut placements = vec![Vec::new(); job.jobs.len()];
+    let mut failed = None;
+    'groups: for ((j, store), placed) in job.jobs.iter().zip(stores).zip(&mut placements) {
+        for item in j.iter().flat_map(|j| &j.items) {
+            let (slot, evicted) = match store.store_from(storage, item.host, &item.entry) {
+                Ok(DiskStoreOutcome::Stored { slot, evicted }) => {
+                    out.stored_blocks += 1;
+                    out.evicted_blocks += usize::from(evicted.is_some());
+                    (slot, evicted.map(|e| (e.hash, e.slot)))
+                }
+                Ok(DiskStoreOutcome::AlreadyPresent { slot }) => {
+                    out.already_present += 1;
+                    (slot, None)
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break 'groups;
+                }
+            };
+            placed.push(DiskPlacement {
+                hash: item.entry.hash,
+                slot,
+                evicted,
+            });
+        }
+    }
+    kv.complete_disk_store_grouped(&job, &placements)?;
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}
+
+/// [`load_prefix_from_tiers`] of every group of a hybrid cache of full and latent
+/// groups (one group: the same call): each group's disk part is read from its own
+/// store (`stores[g]`) into its staging host blocks, checksummed; every group's part
+/// is marked staged ([`KvCache::mark_disk_load_staged_grouped`]); then every group's
+/// host -> device plan runs and the load completes in every group. Returns the
+/// blocks loaded in all (0 when `seq` has no load in flight).
+///
+/// # Errors
+/// [`crate::Error::ShapeMismatch`] (nothing done) as in
+/// [`spill_host_prefixes_to_disk_grouped`]; as [`stage_disk_load`]: a missing or
+/// corrupt disk block is a miss, dropped from its group's disk index, and the load
+/// is aborted in every group (`seq` keeps its device part, computed; host copies
+/// stay); a storage error in the device copies aborts the load the same way.
+pub fn load_prefix_from_tiers_grouped<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &mut S,
+    stores: &mut [DiskPrefixStore],
+    seq: SeqId,
+) -> Result<usize> {
+    check_storage(kv, storage)?;
+    check_group_stores(kv, stores)?;
+    if let Some(disk) = kv.disk_load_job_grouped(seq) {
+        for (g, (j, store)) in disk.jobs.iter().zip(stores.iter_mut()).enumerate() {
+            for item in j.iter().flat_map(|j| &j.items) {
+                let err = match store.load_into(storage, item.host, item.hash) {
+                    Ok(true) => continue,
+                    Ok(false) => {
+                        kv.remove_disk_entry_grouped(g, item.hash);
+                        Error::DiskEntryMissing { hash: item.hash.0 }
+                    }
+                    Err(e @ Error::Checksum { .. }) => {
+                        kv.remove_disk_entry_grouped(g, item.hash);
+                        e
+                    }
+                    Err(e) => e,
+                };
+                if let Some(job) = kv.load_job_grouped(seq) {
+                    kv.abort_swap_grouped(&job)?;
+                }
+                return Err(err);
+            }
+        }
+        kv.mark_disk_load_staged_grouped(&disk)?;
+    }
+    let Some(job) = kv.load_job_grouped(seq) else {
+        return Ok(0);
+    };
+    if let Err(e) = job.plans.iter().try_for_each(|plan| storage.swap(plan)) {
+        kv.abort_swap_grouped(&job)?;
+        return Err(e);
+    }
+    kv.complete_swap_grouped(&job)?;
+    Ok(job.plans.iter().map(|plan| plan.len()).sum())
+}
+
 /// Plans a store of up to `max_blocks` host entries to the disk level
 /// ([`KvCache::plan_disk_store`], clamped to what the engine's in-flight budget has
 /// room for) and queues it on `engine`'s worker ([`TransferEngine::submit_disk_store`]),
@@ -416,13 +579,14 @@ pub fn submit_disk_store<S: Storage + Send + 'static>(
 ///
 /// # Errors
 /// As [`submit_disk_store`] ([`Error::TransferBudget`] when the staging does not fit
-/// the budget). Nothing changed on error.
+/// the budget; [`Error::NotOnHybrid`] for a hybrid cache). Nothing changed on error.
 pub fn submit_disk_stage<S: Storage + Send + 'static>(
     kv: &mut KvCache,
     engine: &mut TransferEngine<S>,
     seq: SeqId,
 ) -> Result<Option<SwapTicket>> {
     check_engine(kv, engine)?;
+    refuse_hybrid(kv, "submit_disk_stage")?;
     let Some(job) = kv.disk_load_job(seq) else {
         return Ok(None);
     };
@@ -468,6 +632,18 @@ pub fn complete_disk_jobs<S: Storage + Send + 'static>(
         }
     }
     Ok(reports)
+}
+
+/// The one-group disk helpers whose manager calls answer "nothing to do" on a hybrid
+/// cache (its loads live in the groups) refuse it instead.
+fn refuse_hybrid(kv: &KvCache, operation: &'static str) -> Result<()> {
+    if kv.is_hybrid() {
+        return Err(Error::NotOnHybrid {
+            operation,
+            groups: kv.num_groups(),
+        });
+    }
+    Ok(())
 }
 
 fn check_engine<S: Storage + Send + 'static>(

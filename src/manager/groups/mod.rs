@@ -117,6 +117,9 @@ mod window_cache;
 use window_cache::{WindowCache, WindowHit, WINDOW_CACHE};
 mod host_level;
 pub(crate) use host_level::STORE_JOB;
+mod disk_level;
+use disk_level::tier_tokens;
+pub use disk_level::{GroupDiskLoadJob, GroupDiskStoreJob};
 
 const NOT_LENT: u32 = u32::MAX;
 
@@ -905,8 +908,9 @@ impl Groups {
         // Revive the hits first: a page moved to another group below must not be one
         // of them (moving evicts by the giver's policy).
         let mut sum = Admission::default();
-        // A host hit's part (`groups/host_level.rs`): the same in every group.
-        let loading = hits.iter().map(PrefixHit::host_tokens).max().unwrap_or(0);
+        // A host or disk hit's part (`groups/host_level.rs`, `groups/disk_level.rs`):
+        // the same in every group.
+        let loading = hits.iter().map(tier_tokens).max().unwrap_or(0);
         for (g, hit) in hits.iter().enumerate() {
             if self.state_pages[g].is_some() {
                 continue;
@@ -914,7 +918,7 @@ impl Groups {
             let done = match (self.groups[g].window, &source) {
                 (Some(_), Some(wh)) => self.admit_window_hit(g, seq, cached, wh),
                 // The device part only: the loads' pages come after every revival.
-                _ if hit.host_blocks() > 0 => {
+                _ if tier_tokens(hit) > 0 => {
                     self.groups[g].admit_prompt(seq, tokens, &KvCache::device_part(hit))
                 }
                 _ => self.groups[g].admit_prompt(seq, tokens, hit),
@@ -941,16 +945,20 @@ impl Groups {
         }
         if loading > 0 {
             // Each group's load pages, moved now that the revived hit blocks are held
-            // (the check above counted them); then the loads.
+            // (the check above counted them), and its staging host blocks (counted by
+            // `common_hit`); then the loads.
             for (need, hit) in self.needs.iter_mut().zip(hits.iter()) {
-                *need = hit.host_blocks();
+                *need = hit.host_blocks() + hit.disk_blocks();
             }
             let mut done = self.give_pages();
+            if done.is_ok() && hits.iter().any(|h| h.disk_blocks() > 0) {
+                done = self.give_staging_blocks(&hits);
+            }
             for (kv, hit) in self.groups.iter_mut().zip(hits.iter()) {
                 done = done.and_then(|()| match kv.start_host_load(seq, tokens, hit)? {
                     n if n == loading => Ok(()),
                     n => Err(Error::CorruptBlockTable(format!(
-                        "a group loads {n} tokens of a hit whose host part is {loading}"
+                        "a group loads {n} tokens of a hit whose lower part is {loading}"
                     ))),
                 });
             }
@@ -1478,6 +1486,7 @@ impl Groups {
     /// # Errors
     /// [`Error::UnknownTicket`] when the job is not in flight (nothing changed).
     pub fn complete_swap(&mut self, job: &GroupSwapJob) -> Result<()> {
+        self.check_staged(job)?;
         self.finish_swap(job, KvCache::complete_swap)
     }
 
@@ -2128,7 +2137,8 @@ impl Groups {
                     kv.rebase_host_hit(tokens, hit, device / bs0);
                 }
             }
-            cached = device + hits.iter().map(|h| h.host_tokens()).min().unwrap_or(0);
+            cached = device + hits.iter().map(tier_tokens).min().unwrap_or(0);
+            cached = self.cut_to_staging_room(hits, device, cached);
         }
         let mut checkpoint = None;
         if self.has_state_group() {
