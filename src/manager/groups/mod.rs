@@ -2478,7 +2478,11 @@ impl PendingGroupDefrag<'_> {
 
 #[cfg(test)]
 mod tests {
-    use crate::{DType, GroupSpec, KvCache, KvLayout, ModelShape, SeqId, StepBuffers, StepEntry};
+    use super::GroupSpec;
+    use crate::ids::{BlockId, SeqId};
+    use crate::layout::shape::{DType, ModelShape};
+    use crate::layout::KvLayout;
+    use crate::manager::{KvCache, StepBuffers, StepEntry};
 
     fn cache() -> KvCache {
         let shape = ModelShape {
@@ -2539,6 +2543,6 @@ mod tests {
                 );
             }
         }
-        assert!(moved.group(1).block_table(SeqId(1)).unwrap()[0] == crate::BlockId::RELEASED);
+        assert!(moved.group(1).block_table(SeqId(1)).unwrap()[0] == BlockId::RELEASED);
     }
 }
