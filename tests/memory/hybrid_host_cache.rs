@@ -7,18 +7,14 @@
 //! first, and a swap-out takes room from the host entries or refuses typed with
 //! nothing changed. Invariants after every call; refusals compared on full snapshots.
 
-use crate::support::kv_bytes::{check_values, write_values};
+use crate::support::kv_bytes::write_values;
 use crate::support::snapshot::groups_snapshot as snapshot;
 use crate::support::tiers::{layout, prompt, BS};
+use crate::support::two_groups::{prompts, value, TwoGroups};
 
 use pagedkv::manager::groups::GroupSwapJob;
 use pagedkv::manager::{HostCacheConfig, HostStorePolicy};
 use pagedkv::{AdmitOptions, Error, GroupSpec, GroupStep, HostStorage, KvCache, SeqId, Storage};
-
-/// What group `g` holds for the token with id `t` (the groups hold different layers).
-fn value(g: usize, t: u32) -> u32 {
-    t + g as u32 * 1_000_000
-}
 
 struct World {
     kv: KvCache,
@@ -40,24 +36,6 @@ impl World {
             st: HostStorage::with_host_tier(l, pages, host).unwrap(),
             step: GroupStep::default(),
         }
-    }
-
-    fn check(&self) {
-        self.kv.check_invariants().unwrap();
-    }
-
-    /// Admits `p` as `seq` through the prefix caches and writes every uncached token.
-    fn compute(&mut self, seq: u64, p: &[u32]) -> usize {
-        let a = self
-            .kv
-            .admit_tokens_grouped(SeqId(seq), p, &AdmitOptions::default(), &mut self.step)
-            .unwrap();
-        for g in 0..2 {
-            let values: Vec<u32> = p[a.cached_tokens..].iter().map(|&t| value(g, t)).collect();
-            write_values(&mut self.st, &self.step.slots[g], &values);
-        }
-        self.check();
-        a.cached_tokens
     }
 
     /// Stores every registered block to the host levels; returns the blocks copied.
@@ -85,29 +63,23 @@ impl World {
         job
     }
 
-    /// Every group's first `n` tokens of `seq` hold `p`'s values.
-    fn assert_bytes(&self, seq: u64, p: &[u32], n: usize) {
-        for g in 0..2 {
-            let table = self.kv.group(g).block_table(SeqId(seq)).unwrap();
-            let values: Vec<u32> = p[..n].iter().map(|&t| value(g, t)).collect();
-            assert_eq!(check_values(&self.st, table, &values), Ok(()), "group {g}");
-        }
-    }
-
     /// Fills every device page with junk: bytes read later come from the host.
     fn scribble(&mut self) {
         for layer in 0..self.st.layout().num_layers() {
             self.st.region_mut(layer).fill(0xA5);
         }
     }
+}
 
-    fn admit_prompt(&mut self, seq: u64, p: &[u32]) -> (usize, usize) {
-        let a = self
-            .kv
-            .admit_prompt_grouped(SeqId(seq), p, &AdmitOptions::default())
-            .unwrap();
-        self.check();
-        (a.cached_tokens, a.loading_tokens)
+impl TwoGroups for World {
+    fn parts(&mut self) -> (&mut KvCache, &mut HostStorage, &mut GroupStep) {
+        (&mut self.kv, &mut self.st, &mut self.step)
+    }
+    fn cache(&self) -> &KvCache {
+        &self.kv
+    }
+    fn storage(&self) -> &HostStorage {
+        &self.st
     }
 }
 
@@ -399,38 +371,7 @@ fn action() -> impl Strategy<Value = Action> {
     ]
 }
 
-/// Four prompts sharing leading blocks, so hits split across device and host.
-fn prompts() -> Vec<Vec<u32>> {
-    let base = prompt(6 * BS, 0);
-    vec![
-        base[..3 * BS + 1].to_vec(),
-        base[..5 * BS + 2].to_vec(),
-        [&base[..2 * BS], &prompt(2 * BS + 1, 900)[..]].concat(),
-        prompt(3 * BS + 3, 5000),
-    ]
-}
-
 impl World {
-    /// Reserves and computes `seq`'s prompt from `from` to its end.
-    fn compute_rest(&mut self, seq: u64, p: &[u32], from: usize) {
-        if from == p.len() {
-            return;
-        }
-        let n = p.len() - from;
-        if self
-            .kv
-            .reserve_grouped(SeqId(seq), n, 0, &mut self.step)
-            .is_err()
-        {
-            return; // out of pages: the sequence stays computed up to `from`
-        }
-        for g in 0..2 {
-            let values: Vec<u32> = p[from..].iter().map(|&t| value(g, t)).collect();
-            write_values(&mut self.st, &self.step.slots[g], &values);
-        }
-        self.kv.commit(SeqId(seq), n).unwrap();
-    }
-
     /// Every resident, idle sequence reads its prompt's bytes up to its computed
     /// tokens in every group.
     fn assert_all_bytes(&self, live: &BTreeMap<u64, usize>, ps: &[Vec<u32>]) {

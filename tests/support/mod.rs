@@ -18,6 +18,7 @@ pub mod kv_bytes;
 pub mod kv_events;
 pub mod snapshot;
 pub mod tiers;
+pub mod two_groups;
 
 use proptest::test_runner::{Config as ProptestConfig, FileFailurePersistence};
 
