@@ -654,20 +654,14 @@ impl KvCache {
                     total += s.table.len() - s.released;
                 }
                 self.make_host_room(total)?;
-                let mut jobs = Vec::with_capacity(seqs.len());
-                for &seq in seqs {
-                    match self.swap_out(seq) {
-                        Ok(j) => jobs.push(GroupSwapJob::one(seq, j)),
-                        Err(e) => {
-                            // Unreachable after the checks above.
-                            for j in jobs.iter().rev() {
-                                let _ = self.abort_swap_grouped(j);
-                            }
-                            return Err(e);
-                        }
-                    }
-                }
-                Ok(jobs)
+                super::swap::plan_each(
+                    self,
+                    seqs,
+                    |kv, seq| kv.swap_out(seq).map(|j| GroupSwapJob::one(seq, j)),
+                    |kv, job| {
+                        let _ = kv.abort_swap_grouped(job);
+                    },
+                )
             }
         }
     }

@@ -387,6 +387,30 @@ pub(super) fn check_group(seqs: &[SeqId]) -> Result<()> {
     Ok(())
 }
 
+/// Plans a job for every sequence of `seqs` with `plan`, all or none: when one fails
+/// (unreachable after the callers' checks), the jobs planned so far are undone with
+/// `abort`, last first.
+pub(super) fn plan_each<C, J>(
+    cx: &mut C,
+    seqs: &[SeqId],
+    plan: impl Fn(&mut C, SeqId) -> Result<J>,
+    abort: impl Fn(&mut C, &J),
+) -> Result<Vec<J>> {
+    let mut jobs = Vec::with_capacity(seqs.len());
+    for &seq in seqs {
+        match plan(cx, seq) {
+            Ok(job) => jobs.push(job),
+            Err(e) => {
+                for job in jobs.iter().rev() {
+                    abort(cx, job);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(jobs)
+}
+
 /// Fails unless `s` (sequence `seq`) has no swap in flight.
 #[inline]
 pub(crate) fn check_resident(seq: SeqId, s: &Sequence) -> Result<()> {

@@ -154,15 +154,7 @@ pub fn load_prefix_from_host<S: Storage + ?Sized>(
             "the load of {seq} has a disk part: use load_prefix_from_tiers(_grouped)"
         )));
     }
-    let Some(job) = kv.load_job_grouped(seq) else {
-        return Ok(0);
-    };
-    if let Err(e) = job.plans.iter().try_for_each(|plan| storage.swap(plan)) {
-        kv.abort_swap_grouped(&job)?;
-        return Err(e);
-    }
-    kv.complete_swap_grouped(&job)?;
-    Ok(job.plans.iter().map(|plan| plan.len()).sum())
+    run_host_load(kv, storage, seq)
 }
 
 /// Takes the entries of an opened [`DiskPrefixStore`] into the manager's disk index
@@ -524,15 +516,7 @@ pub fn load_prefix_from_tiers_grouped<S: Storage + ?Sized>(
         }
         kv.mark_disk_load_staged_grouped(&disk)?;
     }
-    let Some(job) = kv.load_job_grouped(seq) else {
-        return Ok(0);
-    };
-    if let Err(e) = job.plans.iter().try_for_each(|plan| storage.swap(plan)) {
-        kv.abort_swap_grouped(&job)?;
-        return Err(e);
-    }
-    kv.complete_swap_grouped(&job)?;
-    Ok(job.plans.iter().map(|plan| plan.len()).sum())
+    run_host_load(kv, storage, seq)
 }
 
 /// Plans a store of up to `max_blocks` host entries to the disk level
@@ -662,4 +646,23 @@ fn check_engine<S: Storage + Send + 'static>(
             "no disk store is attached to the transfer engine".into(),
         )),
     }
+}
+
+/// Runs the host-to-device load of `seq` in flight in every group (its disk part, if
+/// any, already staged) and completes it; on a failed copy aborts it. Returns the
+/// blocks loaded (0 when no load is in flight).
+fn run_host_load<S: Storage + ?Sized>(
+    kv: &mut KvCache,
+    storage: &mut S,
+    seq: SeqId,
+) -> Result<usize> {
+    let Some(job) = kv.load_job_grouped(seq) else {
+        return Ok(0);
+    };
+    if let Err(e) = job.plans.iter().try_for_each(|plan| storage.swap(plan)) {
+        kv.abort_swap_grouped(&job)?;
+        return Err(e);
+    }
+    kv.complete_swap_grouped(&job)?;
+    Ok(job.plans.iter().map(|plan| plan.len()).sum())
 }

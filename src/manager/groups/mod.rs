@@ -1445,20 +1445,9 @@ impl Groups {
             }
         }
         self.make_host_room(total)?;
-        let mut jobs: Vec<GroupSwapJob> = Vec::with_capacity(seqs.len());
-        for &seq in seqs {
-            match self.swap_out(seq) {
-                Ok(job) => jobs.push(job),
-                Err(e) => {
-                    // Unreachable after the checks above; undo the jobs planned.
-                    for job in jobs.iter().rev() {
-                        let _ = self.abort_swap(job);
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(jobs)
+        super::swap::plan_each(self, seqs, Self::swap_out, |g, job| {
+            let _ = g.abort_swap(job);
+        })
     }
 
     /// Plans the swap-in of swapped-out `seq` in every group at once (pages move to
